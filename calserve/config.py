@@ -1,0 +1,233 @@
+"""The calserve configuration: typed msgspec structs, decoded strictly.
+
+A config file (YAML or JSON) has these top-level sections; every one is optional and the defaults are
+the embedded default (software CalRT ``calrt-0.7.6`` + the built-in demo package under alias ``qwen3``).
+``configs/calserve.yaml`` mirrors these defaults with a comment per key.
+
+- ``scheduler``: the ``calculet-scheduler/v1`` document of spec §15 (admission, queues, batch, executor,
+  recovery) plus documented extensions (``fairness``, ``batch.selection``, ``batch.instance_pool``,
+  ``admission`` capacity overrides, ``executor.wait_timeout_ms``).
+- ``server``: HTTP listener and limits.
+- ``runtime``: which CalRT (software profile, DRAM capacity, null-compute, completion jitter).
+- ``trust``: trusted public keys and the trusted model root.
+- ``models``: alias -> package.
+- ``tenants``: API keys, weights and per-tenant limits (control plane only, never request parameters).
+
+Unknown keys, wrong types and out-of-range values raise :class:`calserve.errors.ConfigError` naming the
+key path (``$.scheduler.queues.decode_weight``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from calserve.errors import ConfigError
+
+__all__ = [
+    "AdmissionConfig",
+    "QueuesConfig",
+    "FairnessConfig",
+    "BatchConfig",
+    "ExecutorConfig",
+    "RecoveryConfig",
+    "SchedulerConfig",
+    "ServerConfig",
+    "RuntimeConfig",
+    "TrustConfig",
+    "ModelEntry",
+    "TenantConfig",
+    "CalserveConfig",
+    "calserve_home",
+    "load_config",
+    "decode_config",
+]
+
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+Share = Annotated[float, msgspec.Meta(gt=0, le=1)]
+BatchSize = Literal[1, 4, 8, 16]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class AdmissionConfig(_Strict):
+    max_waiting_requests: NonNeg = 128
+    max_waiting_prompt_tokens: NonNeg = 262144
+    deadline_default_ms: Pos = 120000
+    # Extensions: capacity overrides. None = from the package's capacity plan.
+    max_sequences: Pos | None = None
+    max_kv_tokens: Pos | None = None
+    max_inflight_jobs: Pos | None = None
+
+
+class QueuesConfig(_Strict):
+    """Spec §6/§15: weighted round robin of service opportunities decode:short:medium:long."""
+
+    decode_weight: Pos = 8
+    short_prefill_weight: Pos = 4
+    medium_prefill_weight: Pos = 2
+    long_prefill_weight: Pos = 1
+    short_prefill_max_tokens: Pos = 512
+    medium_prefill_max_tokens: Pos = 4096
+
+
+class FairnessConfig(_Strict):
+    """Extension (spec §5.3). ``output_token_cost`` is §5.3's multiplier of requested output tokens in a
+    request's fair-queue cost (VTC: 2); it is not ``queues.decode_weight``."""
+
+    policy: Literal["wfq", "fcfs"] = "wfq"
+    output_token_cost: PosFloat = 2.0
+    # A tenant may hold at most this share of a batch's lanes, unless no other candidate exists.
+    tenant_max_lane_share: Share = 1.0
+
+
+class ProfileSelection(_Strict):
+    """Extension (spec §8): the smallest ready count at which each profile is chosen."""
+
+    b4_min_ready: Pos = 3
+    b8_min_ready: Pos = 6
+    b16_min_ready: Pos = 12
+
+
+class BatchConfig(_Strict):
+    profiles: list[BatchSize] = msgspec.field(default_factory=lambda: [1])
+    batching_window_us: NonNeg = 0
+    selection: ProfileSelection = msgspec.field(default_factory=ProfileSelection)
+    # Extension: when profiles cannot co-reside, the one profile this instance serves.
+    instance_pool: BatchSize | None = None
+
+
+class ExecutorConfig(_Strict):
+    max_inflight: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
+    fixed_engine: bool = False
+    wait_timeout_ms: Pos = 30000  # extension: a Wait past this is a device fault
+
+
+class RecoveryConfig(_Strict):
+    max_resets_per_10min: NonNeg = 2
+    restart_on_unknown_dma: bool = True
+
+
+class SchedulerConfig(_Strict):
+    schema: Literal["calculet-scheduler/v1"] = "calculet-scheduler/v1"
+    model_alias: str = "qwen3"
+    admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
+    queues: QueuesConfig = msgspec.field(default_factory=QueuesConfig)
+    fairness: FairnessConfig = msgspec.field(default_factory=FairnessConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+    executor: ExecutorConfig = msgspec.field(default_factory=ExecutorConfig)
+    recovery: RecoveryConfig = msgspec.field(default_factory=RecoveryConfig)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
+    max_body_bytes: Pos = 1 << 20
+    # Tokens buffered per stream while its client is slow; beyond it, tokens are coalesced.
+    stream_buffer_events: Pos = 64
+
+
+class RuntimeConfig(_Strict):
+    profile: Literal["calrt-0.7.6", "sim-next"] = "calrt-0.7.6"
+    dram_bytes: Pos = 32 << 30
+    null_compute: bool = False
+    # Seeded random completion delay (µs, 0 = off) that shuffles completion order (spec §17.3).
+    completion_jitter_us: NonNeg = 0
+    seed: int = 0
+
+
+class TrustConfig(_Strict):
+    # Public key files (ed25519, hex or raw). The development key in CALSERVE_HOME is always added
+    # when ``trust_dev_key`` is true.
+    trusted_keys: list[str] = msgspec.field(default_factory=list)
+    trust_dev_key: bool = True
+    # Packages resolve only inside this directory. None = CALSERVE_HOME/models.
+    model_root: str | None = None
+
+
+class ModelEntry(_Strict):
+    # Package directory. None = the built-in demo package (built on first start).
+    package: str | None = None
+    # Timing profile name for the software runtime, overriding the package's (None = package's).
+    timing: str | None = None
+
+
+class TenantConfig(_Strict):
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    weight: PosFloat = 1.0
+    max_active_sequences: Pos | None = None
+    max_waiting_tokens: Pos | None = None
+    qps: PosFloat | None = None
+    burst: Pos | None = None
+
+
+class CalserveConfig(_Strict):
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
+    trust: TrustConfig = msgspec.field(default_factory=TrustConfig)
+    models: dict[str, ModelEntry] = msgspec.field(
+        default_factory=lambda: {"qwen3": ModelEntry()}
+    )
+    tenants: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.scheduler.model_alias not in self.models:
+            raise ValueError(
+                f"scheduler.model_alias {self.scheduler.model_alias!r} is not a key of models"
+            )
+        q = self.scheduler.queues
+        if q.short_prefill_max_tokens >= q.medium_prefill_max_tokens:
+            raise ValueError(
+                "scheduler.queues.short_prefill_max_tokens must be < medium_prefill_max_tokens"
+            )
+        seen: dict[str, str] = {}
+        for name, t in self.tenants.items():
+            for k in t.api_keys:
+                if k in seen:
+                    raise ValueError(f"tenants.{name}.api_keys: key also used by tenant {seen[k]!r}")
+                seen[k] = name
+
+
+def calserve_home() -> Path:
+    """Where calserve keeps its cache, development key and demo package (``CALSERVE_HOME``)."""
+    env = os.environ.get("CALSERVE_HOME")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "calserve"
+
+
+def decode_config(data: Any, source: str = "<config>") -> CalserveConfig:
+    """Validate an already-parsed document (dict) into a :class:`CalserveConfig`."""
+    try:
+        return msgspec.convert(data if data is not None else {}, CalserveConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> CalserveConfig:
+    """Load a YAML/JSON config file; ``None`` reads ``CALSERVE_CONFIG`` or returns the defaults."""
+    if path is None:
+        path = os.environ.get("CALSERVE_CONFIG") or None
+    if path is None:
+        return CalserveConfig()
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config: {e.strerror}") from None
+    try:
+        if p.suffix == ".json":
+            data = msgspec.json.decode(raw)
+        else:
+            data = msgspec.yaml.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{p}: not valid YAML/JSON: {e}") from None
+    return decode_config(data, str(p))

@@ -1,0 +1,1 @@
+"""The Trio engine: request actors, scheduler, executor, dispatcher, sampler, recovery, model manager."""

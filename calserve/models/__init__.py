@@ -1,0 +1,1 @@
+"""Model packages (calculet-calbin/v1): format, signing, verification, validation, capacity plan."""

@@ -1,0 +1,1 @@
+"""Typed facade over the CalRT C binding (``calserve._calrt``). No trio here."""

@@ -1,0 +1,267 @@
+"""Numpy reference of the Qwen3 decoder that the software CalRT computes.
+
+This is the definition of "correct" for every other implementation in the tree: the C kernels of
+calrt-sim are checked against it (tests/runtime), golden files of model packages are produced with it
+(calserve/models), and a future ``calserve device-check`` compares a board with it.
+
+Architecture (Hugging Face ``Qwen3ForCausalLM``):
+
+    x = embed[token]
+    for each layer:
+        h = rmsnorm(x, input_layernorm)
+        q = h @ Wq.T  -> [n_heads, head_dim];   q = rmsnorm(q, q_norm) per head;  q = rope(q, pos)
+        k = h @ Wk.T  -> [n_kv, head_dim];      k = rmsnorm(k, k_norm) per head;  k = rope(k, pos)
+        v = h @ Wv.T  -> [n_kv, head_dim]
+        (K, V appended to the cache; bf16 caches round K and V to bf16, round-to-nearest-even)
+        a = softmax(q . K^T / sqrt(head_dim), causal) . V   (GQA: head i reads kv head i // (n_heads/n_kv))
+        x = x + a @ Wo.T
+        h = rmsnorm(x, post_attention_layernorm)
+        x = x + (silu(h @ Wg.T) * (h @ Wu.T)) @ Wd.T
+    logits = rmsnorm(x, norm) @ lm_head.T      (lm_head = embed when tie_word_embeddings)
+
+RoPE uses the "neox" layout (rotate_half over the two halves of head_dim). All math is float32.
+Weight names and shapes are Hugging Face's; see :func:`weight_shapes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ModelConfig",
+    "weight_shapes",
+    "random_weights",
+    "bf16_round",
+    "ReferenceModel",
+    "greedy_generate",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture figures of a Qwen3 decoder (names follow HF ``config.json``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (RoPE rotates pairs)")
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dict (extra keys ignored)."""
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 1_000_000.0)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def kv_bytes_per_token_fp32(self) -> int:
+        """K and V of every layer for one token, stored as float32."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
+
+    def parameter_count(self) -> int:
+        return sum(int(np.prod(s)) for s in weight_shapes(self).values())
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen3 checkpoint must have, HF names -> shape (out_features first)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (cfg.num_attention_heads * d, h)
+        shapes[p + "self_attn.k_proj.weight"] = (cfg.num_key_value_heads * d, h)
+        shapes[p + "self_attn.v_proj.weight"] = (cfg.num_key_value_heads * d, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict[str, np.ndarray]:
+    """Seeded random float32 weights with sane magnitudes (norm weights near 1)."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            fan_in = shape[-1]
+            w = rng.standard_normal(shape) * (scale if len(shape) == 1 else 1.0 / np.sqrt(fan_in))
+        out[name] = np.ascontiguousarray(w, dtype=np.float32)
+    return out
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """Round float32 to the nearest bfloat16 (ties to even) and back to float32."""
+    a = np.ascontiguousarray(x, dtype=np.float32)
+    u = a.view(np.uint32).astype(np.uint64)
+    rounding = ((u >> 16) & 1) + 0x7FFF
+    r = ((u + rounding) >> 16) << 16
+    # NaN stays NaN (keep a mantissa bit), inf stays inf.
+    nan = np.isnan(a)
+    out = (r & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    if nan.any():
+        out = out.copy()
+        out[nan] = np.nan
+    return out
+
+
+def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    ms = np.mean(x.astype(np.float32) ** 2, axis=-1, keepdims=True)
+    return (x / np.sqrt(ms + np.float32(eps))).astype(np.float32) * w
+
+
+def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """x: [T, heads, d]; positions: [T]. Neox layout."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    freqs = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, d/2]
+    cos = np.cos(freqs).astype(np.float32)[:, None, :]
+    sin = np.sin(freqs).astype(np.float32)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(np.float32)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return (x / (1.0 + np.exp(-x))).astype(np.float32)
+
+
+class ReferenceModel:
+    """A Qwen3 forward pass with a KV cache for one sequence.
+
+    ``kv_dtype="bf16"`` rounds cached K and V to bfloat16 exactly as a bf16 KV cache would.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], kv_dtype: str = "fp32"
+    ) -> None:
+        if kv_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"kv_dtype must be 'fp32' or 'bf16', not {kv_dtype!r}")
+        self.cfg = cfg
+        self.w = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
+        self.kv_dtype = kv_dtype
+        L = cfg.num_hidden_layers
+        self.k_cache: list[np.ndarray] = [
+            np.zeros((0, cfg.num_key_value_heads, cfg.head_dim), np.float32) for _ in range(L)
+        ]
+        self.v_cache: list[np.ndarray] = [
+            np.zeros((0, cfg.num_key_value_heads, cfg.head_dim), np.float32) for _ in range(L)
+        ]
+
+    @property
+    def length(self) -> int:
+        return int(self.k_cache[0].shape[0])
+
+    def truncate(self, length: int) -> None:
+        """Drop cached tokens past ``length`` (RemoveTokensAtEnd)."""
+        self.k_cache = [k[:length] for k in self.k_cache]
+        self.v_cache = [v[:length] for v in self.v_cache]
+
+    def forward(self, tokens: np.ndarray | list[int]) -> np.ndarray:
+        """Append ``tokens`` at the current length; return logits [T, vocab] for every new position."""
+        cfg, w = self.cfg, self.w
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        T = toks.shape[0]
+        start = self.length
+        pos = np.arange(start, start + T)
+        H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        group = H // KV
+        x = w["model.embed_tokens.weight"][toks]  # [T, h]
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = _rmsnorm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, H, D)
+            k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, KV, D)
+            v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, KV, D)
+            q = _rope(_rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            k = _rope(_rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            if self.kv_dtype == "bf16":
+                k, v = bf16_round(k), bf16_round(v)
+            self.k_cache[i] = np.concatenate([self.k_cache[i], k.astype(np.float32)])
+            self.v_cache[i] = np.concatenate([self.v_cache[i], v.astype(np.float32)])
+            K, V = self.k_cache[i], self.v_cache[i]  # [S, KV, D]
+            S = K.shape[0]
+            kh = np.repeat(K, group, axis=1).transpose(1, 0, 2)  # [H, S, D]
+            vh = np.repeat(V, group, axis=1).transpose(1, 0, 2)
+            scores = np.einsum("thd,hsd->hts", q, kh) / np.float32(np.sqrt(D))
+            causal = np.arange(S)[None, :] > pos[:, None]  # [T, S]
+            scores = np.where(causal[None], -np.inf, scores)
+            scores = scores - scores.max(axis=-1, keepdims=True)
+            pr = np.exp(scores)
+            pr = pr / pr.sum(axis=-1, keepdims=True)
+            a = np.einsum("hts,hsd->thd", pr.astype(np.float32), vh).reshape(T, H * D)
+            x = x + a @ w[p + "self_attn.o_proj.weight"].T
+            h = _rmsnorm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            g = _silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
+            x = (x + g @ w[p + "mlp.down_proj.weight"].T).astype(np.float32)
+        x = _rmsnorm(x, w["model.norm.weight"], cfg.rms_norm_eps)
+        head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
+        return (x @ head.T).astype(np.float32)
+
+
+def greedy_generate(
+    cfg: ModelConfig,
+    weights: Mapping[str, np.ndarray],
+    prompt: list[int],
+    steps: int,
+    kv_dtype: str = "fp32",
+) -> list[int]:
+    """Prefill ``prompt`` then decode ``steps`` greedy tokens (argmax, lowest id on ties)."""
+    m = ReferenceModel(cfg, weights, kv_dtype)
+    logits = m.forward(prompt)[-1]
+    out: list[int] = []
+    for _ in range(steps):
+        t = int(np.argmax(logits))
+        out.append(t)
+        logits = m.forward([t])[-1]
+    return out
