@@ -1,0 +1,511 @@
+"""The typed, synchronous facade over the CalRT binding ``calserve._calrt`` (no trio here).
+
+Why a facade: the binding is kept tiny (handles, buffers, status codes); this module owns the Python
+shapes (``ModelConfig``, ``ProfileSpec``, enums, :class:`JobResult`) and maps CalRT status codes onto the
+:class:`~calserve.runtime.types.CalrtError` tree, so the engine never sees a raw code.
+
+Contract in brief (the full C-level contract is documented in ``ext/calrt/include/calrt.h``):
+
+* One :class:`Device` per process (``Device.open`` twice -> :class:`DeviceAlreadyOpen` until ``close``).
+* ``sim-next`` has two chips (``chip=0/1``), each with its own DRAM, PING/PONG engines, queues and reset
+  domain; ``calrt-0.7.6`` has one chip.
+* Each engine has a queue of depth :data:`QUEUE_DEPTH` (= 2: one job running + one waiting). A submit
+  beyond that raises :class:`DeviceBusy` (and counts in ``EngineCounters.busy``).
+* Submitting on a faulted chip (after ``CCU_FAULT`` / ``DMA_UNKNOWN``, until ``reset``) raises
+  :class:`DeviceFaulted`; on a calbin that needs a reconfigure (after ``DMA_UNKNOWN`` + reset) too.
+* A job's KV length commit (``committed_len += tokens``) happens on the device only when its status is
+  ``OK``. ``INVALID`` (position != committed_len at execution, sequence invalidated, sequence already
+  used by a running job) writes nothing.
+* ``reset`` aborts every in-flight job of the chip (each completes ``ABORTED``; ``Job.wait`` returns it)
+  and invalidates every KV sequence of the chip (``sequence_valid`` -> False; the ids stay allocated
+  until ``free_sequence``). Weights stay configured except after ``DMA_UNKNOWN``.
+* Every output lane echoes ``(job_id, seq_id, position)`` and a 64-bit FNV-1a checksum of its logits row
+  bytes; :func:`logits_checksum` / :func:`corrupted_lanes` let the caller detect crosstalk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import numpy as np
+
+from calserve.runtime.reference import ModelConfig, weight_shapes
+from calserve.runtime.types import (
+    RUNTIME_PROFILES,
+    CalrtError,
+    DeviceAlreadyOpen,
+    DeviceBusy,
+    DeviceFaulted,
+    EngineCounters,
+    FaultKind,
+    InvalidArgument,
+    JobEngine,
+    JobResult,
+    JobStatus,
+    NotSupported,
+    OutOfDeviceMemory,
+    OutOfSequences,
+    ProfileSpec,
+    RuntimeCapabilities,
+    Timing,
+    WaitTimeout,
+)
+
+try:  # the extension is built by ``pip install -e .``
+    from calserve import _calrt
+except ImportError as exc:  # pragma: no cover - only when the build is missing
+    _calrt = None
+    _IMPORT_ERROR: ImportError | None = exc
+else:
+    _IMPORT_ERROR = None
+
+__all__ = ["Device", "Calbin", "Job", "QUEUE_DEPTH", "logits_checksum", "corrupted_lanes"]
+
+#: Jobs an engine holds at once (running + waiting). A further submit raises DeviceBusy.
+QUEUE_DEPTH = 2
+
+# CalRT status codes (calrt.h ``calrt_status``) -> facade exceptions.
+_CODE_TO_ERROR: dict[int, type[CalrtError]] = {
+    1: InvalidArgument,  # CALRT_E_INVALID_ARGUMENT
+    2: NotSupported,  # CALRT_E_NOT_SUPPORTED
+    3: DeviceAlreadyOpen,  # CALRT_E_ALREADY_OPEN
+    4: OutOfDeviceMemory,  # CALRT_E_OUT_OF_DEVICE_MEMORY
+    5: OutOfSequences,  # CALRT_E_OUT_OF_SEQUENCES
+    6: DeviceBusy,  # CALRT_E_BUSY
+    7: WaitTimeout,  # CALRT_E_TIMEOUT
+    8: DeviceFaulted,  # CALRT_E_FAULTED
+    9: DeviceFaulted,  # CALRT_E_NEEDS_RECONFIGURE
+    10: InvalidArgument,  # CALRT_E_IN_USE (release/free while jobs are in flight)
+    11: CalrtError,  # CALRT_E_HOST_OOM
+    12: CalrtError,  # CALRT_E_INTERNAL
+    13: InvalidArgument,  # CALRT_E_SEQUENCE_INVALID (invalidated by a reset)
+    14: InvalidArgument,  # CALRT_E_CLOSED (handle used after close/release)
+}
+
+_T = TypeVar("_T")
+
+
+def _raise(exc: BaseException) -> NoReturn:
+    code = int(getattr(exc, "code", 12))
+    cls = _CODE_TO_ERROR.get(code, CalrtError)
+    raise cls(str(exc), code) from None
+
+
+def _call(fn: Callable[..., _T], *args: Any) -> _T:
+    """Call into the binding, translating its status exception into the CalrtError tree."""
+    try:
+        return fn(*args)
+    except _calrt.Error as exc:  # type: ignore[union-attr]
+        _raise(exc)
+
+
+def _binding() -> Any:
+    if _calrt is None:
+        raise CalrtError(f"calserve._calrt is not built: {_IMPORT_ERROR}")
+    return _calrt
+
+
+def logits_checksum(row: np.ndarray) -> int:
+    """64-bit FNV-1a over the float32 bytes of one logits row, as the device computes it."""
+    a = np.ascontiguousarray(row, dtype=np.float32)
+    return int(_binding().checksum(a))
+
+
+def corrupted_lanes(result: JobResult) -> list[int]:
+    """Lanes whose logits do not match the checksum the device reported (crosstalk, spec §7.4).
+
+    Inactive decode lanes (echo seq_id == -1) report checksum 0 and are skipped.
+    """
+    bad = []
+    for lane in range(result.logits.shape[0]):
+        if int(result.echo[lane, 1]) < 0:
+            continue
+        if logits_checksum(result.logits[lane]) != int(result.checksum[lane]):
+            bad.append(lane)
+    return bad
+
+
+def _i32(name: str, values: Sequence[int] | np.ndarray, n: int | None = None) -> np.ndarray:
+    a = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
+    if n is not None and a.shape[0] != n:
+        raise InvalidArgument(f"{name}: expected {n} entries (compiled_batch), got {a.shape[0]}", 1)
+    if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
+        raise InvalidArgument(f"{name}: values out of int32 range", 1)
+    return a.astype(np.int32)
+
+
+class Job:
+    """One submitted job. Owns its input/output buffers until it completed and was waited for.
+
+    Invariant: a Job whose ``wait`` has not returned a result is still owned by the device; dropping the
+    Python object is safe (the C job is reference counted) but its outcome is then lost.
+    """
+
+    __slots__ = ("_h", "job_id", "engine", "chip", "_result")
+
+    def __init__(self, handle: Any, engine: JobEngine, chip: int) -> None:
+        self._h = handle
+        self.job_id: int = int(handle.job_id)
+        self.engine = engine
+        self.chip = chip
+        self._result: JobResult | None = None
+
+    def wait(self, timeout_s: float) -> JobResult:
+        """Block (GIL released) until the job finished; return its :class:`JobResult`.
+
+        Raises :class:`WaitTimeout` if it did not finish within ``timeout_s`` — the job stays in flight
+        and must be waited for again or the chip reset. Repeated waits return the same result.
+        """
+        if self._result is not None:
+            return self._result
+        if not timeout_s >= 0:
+            raise InvalidArgument("timeout_s must be >= 0", 1)
+        status, logits, echo, checksum, device_us = _call(self._h.wait, int(timeout_s * 1e6))
+        self._result = JobResult(
+            job_id=self.job_id,
+            engine=self.engine,
+            status=JobStatus(status),
+            logits=logits,
+            echo=echo,
+            checksum=checksum,
+            device_us=float(device_us),
+        )
+        return self._result
+
+    def done(self) -> bool:
+        """True once the job completed (any status); ``wait`` then returns without blocking."""
+        return self._result is not None or bool(self._h.done())
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.job_id}, engine={self.engine.name}, chip={self.chip})"
+
+
+class Calbin:
+    """A created + configured calbin (one compiled batch profile) and its KvManager.
+
+    Sequence ids are small ints in ``[0, spec.max_sequences)``. All methods are thread-safe.
+    """
+
+    def __init__(
+        self, device: Device, handle: Any, config: ModelConfig, spec: ProfileSpec, chip: int
+    ) -> None:
+        self._device = device
+        self._h = handle
+        self.config = config
+        self.spec = spec
+        self.chip = chip
+        self.calbin_id: int = int(handle.calbin_id)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def introspect(self) -> dict[str, Any]:
+        """What the device reports about this configured calbin (spec §11 step 8).
+
+        Keys: ``calbin_id``, ``chip``, ``model`` (ModelConfig dict), ``tensors`` (list of
+        ``(name, shape, dtype)``), ``compiled_batch``, ``max_seq``, ``max_sequences``, ``kv_dtype``,
+        ``kv_layout`` (dict: ``order``, ``shape_per_sequence``, ``dtype``, ``bytes_per_token``),
+        ``valid_mask``, ``inactive_logits``, ``inactive_writes_kv``, ``exact_submodel``,
+        ``dram_bytes`` (charged), ``configured``.
+        """
+        return dict(_call(self._h.introspect))
+
+    def reconfigure(self) -> None:
+        """Configure again after a ``DMA_UNKNOWN`` fault + reset (weights re-uploaded)."""
+        _call(self._h.reconfigure)
+
+    @property
+    def needs_reconfigure(self) -> bool:
+        return bool(self._h.needs_reconfigure())
+
+    def release(self) -> None:
+        """ResetConfiguration + destroy: frees the DRAM. :class:`InvalidArgument` while jobs are in
+        flight on it (wait for them or reset the chip first). Idempotent."""
+        _call(self._h.release)
+        self._device._forget(self)
+
+    # ---- KvManager ---------------------------------------------------------------------------
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``n`` more sequences can be created now."""
+        return bool(_call(self._h.can_allocate, int(n)))
+
+    def create_sequence(self) -> int:
+        """A new empty sequence (committed_len 0). :class:`OutOfSequences` if all are taken."""
+        return int(_call(self._h.create_sequence))
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Free a sequence (valid or invalidated). :class:`InvalidArgument` if a job in flight uses
+        it or it is not allocated."""
+        _call(self._h.free_sequence, int(seq_id))
+
+    def committed_len(self, seq_id: int) -> int:
+        """Tokens committed in the sequence's KV. :class:`InvalidArgument` if invalidated/unknown."""
+        return int(_call(self._h.committed_len, int(seq_id)))
+
+    def sequence_valid(self, seq_id: int) -> bool:
+        """False once a reset invalidated it or a CCU fault left its KV unknown."""
+        return bool(_call(self._h.sequence_valid, int(seq_id)))
+
+    def remove_tokens_at_end(self, seq_id: int, n: int) -> None:
+        """Drop the last ``n`` committed tokens (RemoveTokensAtEnd)."""
+        _call(self._h.remove_tokens_at_end, int(seq_id), int(n))
+
+    def do_shift(self, seq_id: int, n: int) -> None:
+        """DoShift (C1): drop the first ``n`` tokens' KV, keeping positions of the rest as stored
+        (the cached K keep their RoPE phases; the caller continues at ``committed_len``)."""
+        _call(self._h.do_shift, int(seq_id), int(n))
+
+    def copy_prefix(self, src_seq: int, dst_seq: int, n: int) -> None:
+        """Not supported by CalRT 0.7.6 (spec §9.3): always :class:`NotSupported`."""
+        _call(self._h.unsupported, "copy_prefix")
+
+    def keep_one(self, seq_id: int) -> None:
+        """Not supported (spec §9.3): always :class:`NotSupported`."""
+        _call(self._h.unsupported, "keep_one")
+
+    def position_add(self, seq_id: int, delta: int) -> None:
+        """Not supported (spec §9.3): always :class:`NotSupported`."""
+        _call(self._h.unsupported, "position_add")
+
+    def position_div(self, seq_id: int, divisor: int) -> None:
+        """Not supported (spec §9.3): always :class:`NotSupported`."""
+        _call(self._h.unsupported, "position_div")
+
+    def save_session(self, seq_id: int) -> bytes:
+        """Not supported (spec §9.3): always :class:`NotSupported`."""
+        _call(self._h.unsupported, "save_session")
+        raise AssertionError("unreachable")
+
+    def load_session(self, seq_id: int, blob: bytes) -> None:
+        """Not supported (spec §9.3): always :class:`NotSupported`."""
+        _call(self._h.unsupported, "load_session")
+
+    def read_kv(self, seq_id: int) -> np.ndarray:
+        """Sim-only debug readback: the sequence's raw KV storage (all ``max_seq`` slots).
+
+        Shape ``[layers, 2 (K,V), kv_heads, max_seq, head_dim]``, dtype float32 (fp32 KV) or uint16
+        (bf16 KV bits). :class:`NotSupported` on a vendor build or with ``null_compute``.
+        """
+        return np.asarray(_call(self._h.read_kv, int(seq_id)))
+
+    # ---- jobs --------------------------------------------------------------------------------
+    def submit_prefill(
+        self, seq_id: int, tokens: Sequence[int] | np.ndarray, engine: JobEngine = JobEngine.PING
+    ) -> Job:
+        """Submit the whole prompt ``tokens`` of ``seq_id``, appended at its committed_len.
+
+        The result's logits are ``[1, vocab]`` for the last position; echo ``(job_id, seq_id,
+        committed_len + len(tokens) - 1)``. Raises :class:`DeviceBusy` (queue full),
+        :class:`DeviceFaulted` (reset/reconfigure needed), :class:`InvalidArgument` (empty, token out
+        of range, longer than max_seq).
+        """
+        toks = _i32("tokens", tokens)
+        h = _call(self._h.submit_prefill, int(seq_id), toks, int(engine))
+        return Job(h, JobEngine(engine), self.chip)
+
+    def submit_decode(
+        self,
+        seq_ids: Sequence[int] | np.ndarray,
+        tokens: Sequence[int] | np.ndarray,
+        positions: Sequence[int] | np.ndarray,
+        valid: Sequence[bool] | np.ndarray,
+        engine: JobEngine = JobEngine.PING,
+    ) -> Job:
+        """Submit one decode step over the compiled batch (all arrays of length ``compiled_batch``).
+
+        For a valid lane, ``positions[i]`` must equal the sequence's committed_len at execution, else
+        the job completes ``INVALID`` and writes nothing. Invalid lanes never write KV; their logits
+        rows are zeros, echo ``(job_id, -1, -1)``, checksum 0. Valid lanes must name distinct
+        sequences. Logits ``[compiled_batch, vocab]``.
+        """
+        b = self.spec.compiled_batch
+        s = _i32("seq_ids", seq_ids, b)
+        t = _i32("tokens", tokens, b)
+        p = _i32("positions", positions, b)
+        v = np.ascontiguousarray(valid, dtype=np.uint8).reshape(-1)
+        if v.shape[0] != b:
+            raise InvalidArgument(f"valid: expected {b} entries (compiled_batch), got {v.shape[0]}", 1)
+        h = _call(self._h.submit_decode, s, t, p, v, int(engine))
+        return Job(h, JobEngine(engine), self.chip)
+
+    def __repr__(self) -> str:
+        return f"Calbin(id={self.calbin_id}, chip={self.chip}, B={self.spec.compiled_batch})"
+
+
+class Device:
+    """The process's one VirtualDevice (calrt-sim or a vendor CalRT, chosen at build time)."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, handle: Any, profile: str, null_compute: bool) -> None:
+        self._h = handle
+        self.profile = profile
+        self.null_compute = null_compute
+        caps = dict(handle.capabilities())
+        known = RUNTIME_PROFILES.get(profile)
+        self.capabilities: RuntimeCapabilities = known or RuntimeCapabilities(
+            name=profile,
+            batch_profiles=bool(caps["batch_profiles"]),
+            multi_calbin=bool(caps["multi_calbin"]),
+            chip_scoped=bool(caps["chip_scoped"]),
+            pingpong=bool(caps["pingpong"]),
+            do_shift=bool(caps["do_shift"]),
+        )
+        self.chips: int = int(caps["chips"])
+        self.queue_depth: int = int(caps["queue_depth"])
+        self.sim_debug: bool = bool(caps["sim_debug"])
+        self._calbins: list[Calbin] = []
+
+    @classmethod
+    def open(
+        cls,
+        profile: str = "calrt-0.7.6",
+        dram_bytes: int = 32 << 30,
+        null_compute: bool = False,
+        completion_jitter_us: int = 0,
+        seed: int = 0,
+    ) -> Device:
+        """Open the VirtualDevice. ``dram_bytes`` is per chip.
+
+        :class:`DeviceAlreadyOpen` if one is open in this process; :class:`InvalidArgument` for an
+        unknown profile. ``completion_jitter_us`` adds a seeded random delay in ``[0, jitter]`` to each
+        completion (shuffles completion order across engines, spec §17.3).
+        """
+        if profile not in RUNTIME_PROFILES:
+            raise InvalidArgument(
+                f"profile: unknown runtime profile {profile!r} (known: {sorted(RUNTIME_PROFILES)})", 1
+            )
+        if dram_bytes <= 0:
+            raise InvalidArgument("dram_bytes must be > 0", 1)
+        if completion_jitter_us < 0:
+            raise InvalidArgument("completion_jitter_us must be >= 0", 1)
+        b = _binding()
+        h = _call(b.Device, profile, int(dram_bytes), bool(null_compute), int(completion_jitter_us),
+                  int(seed) & 0xFFFFFFFFFFFFFFFF)
+        return cls(h, profile, bool(null_compute))
+
+    def close(self) -> None:
+        """Reset every chip (aborting in-flight jobs), release every calbin, close. Idempotent."""
+        if self._calbins:
+            try:
+                self._h.reset(-1)
+            except _calrt.Error:  # type: ignore[union-attr]
+                pass
+        for cb in list(self._calbins):
+            try:
+                cb.release()
+            except CalrtError:
+                pass
+        self._calbins.clear()
+        self._h.close()
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def dram(self, chip: int = 0) -> tuple[int, int]:
+        """(capacity, used) bytes of a chip's DRAM."""
+        cap, used = _call(self._h.dram, int(chip))
+        return int(cap), int(used)
+
+    def load_calbin(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, np.ndarray],
+        spec: ProfileSpec,
+        timing: Timing | None = None,
+        chip: int = 0,
+    ) -> Calbin:
+        """CreateCalbin + configure + KvManager on ``chip``; charges weights + KV DRAM.
+
+        Weights (HF names, float32, shapes per :func:`weight_shapes`) are NOT copied: the arrays are
+        kept referenced until ``release``. With ``null_compute`` weights may be ``{}``.
+        Raises :class:`InvalidArgument` (a name/shape/dtype mismatch, naming the tensor),
+        :class:`NotSupported` (B>1 without batch profiles, second resident calbin without
+        multi-calbin, chip>0 without chip-scoped configure), :class:`OutOfDeviceMemory`.
+        """
+        shapes = weight_shapes(config)
+        tensors: list[tuple[str, Any]] = []
+        if weights or not self.null_compute:
+            extra = sorted(set(weights) - set(shapes))
+            if extra:
+                raise InvalidArgument(f"weights: unexpected tensor {extra[0]!r}", 1)
+            for name, shape in shapes.items():
+                if name not in weights:
+                    raise InvalidArgument(f"weights: missing tensor {name!r}", 1)
+                w = weights[name]
+                if not isinstance(w, np.ndarray) or w.dtype != np.float32:
+                    raise InvalidArgument(f"weights[{name!r}]: dtype must be float32", 1)
+                if tuple(w.shape) != shape:
+                    raise InvalidArgument(
+                        f"weights[{name!r}]: shape {tuple(w.shape)} != expected {shape}", 1
+                    )
+                if not w.flags.c_contiguous:
+                    raise InvalidArgument(f"weights[{name!r}]: must be C-contiguous", 1)
+                tensors.append((name, w))
+        if spec.kv_dtype not in ("fp32", "bf16"):
+            raise InvalidArgument(f"spec.kv_dtype must be 'fp32' or 'bf16', not {spec.kv_dtype!r}", 1)
+        if spec.inactive_writes_kv:
+            raise InvalidArgument("spec.inactive_writes_kv: calrt-sim never writes KV from inactive "
+                                  "lanes; such a profile is not usable", 1)
+        c = config
+        model = (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+                 c.num_attention_heads, c.num_key_value_heads, c.head_dim, float(c.rms_norm_eps),
+                 float(c.rope_theta), bool(c.tie_word_embeddings))
+        prof = (spec.compiled_batch, spec.max_seq, spec.max_sequences,
+                1 if spec.kv_dtype == "bf16" else 0, bool(spec.valid_mask), bool(spec.inactive_logits))
+        t = timing or Timing()
+        decode_us = [(int(k), float(v)) for k, v in sorted(t.decode_step_us.items())]
+        tim = (float(t.prefill_base_us), float(t.prefill_us_per_token), decode_us,
+               float(t.pingpong_overlap), timing is not None)
+        h = _call(self._h.load_calbin, int(chip), model, tensors, prof, tim)
+        cb = Calbin(self, h, config, spec, int(chip))
+        self._calbins.append(cb)
+        return cb
+
+    def _forget(self, cb: Calbin) -> None:
+        if cb in self._calbins:
+            self._calbins.remove(cb)
+
+    def calbins(self) -> list[Calbin]:
+        """Calbins loaded through this device and not yet released."""
+        return list(self._calbins)
+
+    def reset(self, chip: int | None = None) -> None:
+        """Reset one chip (or all with ``None``): every in-flight job completes ``ABORTED``, every KV
+        sequence is invalidated, faults are cleared. Weights stay configured unless a ``DMA_UNKNOWN``
+        happened (then ``needs_reconfigure`` until each calbin is reconfigured)."""
+        _call(self._h.reset, -1 if chip is None else int(chip))
+
+    @property
+    def needs_reconfigure(self) -> bool:
+        """True while any chip's calbins must be reconfigured (after ``DMA_UNKNOWN``)."""
+        return any(bool(self._h.needs_reconfigure(c)) for c in range(self.chips))
+
+    def faulted(self, chip: int = 0) -> bool:
+        """True while the chip refuses jobs until a reset (after CCU_FAULT / DMA_UNKNOWN)."""
+        return bool(_call(self._h.faulted, int(chip)))
+
+    def counters(self, engine: JobEngine, chip: int = 0) -> EngineCounters:
+        """Status counters of one engine (cumulative since open; ``inflight`` is current)."""
+        s, c, f, b, t, i = _call(self._h.counters, int(chip), int(engine))
+        return EngineCounters(submitted=s, completed=c, failed=f, busy=b, timeouts=t, inflight=i)
+
+    def inject_fault(
+        self, kind: FaultKind, engine: JobEngine, nth: int, lane: int = 0, chip: int = 0
+    ) -> None:
+        """Sim only: make the ``nth`` (1-based) submit from now on ``engine`` hit ``kind``.
+
+        ``DEVICE_BUSY`` refuses that submit; ``TIMEOUT`` parks the job until a reset (then
+        ``ABORTED``); ``CCU_FAULT`` / ``DMA_UNKNOWN`` complete it with that status and fault the chip;
+        ``CROSSTALK`` corrupts ``lane``'s logits after the checksum was taken. :class:`NotSupported` on
+        a vendor build.
+        """
+        if nth < 1:
+            raise InvalidArgument("nth must be >= 1", 1)
+        _call(self._h.inject_fault, int(chip), int(engine), int(kind), int(nth), int(lane))
+
+    def __repr__(self) -> str:
+        return f"Device(profile={self.profile!r}, chips={self.chips})"
