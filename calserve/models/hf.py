@@ -8,39 +8,126 @@ uint16 into the high half of a float32 (exact). F16 and F32 are read as such.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from calserve.runtime.reference import ModelConfig
+from calserve.errors import ValidationError
+from calserve.runtime.reference import ModelConfig, bf16_round
 
 __all__ = [
     "read_safetensors_header",
     "load_safetensors",
     "write_safetensors",
+    "tensor_index",
     "HFCheckpoint",
     "load_hf_checkpoint",
 ]
 
 
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+_MAX_HEADER = 100 << 20
+
+
 def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
-    """(header dict without ``__metadata__``, offset of the data section)."""
-    raise NotImplementedError
+    """(header dict without ``__metadata__``, offset of the data section).
+
+    Raises ValidationError naming the file for a truncated/oversized header, an unsupported dtype, or
+    offsets that do not match the shape or run past the end of the file.
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValidationError(f"{p.name}: truncated safetensors file (no header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ValidationError(f"{p.name}: safetensors header length {n} is invalid")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValidationError(f"{p.name}: safetensors header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValidationError(f"{p.name}: safetensors header is not an object")
+    header.pop("__metadata__", None)
+    data_len = size - 8 - n
+    for name, info in header.items():
+        try:
+            dtype, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValidationError(f"{p.name}: tensor {name!r}: malformed header entry") from None
+        if dtype not in _ITEMSIZE:
+            raise ValidationError(
+                f"{p.name}: tensor {name!r} has dtype {dtype}; supported: BF16, F16, F32"
+            )
+        want = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
+        if not (0 <= b <= e <= data_len) or e - b != want:
+            raise ValidationError(f"{p.name}: tensor {name!r}: data offsets do not match its shape")
+    return header, 8 + n
+
+
+def tensor_index(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape), header only (cheap; for the static validator)."""
+    header, _ = read_safetensors_header(path)
+    return {k: (v["dtype"], tuple(int(x) for x in v["shape"])) for k, v in header.items()}
+
+
+def _to_f32(buf: bytes, dtype: str, shape: list[int]) -> np.ndarray:
+    if dtype == "BF16":
+        u = np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16
+        arr = u.view(np.float32)
+    elif dtype == "F16":
+        arr = np.frombuffer(buf, dtype="<f2").astype(np.float32)
+    else:
+        arr = np.frombuffer(buf, dtype="<f4").astype(np.float32)
+    return arr.reshape(shape)
 
 
 def load_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Every tensor as float32 (BF16/F16 upcast)."""
-    raise NotImplementedError
+    """Every tensor as float32 (BF16/F16 upcast exactly)."""
+    header, base = read_safetensors_header(path)
+    out: dict[str, np.ndarray] = {}
+    with open(path, "rb") as f:
+        for name, info in header.items():
+            b, e = info["data_offsets"]
+            f.seek(base + b)
+            out[name] = _to_f32(f.read(e - b), info["dtype"], info["shape"])
+    return out
 
 
 def write_safetensors(
     path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray], dtype: str = "BF16"
 ) -> None:
     """Write ``tensors`` (float arrays) as ``dtype`` (BF16 rounds to nearest even, F16, F32)."""
-    raise NotImplementedError
+    if dtype not in _ITEMSIZE:
+        raise ValueError(f"dtype must be one of {sorted(_ITEMSIZE)}, not {dtype!r}")
+    blobs: list[bytes] = []
+    header: dict[str, Any] = {}
+    off = 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name], dtype=np.float32)
+        if dtype == "BF16":
+            raw = (bf16_round(a).view(np.uint32) >> 16).astype("<u2").tobytes()
+        elif dtype == "F16":
+            raw = a.astype("<f2").tobytes()
+        else:
+            raw = a.astype("<f4").tobytes()
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # align the data section to 8 bytes, as the reference writer does
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for raw in blobs:
+            f.write(raw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,5 +142,78 @@ class HFCheckpoint:
     source_dtype: str  # "BF16" / "F16" / "F32" (of the first tensor)
 
 
+def _read_json(p: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(p.read_text("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValidationError(f"{p}: cannot read JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValidationError(f"{p}: expected a JSON object")
+    return d
+
+
+def _ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, int):
+        return (v,)
+    return tuple(int(x) for x in v)
+
+
 def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
-    raise NotImplementedError
+    """Read ``config.json``, the safetensors shard(s) (``model.safetensors.index.json`` when
+    sharded), ``tokenizer.json`` and, when present, ``generation_config.json`` (EOS/pad/bos ids win)
+    and ``tokenizer_config.json`` (chat template; EOS token by name)."""
+    d = Path(src)
+    cfg_d = _read_json(d / "config.json")
+    archs = cfg_d.get("architectures") or ["Qwen3ForCausalLM"]
+    if "Qwen3ForCausalLM" not in archs:
+        raise ValidationError(f"{d / 'config.json'}: architectures {archs} is not Qwen3ForCausalLM")
+    try:
+        config = ModelConfig.from_hf(cfg_d)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValidationError(f"{d / 'config.json'}: {e}") from None
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        wmap = _read_json(index).get("weight_map", {})
+        shards = sorted(set(wmap.values()))
+    else:
+        shards = sorted(p.name for p in d.glob("*.safetensors"))
+    if not shards:
+        raise ValidationError(f"{d}: no *.safetensors weights")
+    weights: dict[str, np.ndarray] = {}
+    source_dtype = ""
+    for s in shards:
+        if not source_dtype:
+            h, _ = read_safetensors_header(d / s)
+            source_dtype = next(iter(h.values()))["dtype"] if h else ""
+        for k, v in load_safetensors(d / s).items():
+            if k in weights:
+                raise ValidationError(f"{d / s}: tensor {k!r} also in another shard")
+            weights[k] = v
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    tok = d / "tokenizer.json"
+    if not tok.exists():
+        raise ValidationError(f"{d}: tokenizer.json missing")
+    gen = _read_json(d / "generation_config.json") if (d / "generation_config.json").exists() else {}
+    tcfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").exists() else {}
+    eos = _ids(gen.get("eos_token_id", cfg_d.get("eos_token_id")))
+    if not eos and isinstance(tcfg.get("eos_token"), str):
+        import tokenizers
+
+        i = tokenizers.Tokenizer.from_file(str(tok)).token_to_id(tcfg["eos_token"])
+        eos = () if i is None else (int(i),)
+    pad = gen.get("pad_token_id", cfg_d.get("pad_token_id"))
+    bos = gen.get("bos_token_id", cfg_d.get("bos_token_id"))
+    tmpl = tcfg.get("chat_template")
+    return HFCheckpoint(
+        config=config,
+        weights=weights,
+        tokenizer_json=tok,
+        eos_token_ids=eos,
+        pad_token_id=None if pad is None else int(pad),
+        bos_token_id=None if bos is None else int(bos),
+        chat_template=tmpl if isinstance(tmpl, str) else None,
+        source_dtype=source_dtype,
+    )
