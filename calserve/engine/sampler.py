@@ -1,0 +1,267 @@
+"""Vectorised token sampling for a whole batch (issue 5 item 5, spec §9 SamplerPool).
+
+One call samples every lane of a device batch: the dispatcher hands over the logits matrix
+``[n, vocab]`` and one :class:`LaneSampling` per row, and gets back the chosen tokens and the
+requested logprobs. Lanes are grouped by kind (greedy / full-vocabulary temperature / truncated
+top-k-top-p) and each group is handled by a few numpy operations over all its rows; there is no
+per-lane Python loop on the hot path (the only loop builds the ``TokenLogprob`` objects of the lanes
+that asked for them).
+
+Reproducibility (spec: "same seed + same prompt = same output"): the uniform variate of a lane is a
+pure function of ``(seed, step)`` — a splitmix64 hash, counter-based, no generator state — and every
+per-row computation (max, softmax normaliser, cumulative sums, candidate selection with exact
+tie-breaking) depends only on that row. So a lane's token does not depend on its batch position,
+its batch-mates, or the batch size (tests/engine_parts/test_sampler.py pins this).
+
+Logprobs are ``log_softmax`` of the RAW logits (before temperature), as OpenAI reports them: the
+chosen token's and the top ``k`` alternatives, highest first, ties broken by lowest token id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from collections.abc import Sequence
+from typing import Final, final
+
+import numpy as np
+import numpy.typing as npt
+
+from calserve.engine.types import SamplingParams, TokenLogprob
+
+__all__ = ["LaneSampling", "SampleResult", "sample_batch", "resolve_seed", "uniform_for"]
+
+_MASK64: Final = (1 << 64) - 1
+# Width of the first candidate window for nucleus-only lanes; widened x8 until the nucleus fits.
+_NUCLEUS_FIRST_WINDOW: Final = 64
+_process_rng = np.random.default_rng()
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class LaneSampling:
+    """How one lane of a batch is sampled at one decode step.
+
+    ``step`` is the index of the token being produced (0 for the token sampled from the prefill
+    logits); together with ``seed`` it fixes the lane's uniform variate. ``seed=None`` draws the
+    variate from a process-wide RNG (not reproducible); the engine should rather pin a seed per
+    request with :func:`resolve_seed` so that the seed can be logged.
+    """
+
+    temperature: float = 0.0  # 0 = greedy (argmax, lowest id on ties)
+    top_p: float = 1.0  # (0, 1]; 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    step: int = 0
+    logprobs: int | None = None  # None = none; k >= 0: chosen token's + top-k alternatives
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"LaneSampling.temperature must be finite and >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"LaneSampling.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"LaneSampling.top_k must be >= 0, got {self.top_k!r}")
+        if self.step < 0:
+            raise ValueError(f"LaneSampling.step must be >= 0, got {self.step!r}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"LaneSampling.logprobs must be None or >= 0, got {self.logprobs!r}")
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, *, step: int, seed: int | None = None) -> LaneSampling:
+        """The lane settings of a request at ``step``; ``seed`` overrides ``params.seed``
+        (pass the request's resolved seed)."""
+        return cls(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed if seed is None else seed,
+            step=step,
+            logprobs=params.logprobs,
+        )
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    tokens: npt.NDArray[np.int64]  # [n]: the chosen token of each lane
+    logprobs: list[TokenLogprob | None]  # [n]: None where the lane asked for none
+
+
+def resolve_seed(seed: int | None) -> int:
+    """A request's effective seed: its own, or a fresh random one (so even unseeded requests can be
+    replayed from the logs)."""
+    return secrets.randbits(63) if seed is None else seed
+
+
+def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    # Arrays only: numpy wraps uint64 array arithmetic silently (scalars would warn).
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _uniforms(seeds: Sequence[int], steps: Sequence[int]) -> npt.NDArray[np.float64]:
+    """Counter-based uniforms in [0, 1): u = f(seed, step), no state."""
+    s = np.array([v & _MASK64 for v in seeds], dtype=np.uint64)
+    t = np.array([v & _MASK64 for v in steps], dtype=np.uint64)
+    h = _splitmix64(s ^ _splitmix64(t))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def uniform_for(seed: int, step: int) -> float:
+    """The uniform variate a seeded lane uses at ``step`` (exposed for tests and replay tools)."""
+    return float(_uniforms([seed], [step])[0])
+
+
+def _top_sorted(x: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.int64]:
+    """Ids of the ``k`` largest values of each row, highest first, ties broken by lowest id.
+
+    Exact and row-local: ``argpartition`` picks candidates in O(vocab); a row whose k-th value is
+    tied with a value left outside the window is redone with a stable full sort, so the selected
+    set never depends on how the partition happened to break ties.
+    """
+    m, v = x.shape
+    if k >= v:
+        return np.argsort(-x, axis=1, kind="stable").astype(np.int64)
+    part = np.argpartition(-x, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(x, part, axis=1)
+    thresh = vals.min(axis=1)
+    ambiguous = np.count_nonzero(x >= thresh[:, None], axis=1) > k
+    order = np.lexsort((part, -vals), axis=-1)
+    ids = np.take_along_axis(part, order, axis=1).astype(np.int64)
+    if ambiguous.any():
+        rows = np.flatnonzero(ambiguous)
+        ids[rows] = np.argsort(-x[rows], axis=1, kind="stable")[:, :k]
+    return ids
+
+
+def _draw_full(
+    rows: npt.NDArray[np.float32], temps: npt.NDArray[np.float64], u: npt.NDArray[np.float64]
+) -> npt.NDArray[np.int64]:
+    """Temperature sampling over the whole vocabulary: inverse CDF in token-id order."""
+    s = rows.astype(np.float64) / temps[:, None]
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    cdf = np.cumsum(e, axis=1)
+    target = u * cdf[:, -1]
+    idx = np.count_nonzero(cdf <= target[:, None], axis=1)
+    # u * total can round up to total: fall back to the last token with non-zero mass.
+    last_pos = e.shape[1] - 1 - np.argmax(e[:, ::-1] > 0.0, axis=1)
+    return np.minimum(idx, last_pos).astype(np.int64)
+
+
+def _draw_truncated(
+    rows: npt.NDArray[np.float32],
+    temps: npt.NDArray[np.float64],
+    top_k: npt.NDArray[np.int64],
+    top_p: npt.NDArray[np.float64],
+    u: npt.NDArray[np.float64],
+) -> npt.NDArray[np.int64]:
+    """Top-k then top-p (on the renormalised top-k distribution, as vLLM does), then an inverse-CDF
+    draw over the kept candidates in descending-probability order."""
+    m, vocab = rows.shape
+    s_full = rows.astype(np.float64) / temps[:, None]
+    smax = s_full.max(axis=1, keepdims=True)
+    k_eff = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
+    nucleus_only = top_k == 0
+    # Full-vocabulary normaliser, needed by nucleus-only lanes (their nucleus is over all tokens).
+    z_full = np.exp(s_full - smax).sum(axis=1)
+    width = int(k_eff[~nucleus_only].max()) if (~nucleus_only).any() else 0
+    if nucleus_only.any():
+        width = max(width, _NUCLEUS_FIRST_WINDOW)
+    width = min(max(width, 1), vocab)
+    while True:
+        ids = _top_sorted(rows, width)
+        cand = np.exp(np.take_along_axis(s_full, ids, axis=1) - smax)
+        pos = np.arange(width)[None, :]
+        cand = np.where(pos < k_eff[:, None], cand, 0.0)
+        norm = np.where(nucleus_only, z_full, cand.sum(axis=1))
+        q = cand / norm[:, None]
+        cum = np.cumsum(q, axis=1)
+        # Invariant: the nucleus is a prefix of the sorted order; if a nucleus-only lane's window
+        # holds less than top_p of the mass, the nucleus may extend past it: widen and redo.
+        if width >= vocab or bool(np.all(~nucleus_only | (cum[:, -1] >= top_p))):
+            break
+        width = min(vocab, width * 8)
+    exclusive = cum - q
+    keep = (exclusive < top_p[:, None]) & (q > 0.0)
+    keep[:, 0] = True  # keep at least one (the most likely token)
+    kept_q = np.where(keep, q, 0.0)
+    kcdf = np.cumsum(kept_q, axis=1)
+    n_kept = np.count_nonzero(keep, axis=1)
+    target = u * kcdf[:, -1]
+    idx = np.minimum(np.count_nonzero(kcdf <= target[:, None], axis=1), n_kept - 1)
+    return ids[np.arange(m), idx]
+
+
+def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleResult:
+    """Sample one token for every row of ``logits`` ([n, vocab] float32) with ``lanes[i]``'s rules.
+
+    Greedy lanes (temperature 0) take the argmax of the raw logits, lowest id on ties. Other lanes
+    divide by the temperature, apply top-k, then top-p (keeping at least one token), and draw by
+    inverse CDF with their counter-based uniform. Raises ValueError naming the lane for NaN or an
+    all ``-inf`` row, or a shape mismatch.
+    """
+    x = np.asarray(logits)
+    if x.ndim != 2:
+        raise ValueError(f"logits must be 2-D [n, vocab], got shape {x.shape}")
+    n, vocab = x.shape
+    if n != len(lanes):
+        raise ValueError(f"logits has {n} rows but {len(lanes)} lanes were given")
+    if vocab < 1:
+        raise ValueError("logits has an empty vocabulary axis")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    tokens = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return SampleResult(tokens=tokens, logprobs=[])
+    rowmax = x.max(axis=1)
+    bad = ~np.isfinite(rowmax)  # max propagates NaN; -inf means the row has no finite value
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"logits row {i} (lane {i}) is NaN or has no finite value")
+
+    temps = np.array([ln.temperature for ln in lanes], dtype=np.float64)
+    greedy = temps == 0.0
+    if greedy.any():
+        g = np.flatnonzero(greedy)
+        tokens[g] = np.argmax(x[g], axis=1)
+    if not greedy.all():
+        top_k = np.array([ln.top_k for ln in lanes], dtype=np.int64)
+        top_p = np.array([ln.top_p for ln in lanes], dtype=np.float64)
+        u = np.empty(n, dtype=np.float64)
+        seeded = np.array([ln.seed is not None for ln in lanes])
+        if seeded.any():
+            si = np.flatnonzero(seeded)
+            u[si] = _uniforms([lanes[i].seed or 0 for i in si], [lanes[i].step for i in si])
+        if not seeded.all():
+            ui = np.flatnonzero(~seeded)
+            u[ui] = _process_rng.random(len(ui))
+        truncated = ~greedy & ((top_k > 0) & (top_k < vocab) | (top_p < 1.0))
+        full = ~greedy & ~truncated
+        if full.any():
+            f = np.flatnonzero(full)
+            tokens[f] = _draw_full(x[f], temps[f], u[f])
+        if truncated.any():
+            t = np.flatnonzero(truncated)
+            tokens[t] = _draw_truncated(x[t], temps[t], top_k[t], top_p[t], u[t])
+
+    out_lp: list[TokenLogprob | None] = [None] * n
+    want = [i for i, ln in enumerate(lanes) if ln.logprobs is not None]
+    if want:
+        w = np.array(want, dtype=np.int64)
+        rows = x[w].astype(np.float64)
+        lse = rows.max(axis=1) + np.log(np.exp(rows - rows.max(axis=1, keepdims=True)).sum(axis=1))
+        chosen = rows[np.arange(len(w)), tokens[w]] - lse
+        kmax = max(lanes[i].logprobs or 0 for i in want)
+        top_ids = _top_sorted(x[w], min(kmax, vocab)) if kmax > 0 else np.zeros((len(w), 0), np.int64)
+        top_lp = np.take_along_axis(rows, top_ids, axis=1) - lse[:, None]
+        for r, i in enumerate(want):
+            k = min(lanes[i].logprobs or 0, vocab)
+            out_lp[i] = TokenLogprob(
+                token_id=int(tokens[i]),
+                logprob=float(chosen[r]),
+                top=tuple(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist(), strict=True)),
+            )
+    return SampleResult(tokens=tokens, logprobs=out_lp)
