@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from calserve.errors import ConfigError, PackageError
+from calserve.models.capacity import pool_bytes
 from calserve.models.hf import load_hf_checkpoint, load_safetensors, write_safetensors
 from calserve.models.manifest import (
     FORMAT,
@@ -66,12 +67,6 @@ _KV_BYTES = {"fp32": 4, "bf16": 2}
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * _KV_BYTES[kv_dtype]
-
-
-def pool_bytes(cfg: ModelConfig, compiled_batch: int) -> int:
-    """Job buffer pools of one profile: 2 engines x B lanes x (fp32 logits + token/pos/valid/echo)."""
-    per_lane = cfg.vocab_size * 4 + 4 + 4 + 1 + 3 * 8 + 8
-    return 2 * compiled_batch * per_lane
 
 
 def make_profiles(
