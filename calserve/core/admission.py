@@ -25,6 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
+import itertools
+import math
+from collections import deque
 from collections.abc import Mapping
 from typing import Literal
 
@@ -114,10 +118,46 @@ class AdmissionStats:
     decisions: Mapping[Outcome, int]  # count per outcome (ADMIT counted by pop_admissible)
 
 
+# A hint for clients when a queue/token budget is full: roughly one decode round of a busy device.
+QUEUE_FULL_RETRY_S = 1.0
+UNAVAILABLE_RETRY_S = 5.0
+_EPS = 1e-9
+
+
+@dataclasses.dataclass(eq=False)
+class _Tenant:
+    """Per-tenant mutable state; only :class:`AdmissionController` touches it."""
+
+    name: str
+    policy: TenantPolicy
+    queue: deque[WorkItem] = dataclasses.field(default_factory=deque)  # FIFO; may hold removed items
+    waiting: int = 0  # live items in queue
+    waiting_tokens: int = 0
+    active: set[int] = dataclasses.field(default_factory=set)
+    # Virtual time from delivered service: sum(charged cost) / weight, lifted on return from idle.
+    vt: float = 0.0
+    # Estimated cost not yet delivered of this tenant's active requests (cost units).
+    est: float = 0.0
+    service: float = 0.0  # delivered cost units, never lifted (a metric)
+    bucket: float = 0.0  # QPS token bucket level
+    bucket_at: float | None = None  # when the bucket was last refilled
+    version: int = 0  # heap entries with another version are stale
+    in_heap: bool = False  # a live heap entry exists
+
+    @property
+    def weight(self) -> float:
+        return self.policy.weight
+
+    def effective_vt(self) -> float:
+        return self.vt + self.est / self.policy.weight
+
+
 class AdmissionController:
     """Spec §5: budgets, the five outcomes, and the per-tenant weighted fair queue.
 
     ``policy="fcfs"`` keeps all checks but pops in arrival order (for side-by-side benchmarks).
+
+    Not thread-safe: one owner (the engine's scheduler task) calls it.
     """
 
     def __init__(
@@ -129,29 +169,351 @@ class AdmissionController:
         output_token_cost: float = 2.0,
         policy: Literal["wfq", "fcfs"] = "wfq",
     ) -> None:
-        raise NotImplementedError
+        if policy not in ("wfq", "fcfs"):
+            raise ValueError(f"policy must be 'wfq' or 'fcfs', got {policy!r}")
+        if output_token_cost <= 0:
+            raise ValueError(f"output_token_cost must be > 0, got {output_token_cost}")
+        if max_seq < 2:
+            raise ValueError(f"max_seq must be >= 2, got {max_seq}")
+        for name, p in [*tenants.items(), ("<default>", default_policy)]:
+            if not p.weight > 0:
+                raise ValueError(f"tenants.{name}.weight must be > 0, got {p.weight}")
+        self.budget = budget
+        self.max_seq = max_seq
+        self.output_token_cost = output_token_cost
+        self.policy = policy
+        self._policies = dict(tenants)
+        self._default = default_policy
+        self._tenants: dict[str, _Tenant] = {}
+        self._items: dict[int, WorkItem] = {}  # waiting, by request id
+        self._active: dict[int, str] = {}  # popped and not released: request id -> tenant
+        self._remaining: dict[int, float] = {}  # active request id -> estimate not yet charged
+        self._waiting_tokens = 0
+        self._seq = itertools.count()
+        # WFQ: (virtual_finish of the tenant's head, tie, version, tenant). Invariant: for a tenant
+        # with in_heap, exactly one entry has its version, and its key <= the tenant's true key.
+        self._heap: list[tuple[float, int, int, str]] = []
+        self._fifo: deque[WorkItem] = deque()  # FCFS order (may hold removed items)
+        self._deadlines: list[tuple[float, int, int]] = []  # (deadline, tie, request id), lazy
+        self._gvt = 0.0  # global virtual time: start tag of the last admitted item, monotone
+        self._decisions = {o: 0 for o in Outcome}
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _tenant(self, name: str) -> _Tenant:
+        t = self._tenants.get(name)
+        if t is None:
+            p = self._policies.get(name, self._default)
+            t = _Tenant(name, p)
+            t.bucket = float(self._burst(p))
+            self._tenants[name] = t
+        return t
+
+    @staticmethod
+    def _burst(p: TenantPolicy) -> int:
+        if p.burst is not None:
+            return p.burst
+        return max(1, math.ceil(p.qps)) if p.qps is not None else 1
+
+    def cost(self, item: WorkItem) -> float:
+        """The fair-queue cost of a request (spec §5.3), in cost units."""
+        return item.prompt_tokens + self.output_token_cost * item.max_new_tokens
+
+    def _head(self, t: _Tenant) -> WorkItem | None:
+        q = t.queue
+        while q and q[0].request_id not in self._items:
+            q.popleft()
+        return q[0] if q else None
+
+    def _key(self, t: _Tenant, head: WorkItem) -> float:
+        return max(t.effective_vt(), self._gvt) + self.cost(head) / t.weight
+
+    def _push(self, t: _Tenant) -> None:
+        """(Re)insert ``t`` with its true key, invalidating older entries."""
+        head = self._head(t)
+        t.version += 1
+        if head is None:
+            t.in_heap = False
+            return
+        t.in_heap = True
+        heapq.heappush(self._heap, (self._key(t, head), next(self._seq), t.version, t.name))
+
+    def _decide(self, outcome: Outcome, reason: str, param: str | None = None,
+                retry_after_s: float | None = None) -> AdmissionDecision:
+        self._decisions[outcome] += 1
+        return AdmissionDecision(outcome, reason, param, retry_after_s)
+
+    def _invalid(self, item: WorkItem) -> AdmissionDecision | None:
+        b = self.budget
+        if item.prompt_tokens < 1:
+            return self._decide(Outcome.REJECT_INVALID, "the prompt is empty", "prompt")
+        if item.max_new_tokens < 1:
+            return self._decide(Outcome.REJECT_INVALID, "max_tokens must be >= 1", "max_tokens")
+        for limit, what in ((self.max_seq, "the model's context (max_seq)"),
+                            (b.max_kv_tokens, "the KV budget (max_kv_tokens)")):
+            if item.prompt_tokens >= limit:
+                return self._decide(
+                    Outcome.REJECT_INVALID,
+                    f"prompt of {item.prompt_tokens} tokens leaves no room in {what} of {limit}",
+                    "prompt")
+            if item.kv_tokens > limit:
+                return self._decide(
+                    Outcome.REJECT_INVALID,
+                    f"prompt ({item.prompt_tokens}) + max_tokens ({item.max_new_tokens}) = "
+                    f"{item.kv_tokens} tokens exceeds {what} of {limit}",
+                    "max_tokens")
+        if item.prompt_tokens > b.max_waiting_prompt_tokens:
+            return self._decide(
+                Outcome.REJECT_INVALID,
+                f"prompt of {item.prompt_tokens} tokens exceeds max_waiting_prompt_tokens "
+                f"{b.max_waiting_prompt_tokens}: it could never be queued", "prompt")
+        p = self._policies.get(item.tenant, self._default)
+        if p.max_waiting_tokens is not None and item.prompt_tokens > p.max_waiting_tokens:
+            return self._decide(
+                Outcome.REJECT_INVALID,
+                f"prompt of {item.prompt_tokens} tokens exceeds tenant {item.tenant!r} "
+                f"max_waiting_tokens {p.max_waiting_tokens}", "prompt")
+        return None
+
+    # -- decisions ----------------------------------------------------------------------------
 
     def offer(self, item: WorkItem, now: float, model_accepting: bool) -> AdmissionDecision:
-        raise NotImplementedError
+        """Decide what happens to a new request. On QUEUE the item is now waiting here."""
+        if item.request_id in self._items or item.request_id in self._active:
+            raise ValueError(f"request {item.request_id} is already known to admission")
+        bad = self._invalid(item)
+        if bad is not None:
+            return bad
+        if not model_accepting:
+            return self._decide(Outcome.REJECT_UNAVAILABLE, "the model is not accepting requests",
+                                retry_after_s=UNAVAILABLE_RETRY_S)
+        if item.deadline is not None and item.deadline <= now:
+            return self._decide(Outcome.DEADLINE, "the deadline passed before admission")
+        b = self.budget
+        if len(self._items) + 1 > b.max_waiting_requests:
+            return self._decide(Outcome.REJECT_CAPACITY,
+                                f"max_waiting_requests ({b.max_waiting_requests}) reached",
+                                retry_after_s=QUEUE_FULL_RETRY_S)
+        if self._waiting_tokens + item.prompt_tokens > b.max_waiting_prompt_tokens:
+            return self._decide(Outcome.REJECT_CAPACITY,
+                                f"max_waiting_prompt_tokens ({b.max_waiting_prompt_tokens}) reached",
+                                retry_after_s=QUEUE_FULL_RETRY_S)
+        t = self._tenant(item.tenant)
+        p = t.policy
+        if p.max_waiting_tokens is not None and (
+                t.waiting_tokens + item.prompt_tokens > p.max_waiting_tokens):
+            return self._decide(Outcome.REJECT_CAPACITY,
+                                f"tenant {t.name!r} max_waiting_tokens ({p.max_waiting_tokens}) "
+                                f"reached", retry_after_s=QUEUE_FULL_RETRY_S)
+        if p.qps is not None:
+            burst = self._burst(p)
+            if t.bucket_at is not None and now > t.bucket_at:
+                t.bucket = min(float(burst), t.bucket + (now - t.bucket_at) * p.qps)
+            t.bucket_at = now if t.bucket_at is None else max(now, t.bucket_at)
+            if t.bucket < 1.0 - _EPS:
+                return self._decide(Outcome.REJECT_CAPACITY,
+                                    f"tenant {t.name!r} qps ({p.qps}/s, burst {burst}) exceeded",
+                                    retry_after_s=(1.0 - t.bucket) / p.qps)
+            t.bucket -= 1.0
+        # Accepted: queue it.
+        if t.waiting == 0 and self.policy == "wfq":
+            # Returning from idle (empty queue): no banked credit (spec §5.3, VTC lift).
+            t.vt = max(t.vt, self._gvt - t.est / t.weight)
+        self._items[item.request_id] = item
+        t.queue.append(item)
+        t.waiting += 1
+        t.waiting_tokens += item.prompt_tokens
+        self._waiting_tokens += item.prompt_tokens
+        if self.policy == "fcfs":
+            self._fifo.append(item)
+        elif not t.in_heap:
+            self._push(t)
+        if item.deadline is not None:
+            heapq.heappush(self._deadlines, (item.deadline, next(self._seq), item.request_id))
+        return self._decide(Outcome.QUEUE, "queued")
+
+    def _take(self, item: WorkItem, t: _Tenant) -> None:
+        """Move ``item`` from waiting to active (it must be the tenant's head in WFQ)."""
+        del self._items[item.request_id]
+        t.waiting -= 1
+        t.waiting_tokens -= item.prompt_tokens
+        self._waiting_tokens -= item.prompt_tokens
+        self._gvt = max(self._gvt, t.effective_vt())
+        c = self.cost(item)
+        t.est += c
+        self._remaining[item.request_id] = c
+        t.active.add(item.request_id)
+        self._active[item.request_id] = t.name
+        self._decisions[Outcome.ADMIT] += 1
+
+    def _capped(self, t: _Tenant) -> bool:
+        cap = t.policy.max_active_sequences
+        return cap is not None and len(t.active) >= cap
 
     def pop_admissible(self, now: float, free_sequences: int, free_kv_tokens: int) -> list[WorkItem]:
-        raise NotImplementedError
+        """The waiting items to admit now, in fair order, within ``free_sequences`` lanes and
+        ``free_kv_tokens`` KV tokens (each item needs ``item.kv_tokens``).
+
+        Tenants at their active-sequence cap are passed over (their items stay queued). When the
+        next item in fair order does not fit the free KV tokens, popping stops: skipping it for
+        smaller ones would starve large requests. Call :meth:`expire` first so that no expired item
+        is admitted.
+        """
+        out: list[WorkItem] = []
+        if self.policy == "fcfs":
+            return self._pop_fcfs(free_sequences, free_kv_tokens)
+        passed: list[_Tenant] = []
+        while free_sequences > 0 and self._heap:
+            key, tie, version, name = self._heap[0]
+            t = self._tenants[name]
+            if version != t.version:
+                heapq.heappop(self._heap)
+                continue
+            head = self._head(t)
+            if head is None:
+                heapq.heappop(self._heap)
+                t.in_heap = False
+                continue
+            true_key = self._key(t, head)
+            if true_key > key + _EPS:
+                heapq.heapreplace(self._heap, (true_key, tie, version, name))
+                continue
+            if self._capped(t):
+                heapq.heappop(self._heap)
+                t.in_heap = False
+                passed.append(t)
+                continue
+            if head.kv_tokens > free_kv_tokens:
+                break
+            heapq.heappop(self._heap)
+            t.queue.popleft()
+            self._take(head, t)
+            out.append(head)
+            free_sequences -= 1
+            free_kv_tokens -= head.kv_tokens
+            self._push(t)
+        for t in passed:
+            self._push(t)
+        return out
+
+    def _pop_fcfs(self, free_sequences: int, free_kv_tokens: int) -> list[WorkItem]:
+        out: list[WorkItem] = []
+        passed: list[WorkItem] = []
+        fifo = self._fifo
+        while free_sequences > 0 and fifo:
+            item = fifo[0]
+            if item.request_id not in self._items:
+                fifo.popleft()
+                continue
+            t = self._tenants[item.tenant]
+            if self._capped(t):
+                passed.append(fifo.popleft())
+                continue
+            if item.kv_tokens > free_kv_tokens:
+                break
+            fifo.popleft()
+            t.queue.remove(item)  # FCFS is the comparison baseline: O(tenant queue) is fine
+            self._take(item, t)
+            out.append(item)
+            free_sequences -= 1
+            free_kv_tokens -= item.kv_tokens
+        fifo.extendleft(reversed(passed))
+        return out
 
     def remove(self, request_id: int) -> WorkItem | None:
-        raise NotImplementedError
+        """Take a waiting request out (cancel while queued). None if it is not waiting."""
+        item = self._items.pop(request_id, None)
+        if item is None:
+            return None
+        t = self._tenants[item.tenant]
+        was_head = bool(t.queue) and t.queue[0] is item
+        t.waiting -= 1
+        t.waiting_tokens -= item.prompt_tokens
+        self._waiting_tokens -= item.prompt_tokens
+        if self.policy == "wfq" and was_head:
+            self._push(t)  # the head's cost changed: re-key
+        return item
 
     def expire(self, now: float) -> list[WorkItem]:
-        raise NotImplementedError
-
-    def release(self, request_id: int) -> None:
-        raise NotImplementedError
-
-    def charge(self, tenant: str, prefill_tokens: int = 0, decode_tokens: int = 0,
-               request_id: int | None = None) -> None:
-        raise NotImplementedError
+        """Remove and return the waiting items whose deadline is <= ``now`` (outcome DEADLINE)."""
+        out: list[WorkItem] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, rid = heapq.heappop(self._deadlines)
+            item = self.remove(rid)
+            if item is not None:
+                self._decisions[Outcome.DEADLINE] += 1
+                out.append(item)
+        return out
 
     def next_deadline(self) -> float | None:
-        raise NotImplementedError
+        """The earliest deadline among waiting items (when to call :meth:`expire` next)."""
+        while self._deadlines and self._deadlines[0][2] not in self._items:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def charge(self, tenant: str, prefill_tokens: int = 0, decode_tokens: int = 0, *,
+               request_id: int | None = None) -> None:
+        """Record service delivered to ``tenant``: tokens prefilled and decoded (spec §5.3).
+
+        Pass ``request_id`` so the delivered service is taken off that request's estimate; without
+        it the tenant's aggregate estimate is reduced instead.
+        """
+        if prefill_tokens < 0 or decode_tokens < 0:
+            raise ValueError("charged tokens must be >= 0")
+        amount = prefill_tokens + self.output_token_cost * decode_tokens
+        t = self._tenant(tenant)
+        t.service += amount
+        t.vt += amount / t.weight
+        if request_id is not None and request_id in self._remaining:
+            dec = min(amount, self._remaining[request_id])
+            self._remaining[request_id] -= dec
+        else:
+            dec = min(amount, t.est)
+        t.est = max(0.0, t.est - dec)
+        # The tenant's key can only grow here (overrun), which the lazy heap check handles.
+
+    def release(self, request_id: int) -> None:
+        """An admitted request's sequence ended (any reason). Its undelivered estimate is dropped:
+        an early stop is only charged what it got. Idempotent."""
+        name = self._active.pop(request_id, None)
+        if name is None:
+            return
+        t = self._tenants[name]
+        t.active.discard(request_id)
+        rem = self._remaining.pop(request_id, 0.0)
+        t.est = max(0.0, t.est - rem)
+        if not t.active:
+            t.est = 0.0  # no float residue when nothing is in flight
+        if self.policy == "wfq" and t.waiting:
+            self._push(t)  # key went down (refund) or a capped tenant became eligible
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._items
+
+    def is_active(self, request_id: int) -> bool:
+        return request_id in self._active
+
+    def virtual_finish(self, tenant: str, cost: float = 0.0) -> float:
+        """The tag a request of ``cost`` from ``tenant`` would get now: the tie-break the decode
+        scheduler uses after deadlines (spec §7.2)."""
+        t = self._tenant(tenant)
+        return max(t.effective_vt(), self._gvt) + cost / t.weight
 
     def statistics(self) -> AdmissionStats:
-        raise NotImplementedError
+        return AdmissionStats(
+            waiting_requests=len(self._items),
+            waiting_prompt_tokens=self._waiting_tokens,
+            active_sequences=len(self._active),
+            global_virtual_time=self._gvt,
+            tenants={
+                n: TenantStats(t.waiting, t.waiting_tokens, len(t.active), t.service,
+                               t.effective_vt())
+                for n, t in self._tenants.items()
+            },
+            decisions=dict(self._decisions),
+        )

@@ -12,6 +12,7 @@ position (spec §7.3: never assume token 0 means "nothing").
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Collection, Iterable, Mapping
 from typing import TypeVar
 
@@ -50,7 +51,18 @@ class BatchProfile:
     inactive_position: int = 0  # declared filler position
 
     def __post_init__(self) -> None:
-        raise NotImplementedError
+        if self.compiled_batch < 1:
+            raise ValueError(f"compiled_batch must be >= 1, got {self.compiled_batch}")
+        if self.max_seq < 1:
+            raise ValueError(f"max_seq must be >= 1, got {self.max_seq}")
+        if self.compiled_batch > 1 and (not self.valid_mask or self.inactive_writes_kv):
+            # Spec §7.3: without a mask contract a B>1 profile must not be used at all.
+            raise ValueError(
+                f"B{self.compiled_batch} profile needs a valid mask and inactive lanes that do not "
+                f"write KV (valid_mask={self.valid_mask}, inactive_writes_kv="
+                f"{self.inactive_writes_kv})")
+        if not 0 <= self.inactive_position < self.max_seq:
+            raise ValueError(f"inactive_position {self.inactive_position} outside 0..max_seq-1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +110,18 @@ class DecodeBatch:
         return self.active == 0
 
 
+def _exclusion(c: DecodeCandidate, profile: BatchProfile, now: float, generation: int) -> str | None:
+    if c.cancelled:
+        return SkipReason.CANCELLED
+    if c.generation != generation:
+        return SkipReason.GENERATION
+    if c.deadline is not None and c.deadline <= now:
+        return SkipReason.DEADLINE
+    if c.position >= profile.max_seq:
+        return SkipReason.LENGTH
+    return None
+
+
 def build_decode_batch(
     profile: BatchProfile,
     ready: Iterable[DecodeCandidate],
@@ -105,7 +129,65 @@ def build_decode_batch(
     generation: int,
     tenant_max_lane_share: float = 1.0,
 ) -> DecodeBatch:
-    raise NotImplementedError
+    """Choose up to ``profile.compiled_batch`` candidates and lay out the host tensors (spec §7).
+
+    ``tenant_max_lane_share`` (0, 1]: one tenant gets at most ``max(1, floor(share * B))`` lanes while
+    other eligible candidates are waiting; leftover lanes go back to capped tenants rather than run
+    empty ("unless no other candidate exists"). Under low traffic this returns a partial batch: it
+    never waits (waiting is :func:`batching_window`'s decision).
+    """
+    if not 0.0 < tenant_max_lane_share <= 1.0:
+        raise ValueError(f"tenant_max_lane_share must be in (0, 1], got {tenant_max_lane_share}")
+    b = profile.compiled_batch
+    skipped: list[tuple[int, str]] = []
+    eligible: list[tuple[float, float, int, DecodeCandidate]] = []
+    seen: set[int] = set()
+    for c in ready:
+        if c.request_id in seen:
+            raise ValueError(f"request {c.request_id} appears twice among decode candidates")
+        seen.add(c.request_id)
+        why = _exclusion(c, profile, now, generation)
+        if why is not None:
+            skipped.append((c.request_id, why))
+            continue
+        eligible.append((math.inf if c.deadline is None else c.deadline, c.virtual_finish,
+                         c.request_id, c))
+    # Earliest deadline first, then virtual finish, then request id (total order: deterministic).
+    eligible.sort(key=lambda e: e[:3])
+    cap = max(1, math.floor(tenant_max_lane_share * b + 1e-9))
+    chosen: list[DecodeCandidate] = []
+    deferred: list[DecodeCandidate] = []
+    per_tenant: dict[str, int] = {}
+    rest = 0
+    for i, (_, _, _, c) in enumerate(eligible):
+        if len(chosen) == b:
+            rest = i
+            break
+        n = per_tenant.get(c.tenant, 0)
+        if n >= cap:
+            deferred.append(c)
+            continue
+        per_tenant[c.tenant] = n + 1
+        chosen.append(c)
+    else:
+        rest = len(eligible)
+    # No other candidate exists: over-cap candidates fill what is left, in the same order.
+    while deferred and len(chosen) < b:
+        chosen.append(deferred.pop(0))
+    skipped.extend((c.request_id, SkipReason.TENANT_SHARE) for c in deferred)
+    skipped.extend((e[3].request_id, SkipReason.BATCH_FULL) for e in eligible[rest:])
+    lanes: list[DecodeCandidate | None] = [*chosen, *([None] * (b - len(chosen)))]
+    return DecodeBatch(
+        generation=generation,
+        profile=profile,
+        lanes=tuple(lanes),
+        token_ids=tuple(profile.inactive_token_id if c is None else c.last_token for c in lanes),
+        positions=tuple(profile.inactive_position if c is None else c.position for c in lanes),
+        valid_mask=tuple(0 if c is None else 1 for c in lanes),
+        seq_ids=tuple(-1 if c is None else c.seq_id for c in lanes),
+        skipped=tuple(skipped),
+        active=len(chosen),
+    )
 
 
 def select_profile(
@@ -115,7 +197,25 @@ def select_profile(
     selection_cfg: ProfileSelection,
     fixed: int | None = None,
 ) -> int:
-    raise NotImplementedError
+    """The compiled batch size to use for the next decode job (spec §8).
+
+    With ``fixed`` (profiles cannot co-reside: this instance serves one pool, ``batch.instance_pool``)
+    the answer is always ``fixed``. Otherwise the largest available profile whose ``bN_min_ready``
+    threshold ``ready_count`` reaches; if none does, the smallest available one (a partial batch
+    beats waiting, spec §7.2 item 5). ``oldest_wait_s`` is part of the §8 signature; the 0.7.6 config
+    has ready-count thresholds only, so it does not change the choice today.
+    """
+    if not available_profiles:
+        raise MissingProfile("no batch profile is available")
+    if fixed is not None:
+        return profile_or_fail(fixed, {p: p for p in available_profiles})
+    thresholds = {1: 1, 4: selection_cfg.b4_min_ready, 8: selection_cfg.b8_min_ready,
+                  16: selection_cfg.b16_min_ready}
+    best: int | None = None
+    for p in sorted(available_profiles):
+        if ready_count >= thresholds.get(p, p):
+            best = p
+    return best if best is not None else min(available_profiles)
 
 
 def batching_window(
@@ -127,11 +227,37 @@ def batching_window(
     window_us: int,
     step_estimate_s: float = 0.0,
 ) -> tuple[bool, float | None]:
-    raise NotImplementedError
+    """Whether to send the decode batch now, else when to look again (spec §7.2 items 4–5).
+
+    Returns ``(True, None)`` to fire now, ``(False, wake_at)`` to wait until ``wake_at`` at the
+    latest, ``(False, None)`` when there is nothing to send. Fires at once when the batch is full or
+    the window is 0; otherwise waits at most ``window_us`` after the oldest candidate became ready,
+    and never past ``earliest_deadline - step_estimate_s`` (so the step still ends before the SLA).
+    Invariant: ``wake_at`` is finite and > ``now``; at ``wake_at`` this function returns fire.
+    """
+    if ready_count <= 0:
+        return (False, None)
+    if ready_count >= compiled_batch or window_us <= 0:
+        return (True, None)
+    since = now if oldest_ready_since is None else oldest_ready_since
+    due = since + window_us * 1e-6
+    if earliest_deadline is not None:
+        due = min(due, earliest_deadline - step_estimate_s)
+    if now >= due:
+        return (True, None)
+    return (False, due)
 
 
 P = TypeVar("P")
 
 
 def profile_or_fail(requested: int, available: Mapping[int, P]) -> P:
-    raise NotImplementedError
+    """The profile for ``requested``; :class:`MissingProfile` if the package/runtime lacks it
+    (spec §15: a configured B8 that does not exist fails start-up, it is never emulated)."""
+    try:
+        return available[requested]
+    except KeyError:
+        raise MissingProfile(
+            f"batch profile B{requested} is not available (have: "
+            f"{', '.join(f'B{p}' for p in sorted(available)) or 'none'})",
+            param="scheduler.batch.profiles") from None

@@ -19,8 +19,10 @@ a wrong position) raises :class:`IllegalTransition` / :class:`ValueError` becaus
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
-from calserve.core.kv_state import KvSequenceState
+from calserve.core.fsm import IllegalTransition
+from calserve.core.kv_state import KvEvent, KvSequenceState, fire
 
 __all__ = ["KvLease", "KvLaneInfo", "KvStats", "KvLaneManager"]
 
@@ -63,55 +65,205 @@ class KvStats:
         return self.max_kv_tokens - self.tokens_reserved
 
 
+@dataclasses.dataclass
+class _Lane:
+    """Mutable per-lane record; only :class:`KvLaneManager` touches it."""
+
+    state: KvSequenceState = KvSequenceState.FREE
+    request_id: int | None = None
+    generation: int | None = None
+    seq_id: int | None = None
+    committed_len: int = 0
+    reserved_len: int = 0
+    pending: int = 0
+
+
+_S = KvSequenceState
+
+
 class KvLaneManager:
+    """Lanes of one configured calbin. Not thread-safe: one owner (the engine's scheduler task)."""
+
     def __init__(self, num_lanes: int, max_seq: int, max_kv_tokens: int) -> None:
-        raise NotImplementedError
+        if num_lanes < 1:
+            raise ValueError(f"num_lanes must be >= 1, got {num_lanes}")
+        if max_seq < 1:
+            raise ValueError(f"max_seq must be >= 1, got {max_seq}")
+        if max_kv_tokens < 1:
+            raise ValueError(f"max_kv_tokens must be >= 1, got {max_kv_tokens}")
+        self.num_lanes = num_lanes
+        self.max_seq = max_seq
+        self.max_kv_tokens = max_kv_tokens
+        self._lanes = [_Lane() for _ in range(num_lanes)]
+        # Invariant: _free holds exactly the indices of Free lanes (lowest index is reused first, which
+        # keeps lane numbers small and tests deterministic).
+        self._free = list(range(num_lanes))
+        self._by_request: dict[tuple[int, int], int] = {}  # (request_id, generation) -> lane
+        self._tokens_reserved = 0
+        self._tokens_committed = 0
+
+    # -- transitions --------------------------------------------------------------------------
+
+    def _lane(self, lane: int) -> _Lane:
+        if not 0 <= lane < self.num_lanes:
+            raise ValueError(f"lane {lane} out of range 0..{self.num_lanes - 1}")
+        return self._lanes[lane]
+
+    def _move(self, rec: _Lane, event: KvEvent) -> None:
+        rec.state = fire(rec.state, event)
 
     def reserve(self, request_id: int, generation: int, reserved_len: int) -> KvLease | None:
         """Hold a Free lane and ``reserved_len`` tokens; None if no lane or not enough tokens."""
-        raise NotImplementedError
+        if not 1 <= reserved_len <= self.max_seq:
+            raise ValueError(f"reserved_len {reserved_len} outside 1..max_seq={self.max_seq}")
+        key = (request_id, generation)
+        if key in self._by_request:
+            raise ValueError(f"request {request_id} already holds lane {self._by_request[key]} "
+                             f"in generation {generation}")
+        if not self._free or self._tokens_reserved + reserved_len > self.max_kv_tokens:
+            return None
+        lane = heapq.heappop(self._free)
+        rec = self._lanes[lane]
+        self._move(rec, KvEvent.RESERVE)
+        rec.request_id, rec.generation, rec.seq_id = request_id, generation, None
+        rec.committed_len, rec.reserved_len, rec.pending = 0, reserved_len, 0
+        self._by_request[key] = lane
+        self._tokens_reserved += reserved_len
+        return KvLease(lane, request_id, generation, reserved_len)
 
     def bind(self, lane: int, seq_id: int) -> None:
         """Reserved -> Active once the runtime created sequence ``seq_id`` for the lane."""
-        raise NotImplementedError
+        rec = self._lane(lane)
+        self._move(rec, KvEvent.BIND)
+        rec.seq_id = seq_id
 
     def begin_update(self, lane: int, position: int, n: int) -> None:
         """Active -> Updating before a job writing ``n`` tokens at ``position`` is submitted."""
-        raise NotImplementedError
+        rec = self._lane(lane)
+        if rec.state is not _S.ACTIVE:
+            raise IllegalTransition("kv", rec.state, KvEvent.BEGIN_UPDATE)
+        if position != rec.committed_len:
+            raise ValueError(f"lane {lane}: position {position} != committed_len {rec.committed_len}")
+        if n < 1 or rec.committed_len + n > rec.reserved_len:
+            raise ValueError(f"lane {lane}: writing {n} tokens at {position} exceeds reserved_len "
+                             f"{rec.reserved_len}")
+        self._move(rec, KvEvent.BEGIN_UPDATE)
+        rec.pending = n
 
     def commit(self, lane: int, n: int) -> None:
         """Updating -> Active after device and output succeeded: ``committed_len += n``."""
-        raise NotImplementedError
+        rec = self._lane(lane)
+        if rec.state is not _S.UPDATING:
+            raise IllegalTransition("kv", rec.state, KvEvent.COMMIT)
+        if not 0 <= n <= rec.pending:
+            raise ValueError(f"lane {lane}: commit of {n} tokens but {rec.pending} were submitted")
+        self._move(rec, KvEvent.COMMIT)
+        rec.committed_len += n
+        rec.pending = 0
+        self._tokens_committed += n
 
     def rollback(self, lane: int) -> None:
         """Updating -> Active when the job was refused before running (nothing written)."""
-        raise NotImplementedError
+        rec = self._lane(lane)
+        self._move(rec, KvEvent.ROLLBACK)
+        rec.pending = 0
 
     def mark_unknown(self, lane: int) -> None:
-        """After a timeout or device fault: quarantine the lane until ``clear_after_reset``."""
-        raise NotImplementedError
+        """After a timeout or device fault: quarantine the lane until ``clear_after_reset``.
+
+        Idempotent on an Unknown lane (one fault may be reported by several completions)."""
+        rec = self._lane(lane)
+        if rec.state is _S.UNKNOWN:
+            return
+        self._move(rec, KvEvent.FAULT)
+        rec.pending = 0
 
     def begin_release(self, lane: int) -> None:
-        """Reserved/Active -> Releasing: the caller now asks the runtime to free the sequence."""
-        raise NotImplementedError
+        """Reserved/Active -> Releasing: the caller now asks the runtime to free the sequence.
+
+        A Reserved lane has no runtime sequence: the caller may confirm at once."""
+        rec = self._lane(lane)
+        self._move(rec, KvEvent.BEGIN_RELEASE)
 
     def confirm_released(self, lane: int) -> None:
         """Releasing -> Free: the runtime confirmed; the lane and its tokens are reusable."""
-        raise NotImplementedError
+        rec = self._lane(lane)
+        self._move(rec, KvEvent.CONFIRM_RELEASE)
+        self._to_free(lane, rec)
 
     def clear_after_reset(self) -> list[KvLaneInfo]:
         """After a device reset every sequence is invalid: all lanes -> Free. Returns what was held."""
-        raise NotImplementedError
+        held: list[KvLaneInfo] = []
+        for lane, rec in enumerate(self._lanes):
+            if rec.state is _S.FREE:
+                continue
+            held.append(self.info(lane))
+            self._move(rec, KvEvent.RESET)
+            self._to_free(lane, rec)
+        return held
+
+    def _to_free(self, lane: int, rec: _Lane) -> None:
+        assert rec.request_id is not None and rec.generation is not None
+        del self._by_request[(rec.request_id, rec.generation)]
+        self._tokens_reserved -= rec.reserved_len
+        self._tokens_committed -= rec.committed_len
+        rec.request_id = rec.generation = rec.seq_id = None
+        rec.committed_len = rec.reserved_len = rec.pending = 0
+        heapq.heappush(self._free, lane)
+
+    # -- queries ------------------------------------------------------------------------------
 
     def lane_of(self, request_id: int, generation: int) -> int | None:
-        raise NotImplementedError
+        return self._by_request.get((request_id, generation))
 
     def info(self, lane: int) -> KvLaneInfo:
-        raise NotImplementedError
+        r = self._lane(lane)
+        return KvLaneInfo(lane, r.state, r.request_id, r.generation, r.seq_id, r.committed_len,
+                          r.reserved_len, r.pending)
 
     def statistics(self) -> KvStats:
-        raise NotImplementedError
+        counts = {s: 0 for s in KvSequenceState}
+        for r in self._lanes:
+            counts[r.state] += 1
+        return KvStats(
+            num_lanes=self.num_lanes,
+            max_kv_tokens=self.max_kv_tokens,
+            free=counts[_S.FREE],
+            reserved=counts[_S.RESERVED],
+            active=counts[_S.ACTIVE],
+            updating=counts[_S.UPDATING],
+            unknown=counts[_S.UNKNOWN],
+            releasing=counts[_S.RELEASING],
+            tokens_reserved=self._tokens_reserved,
+            tokens_committed=self._tokens_committed,
+        )
 
     def check_invariants(self) -> None:
         """Assert every ``# Invariant:`` of this module (used by tests; cheap enough for debug)."""
-        raise NotImplementedError
+        free = sorted(i for i, r in enumerate(self._lanes) if r.state is _S.FREE)
+        assert sorted(self._free) == free, (self._free, free)
+        keys: dict[tuple[int, int], int] = {}
+        seqs: dict[tuple[int, int], int] = {}
+        reserved = committed = 0
+        for i, r in enumerate(self._lanes):
+            if r.state is _S.FREE:
+                assert r.request_id is None and r.reserved_len == 0 and r.committed_len == 0
+                continue
+            assert r.request_id is not None and r.generation is not None
+            key = (r.request_id, r.generation)
+            assert key not in keys, f"request {key} on lanes {keys[key]} and {i}"
+            keys[key] = i
+            if r.seq_id is not None and r.state is not _S.UNKNOWN:
+                skey = (r.seq_id, r.generation)
+                assert skey not in seqs, f"seq {skey} on lanes {seqs[skey]} and {i}"
+                seqs[skey] = i
+            assert 0 <= r.committed_len <= r.reserved_len <= self.max_seq, r
+            assert (r.pending > 0) == (r.state is _S.UPDATING), r
+            assert r.committed_len + r.pending <= r.reserved_len, r
+            assert (r.seq_id is None) == (r.state is _S.RESERVED) or r.state in (
+                _S.RELEASING, _S.UNKNOWN), r
+            reserved += r.reserved_len
+            committed += r.committed_len
+        assert keys == self._by_request, (keys, self._by_request)
+        assert reserved == self._tokens_reserved <= self.max_kv_tokens
+        assert committed == self._tokens_committed
