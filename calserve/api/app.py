@@ -1,0 +1,205 @@
+"""The quart-trio app factory: ``create_app(config=None, *, engine_factory=None)``.
+
+``calserve:app`` (``hypercorn -k trio calserve:app``) is ``create_app()``: config from
+``CALSERVE_CONFIG`` or the embedded default (software runtime + the demo package, built on first start
+into ``calserve_home()``). The lifespan runs the engine through :class:`EngineHost` (own nursery,
+explicit crash policy); the routes live in :mod:`calserve.api.routes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, Final, final
+
+import msgspec
+import trio
+from quart import Response
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from calserve.api.errors import ApiError, from_exception
+from calserve.api.lifecycle import EngineFactory, EngineHost
+from calserve.api.metrics import ApiMetrics
+from calserve.config import CalserveConfig, load_config
+from calserve.errors import CalserveError
+
+__all__ = ["create_app", "ApiState", "CalserveApp", "ASYNCIO_REFUSAL", "get_state"]
+
+log = logging.getLogger("calserve.api")
+
+ASYNCIO_REFUSAL: Final = (
+    "calserve:app runs on Trio only: start it with `hypercorn -k trio calserve:app` "
+    "(or `calserve serve`); hypercorn's default asyncio worker is not supported"
+)
+_STOP_TIMEOUT_S: Final = 4.0  # < quart-trio's 5 s background-task deadline
+
+
+@final
+class ApiState:
+    """Everything the routes need; one per app (``app.extensions['calserve']``)."""
+
+    def __init__(self, config: CalserveConfig | None, factory: EngineFactory | None,
+                 prepare: Callable[[CalserveConfig], CalserveConfig] | None) -> None:
+        self._config = config
+        self._factory = factory
+        self._prepare = prepare
+        self.host: EngineHost | None = None
+        self.metrics = ApiMetrics(self._stats)
+        self.api_keys: dict[str, str] = {}  # key -> tenant; empty = one "default" tenant
+
+    def _stats(self) -> Any:
+        return self.host.statistics() if self.host is not None else None
+
+    @property
+    def config(self) -> CalserveConfig:
+        assert self.host is not None
+        return self.host.config
+
+    def build_host(self) -> EngineHost:
+        config = self._config if self._config is not None else load_config()
+        factory = self._factory
+        if factory is None:
+            factory = _default_factory
+            if self._prepare is None:
+                config = resolve_default_packages(config)
+        if self._prepare is not None:
+            config = self._prepare(config)
+        self.api_keys = {k: name for name, t in config.tenants.items() for k in t.api_keys}
+        self.host = EngineHost(config, factory)
+        return self.host
+
+
+def _default_factory(config: CalserveConfig) -> Any:
+    from calserve.engine.engine import Engine  # lazy: the web layer imports without the engine
+
+    return Engine.open(config)
+
+
+def resolve_default_packages(config: CalserveConfig) -> CalserveConfig:
+    """Models without a package use the built-in demo package, built on first start (logged)."""
+    if all(m.package is not None for m in config.models.values()):
+        return config
+    try:
+        from calserve.models.demo import ensure_demo_package
+    except ImportError:  # the engine resolves ``package: null`` itself
+        return config
+    path = ensure_demo_package()
+    log.warning("calserve: using the demo package at %s (built on first start)", path)
+    models = {
+        alias: (msgspec.structs.replace(m, package=str(path)) if m.package is None else m)
+        for alias, m in config.models.items()
+    }
+    return msgspec.structs.replace(config, models=models)
+
+
+def _trio_running() -> bool:
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return False
+    return True
+
+
+class CalserveApp(QuartTrio):
+    """QuartTrio that refuses, with a clear message, to run under an asyncio ASGI server."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if _trio_running():
+            await super().__call__(scope, receive, send)
+            return
+        print(f"error: {ASYNCIO_REFUSAL}", file=sys.stderr, flush=True)
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.failed", "message": ASYNCIO_REFUSAL})
+                    return
+                if msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        elif scope["type"] == "http":
+            body = msgspec.json.encode(from_exception(ApiError(
+                500, ASYNCIO_REFUSAL, type="server_error", code="wrong_worker")).body())
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": body})
+
+
+def get_state(app: QuartTrio) -> ApiState:
+    st = app.extensions["calserve"]
+    assert isinstance(st, ApiState)
+    return st
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status=status, headers=headers,
+                    content_type="application/json")
+
+
+def error_response(err: ApiError) -> Response:
+    return json_response(err.body(), err.status, err.headers())
+
+
+def create_app(
+    config: CalserveConfig | None = None,
+    *,
+    engine_factory: EngineFactory | None = None,
+    prepare_config: Callable[[CalserveConfig], CalserveConfig] | None = None,
+) -> CalserveApp:
+    """Build the app. ``config`` None = ``load_config()`` at start-up (``CALSERVE_CONFIG`` or the
+    embedded default); ``engine_factory(config)`` returns the engine's async context manager
+    (default ``Engine.open``); ``prepare_config`` lets ``calserve serve`` rewrite the loaded config."""
+    app = CalserveApp("calserve")
+    app.config["RESPONSE_TIMEOUT"] = None  # streams are never cut (STACK.md)
+    app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 5
+    state = ApiState(config, engine_factory, prepare_config)
+    app.extensions["calserve"] = state
+
+    @app.before_serving
+    async def _start() -> None:
+        host = await trio.to_thread.run_sync(state.build_host)
+        app.config["MAX_CONTENT_LENGTH"] = host.config.server.max_body_bytes
+        await app.nursery.start(host.run)
+        log.info("calserve: engine started (models: %s)", ", ".join(host.config.models))
+
+    @app.after_serving
+    async def _stop() -> None:
+        if state.host is not None:
+            await state.host.stop(_STOP_TIMEOUT_S)
+
+    @app.errorhandler(ApiError)
+    async def _api_error(err: ApiError) -> Response:
+        return error_response(err)
+
+    @app.errorhandler(CalserveError)
+    async def _calserve_error(err: CalserveError) -> Response:
+        return error_response(from_exception(err))
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(err: HTTPException) -> Response:
+        code = err.code or 500
+        names = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        msg = err.description or err.name
+        if code == 413:
+            msg = f"request body exceeds server.max_body_bytes ({app.config['MAX_CONTENT_LENGTH']})"
+        typ = "invalid_request_error" if code < 500 else "server_error"
+        return error_response(ApiError(code, msg, type=typ, code=names.get(code)))
+
+    @app.errorhandler(Exception)
+    async def _internal(err: Exception) -> Response:
+        # Genuine bugs only: tests assert this never happens for any input.
+        log.exception("internal error: %s", err)
+        return error_response(ApiError(500, "internal server error", type="server_error",
+                                       code="internal_error"))
+
+    @app.after_request
+    async def _count(resp: Response) -> Response:
+        state.metrics.responses.labels(str(resp.status_code)).inc()
+        return resp
+
+    from calserve.api.routes import register_routes
+
+    register_routes(app, state)
+    return app

@@ -1,0 +1,256 @@
+"""Turn a decoded OpenAI body into an engine ``GenerateRequest`` (or a 400 naming the field).
+
+Rejected because they would change results (spec §9.3: no fork / KV copy, so no n>1, best_of; no
+penalties or biases in the sampler): ``n``>1, ``best_of``>1, ``logit_bias``, ``presence_penalty`` /
+``frequency_penalty`` != 0, ``repetition_penalty`` != 1, ``suffix``, ``echo`` with ``logprobs``,
+``tools``/``functions``/``tool_choice``/``function_call``, ``response_format`` other than text,
+non-text content parts, tool messages. ``echo`` alone is supported (the prompt text is prepended).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from calserve import errors as E
+from calserve.api.protocol import EngineLike, TokenizerLike
+from calserve.api.schemas import ChatBody, ChatMessage, CompletionBody, _Sampling
+from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
+
+__all__ = ["Prepared", "resolve_model", "prepare_completion", "prepare_chat", "chat_messages"]
+
+MAX_STOP_STRINGS = 16
+_CHAT_ROLES = {"system", "developer", "user", "assistant"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    kind: Literal["completion", "chat"]
+    alias: str
+    request: GenerateRequest
+    stream: bool
+    include_usage: bool
+    echo_text: str  # "" unless completions echo=true
+    logprobs: int | None  # None = none; k = chosen + top-k
+
+
+def resolve_model(engine: EngineLike, name: str | None) -> ModelInfo:
+    """The ModelInfo of alias ``name`` (None/"" = the default alias); UnknownModel -> 404."""
+    alias = name or engine.default_alias
+    for info in engine.models():
+        if info.alias == alias:
+            return info
+    known = ", ".join(sorted(i.alias for i in engine.models()))
+    raise E.UnknownModel(f"The model `{alias}` does not exist (served: {known})", param="model")
+
+
+def _reject_unsupported(body: _Sampling) -> None:
+    def bad(param: str, why: str) -> E.UnsupportedParameter:
+        return E.UnsupportedParameter(f"`{param}` is not supported: {why}", param=param)
+
+    if body.n not in (None, 1):
+        raise bad("n", "only n=1 (no KV fork/copy on this runtime, spec §9.3); send n requests")
+    if body.best_of not in (None, 1):
+        raise bad("best_of", "only best_of=1 (no KV fork/copy on this runtime, spec §9.3)")
+    if body.logit_bias:
+        raise bad("logit_bias", "the sampler applies no biases")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(body, name)
+        if v not in (None, 0, 0.0):
+            raise bad(name, "penalties are not implemented (only 0 is accepted)")
+    if body.repetition_penalty not in (None, 1, 1.0):
+        raise bad("repetition_penalty", "penalties are not implemented (only 1 is accepted)")
+    if body.tools or body.functions:
+        raise bad("tools" if body.tools else "functions", "tool calling is not implemented")
+    for name in ("tool_choice", "function_call"):
+        v = getattr(body, name)
+        if v not in (None, "none", "auto"):
+            raise bad(name, "tool calling is not implemented")
+    rf = body.response_format
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad("response_format", "only {\"type\": \"text\"} is supported")
+
+
+def _stop(body: _Sampling) -> tuple[str, ...]:
+    stop = body.stop
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else list(stop)
+    if len(items) > MAX_STOP_STRINGS:
+        raise E.RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+    if any(s == "" for s in items):
+        raise E.RequestError("stop strings must not be empty", param="stop")
+    return tuple(items)
+
+
+def _vocab_size(tok: TokenizerLike, info: ModelInfo) -> int | None:
+    v = info.extra.get("vocab_size", getattr(tok, "vocab_size", None))
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def check_token_ids(ids: Sequence[Any], vocab: int | None, param: str) -> tuple[int, ...]:
+    out = []
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise E.RequestError(f"`{param}[{i}]` must be a token id (int)", param=f"{param}[{i}]")
+        if t < 0 or (vocab is not None and t >= vocab):
+            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise E.RequestError(
+                f"`{param}[{i}]` = {t} is not a token id in {limit}", param=f"{param}[{i}]"
+            )
+        out.append(t)
+    return tuple(out)
+
+
+def _sampling(
+    body: _Sampling, *, prompt_len: int, max_seq: int, max_tokens: int | None,
+    default_max: int, logprobs: int | None, prompt_param: str,
+) -> SamplingParams:
+    if prompt_len >= max_seq:
+        raise E.RequestError(
+            f"This model's maximum context length is {max_seq} tokens; the prompt has {prompt_len}"
+            " tokens, leaving no room for a completion (context length exceeded)",
+            param=prompt_param,
+        )
+    room = max_seq - prompt_len
+    mt = max_tokens if max_tokens is not None else min(default_max, room)
+    if mt > room:
+        raise E.RequestError(
+            f"This model's maximum context length is {max_seq} tokens; you requested"
+            f" {prompt_len + mt} tokens ({prompt_len} in the prompt, {mt} in the completion)"
+            " (context length exceeded)",
+            param="max_completion_tokens" if isinstance(body, ChatBody)
+            and body.max_completion_tokens is not None else "max_tokens",
+        )
+    min_tokens = body.min_tokens or 0
+    if min_tokens > mt:
+        raise E.RequestError(
+            f"`min_tokens` ({min_tokens}) must be <= the maximum tokens ({mt})", param="min_tokens"
+        )
+    top_k = body.top_k or 0
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=0 if top_k < 0 else top_k,
+        seed=body.seed,
+        max_tokens=mt,
+        min_tokens=min_tokens,
+        ignore_eos=bool(body.ignore_eos),
+        stop=_stop(body),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        logprobs=logprobs,
+    )
+
+
+def _stream_flags(body: _Sampling) -> tuple[bool, bool]:
+    stream = bool(body.stream)
+    usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream_options is not None and not stream:
+        raise E.RequestError("`stream_options` is only allowed when `stream` is true",
+                             param="stream_options")
+    return stream, usage
+
+
+def prepare_completion(
+    engine: EngineLike, body: CompletionBody, tenant: str
+) -> Prepared:
+    _reject_unsupported(body)
+    if body.suffix:
+        raise E.UnsupportedParameter("`suffix` is not supported (no insertion mode)", param="suffix")
+    if body.echo and body.logprobs is not None:
+        raise E.UnsupportedParameter(
+            "`echo` with `logprobs` is not supported (prompt logprobs are not computed)",
+            param="echo",
+        )
+    info = resolve_model(engine, body.model)
+    tok = engine.tokenizer(info.alias)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise E.RequestError("`prompt` must not be empty", param="prompt")
+        ids = tuple(int(t) for t in tok.encode(prompt))
+        prompt_text = prompt
+    else:
+        if not prompt:
+            raise E.RequestError("`prompt` must not be empty", param="prompt")
+        if any(isinstance(p, (str, list)) for p in prompt):
+            raise E.UnsupportedParameter(
+                "batched prompts are not supported: send one string or one list of token ids"
+                " per request", param="prompt",
+            )
+        ids = check_token_ids(prompt, _vocab_size(tok, info), "prompt")
+        prompt_text = tok.decode(ids) if body.echo else ""
+    if not ids:
+        raise E.RequestError("`prompt` encodes to zero tokens", param="prompt")
+    stream, usage = _stream_flags(body)
+    sampling = _sampling(
+        body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=body.max_tokens,
+        default_max=16, logprobs=body.logprobs, prompt_param="prompt",
+    )
+    req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
+                          user=body.user)
+    return Prepared("completion", info.alias, req, stream, usage,
+                    prompt_text if body.echo else "", body.logprobs)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Validate chat messages into the plain ``{"role", "content"}`` list the template takes."""
+    if not messages:
+        raise E.RequestError("`messages` must not be empty", param="messages")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        if m.role not in _CHAT_ROLES:
+            raise E.UnsupportedParameter(
+                f"role {m.role!r} is not supported (use system, developer, user or assistant)",
+                param=f"messages[{i}].role",
+            )
+        if m.tool_calls:
+            raise E.UnsupportedParameter("tool calls are not supported",
+                                         param=f"messages[{i}].tool_calls")
+        if m.content is None:
+            text = ""
+        elif isinstance(m.content, str):
+            text = m.content
+        else:
+            parts = []
+            for j, p in enumerate(m.content):
+                if p.type != "text" or p.text is None:
+                    raise E.UnsupportedParameter(
+                        f"content part type {p.type!r} is not supported (text only)",
+                        param=f"messages[{i}].content[{j}].type",
+                    )
+                parts.append(p.text)
+            text = "".join(parts)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    return out
+
+
+def encode_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool
+                ) -> tuple[int, ...]:
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    if isinstance(rendered, str):
+        return tuple(int(t) for t in tok.encode(rendered))
+    return tuple(int(t) for t in rendered)
+
+
+def prepare_chat(engine: EngineLike, body: ChatBody, tenant: str) -> Prepared:
+    _reject_unsupported(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise E.RequestError("`top_logprobs` requires `logprobs: true`", param="top_logprobs")
+    info = resolve_model(engine, body.model)
+    tok = engine.tokenizer(info.alias)
+    msgs = chat_messages(body.messages)
+    ids = encode_chat(tok, msgs, body.add_generation_prompt is not False)
+    if not ids:
+        raise E.RequestError("`messages` render to zero tokens", param="messages")
+    stream, usage = _stream_flags(body)
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    sampling = _sampling(
+        body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=mt,
+        default_max=info.max_seq, logprobs=k, prompt_param="messages",
+    )
+    req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
+                          user=body.user)
+    return Prepared("chat", info.alias, req, stream, usage, "", k)

@@ -1,0 +1,126 @@
+"""HTTP error mapping: the only place where calserve exceptions become status codes.
+
+Every error response has OpenAI's body shape ``{"error": {"message", "type", "param", "code"}}``
+so the official clients raise their typed exceptions (BadRequestError, RateLimitError, ...).
+
+| status | type                   | code                                  | raised for                      |
+|--------|------------------------|---------------------------------------|---------------------------------|
+| 400    | invalid_request_error  | invalid_json / invalid_value / unsupported_parameter / context_length_exceeded | bad input |
+| 401    | invalid_request_error  | invalid_api_key                       | unknown or missing API key      |
+| 404    | invalid_request_error  | model_not_found / not_found           | unknown alias / route           |
+| 405    | invalid_request_error  | method_not_allowed                    | wrong HTTP method               |
+| 413    | invalid_request_error  | request_too_large                     | body over server.max_body_bytes |
+| 429    | rate_limit_error       | rate_limit_exceeded                   | CapacityError (budget, quota)   |
+| 503    | service_unavailable    | model_unavailable / engine_unavailable| UnavailableError, EngineError   |
+| 500    | server_error           | device_error / internal_error         | device fault, genuine bug       |
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final, final
+
+import msgspec
+
+from calserve import errors as E
+
+__all__ = ["ApiError", "from_exception", "error_body", "retry_after_header"]
+
+
+@final
+class ApiError(Exception):
+    """An HTTP-level error: status + OpenAI error fields (+ Retry-After for 429/503)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": retry_after_header(self.retry_after)}
+
+
+def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def retry_after_header(seconds: float) -> str:
+    """Retry-After is whole seconds (RFC 9110); never 0, so clients actually back off."""
+    if not math.isfinite(seconds):
+        return "1"
+    return str(max(1, math.ceil(seconds)))
+
+
+_DEFAULT_RETRY_S: Final = 1.0
+
+
+def from_exception(exc: BaseException) -> ApiError:
+    """Map a calserve exception (or ApiError) to an ApiError. Unknown exceptions -> clean 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, E.UnsupportedParameter):
+        return ApiError(400, exc.message, param=exc.param, code="unsupported_parameter")
+    if isinstance(exc, E.RequestError):
+        code = "context_length_exceeded" if "context" in exc.message.lower() else "invalid_value"
+        return ApiError(400, exc.message, param=exc.param, code=code)
+    if isinstance(exc, E.AuthError):
+        return ApiError(401, exc.message, param=exc.param, code="invalid_api_key")
+    if isinstance(exc, E.UnknownModel):
+        return ApiError(404, exc.message, param=exc.param or "model", code="model_not_found")
+    if isinstance(exc, E.CapacityError):
+        return ApiError(
+            429,
+            exc.message,
+            type="rate_limit_error",
+            param=exc.param,
+            code="rate_limit_exceeded",
+            retry_after=exc.retry_after if exc.retry_after is not None else _DEFAULT_RETRY_S,
+        )
+    if isinstance(exc, E.UnavailableError):
+        return ApiError(
+            503,
+            exc.message,
+            type="service_unavailable",
+            param=exc.param,
+            code="model_unavailable",
+            retry_after=exc.retry_after if exc.retry_after is not None else _DEFAULT_RETRY_S,
+        )
+    if isinstance(exc, E.EngineError):
+        return ApiError(
+            503,
+            exc.message,
+            type="service_unavailable",
+            code="engine_unavailable",
+            retry_after=exc.retry_after if exc.retry_after is not None else 5.0,
+        )
+    if isinstance(exc, E.DeviceError):
+        return ApiError(500, exc.message, type="server_error", code="device_error")
+    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+
+def msgspec_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> ApiError:
+    """A 400 from a msgspec failure, naming the field (``$.messages[0].content`` -> that path)."""
+    from calserve.api.schemas import param_from_msgspec  # local: avoid an import cycle
+
+    msg = str(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        return ApiError(400, msg, param=param_from_msgspec(msg), code="invalid_value")
+    return ApiError(400, f"request body is not valid JSON: {msg}", code="invalid_json")

@@ -1,0 +1,162 @@
+"""Prometheus metrics (spec §16): a Collector that reads ``engine.statistics()`` on each scrape, plus
+latency histograms observed by the HTTP layer.
+
+One ``CollectorRegistry`` per app (never the global one), so tests can build many apps. Labels are
+bounded: alias, tenant, outcome, state, class, engine, reason, compiled_batch — never request or
+job ids (spec §16: those go to logs only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from calserve.engine.types import EngineStatistics
+
+__all__ = ["ApiMetrics", "EngineCollector", "CONTENT_TYPE"]
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS: Final = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)
+_ITL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def _g(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _c(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _labelled(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, label: str,
+    values: dict[str, float] | dict[str, int] | dict[int, int],
+) -> Metric:
+    m = kind(name, doc, labels=[label])
+    for k, v in sorted(values.items(), key=lambda kv: str(kv[0])):
+        m.add_metric([str(k)], float(v))
+    return m
+
+
+class EngineCollector(Collector):
+    """Reads one ``EngineStatistics`` snapshot per scrape. ``source`` returns None while no engine
+    runs (starting, failed, stopped): then only ``calserve_engine_up 0`` is exported."""
+
+    def __init__(self, source: Callable[[], EngineStatistics | None]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._source()
+        yield _g("calserve_engine_up", "1 while the engine runs and has not failed", 0 if s is None else 1)
+        if s is None:
+            return
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        # admission
+        yield _g("calserve_requests_running", "Admitted, not yet terminal requests", s.requests_running)
+        yield _g("calserve_requests_waiting", "Requests waiting for admission or model", s.requests_waiting)
+        yield _g("calserve_waiting_prompt_tokens", "Prompt tokens of waiting requests", s.waiting_prompt_tokens)
+        yield _c("calserve_admitted", "Requests admitted", s.admitted_total)
+        yield _labelled(C, "calserve_rejected", "Requests rejected at admission by outcome", "outcome", s.rejected_total)
+        yield _labelled(C, "calserve_requests_finished", "Terminal requests by outcome", "outcome", s.requests_total)
+        # fairness (per tenant)
+        tw = G("calserve_tenant_waiting_requests", "Waiting requests per tenant", labels=["tenant"])
+        tt = G("calserve_tenant_waiting_tokens", "Waiting prompt tokens per tenant", labels=["tenant"])
+        ta = G("calserve_tenant_active_sequences", "Active sequences per tenant", labels=["tenant"])
+        ts = C("calserve_tenant_service_tokens", "Delivered service (cost units) per tenant", labels=["tenant"])
+        tl = G("calserve_tenant_virtual_lag", "Tenant virtual time minus global virtual time", labels=["tenant"])
+        for name, t in sorted(s.tenants.items()):
+            tw.add_metric([name], t.waiting_requests)
+            tt.add_metric([name], t.waiting_tokens)
+            ta.add_metric([name], t.active_sequences)
+            ts.add_metric([name], t.service_tokens)
+            tl.add_metric([name], t.virtual_lag)
+        yield from (tw, tt, ta, ts, tl)
+        yield _c("calserve_starvation_events", "Times a long-waiting request was forced ahead", s.starvation_events_total)
+        # queues
+        yield _labelled(G, "calserve_queue_depth", "Queue depth by class", "class", s.queue_depth)
+        yield _labelled(G, "calserve_queue_oldest_wait_seconds", "Oldest wait by class", "class", s.queue_oldest_wait_s)
+        # batches
+        yield _labelled(C, "calserve_batches", "Decode batches run by compiled batch size", "compiled_batch", s.batches_total)
+        yield _labelled(C, "calserve_batch_lanes_active", "Active lanes summed over batches", "compiled_batch", s.lanes_active_total)
+        yield _labelled(C, "calserve_batch_lanes", "Compiled lanes summed over batches", "compiled_batch", s.lanes_total)
+        fill = G("calserve_batch_fill_ratio", "Active / compiled lanes over all batches", labels=["compiled_batch"])
+        waste = C("calserve_batch_lane_waste", "Inactive (wasted) lanes summed over batches", labels=["compiled_batch"])
+        for b, total in sorted(s.lanes_total.items()):
+            active = s.lanes_active_total.get(b, 0)
+            fill.add_metric([str(b)], active / total if total else 0.0)
+            waste.add_metric([str(b)], float(total - active))
+        yield from (fill, waste)
+        yield _g("calserve_batch_compiled_size", "Compiled batch size currently in use", s.current_compiled_batch)
+        yield _c("calserve_batch_wait_seconds", "Time spent waiting to fill batches", s.batch_wait_s_total)
+        yield _c("calserve_prefill_jobs", "Prefill jobs submitted", s.prefill_jobs_total)
+        # KV
+        yield _labelled(G, "calserve_kv_sequences", "KV sequences by state", "state", s.kv_sequences)
+        yield _g("calserve_kv_tokens_reserved", "KV tokens reserved", s.kv_tokens_reserved)
+        yield _g("calserve_kv_tokens_used", "KV tokens used", s.kv_tokens_used)
+        yield _c("calserve_kv_free_seconds", "Time spent freeing KV sequences", s.kv_free_seconds_total)
+        # executor
+        yield _g("calserve_executor_inflight_jobs", "Jobs submitted to the device and not yet waited", s.executor_inflight_jobs)
+        fams = {
+            f: C(f"calserve_executor_jobs_{f}", f"Executor jobs {f} by engine", labels=["engine"])
+            for f in ("submitted", "completed", "failed", "busy", "timeouts")
+        }
+        inflight = G("calserve_executor_engine_inflight", "In-flight jobs by engine", labels=["engine"])
+        for eng, es in sorted(s.executor.items()):
+            for f, fam in fams.items():
+                fam.add_metric([eng], getattr(es, f))
+            inflight.add_metric([eng], es.inflight)
+        yield from fams.values()
+        yield inflight
+        # models
+        gen = G("calserve_model_generation", "Current generation per alias", labels=["alias"])
+        st = G("calserve_model_state", "1 for the current state of the alias' generation", labels=["alias", "state"])
+        for alias, (g, state) in sorted(s.models.items()):
+            gen.add_metric([alias], g)
+            st.add_metric([alias, state], 1)
+        yield from (gen, st)
+        yield _labelled(G, "calserve_model_load_seconds", "Last load duration per alias", "alias", s.model_load_seconds)
+        # recovery
+        yield _labelled(C, "calserve_faults", "Device faults by reason", "reason", s.faults_total)
+        yield _c("calserve_resets", "Device resets", s.resets_total)
+        yield _c("calserve_quarantined_jobs", "Jobs quarantined by recovery", s.quarantined_jobs_total)
+        yield _c("calserve_quarantined_kv", "KV sequences quarantined by recovery", s.quarantined_kv_total)
+        yield _c("calserve_recovery_seconds", "Time spent recovering", s.recovery_seconds_total)
+
+
+class ApiMetrics:
+    """Per-app metrics: the engine collector plus HTTP-layer histograms and counters."""
+
+    def __init__(self, source: Callable[[], EngineStatistics | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(source))
+        r = self.registry
+        self.ttft = Histogram("calserve_request_ttft_seconds", "Submit to first token, seen by HTTP",
+                              ["alias"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("calserve_request_inter_token_seconds", "Gap between tokens, seen by HTTP",
+                             ["alias"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("calserve_request_e2e_seconds", "Submit to terminal event, seen by HTTP",
+                             ["alias"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("calserve_request_queue_seconds", "Submit to admission (engine timings)",
+                               ["alias"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.responses = Counter("calserve_http_responses", "HTTP responses by status code",
+                                 ["outcome"], registry=r)
+        self.streams_disconnected = Counter(
+            "calserve_stream_disconnects", "Streams whose client went away before the end",
+            ["alias"], registry=r)
+        self.streams_active = Gauge("calserve_streams_active", "SSE streams currently open",
+                                    registry=r)
+        self.completion_tokens = Counter("calserve_completion_tokens", "Tokens sent to clients",
+                                         ["alias", "tenant"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

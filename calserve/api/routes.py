@@ -1,0 +1,189 @@
+"""Routes: OpenAI completions/chat, models, tokenize/detokenize, health/ready, metrics."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from calserve import errors as E
+from calserve.api.app import ApiState, error_response, json_response
+from calserve.api.convert import (
+    Prepared, chat_messages, check_token_ids, encode_chat, prepare_chat, prepare_completion,
+    resolve_model,
+)
+from calserve.api.errors import ApiError, msgspec_error
+from calserve.api.metrics import CONTENT_TYPE
+from calserve.api.protocol import EngineLike
+from calserve.api.render import LogprobFormatter
+from calserve.api.running import run_json, run_stream
+from calserve.api.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+
+__all__ = ["register_routes"]
+
+T = TypeVar("T")
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+_DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+
+
+def _decoder(kind: type[T]) -> msgspec.json.Decoder[T]:
+    d = _DECODERS.get(kind)
+    if d is None:
+        d = _DECODERS[kind] = msgspec.json.Decoder(kind)
+    return d
+
+
+for _k in (ChatBody, CompletionBody, DetokenizeBody, TokenizeBody):
+    _decoder(_k)  # build at import: a schema error fails here, not in a request
+
+
+def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a route table
+    def engine() -> EngineLike:
+        host = state.host
+        eng = host.engine if host is not None else None
+        if eng is None:
+            if host is not None and host.failed.is_set():
+                raise E.EngineError("the engine failed and is not serving; restart the server")
+            raise E.EngineError("the engine is not running (starting or stopping)")
+        return eng
+
+    def tenant() -> str:
+        if not state.api_keys:
+            return "default"
+        auth = request.headers.get("Authorization", "")
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise E.AuthError("missing API key: send `Authorization: Bearer <key>`")
+        name = state.api_keys.get(key.strip())
+        if name is None:
+            raise E.AuthError("invalid API key")
+        return name
+
+    async def body(kind: type[T]) -> T:
+        limit = state.config.server.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"request body exceeds server.max_body_bytes ({limit})",
+                           code="request_too_large")
+        data = await request.get_data(cache=False, as_text=False)
+        if len(data) > limit:
+            raise ApiError(413, f"request body exceeds server.max_body_bytes ({limit})",
+                           code="request_too_large")
+        try:
+            return _decoder(kind).decode(data)
+        except msgspec.DecodeError as e:
+            raise msgspec_error(e) from None
+
+    async def generate(prep: Prepared) -> Response | dict[str, Any]:
+        eng = engine()
+        handle = await eng.submit(prep.request)
+        fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
+        if prep.stream:
+            resp = Response(run_stream(eng, state.metrics, prep, handle, fmt), status=200,
+                            content_type="text/event-stream", headers=_SSE_HEADERS)
+            resp.timeout = None
+            return resp
+        return await run_json(eng, state.metrics, prep, handle, fmt)
+
+    @app.post("/v1/completions")
+    async def completions() -> Any:
+        t = tenant()
+        b = await body(CompletionBody)
+        out = await generate(prepare_completion(engine(), b, t))
+        return out if isinstance(out, Response) else json_response(out)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Any:
+        t = tenant()
+        b = await body(ChatBody)
+        out = await generate(prepare_chat(engine(), b, t))
+        return out if isinstance(out, Response) else json_response(out)
+
+    def model_card(info: Any) -> dict[str, Any]:
+        return {
+            "id": info.alias, "object": "model", "created": info.created, "owned_by": "calserve",
+            "generation": info.generation, "state": info.state, "max_model_len": info.max_seq,
+            "package_sha256": info.package_sha256,
+            "profiles": [{"compiled_batch": p.compiled_batch, "tier": p.tier,
+                          "available": p.available} for p in info.profiles],
+        }
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        tenant()
+        return json_response({"object": "list",
+                              "data": [model_card(i) for i in engine().models()]})
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        tenant()
+        return json_response(model_card(resolve_model(engine(), model_id)))
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        tenant()
+        b = await body(TokenizeBody)
+        eng = engine()
+        info = resolve_model(eng, b.model)
+        tok = eng.tokenizer(info.alias)
+        given = [n for n in ("prompt", "content", "messages") if getattr(b, n) is not None]
+        if len(given) != 1:
+            raise E.RequestError("send exactly one of `prompt`, `content` or `messages`",
+                                 param=given[1] if len(given) > 1 else "prompt")
+        if b.messages is not None:
+            ids = encode_chat(tok, chat_messages(b.messages), b.add_generation_prompt is not False)
+        else:
+            text = b.prompt if b.prompt is not None else b.content
+            assert text is not None
+            ids = tuple(int(t) for t in tok.encode(text))
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": info.max_seq,
+                               "tokens": list(ids)}
+        if b.with_pieces:
+            out["tokens"] = [{"id": i, "piece": tok.decode([i])} for i in ids]
+        return json_response(out)
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        tenant()
+        b = await body(DetokenizeBody)
+        eng = engine()
+        info = resolve_model(eng, b.model)
+        tok = eng.tokenizer(info.alias)
+        vocab = info.extra.get("vocab_size", getattr(tok, "vocab_size", None))
+        ids = check_token_ids(b.tokens, vocab if isinstance(vocab, int) else None, "tokens")
+        try:
+            text = tok.decode(list(ids))
+        except (ValueError, OverflowError, TypeError, IndexError) as e:
+            raise E.RequestError(f"cannot detokenize: {e}", param="tokens") from None
+        return json_response({"prompt": text, "content": text})
+
+    @app.get("/health")
+    async def health() -> Response:
+        host = state.host
+        status = "ok"
+        if host is None or host.engine is None:
+            status = "failed" if host is not None and host.failed.is_set() else "starting"
+        return json_response({"status": "alive", "engine": status})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        alias = request.args.get("model") or None
+        host = state.host
+        eng = host.engine if host is not None else None
+        if eng is None:
+            err = ApiError(503, "engine not running", type="service_unavailable",
+                           code="engine_unavailable", retry_after=5.0)
+            return error_response(err)
+        info = resolve_model(eng, alias)
+        ok = bool(eng.ready(info.alias))
+        body_ = {"status": "ready" if ok else "not_ready", "model": info.alias,
+                 "generation": info.generation, "state": info.state}
+        return json_response(body_, 200 if ok else 503, None if ok else {"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), status=200, content_type=CONTENT_TYPE)

@@ -1,0 +1,213 @@
+"""Runs one accepted request for the HTTP layer: to completion (JSON) or as an SSE stream.
+
+Invariant: every request submitted here ends in exactly one of (a) its terminal event was read, or
+(b) ``engine.cancel(request_id)`` was called from a ``finally`` inside a shielded scope (client went
+away, handler cancelled, error while writing). So the engine always gets its lane back.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import trio
+
+from calserve.api.convert import Prepared
+from calserve.api.errors import ApiError, error_body
+from calserve.api.metrics import ApiMetrics
+from calserve.api.protocol import EngineLike, HandleLike
+from calserve.api.render import (
+    DONE, LogprobFormatter, finish_reason, merge_completion_logprobs, new_id, now_s, sse,
+    usage_dict,
+)
+from calserve.engine.types import ErrorEvent, FinishEvent, TokenEvent
+
+__all__ = ["cancel_request", "run_json", "run_stream", "error_event_to_api"]
+
+log = logging.getLogger("calserve.api")
+_CANCEL_TIMEOUT_S: Final = 5.0
+
+
+async def cancel_request(
+    engine: EngineLike, handle: HandleLike, events: Any, *, cancel: bool = True
+) -> None:
+    """Cancel at once (if ``cancel``) and close the event iterator, shielded: we may be running
+    inside a cancelled scope or handling GeneratorExit after the client went away."""
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(_CANCEL_TIMEOUT_S):
+            if cancel:
+                try:
+                    r = engine.cancel(handle.request_id)
+                    if inspect.isawaitable(r):
+                        await r
+                except Exception:
+                    log.exception("engine.cancel(%s) failed", handle.request_id)
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    log.exception("closing the event stream of %s failed", handle.request_id)
+
+
+def error_event_to_api(ev: ErrorEvent) -> ApiError:
+    if ev.kind in ("unavailable", "shutdown"):
+        return ApiError(503, ev.message, type="service_unavailable", code="model_unavailable",
+                        retry_after=1.0)
+    if ev.kind == "device_error":
+        return ApiError(500, ev.message, type="server_error", code="device_error")
+    return ApiError(500, ev.message, type="server_error", code="internal_error")
+
+
+class _Observer:
+    """Latency histograms as the HTTP layer sees them (spec §16 + issue 6)."""
+
+    def __init__(self, metrics: ApiMetrics, alias: str, tenant: str) -> None:
+        self.m = metrics
+        self.alias = alias
+        self.tenant = tenant
+        self.t0 = trio.current_time()
+        self.last: float | None = None
+
+    def tokens(self, n: int) -> None:
+        now = trio.current_time()
+        if n <= 0:
+            return
+        if self.last is None:
+            self.m.ttft.labels(self.alias).observe(now - self.t0)
+        else:
+            gap = (now - self.last) / n
+            h = self.m.itl.labels(self.alias)
+            for _ in range(n):
+                h.observe(gap)
+        self.last = now
+        self.m.completion_tokens.labels(self.alias, self.tenant).inc(n)
+
+    def end(self, ev: FinishEvent | ErrorEvent) -> None:
+        self.m.e2e.labels(self.alias).observe(trio.current_time() - self.t0)
+        if ev.timings is not None:
+            self.m.queue.labels(self.alias).observe(ev.timings.queue_s)
+
+
+async def run_json(
+    engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
+    fmt: LogprobFormatter,
+) -> dict[str, Any]:
+    """Collect the whole answer; returns the OpenAI response body (or raises ApiError)."""
+    obs = _Observer(metrics, prep.alias, prep.request.tenant)
+    events = handle.events()
+    texts: list[str] = [prep.echo_text]
+    lp_parts: list[Any] = []
+    terminal: FinishEvent | None = None
+    finished = False
+    try:
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                obs.tokens(len(ev.token_ids))
+                texts.append(ev.text)
+                if ev.logprobs is not None and prep.logprobs is not None:
+                    lp_parts.append(fmt.completion(ev.logprobs) if prep.kind == "completion"
+                                    else fmt.chat(ev.logprobs))
+            elif isinstance(ev, FinishEvent):
+                finished = True
+                obs.end(ev)
+                texts.append(ev.text)
+                terminal = ev
+                break
+            else:
+                finished = True
+                obs.end(ev)
+                raise error_event_to_api(ev)
+    finally:
+        await cancel_request(engine, handle, events, cancel=not finished)
+    if terminal is None:
+        raise ApiError(500, "the engine ended the request without a terminal event",
+                       type="server_error", code="internal_error")
+    text = "".join(texts)
+    fr = finish_reason(terminal.reason)
+    if prep.kind == "completion":
+        logprobs = merge_completion_logprobs(lp_parts) if prep.logprobs is not None else None
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
+                                  "finish_reason": fr}
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": now_s(),
+                "model": prep.alias, "choices": [choice], "usage": usage_dict(terminal.usage)}
+    chat_lp = ({"content": [x for part in lp_parts for x in part]}
+               if prep.logprobs is not None else None)
+    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
+            "model": prep.alias,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": chat_lp, "finish_reason": fr}],
+            "usage": usage_dict(terminal.usage)}
+
+
+async def run_stream(
+    engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
+    fmt: LogprobFormatter,
+) -> AsyncIterator[bytes]:
+    """The SSE body. No nursery around a yield (STACK.md); cancellation on disconnect arrives at a
+    yield as Cancelled/GeneratorExit and the ``finally`` cancels the request at once."""
+    obs = _Observer(metrics, prep.alias, prep.request.tenant)
+    chat = prep.kind == "chat"
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    created = now_s()
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    usage_null = {"usage": None} if prep.include_usage else {}
+
+    def chunk(text: str | None, lps: Any, fr: str | None, role: bool = False) -> bytes:
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            c: dict[str, Any] = {"index": 0, "delta": delta,
+                                 "logprobs": {"content": lps} if lps is not None else None,
+                                 "finish_reason": fr}
+        else:
+            c = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": fr}
+        return sse({"id": rid, "object": obj, "created": created, "model": prep.alias,
+                    "choices": [c], **usage_null})
+
+    events = handle.events()
+    finished = False
+    metrics.streams_active.inc()
+    try:
+        if chat:
+            yield chunk("", None, None, role=True)
+        if prep.echo_text:
+            yield chunk(prep.echo_text, None, None)
+        async for ev in events:
+            if isinstance(ev, TokenEvent):
+                obs.tokens(len(ev.token_ids))
+                lps = None
+                if ev.logprobs is not None and prep.logprobs is not None:
+                    lps = fmt.chat(ev.logprobs) if chat else fmt.completion(ev.logprobs)
+                if ev.text or lps is not None:
+                    yield chunk(ev.text, lps, None)
+            elif isinstance(ev, FinishEvent):
+                finished = True
+                obs.end(ev)
+                out = chunk(ev.text if (ev.text or not chat) else None, None,
+                            finish_reason(ev.reason))
+                if prep.include_usage:
+                    out += sse({"id": rid, "object": obj, "created": created,
+                                "model": prep.alias, "choices": [],
+                                "usage": usage_dict(ev.usage)})
+                yield out + DONE  # one write: final chunk, usage, [DONE]
+                return
+            else:
+                finished = True
+                obs.end(ev)
+                err = error_event_to_api(ev)
+                yield sse(error_body(err.message, err.type, err.param, err.code))
+                return
+        finished = True  # iterator ended without a terminal event: an engine bug
+        yield sse(error_body("the engine ended the request without a terminal event",
+                             "server_error", None, "internal_error"))
+    finally:
+        metrics.streams_active.dec()
+        if not finished:
+            metrics.streams_disconnected.labels(prep.alias).inc()
+        await cancel_request(engine, handle, events, cancel=not finished)

@@ -1,0 +1,133 @@
+"""Request bodies of the OpenAI-compatible routes, decoded with msgspec.
+
+Decisions (documented in README_SECTION.md):
+
+- Unknown fields are ignored (as vLLM does): OpenAI clients send many optional fields (``store``,
+  ``metadata``, ``service_tier``, ...). Fields we *know* and cannot honour without changing results are
+  listed here and rejected with 400 naming the parameter (see ``calserve.api.convert``).
+- ``prompt`` is one string or one list of token ids. A batch (list of strings / list of lists) is an
+  n>1-like fan-out and is rejected with 400 ``param: "prompt"``: send one request per prompt.
+- ``null`` is accepted for every optional field and means "default".
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = [
+    "StreamOptions",
+    "CompletionBody",
+    "ChatMessage",
+    "ChatBody",
+    "TokenizeBody",
+    "DetokenizeBody",
+    "param_from_msgspec",
+]
+
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+LogprobsK = Annotated[int, msgspec.Meta(ge=0, le=20)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat."""
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None  # vLLM extension; -1 and 0 mean off
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None  # vLLM extension
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool | None = None  # vLLM / llama.cpp benchmark extension
+    min_tokens: NonNegInt | None = None  # vLLM extension
+    # Known but not supported when they would change results (checked in convert.py):
+    n: int | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    response_format: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+
+
+class CompletionBody(_Sampling, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: PosInt | None = None
+    logprobs: LogprobsK | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+
+
+class ChatBody(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: PosInt | None = None
+    max_completion_tokens: PosInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: LogprobsK | None = None
+    # Extension (vLLM): extra arguments to the chat template are not supported; ignored if empty.
+    add_generation_prompt: bool | None = None
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    """vLLM shape (``prompt`` or ``messages``) and llama.cpp shape (``content``)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    with_pieces: bool | None = None  # llama.cpp: return [{"id", "piece"}]
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[NonNegInt]
+
+
+_AT = re.compile(r"at `\$(?P<path>[^`]*)`")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def param_from_msgspec(message: str) -> str | None:
+    """``"Expected `int` >= 1 - at `$.max_tokens`"`` -> ``"max_tokens"``; ``$.messages[0]`` +
+    missing ``role`` -> ``"messages[0].role"``; an error at the root -> None."""
+    m = _AT.search(message)
+    path = m.group("path") if m else ""
+    path = path[1:] if path.startswith(".") else path
+    miss = _MISSING.search(message)
+    if miss:
+        path = f"{path}.{miss.group('field')}" if path else miss.group("field")
+    return path or None
