@@ -81,7 +81,7 @@ class LoadSpec:
     @property
     def hard_timeout_s(self) -> float:
         send = self.duration_s if self.duration_s is not None else self.request_timeout_s * 4
-        return send + self.drain_timeout_s
+        return send + self.drain_timeout_s + 5.0  # backstop; the drain deadline fires first
 
 
 @dataclasses.dataclass
@@ -376,6 +376,7 @@ async def run_load(spec: LoadSpec) -> RunResult:
     run = _Run(spec)
     run.t0 = trio.current_time()
     scraper = Scraper(run.scrape_pool, spec.scrape_interval_s or 1.0)
+    end: float | None = None
     with trio.move_on_after(spec.hard_timeout_s):
         async with trio.open_nursery() as side:
             if spec.scrape_interval_s:
@@ -409,7 +410,7 @@ async def run_load(spec: LoadSpec) -> RunResult:
     extra["queue_depth"] = {"mean": sum(q) / len(q) if q else None, "max": max(q) if q else None}
     if run.proc:
         extra["server_proc"] = _proc_summary(run.proc)
-    duration = (end - run.t0)
+    duration = (end if end is not None else trio.current_time()) - run.t0
     summary = summarize(run.records, duration=duration, slo_ttft_ms=spec.slo_ttft_ms,
                         slo_tpot_ms=spec.slo_tpot_ms, extra=extra)
     return RunResult(run.records, summary, scraper.samples, run.proc)

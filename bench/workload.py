@@ -88,11 +88,16 @@ def parse_tenant(text: str, default_prompt: Lengths, default_output: Lengths) ->
     """``name:key=K,rate=R|concurrency=C,prompt=64:128,output=32,start=2`` (key optional)."""
     name, _, rest = text.partition(":")
     kw: dict[str, str] = {}
-    for item in filter(None, rest.split(";") if ";" in rest else rest.split(",")):
+    last = None
+    for item in filter(None, rest.split(",")):
         k, sep, v = item.partition("=")
-        if not sep:
-            raise ValueError(f"--tenant {text!r}: expected key=value, got {item!r}")
-        kw[k.strip()] = v.strip()
+        if not sep:  # a comma inside a mixture length (output=0.5*8,0.5*64) continues the value
+            if last is None:
+                raise ValueError(f"--tenant {text!r}: expected key=value, got {item!r}")
+            kw[last] += "," + item.strip()
+            continue
+        last = k.strip()
+        kw[last] = v.strip()
     unknown = set(kw) - {"key", "rate", "concurrency", "prompt", "output", "start"}
     if unknown:
         raise ValueError(f"--tenant {text!r}: unknown field(s) {sorted(unknown)}")
