@@ -1,0 +1,171 @@
+"""StreamWriter: bounded, coalescing, never blocking, never dropping, one terminal (issue 5 item 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from calserve.engine.stream import StreamStatistics, StreamWriter
+from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, TokenEvent, TokenLogprob, Usage
+
+_FIN = FinishEvent(reason=FinishReason.STOP, usage=Usage(3, 5))
+
+
+def _tok(i: int, with_lp: bool = True) -> TokenEvent:
+    lp = (TokenLogprob(i, -float(i)),) if with_lp else None
+    return TokenEvent(token_ids=(i,), text=f"<{i}>", logprobs=lp)
+
+
+@given(
+    n_tokens=st.integers(0, 60),
+    max_events=st.integers(1, 8),
+    read_every=st.integers(1, 20),
+    with_lp=st.booleans(),
+)
+def test_slow_consumer_gets_every_token_in_order_and_one_terminal(
+    n_tokens: int, max_events: int, read_every: int, with_lp: bool
+) -> None:
+    async def main() -> None:
+        w = StreamWriter(max_events)
+        got: list[object] = []
+
+        async def consumer() -> None:
+            async for ev in w:
+                got.append(ev)
+                await trio.sleep(read_every * 0.001)  # slower than the producer
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consumer)
+            for i in range(n_tokens):
+                w.put(_tok(i, with_lp))
+                assert w.statistics().buffered <= max_events  # Invariant: bounded in events
+                await trio.sleep(0.001)
+            w.close(_FIN)
+
+        tokens = [e for e in got if isinstance(e, TokenEvent)]
+        assert got[-1] is _FIN and sum(isinstance(e, FinishEvent) for e in got) == 1
+        assert [t for e in tokens for t in e.token_ids] == list(range(n_tokens))
+        assert "".join(e.text for e in tokens) == "".join(f"<{i}>" for i in range(n_tokens))
+        if with_lp:
+            assert [lp.token_id for e in tokens for lp in (e.logprobs or ())] == list(range(n_tokens))
+        else:
+            assert all(e.logprobs is None for e in tokens)
+        st_ = w.statistics()
+        assert st_.tokens_put == n_tokens
+        assert st_.events_delivered == len(got)
+        assert st_.coalesced == n_tokens - len(tokens)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def test_put_never_blocks_and_coalesces_into_last_event() -> None:
+    w = StreamWriter(2)
+    for i in range(10):
+        w.put(_tok(i))  # synchronous: no consumer at all
+    w.close(_FIN)
+    s = w.statistics()
+    assert (s.buffered, s.coalesced, s.closed) == (2, 8, True)
+    evs = [ev async for ev in w]
+    assert len(evs) == 3
+    assert isinstance(evs[0], TokenEvent) and evs[0].token_ids == (0,)
+    assert isinstance(evs[1], TokenEvent) and evs[1].token_ids == tuple(range(1, 10))
+    assert evs[2] is _FIN
+    # Iteration is over for good.
+    assert [ev async for ev in w] == []
+
+
+async def test_receive_many_returns_everything_deliverable() -> None:
+    w = StreamWriter(4)
+    w.put(_tok(1))
+    w.put(_tok(2))
+    assert [e.token_ids for e in await w.receive_many() if isinstance(e, TokenEvent)] == [(1,), (2,)]
+    w.put(_tok(3))
+    err = ErrorEvent(message="device fault", kind="device_error")
+    w.close(err)
+    batch = await w.receive_many()
+    assert len(batch) == 2 and batch[-1] is err
+    assert await w.receive_many() == []
+
+
+async def test_consumer_waits_for_the_producer(autojump_clock: trio.testing.MockClock) -> None:
+    w = StreamWriter(4)
+
+    async def produce() -> None:
+        await trio.sleep(5)
+        w.put(_tok(7))
+        await trio.sleep(5)
+        w.close(_FIN)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(produce)
+        t0 = trio.current_time()
+        first = await w.__anext__()
+        assert isinstance(first, TokenEvent) and trio.current_time() - t0 == pytest.approx(5)
+        assert await w.__anext__() is _FIN
+
+
+async def test_close_exactly_once_and_no_put_after_close() -> None:
+    w = StreamWriter(1)
+    w.close(_FIN)
+    with pytest.raises(RuntimeError, match="twice"):
+        w.close(ErrorEvent(message="x", kind="internal"))
+    with pytest.raises(RuntimeError, match="after close"):
+        w.put(_tok(1))
+    with pytest.raises(TypeError):
+        StreamWriter(1).put(_FIN)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_events"):
+        StreamWriter(0)
+
+
+async def test_consumer_abandon_is_visible_to_the_producer(autojump_clock: trio.testing.MockClock) -> None:
+    w = StreamWriter(3)
+    w.put(_tok(1))
+    seen = trio.Event()
+
+    async def producer() -> None:
+        await w.wait_abandoned()
+        assert w.abandoned
+        w.put(_tok(2))  # discarded, not an error: the producer may race the disconnect
+        w.close(_FIN)
+        seen.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(producer)
+        async for ev in w:
+            assert isinstance(ev, TokenEvent)
+            await w.aclose()
+        await seen.wait()
+    s = w.statistics()
+    assert s == StreamStatistics(buffered=0, coalesced=0, tokens_put=2, events_delivered=1, closed=True, abandoned=True)
+    assert [ev async for ev in w] == []
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.buffered = 5  # type: ignore[misc]
+
+
+async def test_aclose_after_terminal_is_not_an_abandon() -> None:
+    w = StreamWriter(1)
+    w.close(_FIN)
+    assert [ev async for ev in w] == [_FIN]
+    await w.aclose()
+    assert not w.abandoned
+
+
+async def test_consumer_blocked_in_iteration_is_released_by_aclose() -> None:
+    w = StreamWriter(1)
+    done = trio.Event()
+
+    async def consume() -> None:
+        async for _ in w:
+            pass
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume)
+        await trio.testing.wait_all_tasks_blocked()
+        await w.aclose()
+    assert done.is_set()
