@@ -13,7 +13,9 @@ nothing here reads a clock or blocks. The engine calls:
   sequence ends: a request that stops early is only charged what it got (refund).
 
 Fairness (spec §5.3, VTC-style): ``cost = prompt_tokens + output_token_cost * max_new_tokens`` and
-``virtual_finish = max(tenant_virtual_time, global_virtual_time) + cost / weight``. A tenant's virtual
+``virtual_finish = max(tenant_virtual_time, global_virtual_time) + cost / weight``, where the max is
+taken when the tenant's queue goes from empty to non-empty (afterwards its own tags chain). A tenant's
+virtual
 time is its delivered service divided by its weight plus the not-yet-delivered estimate of its active
 requests; the estimate shrinks as :meth:`charge` turns it into delivered service and is dropped on
 :meth:`release`. A tenant that arrives with an empty queue is lifted to the global virtual time, so
@@ -226,7 +228,10 @@ class AdmissionController:
         return q[0] if q else None
 
     def _key(self, t: _Tenant, head: WorkItem) -> float:
-        return max(t.effective_vt(), self._gvt) + self.cost(head) / t.weight
+        # The tenant's start tag is its own virtual time: the lift to the global virtual time happens
+        # once, when the tenant's queue goes from empty to non-empty (offer). Lifting here on every
+        # decision would push a backlogged tenant's tag up each time another tenant is served.
+        return t.effective_vt() + self.cost(head) / t.weight
 
     def _push(self, t: _Tenant) -> None:
         """(Re)insert ``t`` with its true key, invalidating older entries."""
@@ -422,11 +427,12 @@ class AdmissionController:
 
     def remove(self, request_id: int) -> WorkItem | None:
         """Take a waiting request out (cancel while queued). None if it is not waiting."""
-        item = self._items.pop(request_id, None)
+        item = self._items.get(request_id)
         if item is None:
             return None
         t = self._tenants[item.tenant]
-        was_head = bool(t.queue) and t.queue[0] is item
+        was_head = self._head(t) is item
+        del self._items[request_id]
         t.waiting -= 1
         t.waiting_tokens -= item.prompt_tokens
         self._waiting_tokens -= item.prompt_tokens
@@ -471,6 +477,7 @@ class AdmissionController:
             dec = min(amount, t.est)
         t.est = max(0.0, t.est - dec)
         # The tenant's key can only grow here (overrun), which the lazy heap check handles.
+        # Invariant: for every tenant with in_heap, its live entry's key <= its true key.
 
     def release(self, request_id: int) -> None:
         """An admitted request's sequence ended (any reason). Its undelivered estimate is dropped:
