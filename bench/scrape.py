@@ -103,7 +103,7 @@ def _counter_rate(samples: Sequence[dict[str, Any]], num: str, den: str) -> list
 
 # Names tried in order; the HTTP layer's metric names (see calserve/api) are the first candidates.
 FILL_GAUGES = ("calserve_batch_fill_ratio",)
-FILL_COUNTERS = (("calserve_batch_active_lanes_total", "calserve_batch_lanes_total"),)
+FILL_COUNTERS = (("calserve_batch_lanes_active_total", "calserve_batch_lanes_total"),)
 QUEUE_GAUGES = ("calserve_requests_waiting",)
 RUNNING_GAUGES = ("calserve_requests_running",)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import trio
@@ -13,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.floor_app import FloorApp, FloorOptions, serve_floor
-from bench.loadgen import LoadSpec, run_load, spec_from_args, build_parser
-from bench.summary import OUTCOMES, Record, summarize
+from bench.loadgen import LoadSpec, build_parser, run_load, save_run, spec_from_args
+from bench.report import report
+from bench.summary import OUTCOMES, Record, read_records, summarize
 from bench.workload import Lengths, TenantSpec, arrivals
 
 
@@ -89,7 +91,7 @@ async def test_open_and_closed_loop_accounting(nursery: trio.Nursery) -> None:
     assert math.isclose(total, delivered, rel_tol=1e-6)
 
 
-async def test_request_count_bound_nonstreaming_and_seed(nursery: trio.Nursery) -> None:
+async def test_request_count_bound_nonstreaming_and_seed(nursery: trio.Nursery, tmp_path: Path) -> None:
     _, url = await _server(nursery, token_delay_s=0.0005)
 
     def spec(seed: int, stream: bool) -> LoadSpec:
@@ -110,6 +112,13 @@ async def test_request_count_bound_nonstreaming_and_seed(nursery: trio.Nursery) 
     assert [r.planned for r in a.records] != [r.planned for r in c.records]
     assert all(r.ttft is None and not r.token_times for r in b.records)
     assert b.summary["ttft_ms"] == {"count": 0}
+    # Saved runs round-trip and the report puts them side by side with PNGs.
+    save_run(a, tmp_path / "stream")
+    save_run(b, tmp_path / "nostream")
+    assert read_records(tmp_path / "stream" / "records.jsonl") == a.records
+    md = report([tmp_path / "stream", tmp_path / "nostream"], tmp_path / "rep")
+    assert "| metric | stream | nostream |" in md and "| ok | 25 | 25 |" in md
+    assert (tmp_path / "rep" / "latency_cdf.png").stat().st_size > 1000
 
 
 async def test_disconnects_and_hard_timeout(nursery: trio.Nursery) -> None:
