@@ -24,7 +24,7 @@ import numpy as np
 
 from calserve.engine.sampler import LaneSampling, resolve_seed, sample_batch
 from calserve.engine.types import FinishReason, SamplingParams
-from calserve.runtime.types import CalrtError, JobEngine, JobResult, JobStatus, ProfileSpec
+from calserve.runtime.types import CalrtError, JobEngine, JobResult, JobStatus, ProfileSpec, WaitTimeout
 
 __all__ = [
     "BaselineRequest",
@@ -111,7 +111,10 @@ class SyncBaseline:
         wait_timeout_s: float = 60.0,
         engine: JobEngine = JobEngine.PING,
         clock: Callable[[], float] = time.perf_counter,
+        reset: Callable[[], None] | None = None,
     ) -> None:
+        """``reset`` (e.g. ``device.reset``) is called after a device fault or a wait timeout so the
+        next request finds a working device; without it a fault ends the current request only."""
         if calbin.spec.compiled_batch < 1:
             raise ValueError("calbin.spec.compiled_batch must be >= 1")
         self._cb = calbin
@@ -119,14 +122,25 @@ class SyncBaseline:
         self._timeout = wait_timeout_s
         self._engine = engine
         self._clock = clock
+        self._reset = reset
         self._t0 = clock()
 
     def _now(self) -> float:
         return self._clock() - self._t0
 
     def _wait_ok(self, job: _Job) -> JobResult:
-        res = job.wait(self._timeout)
+        try:
+            res = job.wait(self._timeout)
+        except WaitTimeout:
+            if self._reset is None:
+                raise
+            # Invariant: a submitted job is always drained: the reset aborts it, then it completes.
+            self._reset()
+            job.wait(self._timeout)
+            raise CalrtError(f"job wait timed out after {self._timeout} s; device reset") from None
         if res.status != JobStatus.OK:
+            if self._reset is not None and res.status in (JobStatus.CCU_FAULT, JobStatus.DMA_UNKNOWN):
+                self._reset()
             raise CalrtError(f"job {res.job_id} ended {res.status.name}")
         return res
 
@@ -233,6 +247,9 @@ def run_baseline(
     *,
     eos_token_ids: Sequence[int] = (),
     wait_timeout_s: float = 60.0,
+    reset: Callable[[], None] | None = None,
 ) -> list[BaselineRecord]:
     """Convenience: ``SyncBaseline(calbin, ...).run(requests)``."""
-    return SyncBaseline(calbin, eos_token_ids=eos_token_ids, wait_timeout_s=wait_timeout_s).run(requests)
+    return SyncBaseline(calbin, eos_token_ids=eos_token_ids, wait_timeout_s=wait_timeout_s, reset=reset).run(
+        requests
+    )
