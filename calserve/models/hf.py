@@ -115,7 +115,8 @@ def write_safetensors(
         if dtype == "BF16":
             raw = (bf16_round(a).view(np.uint32) >> 16).astype("<u2").tobytes()
         elif dtype == "F16":
-            raw = a.astype("<f2").tobytes()
+            with np.errstate(over="ignore"):  # beyond the F16 range is inf, as torch writes it
+                raw = a.astype("<f2").tobytes()
         else:
             raw = a.astype("<f4").tobytes()
         header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}

@@ -1,0 +1,159 @@
+"""Round trip: a HF-format Qwen3 checkpoint written by hand (random weights, BF16 safetensors, sharded
+with an index) packs, verifies, and its golden tokens equal the numpy reference — and the software
+runtime's output at every profile once the runtime exists."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from calserve.config import TrustConfig
+from calserve.models.demo import demo_tokenizer_json
+from calserve.models.hf import load_hf_checkpoint, load_safetensors, write_safetensors
+from calserve.models.pack import pack_from_hf
+from calserve.models.package import open_package
+from calserve.models.signing import TrustStore, generate_keypair
+from calserve.runtime.reference import ModelConfig, bf16_round, greedy_generate, random_weights
+
+
+def _raw_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """An independent writer (truncating BF16 like a checkpoint exporter may): header + raw bytes."""
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        raw = (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    header["__metadata__"] = {"format": "pt"}
+    hb = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + b"".join(blobs))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("hf-qwen3")
+    tok_json = demo_tokenizer_json()
+    vocab = json.loads(tok_json)["model"]["vocab"]
+    n_vocab = len(vocab) + 3  # + the three added special tokens
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": n_vocab,
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 12,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 512,
+        "torch_dtype": "bfloat16",
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    w = random_weights(ModelConfig.from_hf(cfg), seed=7)
+    names = sorted(w)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for shard, ns in shards.items():
+        _raw_bf16_safetensors(d / shard, {n: w[n] for n in ns})
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: s for s, ns in shards.items() for n in ns}})
+    )
+    (d / "tokenizer.json").write_text(tok_json)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "pad_token_id": 0}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}<|im_start|>..."}))
+    return d
+
+
+def test_hf_checkpoint_reads_bf16_exactly(hf_dir: Path) -> None:
+    ck = load_hf_checkpoint(hf_dir)
+    ref = random_weights(ck.config, seed=7)
+    assert ck.source_dtype == "BF16" and ck.eos_token_ids == (2, 0) and ck.pad_token_id == 0
+    assert set(ck.weights) == set(ref)
+    for k, v in ck.weights.items():
+        truncated = (ref[k].view(np.uint32) & 0xFFFF0000).view(np.float32)
+        np.testing.assert_array_equal(v, truncated)
+
+
+@pytest.fixture(scope="module")
+def packed(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("packed")
+    priv, pub = generate_keypair(d / "key")
+    out = pack_from_hf(hf_dir, d / "root" / "pkg", priv, [1, 4, 8, 16], "fast", max_seq=256, kv_dtype="bf16")
+    return out, pub
+
+
+def test_pack_verify_golden_equals_reference(hf_dir: Path, packed: tuple[Path, Path]) -> None:
+    out, pub = packed
+    trust = TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub])
+    vp = open_package("pkg", trust, out.parent)
+    m = vp.manifest
+    assert m.compiled_batches == [1, 4, 8, 16] and m.timing.name == "fast"
+    assert all(p.kv_dtype == "bf16" and p.max_seq == 256 for p in m.profiles)
+    ck = load_hf_checkpoint(hf_dir)
+    assert m.model_config() == ck.config
+    w = vp.weights()
+    for k in w:
+        np.testing.assert_array_equal(w[k], ck.weights[k])  # stored BF16 as given: no double rounding
+    for case in vp.golden().cases:
+        for b, toks in case.expected.items():
+            assert len(toks) >= 1
+            assert toks == greedy_generate(ck.config, ck.weights, case.prompt, len(toks), "bf16")
+
+
+def test_golden_matches_software_runtime_every_profile(packed: tuple[Path, Path]) -> None:
+    runtime = pytest.importorskip("calserve._calrt", reason="software CalRT not built")
+    del runtime
+    from calserve.models.devicecheck import golden_run
+    from calserve.runtime import Device
+
+    out, pub = packed
+    trust = TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub])
+    vp = open_package(out, trust, out.parent)
+    with Device.open(profile="sim-next") as dev:
+        for b in vp.manifest.compiled_batches:
+            ok, detail = golden_run(dev, vp, b)
+            assert ok, f"B{b}: {detail}"
+
+
+@settings(max_examples=40)
+@given(
+    arrays(np.float32, st.tuples(st.integers(1, 5), st.integers(1, 7)),
+           elements=st.floats(width=32, allow_nan=False)),
+    st.sampled_from(["BF16", "F16", "F32"]),
+)
+def test_safetensors_round_trip(tmp_path_factory: pytest.TempPathFactory, a: np.ndarray, dtype: str) -> None:
+    p = tmp_path_factory.mktemp("st") / "t.safetensors"
+    write_safetensors(p, {"x": a, "y": a[:1]}, dtype)
+    got = load_safetensors(p)
+    if dtype == "BF16":
+        want = bf16_round(a)
+    elif dtype == "F16":
+        with np.errstate(over="ignore"):
+            want = a.astype(np.float16).astype(np.float32)
+    else:
+        want = a
+    np.testing.assert_array_equal(got["x"], want)
+    assert got["y"].shape == a[:1].shape
+
+
+def test_safetensors_header_lies_refused(tmp_path: Path) -> None:
+    from calserve.errors import ValidationError
+
+    p = tmp_path / "bad.safetensors"
+    hb = json.dumps({"x": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 8]}}).encode()
+    p.write_bytes(struct.pack("<Q", len(hb)) + hb + b"\0" * 8)
+    with pytest.raises(ValidationError, match="bad.safetensors: tensor 'x': data offsets"):
+        load_safetensors(p)
+    hb = json.dumps({"x": {"dtype": "I8", "shape": [1], "data_offsets": [0, 1]}}).encode()
+    p.write_bytes(struct.pack("<Q", len(hb)) + hb + b"\0")
+    with pytest.raises(ValidationError, match="dtype I8"):
+        load_safetensors(p)
