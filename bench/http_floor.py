@@ -1,0 +1,146 @@
+"""Per-token server CPU of calserve vs the floor of its HTTP stack, side by side in one run.
+
+``python -m bench.http_floor [--quick]`` (also ``python -m bench.scenarios http-floor``):
+
+1. calserve (``runtime.null_compute: true``, timing ``none``: the device costs nothing, so what is left
+   is the serving layer) under hypercorn's trio worker, 64 concurrent streams, pinned to core 0;
+2. the bare ASGI app of :mod:`bench.floor_app` under the same hypercorn trio worker, streaming
+   pre-encoded chunks of the same size as calserve's (one ``send`` per event), same load.
+
+Server CPU comes from ``/proc/PID/stat`` (utime + stime of the serving process) over the load window;
+divided by the content events the client received it gives CPU µs per streamed event (and per token,
+when the server coalesces several tokens into one event). The ratio calserve / floor is the figure
+(target <= 1.25x). A profile of calserve under the same load is saved next to it when py-spy or
+pyinstrument is available (``pip install pyinstrument``; neither is a dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench import procstat
+from bench.httpclient import ConnectionPool, iter_sse
+from bench.scenario_lib import calserve_config, run_point, write_json
+from bench.server import BENCH_OUT, Server, pin_self
+
+__all__ = ["run", "main", "probe_event_size"]
+
+CONCURRENCY = 64
+
+
+async def _probe(url: str) -> float:
+    host, port = url.removeprefix("http://").split(":")
+    pool = ConnectionPool(host, int(port))
+    body = json.dumps({"prompt": [300, 301, 302], "max_tokens": 16, "stream": True,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    resp = await pool.request("POST", "/v1/completions", body,
+                              {"Content-Type": "application/json"})
+    sizes = [len(d) + 8 for _, d in [e async for e in iter_sse(resp)] if d != b"[DONE]"]
+    await resp.conn.aclose()
+    return sum(sizes[:-1]) / max(1, len(sizes) - 1)  # content events (last one is the finish)
+
+
+def probe_event_size(url: str) -> int:
+    """Mean bytes of one streamed content event (``data: {...}\\n\\n``) of the server at ``url``."""
+    return round(trio.run(_probe, url))
+
+
+def _measure(srv: Server, out: Path, dur: float) -> dict[str, Any]:
+    run_point(srv, out.with_name(out.name + "-warmup"), concurrency=CONCURRENCY, duration=1.0,
+              prompt="16", output="256", progress=False, scrape_interval_s=None)
+    before = procstat.sample(srv.pid)
+    t0 = time.monotonic()
+    res = run_point(srv, out, concurrency=CONCURRENCY, duration=dur, prompt="16", output="256",
+                    scrape_interval_s=None)
+    after = procstat.sample(srv.pid)
+    wall = time.monotonic() - t0
+    assert before and after, "server process vanished"
+    events = sum(len(r.token_times) for r in res.records)
+    tokens = sum(r.output_tokens if r.outcome == "ok" else len(r.token_times) for r in res.records)
+    cpu = after.cpu_s - before.cpu_s
+    return {"cpu_s": cpu, "wall_s": wall, "cpu_util": cpu / wall, "events": events,
+            "tokens": tokens, "us_per_event": cpu / max(1, events) * 1e6,
+            "us_per_token": cpu / max(1, tokens) * 1e6,
+            "events_per_s": events / wall, "outcomes": res.summary["outcomes"]}
+
+
+def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
+    """Save a profile of calserve under the same load (py-spy attach, else pyinstrument)."""
+    pyspy = shutil.which("py-spy")
+    if pyspy:
+        with Server.calserve(cfg, out / "server-profile") as srv:
+            target = out / "calserve_profile.svg"
+            spy = subprocess.Popen([pyspy, "record", "-o", str(target), "--pid", str(srv.pid),
+                                    "--duration", str(int(dur))], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.STDOUT)
+            run_point(srv, out / "profiled", concurrency=CONCURRENCY, duration=dur, prompt="16",
+                      output="256", scrape_interval_s=None, progress=False)
+            spy.wait(30)
+        return str(target) if target.exists() else None
+    try:
+        import pyinstrument  # noqa: F401
+    except ImportError:
+        return None
+    target = out / "calserve_profile.html"
+    cfg_dir = out / "server-profile"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    import yaml
+
+    from bench.server import free_port
+    port = free_port()
+    cfg = {**cfg, "server": {"host": "127.0.0.1", "port": port}}
+    (cfg_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    argv = [sys.executable, "-m", "pyinstrument", "--async-mode", "disabled", "-r", "html", "-o",
+            str(target), "-m", "bench.serve_entry", "--config", str(cfg_dir / "config.yaml"),
+            "--port", "{port}"]
+    with Server.start(argv, cfg_dir, port=port) as srv:
+        run_point(srv, out / "profiled", concurrency=CONCURRENCY, duration=dur, prompt="16",
+                  output="256", scrape_interval_s=None, progress=False)
+    return str(target) if target.exists() else None
+
+
+def run(out: Path, quick: bool) -> dict[str, Any]:
+    dur = 4.0 if quick else 8.0
+    cfg = calserve_config(profiles=[1, 4, 8, 16], timing="none", null_compute=True)
+    with Server.calserve(cfg, out / "server-calserve") as srv:
+        size = probe_event_size(srv.url)
+        cal = _measure(srv, out / "calserve", dur)
+    floor_argv = [sys.executable, "-m", "bench.floor_app", "--port", "{port}", "--chunk-bytes",
+                  str(size)]
+    with Server.start(floor_argv, out / "server-floor", ready_path="/health") as fsrv:
+        floor_size = probe_event_size(fsrv.url)
+        flo = _measure(fsrv, out / "floor", dur)
+    prof = _profile(cfg, out, min(dur, 5.0))
+    ratio = cal["us_per_event"] / flo["us_per_event"] if flo["us_per_event"] else None
+    doc = {"concurrency": CONCURRENCY, "event_bytes_calserve": size, "event_bytes_floor": floor_size,
+           "calserve": cal, "floor": flo, "ratio_per_event": ratio,
+           "ratio_per_token": cal["us_per_token"] / flo["us_per_token"] if flo["us_per_token"]
+           else None, "target_ratio": 1.25, "profile": prof or
+           "none saved: install py-spy or `pip install pyinstrument` to get one"}
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.http_floor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=BENCH_OUT / "http-floor")
+    a = ap.parse_args(argv)
+    pin_self(1)
+    doc = run(a.out, a.quick)
+    write_json(a.out / "summary.json", {"scenario": "http-floor", **doc})
+    print(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""Named benchmark scenarios, one command each: ``python -m bench.scenarios NAME [--quick]``.
+
+Each scenario starts and stops its calserve server(s) itself (core 0; the load generator runs on
+core 1), writes per-point run directories (records.jsonl, summary.json, metrics.jsonl), a scenario
+``summary.json`` with the headline figures, PNGs and ``report.md`` under ``bench/out/NAME/``, and
+prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
+
+Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import plots
+from bench.report import report
+from bench.scenario_lib import (BENCH_OUT, calserve_config, counters_at_rest, device_limit,
+                                point_row, run_point, write_json)
+from bench.serve_entry import KNEE_STEPS_US, STEP_PREFIX
+from bench.server import Server, pin_self
+from bench.workload import Lengths, TenantSpec
+
+__all__ = ["SCENARIOS", "main"]
+
+SAT_STEP_US = 4000.0  # sat-4k: every profile's decode step is 4 ms
+
+
+def saturation(out: Path, quick: bool) -> dict[str, Any]:
+    """B16 on sim-next; closed-loop concurrency sweep on sat-4k (4,000 tok/s device bound), then the
+    knee: the same load at shorter steps (8k, 16k, 32k, 64k tok/s device bound)."""
+    dur = 4.0 if quick else 8.0
+    conc = [1, 4, 16, 32, 64, 128] if quick else [1, 2, 4, 8, 16, 32, 64, 128]
+    limit = device_limit(16, SAT_STEP_US)
+    rows = []
+    with Server.calserve(calserve_config(profiles=[16], timing="sat-4k"), out / "server-sat-4k") as srv:
+        run_point(srv, out / "warmup", concurrency=16, duration=1.5, progress=False)
+        for c in conc:
+            res = run_point(srv, out / f"c{c:03d}", concurrency=c, duration=dur, output="256",
+                            prompt="16")
+            rows.append(point_row(res, concurrency=c, efficiency=res.summary["output_throughput"]
+                                  / limit))
+        rest = counters_at_rest(srv)
+    best = max(rows, key=lambda r: r["output_throughput"])
+    plots.sweep_plot(rows, "concurrency", out / "saturation_sweep.png", xlabel="concurrency",
+                     limit=limit, logx=True)
+    knee_rows = []
+    steps = KNEE_STEPS_US[:4] if quick else KNEE_STEPS_US
+    for us in steps:
+        lim = device_limit(16, us)
+        with Server.calserve(calserve_config(profiles=[16], timing=f"{STEP_PREFIX}{us}"),
+                             out / f"server-step-{us}") as srv:
+            run_point(srv, out / f"knee-{us}-warmup", concurrency=64, duration=1.0, progress=False)
+            res = run_point(srv, out / f"knee-{us}us", concurrency=64, duration=dur, output="256",
+                            prompt="16")
+        knee_rows.append(point_row(res, step_us=us, device_limit=lim, series="c=64",
+                                   efficiency=res.summary["output_throughput"] / lim))
+    held = [r for r in knee_rows if r["efficiency"] >= 0.9]
+    knee = max((r["device_limit"] for r in held), default=None)
+    plots.sweep_plot(knee_rows, "device_limit", out / "knee.png",
+                     xlabel="device-bound limit (tokens/s)", logx=True)
+    return {
+        "device_limit_tok_s": limit,
+        "best": {"concurrency": best["concurrency"], "output_throughput": best["output_throughput"],
+                 "efficiency": best["efficiency"]},
+        "efficiency_at_4k": best["efficiency"],
+        "knee_tok_s": knee,
+        "sweep": rows,
+        "knee_points": knee_rows,
+        "counters_at_rest": rest,
+        "saturation_throughput": best["output_throughput"],
+    }
+
+
+def m1_async_vs_sync(out: Path, quick: bool) -> dict[str, Any]:
+    """Spec §19 M1, in-process through the engine's Python API (bench/m1_async_vs_sync.py)."""
+    try:
+        from bench import m1_async_vs_sync as m1
+    except ImportError as e:
+        return {"error": f"bench/m1_async_vs_sync.py is not available: {e}"}
+    argv = ["--out", str(out)] + (["--quick"] if quick else [])
+    rc = m1.main(argv)
+    doc: dict[str, Any] = {"returncode": rc}
+    if (out / "summary.json").exists():  # the M1 script's own figures, merged into ours
+        doc.update(json.loads((out / "summary.json").read_text()))
+    return doc
+
+
+def batching(out: Path, quick: bool) -> dict[str, Any]:
+    """B1 vs B4/B8/B16 (sim-next, sat-4k) under the same Poisson load (~110 % of what B16 allows)."""
+    dur = 6.0 if quick else 15.0
+    olen = 128
+    rate = 1.1 * device_limit(16, SAT_STEP_US) / olen
+    rows = []
+    for b in (1, 4, 8, 16):
+        with Server.calserve(calserve_config(profiles=[b], timing="sat-4k"), out / f"server-b{b}") as srv:
+            run_point(srv, out / f"b{b}-warmup", concurrency=b, duration=1.0, progress=False)
+            res = run_point(srv, out / f"b{b}", rate=rate, duration=dur, output=str(olen),
+                            prompt="32", drain=8.0)
+        lim = device_limit(b, SAT_STEP_US)
+        rows.append(point_row(res, batch=b, device_limit=lim, series="Poisson",
+                              throughput_vs_model=res.summary["output_throughput"] / lim,
+                              tpot_p99_vs_step=res.summary["tpot_ms"].get("p99", math.nan)
+                              / (SAT_STEP_US / 1000)))
+    plots.sweep_plot(rows, "batch", out / "batching.png", xlabel="compiled batch size", logx=True)
+    b16 = rows[-1]
+    return {"rate_req_s": rate, "points": rows, "m3": {
+        "fill_b16": b16["batch_fill"], "fill_target": 0.9,
+        "throughput_vs_model_b16": b16["throughput_vs_model"], "throughput_target": 0.95,
+        "tpot_p99_vs_step_b16": b16["tpot_p99_vs_step"], "tpot_target": 1.2}}
+
+
+def _gap(summary: dict[str, Any], weights: dict[str, float], names: list[str]) -> float:
+    """Max over time of the spread of weight-normalised cumulative service among ``names``
+    (tokens): VTC's service gap between backlogged tenants."""
+    sot = summary["service_over_time"]
+    rows = {n: sot["tokens_per_s"].get(n, []) for n in names}
+    nbins = max((len(r) for r in rows.values()), default=0)
+    cum = {n: 0.0 for n in names}
+    gap = 0.0
+    for i in range(nbins):
+        for n in names:
+            r = rows[n]
+            cum[n] += (r[i] if i < len(r) else 0.0) * sot["bin_s"] / weights[n]
+        vals = list(cum.values())
+        gap = max(gap, max(vals) - min(vals))
+    return gap
+
+
+def fairness(out: Path, quick: bool) -> dict[str, Any]:
+    """Two and eight tenants, one overloading; equal and unequal weights; WFQ vs FCFS side by side."""
+    dur = 6.0 if quick else 12.0
+    cases: list[tuple[str, str, dict[str, float], dict[str, int]]] = [
+        ("2t-equal", "wfq", {"heavy": 1, "light": 1}, {"heavy": 64, "light": 8}),
+        ("2t-equal-fcfs", "fcfs", {"heavy": 1, "light": 1}, {"heavy": 64, "light": 8}),
+        ("2t-weighted-2to1", "wfq", {"heavy": 1, "light": 2}, {"heavy": 64, "light": 16}),
+        ("8t-equal", "wfq", {"heavy": 1, **{f"t{i}": 1 for i in range(7)}},
+         {"heavy": 64, **{f"t{i}": 4 for i in range(7)}}),
+        ("8t-equal-fcfs", "fcfs", {"heavy": 1, **{f"t{i}": 1 for i in range(7)}},
+         {"heavy": 64, **{f"t{i}": 4 for i in range(7)}}),
+    ]
+    if quick:
+        cases = cases[:3]
+    results = {}
+    for name, policy, weights, conc in cases:
+        tenants_cfg = {t: {"api_keys": [f"key-{t}"], "weight": w} for t, w in weights.items()}
+        cfg = calserve_config(profiles=[16], timing="sat-4k", tenants=tenants_cfg,
+                              fairness={"policy": policy},
+                              admission={"max_waiting_requests": 512})
+        specs = tuple(TenantSpec(t, f"key-{t}", None, c, Lengths(16, 16), Lengths(128, 128))
+                      for t, c in conc.items())
+        with Server.calserve(cfg, out / f"server-{name}") as srv:
+            res = run_point(srv, out / name, tenants=specs, duration=dur, drain=10.0)
+        s = res.summary
+        names = sorted(weights)
+        wsum = sum(weights.values())
+        results[name] = {
+            "policy": policy,
+            "weights": weights,
+            "concurrency": conc,
+            "shares": {n: s["tenants"][n]["share"] for n in names if n in s["tenants"]},
+            "fair_shares": {n: weights[n] / wsum for n in names},
+            "service_gap_tokens": _gap(s, weights, names),
+            "ttft_p99_ms": {n: s["tenants"][n]["ttft_ms"].get("p99") for n in names
+                            if n in s["tenants"]},
+            "output_throughput": s["output_throughput"],
+        }
+        plots.tenant_service(s, out / f"service_{name}.png", f"{name} ({policy})")
+    return {"cases": results}
+
+
+def overload(out: Path, quick: bool) -> dict[str, Any]:
+    """3x the saturation throughput (from bench/out/saturation, else 4,000 tok/s), 80 % short (16) and
+    20 % long (1024) prompts: short-request TTFT P99, 429 rate, nothing lost."""
+    sat_path = BENCH_OUT / "saturation" / "summary.json"
+    sat = 4000.0
+    if sat_path.exists():
+        sat = json.loads(sat_path.read_text()).get("saturation_throughput") or sat
+    olen = 64
+    rate = 3 * sat / olen
+    dur = 6.0 if quick else 15.0
+    with Server.calserve(calserve_config(profiles=[16], timing="sat-4k"), out / "server") as srv:
+        res = run_point(srv, out / "run", rate=rate, duration=dur, prompt="0.8*16,0.2*1024",
+                        output=str(olen), drain=20.0, request_timeout_s=60.0)
+        time.sleep(1.0)
+        rest = counters_at_rest(srv)
+    recs = res.records
+    short = [r for r in recs if r.outcome == "ok" and r.prompt_tokens <= 64 and r.ttft is not None]
+    long_ = [r for r in recs if r.outcome == "ok" and r.prompt_tokens > 64 and r.ttft is not None]
+    from bench.summary import latency_stats
+    s = res.summary
+    return {
+        "saturation_throughput_used": sat,
+        "rate_req_s": rate,
+        "outcomes": s["outcomes"],
+        "rate_429": s["by_status"].get("429", 0) / max(1, s["sent"]),
+        "short_ttft_ms": latency_stats([r.ttft for r in short if r.ttft is not None]),
+        "long_ttft_ms": latency_stats([r.ttft for r in long_ if r.ttft is not None]),
+        "output_throughput": s["output_throughput"],
+        "lost": s["sent"] - sum(s["outcomes"].values()),
+        "counters_at_rest": rest,
+    }
+
+
+def soak(out: Path, quick: bool, minutes: float | None = None) -> dict[str, Any]:
+    """Mixed load with random disconnects for N minutes; RSS/fds over time, idle CPU afterwards,
+    gauges back to zero (spec §19 M0, scaled down)."""
+    from bench import procstat
+    minutes = minutes if minutes is not None else (0.5 if quick else 2.0)
+    dur = minutes * 60
+    rate = 0.6 * device_limit(16, SAT_STEP_US) / 96
+    with Server.calserve(calserve_config(profiles=[1, 4, 8, 16], timing="sat-4k",
+                                         max_inflight=2), out / "server") as srv:
+        res = run_point(srv, out / "run", rate=rate, duration=dur, prompt="8:512",
+                        output="16:160", disconnect_prob=0.2, burstiness=0.5, drain=20.0,
+                        scrape_interval_s=1.0)
+        time.sleep(2.0)  # let cancelled requests drain
+        idle0 = procstat.sample(srv.pid)
+        t0 = time.monotonic()
+        time.sleep(5.0)
+        idle1 = procstat.sample(srv.pid)
+        idle_cpu = ((idle1.cpu_s - idle0.cpu_s) / (time.monotonic() - t0)
+                    if idle0 and idle1 else None)
+        rest = counters_at_rest(srv)
+    proc = res.proc
+    plots.proc_series(proc, out / "soak_proc.png", marks=[dur])
+    s = res.summary
+    return {
+        "minutes": minutes,
+        "outcomes": s["outcomes"],
+        "lost": s["sent"] - sum(s["outcomes"].values()),
+        "server_proc": s.get("server_proc"),
+        "idle_cpu_cores_after_load": idle_cpu,
+        "idle_rss_bytes": idle1.rss_bytes if idle1 else None,
+        "idle_fds": idle1.open_fds if idle1 else None,
+        "counters_at_rest": rest,
+        "all_back_to_zero": bool(rest) and all(not v for v in rest.values()),
+    }
+
+
+def http_floor(out: Path, quick: bool) -> dict[str, Any]:
+    from bench.http_floor import run as floor_run
+    return floor_run(out, quick)
+
+
+SCENARIOS = {
+    "saturation": saturation,
+    "m1-async-vs-sync": m1_async_vs_sync,
+    "batching": batching,
+    "fairness": fairness,
+    "overload": overload,
+    "soak": soak,
+    "http-floor": http_floor,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.scenarios", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=sorted(SCENARIOS))
+    ap.add_argument("--quick", action="store_true", help="shorter points (a smoke run)")
+    ap.add_argument("--minutes", type=float, help="soak length")
+    ap.add_argument("--out", type=Path, help="default bench/out/NAME")
+    a = ap.parse_args(argv)
+    out = a.out or BENCH_OUT / a.name
+    out.mkdir(parents=True, exist_ok=True)
+    pinned = pin_self(1)
+    t0 = time.monotonic()
+    fn = SCENARIOS[a.name]
+    doc = fn(out, a.quick, a.minutes) if a.name == "soak" else fn(out, a.quick)
+    doc = {"scenario": a.name, "quick": a.quick, "loadgen_pinned_core1": pinned,
+           "wall_s": round(time.monotonic() - t0, 1), **doc}
+    write_json(out / "summary.json", doc)
+    runs = sorted(p.parent for p in out.glob("*/summary.json") if "warmup" not in p.parent.name)
+    if runs:
+        report(runs, out, title=f"scenario {a.name}")
+    print(json.dumps({k: v for k, v in doc.items()
+                      if k not in ("sweep", "knee_points", "points")}, indent=1, default=str))
+    print(f"wrote {out}/summary.json, report.md, PNGs", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
