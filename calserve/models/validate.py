@@ -234,6 +234,9 @@ def check_scheduler_config(
     return requested
 
 
+# Runtimes name dtypes their own way; these spellings mean the manifest's "fp32" / "bf16".
+_DTYPE_ALIASES = {"float32": "fp32", "f32": "fp32", "bfloat16": "bf16"}
+
 _INTROSPECT_KEYS = {
     "compiled_batch": lambda p, s: p.compiled_batch,
     "max_seq": lambda p, s: p.max_seq,
@@ -258,14 +261,21 @@ def compare_introspection(manifest: Manifest, compiled_batch: int, info: Mapping
         if k not in info:
             raise ValidationError(f"{where}: the runtime did not report {k}")
     for k, get in _INTROSPECT_KEYS.items():
-        if k in info and info[k] != get(p, manifest.exact_submodel):
+        got_v = _DTYPE_ALIASES.get(info[k], info[k]) if k == "kv_dtype" and k in info else info.get(k)
+        if k in info and got_v != get(p, manifest.exact_submodel):
             raise ValidationError(
                 f"{where}: {k} = {info[k]!r}, manifest.json says {get(p, manifest.exact_submodel)!r}"
             )
+    model = info.get("model")
+    if isinstance(model, Mapping):
+        for k, v in manifest.model_config().to_dict().items():
+            if k in model and model[k] != v:
+                raise ValidationError(f"{where}: model.{k} = {model[k]!r}, manifest.json says {v!r}")
     kl = info.get("kv_layout")
     if isinstance(kl, Mapping):
         for k in ("layers", "kv_heads", "head_dim", "dtype", "bytes_per_token"):
-            if k in kl and kl[k] != getattr(p.kv_layout, k):
+            got_v = _DTYPE_ALIASES.get(kl[k], kl[k]) if k == "dtype" and k in kl else kl.get(k)
+            if k in kl and got_v != getattr(p.kv_layout, k):
                 raise ValidationError(
                     f"{where}: kv_layout.{k} = {kl[k]!r}, manifest.json says {getattr(p.kv_layout, k)!r}"
                 )
