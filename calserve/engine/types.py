@@ -32,6 +32,10 @@ __all__ = [
     "Event",
     "ModelInfo",
     "ProfileInfo",
+    "TenantStats",
+    "ExecutorEngineStats",
+    "EngineStatistics",
+    "RequestTimings",
 ]
 
 
@@ -102,6 +106,7 @@ class FinishEvent:
     reason: FinishReason
     usage: Usage
     text: str = ""  # trailing text flushed at the end (held back for stop-string matching)
+    timings: RequestTimings | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +116,7 @@ class ErrorEvent:
     message: str
     kind: str  # "device_error" | "shutdown" | "unavailable" | "internal"
     usage: Usage | None = None
+    timings: RequestTimings | None = None
 
 
 Event = TokenEvent | FinishEvent | ErrorEvent
@@ -133,3 +139,77 @@ class ModelInfo:
     package_sha256: str
     created: int  # unix time of publish
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# Statistics snapshot for /metrics (spec §16). Frozen; the engine builds one on demand from the
+# statistics() of its parts. Labels stay bounded: alias, tenant, outcome, state, class, engine, reason.
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantStats:
+    waiting_requests: int
+    waiting_tokens: int
+    active_sequences: int
+    service_tokens: float  # delivered service in cost units (prefill + output_token_cost * decode)
+    virtual_lag: float  # tenant virtual time minus global virtual time
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorEngineStats:
+    submitted: int
+    completed: int
+    failed: int
+    busy: int
+    timeouts: int
+    inflight: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStatistics:
+    # requests
+    requests_running: int  # admitted, not terminal (prefill/decode ready or running)
+    requests_waiting: int  # waiting for admission or model
+    requests_total: dict[str, int]  # terminal outcome -> count ("completed", "cancelled", "failed", "deadline", ...)
+    # admission
+    admitted_total: int
+    rejected_total: dict[str, int]  # outcome -> count ("invalid", "capacity", "unavailable", "quota")
+    waiting_prompt_tokens: int
+    tenants: dict[str, TenantStats]
+    starvation_events_total: int
+    # queues (class: "decode" | "short" | "medium" | "long")
+    queue_depth: dict[str, int]
+    queue_oldest_wait_s: dict[str, float]
+    # batches
+    batches_total: dict[int, int]  # compiled B -> decode batches run
+    lanes_active_total: dict[int, int]  # compiled B -> active lanes summed over batches
+    lanes_total: dict[int, int]  # compiled B -> compiled lanes summed over batches (fill = active/total)
+    current_compiled_batch: int
+    batch_wait_s_total: float
+    prefill_jobs_total: int
+    # KV
+    kv_sequences: dict[str, int]  # KvSequenceState name -> count
+    kv_tokens_reserved: int
+    kv_tokens_used: int
+    kv_free_seconds_total: float
+    # executor
+    executor_inflight_jobs: int
+    executor: dict[str, ExecutorEngineStats]  # "ping" | "pong"
+    # models: alias -> (generation, state name)
+    models: dict[str, tuple[int, str]]
+    model_load_seconds: dict[str, float]  # alias -> last load duration
+    # recovery
+    faults_total: dict[str, int]  # reason -> count
+    resets_total: int
+    quarantined_jobs_total: int
+    quarantined_kv_total: int
+    recovery_seconds_total: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTimings:
+    """Attached to the terminal event so the HTTP layer can fill its histograms."""
+
+    queue_s: float  # submit -> admitted
+    ttft_s: float | None  # submit -> first token
+    e2e_s: float  # submit -> terminal

@@ -1,0 +1,282 @@
+"""The async device interface the engine uses, and its implementation over the real runtime facade.
+
+Only the executor, the model manager and recovery call a backend. Two implementations honour the same
+contract (the facade contract in :mod:`calserve.runtime.types`):
+
+- :class:`RuntimeBackend` wraps the synchronous :class:`calserve.runtime.Device` facade. Every device call
+  goes through ``trio.to_thread.run_sync`` on a :class:`trio.CapacityLimiter` owned by the backend (the
+  process-wide default limiter is shared with unrelated code, STACK.md "Threads and cancellation").
+- :class:`calserve.engine.fake_device.FakeBackend` is trio-native (completions are ``trio.sleep``), for
+  fake-clock tests: ``autojump_clock`` jumps while trio waits on worker threads, so the real runtime
+  must never run under it.
+
+Job protocol (spec §12 "forced delete is not cancel"): ``submit_*`` returns a :class:`JobTicket`;
+``wait(ticket, timeout_s)`` returns the :class:`JobResult` or ``None`` when the timeout passed with the
+job still in flight. A ticket must be waited for until it returns a result; a timed-out job completes
+``ABORTED`` after :meth:`DeviceBackend.reset`. The executor shields submit+wait as one unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import trio
+
+from calserve.runtime.reference import ModelConfig
+from calserve.runtime.types import (
+    EngineCounters,
+    FaultKind,
+    JobEngine,
+    JobResult,
+    ProfileSpec,
+    RuntimeCapabilities,
+    Timing,
+    WaitTimeout,
+)
+
+__all__ = ["JobTicket", "BackendCalbin", "DeviceBackend", "RuntimeBackend", "fnv1a_rows"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class JobTicket:
+    """A submitted job. ``native`` is the implementation's job object (never touched by the engine)."""
+
+    job_id: int
+    engine: JobEngine
+    native: Any
+
+
+def fnv1a_rows(logits: np.ndarray) -> np.ndarray:
+    """FNV-1a 64 over each row's float32 bytes (the fake device's lane checksum)."""
+    rows = np.ascontiguousarray(logits, dtype=np.float32)
+    b = rows.view(np.uint8).reshape(rows.shape[0], -1).astype(np.uint64)
+    h = np.full(rows.shape[0], 0xCBF29CE484222325, dtype=np.uint64)
+    prime = np.uint64(0x100000001B3)
+    with np.errstate(over="ignore"):
+        for j in range(b.shape[1]):
+            h = (h ^ b[:, j]) * prime
+    return h
+
+
+class BackendCalbin(Protocol):
+    """One configured calbin (one batch profile) with its KvManager, seen asynchronously."""
+
+    spec: ProfileSpec
+    config: ModelConfig
+
+    def introspect(self) -> dict[str, Any]: ...
+
+    async def create_sequence(self) -> int: ...
+
+    async def free_sequences(self, seq_ids: Sequence[int]) -> None:
+        """Free several sequences in one device round trip; ids already invalid are skipped."""
+        ...
+
+    async def committed_len(self, seq_id: int) -> int: ...
+
+    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> JobTicket: ...
+
+    async def submit_decode(
+        self,
+        seq_ids: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        valid: np.ndarray,
+        engine: JobEngine,
+    ) -> JobTicket: ...
+
+    async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None: ...
+
+    async def reconfigure(self) -> None: ...
+
+    async def release(self) -> None: ...
+
+    def checksum_ok(self, result: JobResult, lanes: np.ndarray) -> np.ndarray:
+        """Per requested lane: does the runtime's checksum match the logits row received?"""
+        ...
+
+
+class DeviceBackend(Protocol):
+    capabilities: RuntimeCapabilities
+
+    async def load_calbin(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, np.ndarray],
+        spec: ProfileSpec,
+        timing: Timing | None = None,
+    ) -> BackendCalbin: ...
+
+    async def reset(self) -> None:
+        """Abort every in-flight job (they complete ABORTED) and invalidate every KV sequence."""
+        ...
+
+    @property
+    def needs_reconfigure(self) -> bool: ...
+
+    def counters(self, engine: JobEngine) -> EngineCounters: ...
+
+    def dram(self) -> tuple[int, int]: ...
+
+    def inject_fault(self, kind: FaultKind, engine: JobEngine, nth: int, lane: int = 0) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Real runtime
+
+
+class _Threads:
+    """Runs sync device calls in worker threads on a limiter of our own, with strict drain.
+
+    Invariant: a call that reached the device returns to us; the caller's cancellation is re-raised
+    only after the result was reclaimed (STACK.md: the limiter wait itself is cancellable, so the whole
+    call, limiter wait included, is shielded)."""
+
+    def __init__(self, threads: int) -> None:
+        self.limiter = trio.CapacityLimiter(threads)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        with trio.CancelScope(shield=True):
+            result = await trio.to_thread.run_sync(
+                functools.partial(fn, *args), limiter=self.limiter
+            )
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return result
+
+
+class _RuntimeCalbin:
+    def __init__(self, native: Any, threads: _Threads) -> None:
+        self._c = native
+        self._t = threads
+        self.spec: ProfileSpec = native.spec
+        self.config: ModelConfig = native.config
+
+    def introspect(self) -> dict[str, Any]:
+        info: dict[str, Any] = self._c.introspect()
+        return info
+
+    async def create_sequence(self) -> int:
+        return int(await self._t.run(self._c.create_sequence))
+
+    async def free_sequences(self, seq_ids: Sequence[int]) -> None:
+        ids = list(seq_ids)
+        if not ids:
+            return
+
+        def free_all() -> None:
+            for s in ids:
+                try:
+                    self._c.free_sequence(s)
+                except Exception:  # already invalidated by a reset: nothing to free
+                    pass
+
+        await self._t.run(free_all)
+
+    async def committed_len(self, seq_id: int) -> int:
+        return int(await self._t.run(self._c.committed_len, seq_id))
+
+    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> JobTicket:
+        job = await self._t.run(self._c.submit_prefill, seq_id, tokens, engine)
+        return JobTicket(int(job.job_id), engine, job)
+
+    async def submit_decode(
+        self,
+        seq_ids: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        valid: np.ndarray,
+        engine: JobEngine,
+    ) -> JobTicket:
+        job = await self._t.run(self._c.submit_decode, seq_ids, tokens, positions, valid, engine)
+        return JobTicket(int(job.job_id), engine, job)
+
+    async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
+        def w() -> JobResult | None:
+            try:
+                r: JobResult = ticket.native.wait(timeout_s)
+                return r
+            except WaitTimeout:
+                return None
+
+        return await self._t.run(w)
+
+    async def reconfigure(self) -> None:
+        await self._t.run(self._c.reconfigure)
+
+    async def release(self) -> None:
+        await self._t.run(self._c.release)
+
+    def checksum_ok(self, result: JobResult, lanes: np.ndarray) -> np.ndarray:
+        from calserve.runtime.device import logits_checksum
+
+        return np.array(
+            [logits_checksum(result.logits[i]) == int(result.checksum[i]) for i in lanes], dtype=bool
+        )
+
+
+class RuntimeBackend:
+    """The async face of the software (or vendor) CalRT. Owns the one ``Device`` of the process."""
+
+    def __init__(self, device: Any, threads: int = 4) -> None:
+        self._dev = device
+        self._t = _Threads(threads)
+        self.capabilities: RuntimeCapabilities = device.capabilities
+
+    @classmethod
+    async def open(
+        cls,
+        profile: str = "calrt-0.7.6",
+        dram_bytes: int = 32 << 30,
+        null_compute: bool = False,
+        completion_jitter_us: int = 0,
+        seed: int = 0,
+    ) -> RuntimeBackend:
+        from calserve.runtime import Device
+
+        dev = Device.open(
+            profile=profile,
+            dram_bytes=dram_bytes,
+            null_compute=null_compute,
+            completion_jitter_us=completion_jitter_us,
+            seed=seed,
+        )
+        return cls(dev)
+
+    async def load_calbin(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, np.ndarray],
+        spec: ProfileSpec,
+        timing: Timing | None = None,
+    ) -> BackendCalbin:
+        native = await self._t.run(self._dev.load_calbin, config, weights, spec, timing)
+        return _RuntimeCalbin(native, self._t)
+
+    async def reset(self) -> None:
+        await self._t.run(self._dev.reset)
+
+    @property
+    def needs_reconfigure(self) -> bool:
+        return bool(self._dev.needs_reconfigure)
+
+    def counters(self, engine: JobEngine) -> EngineCounters:
+        c: EngineCounters = self._dev.counters(engine)
+        return c
+
+    def dram(self) -> tuple[int, int]:
+        cap, used = self._dev.dram()
+        return int(cap), int(used)
+
+    def inject_fault(self, kind: FaultKind, engine: JobEngine, nth: int, lane: int = 0) -> None:
+        self._dev.inject_fault(kind, engine, nth, lane)
+
+    async def aclose(self) -> None:
+        await self._t.run(self._dev.close)

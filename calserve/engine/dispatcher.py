@@ -1,0 +1,176 @@
+"""CompletionDispatcher: turn one finished job into per-request progress (spec §7.4, §4).
+
+Runs synchronously in the executor task right after the device answered, so the next decode batch
+never waits for a per-request task hop: KV commit, sampling (one vectorised call for all lanes),
+length/EOS finish decisions and the lane's return to the ready set all happen here. The request's
+actor only sees a message per token (detokenising, stop strings, streaming).
+
+Checks before any output is used: the job id, sequence id and position the device echoed for every
+active lane, and the per-lane checksum of the logits row. A mismatch is crosstalk: the whole batch
+fails (spec §7.4: no lane-level isolation is promised) and recovery is told.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from calserve.core.kv_state import KvSequenceState
+from calserve.engine.jobs import DeviceJob, JobOutcome
+from calserve.engine.sampler import LaneSampling, sample_batch
+from calserve.engine.state import Seq, Tokens
+from calserve.engine.types import ErrorEvent, FinishReason
+from calserve.runtime.types import DeviceBusy, JobStatus
+
+if TYPE_CHECKING:
+    from calserve.engine.recovery import HealthRecovery
+    from calserve.engine.scheduler import Scheduler
+
+__all__ = ["CompletionDispatcher"]
+
+log = logging.getLogger("calserve.engine.dispatcher")
+
+
+class CompletionDispatcher:
+    def __init__(self, sched: Scheduler, recovery: HealthRecovery) -> None:
+        self.sched = sched
+        self.recovery = recovery
+        self.crosstalk_total = 0
+        self.stale_total = 0  # results of jobs aborted by our own reset
+        self.requeued_busy = 0
+
+    def complete(self, job: DeviceJob, outcome: JobOutcome) -> None:
+        seqs = job.seqs
+        for s in seqs:
+            s.inflight = None
+        if outcome.submit_error is not None:
+            self._refused(job, seqs, outcome.submit_error)
+        else:
+            assert outcome.result is not None
+            r = outcome.result
+            reason = self._check(job, r) if r.status is JobStatus.OK else r.status.name.lower()
+            if reason is None:
+                self._ok(job, seqs, r.logits)
+            else:
+                self._failed(job, seqs, reason, outcome.timed_out)
+        self.sched.wake()
+
+    # ---------------------------------------------------------------------------------------------
+    def _check(self, job: DeviceJob, r: object) -> str | None:
+        """None when every active lane's echo and checksum match; else "crosstalk"."""
+        from calserve.runtime.types import JobResult
+
+        assert isinstance(r, JobResult)
+        idx = np.flatnonzero(job.valid) if job.kind == "decode" else np.zeros(1, np.int64)
+        echo = r.echo[idx]
+        if job.kind == "decode":
+            assert job.seq_ids is not None
+            exp_seq = job.seq_ids[idx]
+            exp_pos = job.positions[idx]
+        else:
+            s = job.lanes[0]
+            assert s is not None and s.seq_id is not None
+            exp_seq = np.array([s.seq_id])
+            exp_pos = np.array([len(job.tokens) - 1])
+        ok = (echo[:, 0] == job.job_id) & (echo[:, 1] == exp_seq) & (echo[:, 2] == exp_pos)
+        ok &= job.gen.calbin.checksum_ok(r, idx)
+        if bool(ok.all()):
+            return None
+        self.crosstalk_total += 1
+        bad = [int(job.lanes[int(i)].rid) for i in idx[~ok]]  # type: ignore[union-attr]
+        log.warning("crosstalk in job %d: lanes of requests %s", job.job_id, bad,
+                    extra={"job_id": job.job_id, "request_ids": bad})
+        return "crosstalk"
+
+    def _refused(self, job: DeviceJob, seqs: list[Seq], err: BaseException) -> None:
+        gen = job.gen
+        for s in seqs:
+            lane = s.lease.lane
+            if gen.kv.info(lane).state is KvSequenceState.UPDATING:
+                gen.kv.rollback(lane)
+        if isinstance(err, DeviceBusy):
+            self.requeued_busy += 1
+            now = trio.current_time()
+            for s in seqs:
+                if s.pending_reason is not None or s.pending_error is not None:
+                    self.sched.end(s, s.pending_reason, s.pending_error)
+                elif job.kind == "prefill":
+                    self.sched.requeue_prefill(s)
+                else:
+                    self.sched.set_ready(s, now)
+            return
+        err_ev = ErrorEvent(f"the device refused the job: {err}", "device_error")
+        for s in seqs:
+            self.sched.end(s, error=err_ev)
+
+    def _failed(self, job: DeviceJob, seqs: list[Seq], reason: str, timed_out: bool) -> None:
+        gen = job.gen
+        stale = job.epoch < self.recovery.epoch
+        for s in seqs:
+            gen.kv.mark_unknown(s.lease.lane)
+        if stale:
+            self.stale_total += 1
+        else:
+            self.recovery.report(reason if not timed_out else "timeout", job)
+        ids = [s.rid for s in seqs]
+        log.warning("job %d failed (%s) for requests %s", job.job_id, reason, ids,
+                    extra={"job_id": job.job_id, "request_ids": ids})
+        ev = ErrorEvent(f"device fault ({'timeout' if timed_out else reason}) in job {job.job_id}",
+                        "device_error")
+        for s in seqs:
+            self.sched.end(s, error=ev)
+
+    def _ok(self, job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> None:
+        gen = job.gen
+        now = trio.current_time()
+        if job.kind == "prefill":
+            rows = logits[:1]
+            n_new = len(job.tokens)
+        else:
+            rows = logits[np.flatnonzero(job.valid)]
+            n_new = 1
+        lanes = [
+            LaneSampling(
+                temperature=s.req.sampling.temperature, top_p=s.req.sampling.top_p,
+                top_k=s.req.sampling.top_k, seed=s.seed, step=s.generated,
+                logprobs=s.req.sampling.logprobs,
+            )
+            for s in seqs
+        ]
+        res = sample_batch(rows, lanes)
+        eos = gen.source.eos_token_ids
+        for i, s in enumerate(seqs):
+            gen.kv.commit(s.lease.lane, n_new)
+            s.position += n_new
+            if job.kind == "prefill":
+                s.prefilled = True
+                gen.admission.charge(s.tenant, prefill_tokens=n_new, request_id=s.rid)
+            else:
+                gen.admission.charge(s.tenant, decode_tokens=1, request_id=s.rid)
+            if s.pending_reason is not None or s.pending_error is not None:
+                self.sched.end(s, s.pending_reason, s.pending_error)  # output dropped (drained)
+                continue
+            tok = int(res.tokens[i])
+            sp = s.req.sampling
+            first = s.generated == 0
+            s.generated += 1
+            s.last_token = tok
+            if first:
+                s.first_token_at = now
+            reason: FinishReason | None = None
+            hidden = False
+            if s.generated > sp.min_tokens:
+                if (tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
+                    reason, hidden = FinishReason.STOP, True
+            if reason is None and (s.generated >= sp.max_tokens or s.position >= s.lease.reserved_len):
+                reason = FinishReason.LENGTH
+            s.inbox.send_nowait(Tokens(tok, res.logprobs[i], first, hidden))
+            if reason is not None:
+                self.sched.end(s, reason)
+            elif s.deadline is not None and s.deadline <= now:
+                self.sched.end(s, FinishReason.DEADLINE)
+            else:
+                self.sched.set_ready(s, now)

@@ -1,0 +1,184 @@
+"""The Engine: an async context manager owning the device, the model generations and every task.
+
+::
+
+    async with Engine.open(config) as engine:        # device open, generation 1 loaded, tasks up
+        handle = await engine.submit(GenerateRequest(prompt_tokens=(1, 2, 3)))
+        async for ev in handle.events():              # TokenEvent* then FinishEvent | ErrorEvent
+            ...
+        engine.cancel(handle.request_id)              # idempotent
+
+Supervision (ARCHITECTURE.md): one nursery holds the recovery task, one executor per enabled job
+engine, the scheduler and the request actors, all started with ``nursery.start``. A crash in any of
+them cancels the nursery; :attr:`failed` is set whenever the engine cannot serve any more (crash,
+or every generation Failed after recovery gave up), so the HTTP layer drops readiness and
+``calserve serve`` exits non-zero.
+
+Shutdown (``__aexit__``): new submits are refused, every live request ends with a terminal event
+(requests with a job on the device end when it drains: jobs are never abandoned), the tasks are
+cancelled, the runtime sequences and calbins are released and the device is closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import trio
+
+from calserve.config import CalserveConfig
+from calserve.core.model_state import ModelState
+from calserve.engine.backend import DeviceBackend, RuntimeBackend
+from calserve.engine.dispatcher import CompletionDispatcher
+from calserve.engine.executor import DeviceExecutor
+from calserve.engine.models import Generation, ModelManager, ModelSource, load_sources
+from calserve.engine.recovery import HealthRecovery
+from calserve.engine.registry import RequestHandle, RequestRegistry
+from calserve.engine.scheduler import Scheduler
+from calserve.engine.stats import build_statistics
+from calserve.engine.types import EngineStatistics, GenerateRequest, ModelInfo, ProfileInfo
+from calserve.runtime.types import JobEngine
+
+__all__ = ["Engine", "RequestHandle"]
+
+log = logging.getLogger("calserve.engine")
+
+
+class Engine:
+    """Use :meth:`open`; the constructor only wires parts together."""
+
+    def __init__(self, cfg: CalserveConfig, backend: DeviceBackend) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.model_manager = ModelManager(cfg, backend)
+        self.scheduler = Scheduler(cfg, self.model_manager)
+        self.recovery = HealthRecovery(cfg, backend, self.model_manager, self.scheduler)
+        self.dispatcher = CompletionDispatcher(self.scheduler, self.recovery)
+        self.registry = RequestRegistry(cfg, self.model_manager, self.scheduler)
+        ex_cfg = cfg.scheduler.executor
+        engines = [JobEngine.PING]
+        if ex_cfg.max_inflight == 2 and not ex_cfg.fixed_engine and backend.capabilities.pingpong:
+            engines.append(JobEngine.PONG)
+        self.executors = [
+            DeviceExecutor(e, self.scheduler, self.dispatcher, self.recovery, ex_cfg.wait_timeout_ms / 1000)
+            for e in engines
+        ]
+        self.scheduler.executors = self.executors
+        self.recovery.executors = self.executors
+        # Set when the engine can no longer serve (crash, or every model Failed).
+        self.failed = self.recovery.failed
+        self._nursery: trio.Nursery | None = None
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(
+        cls,
+        cfg: CalserveConfig,
+        *,
+        backend: DeviceBackend | None = None,
+        sources: Mapping[str, ModelSource] | None = None,
+    ) -> AsyncIterator[Engine]:
+        """Open the device (unless ``backend`` is given), load every configured model as its first
+        generation (``sources`` overrides the packages, e.g. an in-memory test model), start the
+        tasks; on exit shut down cleanly (see the module docstring)."""
+        own_backend = backend is None
+        if backend is None:
+            r = cfg.runtime
+            backend = await RuntimeBackend.open(
+                r.profile, r.dram_bytes, r.null_compute, r.completion_jitter_us, r.seed
+            )
+        try:
+            eng = cls(cfg, backend)
+            srcs = dict(sources) if sources is not None else await trio.to_thread.run_sync(
+                load_sources, cfg
+            )
+            async with trio.open_nursery() as nursery:
+                eng._nursery = nursery
+                try:
+                    for alias in cfg.models:
+                        if alias not in srcs:
+                            raise KeyError(f"no model source for alias {alias!r}")
+                        await eng.model_manager.load(srcs[alias])
+                    await nursery.start(eng.recovery.run)
+                    for ex in eng.executors:
+                        await nursery.start(ex.run)
+                    await nursery.start(eng.scheduler.run)
+                    eng.registry.nursery = nursery
+                    yield eng
+                    await eng._drain()
+                except BaseException:
+                    eng.failed.set()
+                    eng.registry.closing = True
+                    raise
+                finally:
+                    nursery.cancel_scope.cancel()
+            with trio.CancelScope(shield=True):
+                await eng._release_all()
+        finally:
+            if own_backend:
+                with trio.CancelScope(shield=True):
+                    await backend.aclose()
+
+    async def _drain(self) -> None:
+        """Graceful part of shutdown: terminal events for all, submitted jobs drained."""
+        self.registry.closing = True
+        self.scheduler.shutdown_requests()
+        await self.registry.wait_empty()
+        for ex in self.executors:
+            await ex.wait_idle()
+
+    async def _release_all(self) -> None:
+        for ex in self.executors:
+            await ex.wait_idle()
+        for gen in self.model_manager.generations.values():
+            q = self.scheduler.queues(gen)
+            sids = sorted(set(gen.lane_seq.values()) | {sid for _, sid in q.releases})
+            q.releases.clear()
+            await gen.calbin.free_sequences(sids)
+            gen.lane_seq.clear()
+            await gen.calbin.release()
+
+    # ------------------------------------------------------------------------------------------
+    async def submit(self, req: GenerateRequest) -> RequestHandle:
+        """Accept a request or raise (RequestError / UnknownModel / CapacityError /
+        UnavailableError / EngineError) — decided synchronously at admission."""
+        await trio.lowlevel.checkpoint()
+        return self.registry.create(req)
+
+    def cancel(self, request_id: int) -> None:
+        self.registry.cancel(request_id)
+
+    def generation(self, alias: str | None = None) -> Generation:
+        return self.model_manager.resolve(alias)
+
+    def tokenizer(self, alias: str | None = None) -> Any:
+        return self.model_manager.resolve(alias).source.tokenizer
+
+    def ready(self, alias: str | None = None) -> bool:
+        if self.failed.is_set() or self.registry.closing or self.registry.nursery is None:
+            return False
+        try:
+            return self.model_manager.resolve(alias).state is ModelState.READY
+        except Exception:
+            return False
+
+    def models(self) -> list[ModelInfo]:
+        """The published aliases, for ``/v1/models`` and ``/ready``."""
+        out = []
+        caps = self.backend.capabilities
+        for alias, gid in self.model_manager.aliases.items():
+            g = self.model_manager.generations[gid]
+            profiles = tuple(
+                ProfileInfo(b, g.source.tiers.get(b, "C0" if b == 1 else "C3"),
+                            b == g.compiled_batch and (b == 1 or caps.batch_profiles))
+                for b in sorted(g.source.profiles)
+            )
+            out.append(ModelInfo(alias, gid, g.state.value, g.max_seq, profiles, g.source.sha256,
+                                 g.created, {"serving_batch": g.compiled_batch}))
+        return out
+
+    def statistics(self) -> EngineStatistics:
+        return build_statistics(self)

@@ -1,0 +1,150 @@
+"""DeviceExecutor: one task per job engine (PING, and PONG when enabled), one job at a time.
+
+Spec §12/§14 and STACK.md "Threads and cancellation": the whole submit + wait of a job is shielded,
+so a job that reached the device is always waited for, even when the engine is being cancelled; KV
+transactions are committed or rolled back only after the device answered (in the dispatcher). A
+wait past ``executor.wait_timeout_ms`` is reported as a device fault; the executor keeps waiting
+(the job ends ABORTED once recovery reset the device) — a submitted job is never abandoned.
+
+PING/PONG: with ``executor.max_inflight: 2`` and a runtime whose profile has ``pingpong``, two
+executors run independent batches with their own buffers (each job has its own input/output
+buffers in the runtime); ``fixed_engine: true`` keeps a single executor pinned to PING.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from calserve.core.kv_state import KvSequenceState
+from calserve.engine.jobs import DeviceJob, JobOutcome
+from calserve.runtime.types import CalrtError, DeviceBusy, DeviceFaulted, JobEngine
+
+if TYPE_CHECKING:
+    from calserve.engine.dispatcher import CompletionDispatcher
+    from calserve.engine.recovery import HealthRecovery
+    from calserve.engine.scheduler import Scheduler
+
+__all__ = ["DeviceExecutor", "ExecutorStats"]
+
+log = logging.getLogger("calserve.engine.executor")
+
+BUSY_RETRIES = 3
+BUSY_BACKOFF_S = 0.0005
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorStats:
+    engine: str
+    busy: bool
+    jobs: int
+    submit_refused: int
+    timeouts: int
+
+
+class DeviceExecutor:
+    def __init__(
+        self,
+        engine: JobEngine,
+        sched: Scheduler,
+        dispatcher: CompletionDispatcher,
+        recovery: HealthRecovery,
+        wait_timeout_s: float,
+    ) -> None:
+        self.engine = engine
+        self.sched = sched
+        self.dispatcher = dispatcher
+        self.recovery = recovery
+        self.wait_timeout_s = wait_timeout_s
+        self._send, self._recv = trio.open_memory_channel[DeviceJob](1)
+        # Invariant: busy <=> a job was handed over and its completion was not dispatched yet.
+        self.busy = False
+        self._idle = trio.Event()
+        self._idle.set()
+        self.jobs = 0
+        self.submit_refused = 0
+        self.timeouts = 0
+
+    def start(self, job: DeviceJob) -> None:
+        """Hand a job over (sync, never blocks: the scheduler only calls it when not busy)."""
+        assert not self.busy
+        self.busy = True
+        self._idle = trio.Event()
+        job.epoch = self.recovery.epoch
+        self._send.send_nowait(job)
+
+    async def wait_idle(self) -> None:
+        while self.busy:
+            await self._idle.wait()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async for job in self._recv:
+            with trio.CancelScope(shield=True):
+                outcome = await self._execute(job)
+                self.jobs += 1
+                try:
+                    self.dispatcher.complete(job, outcome)
+                finally:
+                    self.busy = False
+                    self._idle.set()
+                    self.sched.wake()
+
+    async def _execute(self, job: DeviceJob) -> JobOutcome:
+        gen = job.gen
+        cb = gen.calbin
+        try:
+            if job.epoch != self.recovery.epoch:
+                raise DeviceFaulted("the device was reset after this job was built")
+            if job.kind == "prefill":
+                seq = job.lanes[0]
+                assert seq is not None
+                lane = seq.lease.lane
+                if seq.seq_id is None:
+                    sid = await cb.create_sequence()
+                    seq.seq_id = sid
+                    gen.kv.bind(lane, sid)
+                    gen.lane_seq[lane] = sid
+                if gen.kv.info(lane).state is not KvSequenceState.ACTIVE:
+                    raise DeviceFaulted("KV lane lost while the job was queued")
+                gen.kv.begin_update(lane, seq.position, len(job.tokens))
+                submit = lambda: cb.submit_prefill(seq.seq_id, job.tokens, self.engine)  # noqa: E731
+            else:
+                assert job.seq_ids is not None
+                submit = lambda: cb.submit_decode(  # noqa: E731
+                    job.seq_ids, job.tokens, job.positions, job.valid, self.engine
+                )
+            for attempt in range(BUSY_RETRIES + 1):
+                try:
+                    ticket = await submit()
+                    break
+                except DeviceBusy:
+                    if attempt == BUSY_RETRIES:
+                        raise
+                    await trio.sleep(BUSY_BACKOFF_S * (attempt + 1))
+        except CalrtError as e:
+            self.submit_refused += 1
+            return JobOutcome(submit_error=e)
+        job.job_id = ticket.job_id
+        if log.isEnabledFor(logging.DEBUG):
+            ids = [s.rid for s in job.seqs]
+            log.debug("job %d %s on %s: requests %s", job.job_id, job.kind, self.engine.name, ids,
+                      extra={"job_id": job.job_id, "request_ids": ids})
+        timed_out = False
+        while True:
+            r = await cb.wait(ticket, self.wait_timeout_s)
+            if r is not None:
+                return JobOutcome(result=r, timed_out=timed_out)
+            if not timed_out:
+                timed_out = True
+                self.timeouts += 1
+                log.warning("job %d: no completion after %.3fs", job.job_id, self.wait_timeout_s,
+                            extra={"job_id": job.job_id})
+                await self.recovery.on_timeout(job)
+
+    def statistics(self) -> ExecutorStats:
+        return ExecutorStats(self.engine.name.lower(), self.busy, self.jobs, self.submit_refused,
+                             self.timeouts)

@@ -1,0 +1,385 @@
+"""A trio-native fake CalRT device for fake-clock tests (spec §17.3 "mock Wait with random delays").
+
+It honours the facade contract of :mod:`calserve.runtime.types` as the engine sees it through
+:class:`calserve.engine.backend.DeviceBackend`: KV sequences with a committed length that grows only
+when a job ends OK, one queue per job engine (``DeviceBusy`` beyond ``queue_depth``), jobs that take
+a seeded jittered time (so completions interleave differently from submissions), deterministic fault
+injection on the Nth job, and reset semantics (in-flight jobs end ABORTED, every sequence invalid,
+``DMA_UNKNOWN`` requires a reconfigure).
+
+Logits are cheap and deterministic: a function of the sequence's whole token history (a rolling
+hash seeds a generator), so a request's output does not depend on its batch-mates or its lane, which
+is exactly the property the real runtime guarantees and the tests check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from calserve.engine.backend import JobTicket, fnv1a_rows
+from calserve.runtime.reference import ModelConfig
+from calserve.runtime.types import (
+    RUNTIME_PROFILES,
+    DeviceBusy,
+    DeviceFaulted,
+    EngineCounters,
+    FaultKind,
+    InvalidArgument,
+    JobEngine,
+    JobResult,
+    JobStatus,
+    NotSupported,
+    OutOfSequences,
+    ProfileSpec,
+    RuntimeCapabilities,
+    Timing,
+)
+
+__all__ = ["FakeBackend", "FakeCalbin", "fake_logits"]
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(h: int, token: int) -> int:
+    h = (h ^ (token + 0x9E3779B97F4A7C15)) & _MASK
+    h = (h * 0xBF58476D1CE4E5B9) & _MASK
+    return (h ^ (h >> 31)) & _MASK
+
+
+def fake_logits(history_hash: int, vocab: int) -> np.ndarray:
+    """The fake model: logits for the next token given the hash of the whole sequence so far."""
+    return np.random.default_rng(history_hash).standard_normal(vocab).astype(np.float32) * 4.0
+
+
+def history_hash(tokens: Sequence[int]) -> int:
+    h = 0
+    for t in tokens:
+        h = _mix(h, int(t))
+    return h
+
+
+@dataclasses.dataclass
+class _Seq:
+    length: int = 0
+    hash: int = 0
+    valid: bool = True
+
+
+@dataclasses.dataclass
+class _Job:
+    job_id: int
+    engine: JobEngine
+    calbin: FakeCalbin
+    kind: str  # "prefill" | "decode"
+    seq_ids: np.ndarray
+    new_tokens: list[list[int]]  # per lane (empty for invalid lanes)
+    positions: np.ndarray
+    valid: np.ndarray
+    submitted_at: float
+    complete_at: float  # math.inf: never, until a reset
+    fault: FaultKind | None
+    fault_lane: int
+    epoch: int  # device reset epoch at submit
+    result: JobResult | None = None
+
+
+class FakeCalbin:
+    def __init__(self, dev: FakeBackend, config: ModelConfig, spec: ProfileSpec, timing: Timing) -> None:
+        self._dev = dev
+        self.config = config
+        self.spec = spec
+        self.timing = timing
+        self._seqs: dict[int, _Seq] = {}
+        self._next_seq = 1
+        self.released = False
+
+    def introspect(self) -> dict[str, Any]:
+        return {
+            "compiled_batch": self.spec.compiled_batch,
+            "max_seq": self.spec.max_seq,
+            "max_sequences": self.spec.max_sequences,
+            "kv_dtype": self.spec.kv_dtype,
+            "valid_mask": self.spec.valid_mask,
+        }
+
+    # KvManager ------------------------------------------------------------------------------------
+    def live_sequences(self) -> int:
+        return len(self._seqs)
+
+    async def create_sequence(self) -> int:
+        await trio.lowlevel.checkpoint()
+        if len(self._seqs) >= self.spec.max_sequences:
+            raise OutOfSequences("no free KV sequence")
+        sid = self._next_seq
+        self._next_seq += 1
+        self._seqs[sid] = _Seq()
+        return sid
+
+    async def free_sequences(self, seq_ids: Sequence[int]) -> None:
+        await trio.lowlevel.checkpoint()
+        for s in seq_ids:
+            self._seqs.pop(int(s), None)
+
+    async def committed_len(self, seq_id: int) -> int:
+        await trio.lowlevel.checkpoint()
+        return self._seqs[seq_id].length
+
+    # Jobs -----------------------------------------------------------------------------------------
+    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> JobTicket:
+        toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        seq = self._seqs.get(seq_id)
+        pos = (seq.length if seq is not None else 0) + len(toks) - 1  # echo: last position
+        dur = self.timing.prefill_base_us + self.timing.prefill_us_per_token * len(toks)
+        return await self._dev._submit(
+            self, "prefill", np.array([seq_id]), [toks], np.array([pos]), np.array([1]), engine,
+            dur * 1e-6,
+        )
+
+    async def submit_decode(
+        self,
+        seq_ids: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        valid: np.ndarray,
+        engine: JobEngine,
+    ) -> JobTicket:
+        B = self.spec.compiled_batch
+        if not (len(seq_ids) == len(tokens) == len(positions) == len(valid) == B):
+            raise InvalidArgument(f"decode arrays must have length compiled_batch={B}")
+        new = [[int(tokens[i])] if valid[i] else [] for i in range(B)]
+        dur = self.timing.decode_step_us.get(B, 1000.0)
+        return await self._dev._submit(
+            self, "decode", np.asarray(seq_ids), new, np.asarray(positions), np.asarray(valid),
+            engine, dur * 1e-6,
+        )
+
+    async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
+        return await self._dev._wait(ticket.native, timeout_s)
+
+    async def reconfigure(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self._dev._reconfigured()
+
+    async def release(self) -> None:
+        await trio.lowlevel.checkpoint()
+        if any(j.calbin is self for j in self._dev._inflight.values()):
+            raise InvalidArgument("calbin has jobs in flight")
+        self._seqs.clear()
+        self.released = True
+        self._dev._calbins.remove(self)
+
+    def checksum_ok(self, result: JobResult, lanes: np.ndarray) -> np.ndarray:
+        return np.asarray(fnv1a_rows(result.logits[lanes]) == result.checksum[lanes])
+
+    # Completion -----------------------------------------------------------------------------------
+    def _finish(self, job: _Job, aborted: bool) -> JobResult:
+        B = len(job.seq_ids)
+        V = self.config.vocab_size
+        logits = np.zeros((B, V), np.float32)
+        echo = np.full((B, 3), -1, np.int64)
+        echo[:, 0] = job.job_id
+        status = JobStatus.ABORTED if aborted else JobStatus.OK
+        if not aborted and job.fault in (FaultKind.CCU_FAULT, FaultKind.DMA_UNKNOWN):
+            status = JobStatus.CCU_FAULT if job.fault is FaultKind.CCU_FAULT else JobStatus.DMA_UNKNOWN
+        if status is JobStatus.OK:
+            for lane in range(B):
+                if not job.valid[lane]:
+                    continue
+                seq = self._seqs.get(int(job.seq_ids[lane]))
+                start = int(job.positions[lane]) - len(job.new_tokens[lane]) + 1
+                if seq is None or not seq.valid or seq.length != start:
+                    status = JobStatus.INVALID
+                    break
+        if status is JobStatus.OK:
+            for lane in range(B):
+                if not job.valid[lane]:
+                    continue
+                seq = self._seqs[int(job.seq_ids[lane])]
+                h = seq.hash
+                for t in job.new_tokens[lane]:
+                    h = _mix(h, t)
+                logits[lane] = fake_logits(h, V)
+                echo[lane, 1] = job.seq_ids[lane]
+                echo[lane, 2] = job.positions[lane]
+                seq.hash = h
+                seq.length += len(job.new_tokens[lane])
+        elif status in (JobStatus.CCU_FAULT, JobStatus.DMA_UNKNOWN):
+            for lane in range(B):
+                seq = self._seqs.get(int(job.seq_ids[lane]))
+                if seq is not None and job.valid[lane]:
+                    seq.valid = False
+        checksum = fnv1a_rows(logits)
+        checksum[echo[:, 1] < 0] = 0
+        if status is JobStatus.OK and job.fault is FaultKind.CROSSTALK:
+            lane = job.fault_lane % B
+            logits[lane] = logits[(lane + 1) % B] if B > 1 else -logits[lane] + 1.0
+        return JobResult(job.job_id, job.engine, status, logits, echo, checksum, 0.0)
+
+
+class FakeBackend:
+    """Trio-native fake device. ``jitter_s`` adds a seeded uniform delay to every job."""
+
+    def __init__(
+        self,
+        capabilities: RuntimeCapabilities | str = "sim-next",
+        *,
+        seed: int = 0,
+        jitter_s: float = 0.0,
+        queue_depth: int = 2,
+        dram_bytes: int = 32 << 30,
+    ) -> None:
+        self.capabilities = (
+            RUNTIME_PROFILES[capabilities] if isinstance(capabilities, str) else capabilities
+        )
+        self._rng = random.Random(seed)
+        self._jitter = jitter_s
+        self._queue_depth = queue_depth
+        self._dram = dram_bytes
+        self._calbins: list[FakeCalbin] = []
+        self._inflight: dict[int, _Job] = {}
+        self._engine_free_at = {JobEngine.PING: 0.0, JobEngine.PONG: 0.0}
+        self._next_job = 1
+        self._faults: dict[JobEngine, list[tuple[int, FaultKind, int]]] = {
+            JobEngine.PING: [], JobEngine.PONG: []
+        }
+        self._counts = {e: dict(submitted=0, completed=0, failed=0, busy=0, timeouts=0) for e in JobEngine}
+        self._epoch = 0
+        self._reset_event = trio.Event()
+        self.faulted = False
+        self._needs_reconfigure = False
+        self.resets = 0
+        self.closed = False
+
+    # DeviceBackend ---------------------------------------------------------------------------------
+    async def load_calbin(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, np.ndarray],
+        spec: ProfileSpec,
+        timing: Timing | None = None,
+    ) -> FakeCalbin:
+        await trio.lowlevel.checkpoint()
+        if spec.compiled_batch > 1 and not self.capabilities.batch_profiles:
+            raise NotSupported(f"compiled_batch {spec.compiled_batch} needs the batch capability")
+        if self._calbins and not self.capabilities.multi_calbin:
+            raise NotSupported("a second resident calbin needs the multi-calbin capability")
+        cb = FakeCalbin(self, config, spec, timing or Timing(200.0, 5.0, {spec.compiled_batch: 1000.0}))
+        self._calbins.append(cb)
+        return cb
+
+    async def reset(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self._epoch += 1
+        self.resets += 1
+        self.faulted = False
+        now = trio.current_time()
+        for job in self._inflight.values():
+            if job.result is None and job.complete_at > now:
+                job.result = job.calbin._finish(job, aborted=True)
+        for cb in self._calbins:
+            for s in cb._seqs.values():
+                s.valid = False
+        for e in JobEngine:
+            self._engine_free_at[e] = now
+        ev, self._reset_event = self._reset_event, trio.Event()
+        ev.set()
+
+    @property
+    def needs_reconfigure(self) -> bool:
+        return self._needs_reconfigure
+
+    def _reconfigured(self) -> None:
+        self._needs_reconfigure = False
+
+    def counters(self, engine: JobEngine) -> EngineCounters:
+        c = self._counts[engine]
+        inflight = sum(1 for j in self._inflight.values() if j.engine == engine)
+        return EngineCounters(inflight=inflight, **c)
+
+    def dram(self) -> tuple[int, int]:
+        return self._dram, 0
+
+    def inject_fault(self, kind: FaultKind, engine: JobEngine, nth: int, lane: int = 0) -> None:
+        target = self._counts[engine]["submitted"] + self._counts[engine]["busy"] + nth
+        self._faults[engine].append((target, kind, lane))
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+        if self._inflight:
+            raise InvalidArgument(f"close with {len(self._inflight)} jobs in flight")
+        self.closed = True
+
+    def live_sequences(self) -> int:
+        return sum(cb.live_sequences() for cb in self._calbins)
+
+    # internals -------------------------------------------------------------------------------------
+    async def _submit(
+        self,
+        calbin: FakeCalbin,
+        kind: str,
+        seq_ids: np.ndarray,
+        new_tokens: list[list[int]],
+        positions: np.ndarray,
+        valid: np.ndarray,
+        engine: JobEngine,
+        duration_s: float,
+    ) -> JobTicket:
+        await trio.lowlevel.checkpoint()
+        c = self._counts[engine]
+        ordinal = c["submitted"] + c["busy"] + 1
+        fault: FaultKind | None = None
+        fault_lane = 0
+        for f in list(self._faults[engine]):
+            if f[0] == ordinal:
+                self._faults[engine].remove(f)
+                fault, fault_lane = f[1], f[2]
+        if self.faulted:
+            raise DeviceFaulted("device needs a reset")
+        queued = sum(1 for j in self._inflight.values() if j.engine == engine)
+        if fault is FaultKind.DEVICE_BUSY or queued >= self._queue_depth:
+            c["busy"] += 1
+            raise DeviceBusy(f"{engine.name} queue full")
+        now = trio.current_time()
+        start = max(now, self._engine_free_at[engine])
+        end = start + duration_s + (self._rng.random() * self._jitter if self._jitter else 0.0)
+        self._engine_free_at[engine] = end
+        job = _Job(
+            self._next_job, engine, calbin, kind, seq_ids, new_tokens, positions, valid, now,
+            math.inf if fault is FaultKind.TIMEOUT else end, fault, fault_lane, self._epoch,
+        )
+        self._next_job += 1
+        self._inflight[job.job_id] = job
+        c["submitted"] += 1
+        return JobTicket(job.job_id, engine, job)
+
+    async def _wait(self, job: _Job, timeout_s: float) -> JobResult | None:
+        deadline = trio.current_time() + timeout_s
+        while job.result is None:
+            if trio.current_time() >= job.complete_at:
+                job.result = job.calbin._finish(job, aborted=False)
+                if job.result.status in (JobStatus.CCU_FAULT, JobStatus.DMA_UNKNOWN):
+                    self.faulted = True
+                    if job.result.status is JobStatus.DMA_UNKNOWN:
+                        self._needs_reconfigure = True
+                break
+            if trio.current_time() >= deadline:
+                self._counts[job.engine]["timeouts"] += 1
+                return None
+            with trio.move_on_at(min(deadline, job.complete_at)):
+                await self._reset_event.wait()
+        await trio.lowlevel.checkpoint()
+        if job.job_id in self._inflight:
+            del self._inflight[job.job_id]
+            c = self._counts[job.engine]
+            if job.result.status is JobStatus.OK:
+                c["completed"] += 1
+            else:
+                c["failed"] += 1
+        return job.result

@@ -1,0 +1,43 @@
+"""What the scheduler hands an executor: one prefill or one decode batch, plus its outcome."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from calserve.runtime.types import JobResult
+
+if TYPE_CHECKING:
+    from calserve.engine.models import Generation
+    from calserve.engine.state import Seq
+
+__all__ = ["DeviceJob", "JobOutcome"]
+
+
+@dataclasses.dataclass(eq=False)
+class DeviceJob:
+    kind: str  # "prefill" | "decode"
+    gen: Generation
+    lanes: list[Seq | None]  # per compiled lane (prefill: one lane)
+    tokens: np.ndarray  # prefill: the prompt; decode: input token per lane
+    positions: np.ndarray  # decode: committed length per lane
+    valid: np.ndarray  # decode: uint8 valid mask
+    created_at: float  # scheduler time the job was built (batch wait accounting)
+    seq_ids: np.ndarray | None = None  # decode: runtime sequence per lane, -1 inactive
+    job_id: int = -1  # runtime job id once submitted
+    epoch: int = 0  # recovery epoch at submit: an ABORTED result from an older epoch is no new fault
+
+    @property
+    def seqs(self) -> list[Seq]:
+        return [s for s in self.lanes if s is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOutcome:
+    """How a job ended. Exactly one of ``result`` / ``submit_error`` is set."""
+
+    result: JobResult | None = None
+    submit_error: BaseException | None = None  # refused at submit: nothing reached the device
+    timed_out: bool = False  # the wait passed its timeout once (a fault was reported)

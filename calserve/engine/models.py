@@ -1,0 +1,307 @@
+"""ModelManager (first version): load each configured package as a numbered, immutable generation.
+
+Spec §10/§11: a request is pinned to the :class:`Generation` it was created on; aliases point at
+generations and are switched only after golden + warmup. There is no global "current model": every
+path carries its generation. Hot replacement/unload/rollback come later; the shape is ready for it
+(``ModelManager.generations`` keyed by id, ``aliases`` alias -> id, one lifecycle lock).
+
+A :class:`ModelSource` is what a verified package (or a test) provides; :func:`source_from_package`
+builds one from :mod:`calserve.models`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from calserve.config import CalserveConfig
+from calserve.core.model_state import ModelEvent, ModelState
+from calserve.core.model_state import fire as model_fire
+from calserve.core.admission import AdmissionController, CapacityBudget, TenantPolicy
+from calserve.core.kv import KvLaneManager
+from calserve.core.prefill import QueueClass
+from calserve.engine.backend import BackendCalbin, DeviceBackend
+from calserve.errors import ConfigError, UnknownModel, ValidationError
+from calserve.runtime.reference import ModelConfig
+from calserve.runtime.types import JobEngine, JobStatus, ProfileSpec, Timing
+
+__all__ = ["ModelSource", "Generation", "ModelManager", "source_from_package"]
+
+log = logging.getLogger("calserve.engine.models")
+
+
+@dataclasses.dataclass
+class ModelSource:
+    """Everything the engine needs from a (verified) model package."""
+
+    alias: str
+    model_config: ModelConfig
+    weights: Mapping[str, np.ndarray]
+    profiles: Mapping[int, ProfileSpec]  # compiled B -> spec
+    eos_token_ids: tuple[int, ...]
+    tokenizer: Any  # has decode(ids, skip_special_tokens=True) / encode(text)
+    sha256: str = ""
+    timing: Mapping[int, Timing] = dataclasses.field(default_factory=dict)  # per compiled B
+    tiers: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    # (prompt tokens, {compiled B: expected greedy tokens}) checked after configure (spec §11 step 9)
+    golden: Sequence[tuple[Sequence[int], Mapping[int, Sequence[int]]]] = ()
+    verify: Any = None  # callable(info: dict, compiled_batch) raising on introspection mismatch
+
+
+@dataclasses.dataclass(eq=False)
+class Generation:
+    """One loaded, immutable model generation. Requests hold a reference; nothing global."""
+
+    id: int
+    alias: str
+    source: ModelSource
+    spec: ProfileSpec  # the serving profile
+    calbin: BackendCalbin
+    admission: Any  # AdmissionController
+    kv: Any  # KvLaneManager
+    state: ModelState = ModelState.UNLOADED
+    created: int = 0
+    load_seconds: float = 0.0
+    # lane -> runtime sequence id of every lane holding a device sequence (recovery frees them)
+    lane_seq: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def compiled_batch(self) -> int:
+        return self.spec.compiled_batch
+
+    @property
+    def max_seq(self) -> int:
+        return self.spec.max_seq
+
+    def fire(self, event: ModelEvent) -> None:
+        self.state = model_fire(self.state, event)
+
+
+def make_admission(
+    cfg: CalserveConfig, max_sequences: int, max_kv_tokens: int, max_seq: int
+) -> AdmissionController:
+    a = cfg.scheduler.admission
+    budget = CapacityBudget(
+        max_sequences=max_sequences,
+        max_kv_tokens=max_kv_tokens,
+        max_waiting_requests=a.max_waiting_requests,
+        max_waiting_prompt_tokens=a.max_waiting_prompt_tokens,
+        max_inflight_jobs=a.max_inflight_jobs or cfg.scheduler.executor.max_inflight,
+    )
+    tenants = {
+        name: TenantPolicy(t.weight, t.max_active_sequences, t.max_waiting_tokens, t.qps, t.burst)
+        for name, t in cfg.tenants.items()
+    }
+    f = cfg.scheduler.fairness
+    return AdmissionController(
+        budget, max_seq, tenants, output_token_cost=f.output_token_cost, policy=f.policy
+    )
+
+
+def serving_profile(cfg: CalserveConfig, source: ModelSource, backend: DeviceBackend) -> int:
+    """The one compiled batch this generation serves (fail fast on impossible configs, spec §15).
+
+    Sequences live in one calbin's KvManager, so a request cannot move between profiles: the
+    instance serves one profile (``batch.instance_pool`` or the largest configured one) and fills
+    fewer lanes (valid mask) at low load."""
+    want = list(cfg.scheduler.batch.profiles)
+    for b in want:
+        if b not in source.profiles:
+            raise ConfigError(
+                f"$.scheduler.batch.profiles: B{b} is not a profile of package {source.alias!r} "
+                f"(has {sorted(source.profiles)})"
+            )
+        if b > 1 and not backend.capabilities.batch_profiles:
+            raise ConfigError(
+                f"$.scheduler.batch.profiles: B{b} needs batch profiles, which runtime "
+                f"{backend.capabilities.name} does not have"
+            )
+    pool = cfg.scheduler.batch.instance_pool
+    if pool is not None:
+        if pool not in want:
+            raise ConfigError("$.scheduler.batch.instance_pool must be one of batch.profiles")
+        return pool
+    return max(want)
+
+
+class ModelManager:
+    """Owns generations and aliases; one lifecycle lock serialises load/recovery changes."""
+
+    def __init__(self, cfg: CalserveConfig, backend: DeviceBackend) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.generations: dict[int, Generation] = {}
+        self.aliases: dict[str, int] = {}
+        self.lifecycle = trio.Lock()
+        self._next_id = 1
+
+    def resolve(self, alias: str | None) -> Generation:
+        name = alias or self.cfg.scheduler.model_alias
+        gid = self.aliases.get(name)
+        if gid is None:
+            raise UnknownModel(f"model {name!r} does not exist", param="model")
+        return self.generations[gid]
+
+    async def load(self, source: ModelSource) -> Generation:
+        """Spec §11 steps 4-10 for an already verified source: configure, inspect, golden, publish."""
+        async with self.lifecycle:
+            t0 = time.monotonic()
+            b = serving_profile(self.cfg, source, self.backend)
+            spec = source.profiles[b]
+            gid = self._next_id
+            self._next_id += 1
+            adm_cfg = self.cfg.scheduler.admission
+            max_sequences = min(spec.max_sequences, adm_cfg.max_sequences or spec.max_sequences)
+            max_kv = adm_cfg.max_kv_tokens or max_sequences * spec.max_seq
+            calbin = await self.backend.load_calbin(
+                source.model_config, source.weights, spec, source.timing.get(b)
+            )
+            gen = Generation(
+                id=gid,
+                alias=source.alias,
+                source=source,
+                spec=spec,
+                calbin=calbin,
+                admission=make_admission(self.cfg, max_sequences, max_kv, spec.max_seq),
+                kv=KvLaneManager(max_sequences, spec.max_seq, max_kv),
+            )
+            gen.fire(ModelEvent.LOAD)
+            gen.fire(ModelEvent.VALIDATED)
+            try:
+                info = calbin.introspect()
+                if source.verify is not None:
+                    source.verify(info, b)
+                gen.fire(ModelEvent.CONFIGURED)
+                await self._golden(gen)
+                gen.fire(ModelEvent.WARMED)
+            except BaseException:
+                gen.fire(ModelEvent.FAIL)
+                with trio.CancelScope(shield=True):
+                    await calbin.release()
+                raise
+            gen.created = int(time.time())
+            gen.load_seconds = time.monotonic() - t0
+            self.generations[gid] = gen
+            self.aliases[source.alias] = gid  # publish (spec §11 step 10)
+            log.info(
+                "model %s generation %d ready (B%d, %.2fs)", source.alias, gid, b, gen.load_seconds,
+                extra={"model": source.alias, "generation": gid},
+            )
+            return gen
+
+    async def _golden(self, gen: Generation) -> None:
+        """Golden check + warmup straight on the calbin before any request can see it."""
+        cb = gen.calbin
+        B = gen.compiled_batch
+        for prompt, per_b in gen.source.golden:
+            expected = per_b.get(B)
+            if not expected:
+                continue
+            sid = await cb.create_sequence()
+            try:
+                t = await cb.submit_prefill(sid, np.asarray(prompt, np.int32), JobEngine.PING)
+                got: list[int] = []
+                pos = len(prompt)
+                while True:
+                    r = await _wait_done(cb, t)
+                    if r.status is not JobStatus.OK:
+                        raise ValidationError(f"{gen.alias}: golden job ended {r.status.name}")
+                    tok = int(np.argmax(r.logits[0 if r.logits.shape[0] == 1 else 0]))
+                    got.append(tok)
+                    if len(got) >= len(expected):
+                        break
+                    ids = np.full(B, sid, np.int32)
+                    toks = np.zeros(B, np.int32)
+                    toks[0] = tok
+                    poss = np.zeros(B, np.int32)
+                    poss[0] = pos
+                    valid = np.zeros(B, np.uint8)
+                    valid[0] = 1
+                    ids[1:] = -1
+                    t = await cb.submit_decode(ids, toks, poss, valid, JobEngine.PING)
+                    pos += 1
+                if got != list(expected):
+                    raise ValidationError(
+                        f"{gen.alias}: golden mismatch on B{B}: expected {list(expected)[:8]}..., "
+                        f"got {got[:8]}..."
+                    )
+            finally:
+                with trio.CancelScope(shield=True):
+                    await cb.free_sequences([sid])
+
+    def statistics(self) -> dict[str, tuple[int, str]]:
+        return {a: (g, self.generations[g].state.value) for a, g in self.aliases.items()}
+
+
+async def _wait_done(cb: BackendCalbin, ticket: Any) -> Any:
+    with trio.CancelScope(shield=True):
+        while True:
+            r = await cb.wait(ticket, 30.0)
+            if r is not None:
+                return r
+
+
+def queue_class(prompt_tokens: int, cfg: CalserveConfig) -> QueueClass:
+    q = cfg.scheduler.queues
+    if prompt_tokens <= q.short_prefill_max_tokens:
+        return QueueClass.SHORT
+    if prompt_tokens <= q.medium_prefill_max_tokens:
+        return QueueClass.MEDIUM
+    return QueueClass.LONG
+
+
+def source_from_package(pkg: Any, alias: str, timing_name: str | None = None) -> ModelSource:
+    """Build a :class:`ModelSource` from a :class:`calserve.models.package.VerifiedPackage`."""
+    from calserve.models.validate import compare_introspection
+
+    m = pkg.manifest
+    profiles = {b: m.profile_spec(b) for b in m.compiled_batches()}
+    timing: dict[int, Timing] = {}
+    for b in profiles:
+        timing[b] = m.timing_for(b)
+    if timing_name is not None:
+        from calserve.models.timing import timing_profile
+
+        timing = {b: timing_profile(timing_name) for b in profiles}
+    golden_cases: list[tuple[Sequence[int], Mapping[int, Sequence[int]]]] = []
+    for case in pkg.golden().cases:
+        golden_cases.append((list(case.prompt), {int(b): list(t) for b, t in case.expected.items()}))
+    tok = pkg.tokenizer()
+    return ModelSource(
+        alias=alias,
+        model_config=m.model_config(),
+        weights=pkg.weights(),
+        profiles=profiles,
+        eos_token_ids=tuple(m.special_tokens.eos_token_ids),
+        tokenizer=tok,
+        sha256=pkg.sha256,
+        timing=timing,
+        tiers={p.compiled_batch: p.tier for p in m.profiles},
+        golden=golden_cases,
+        verify=lambda info, b: compare_introspection(m, b, info),
+    )
+
+
+def load_sources(cfg: CalserveConfig) -> dict[str, ModelSource]:
+    """Spec §11 steps 1-3 for every configured model (blocking file I/O: call from a thread).
+
+    ``package: null`` means the built-in demo package, built on first use."""
+    from calserve.config import calserve_home
+    from calserve.models.demo import ensure_demo_package
+    from calserve.models.package import open_package
+    from calserve.models.signing import TrustStore
+
+    trust = TrustStore.from_config(cfg.trust)
+    root = cfg.trust.model_root or str(calserve_home() / "models")
+    out: dict[str, ModelSource] = {}
+    for alias, entry in cfg.models.items():
+        path = entry.package if entry.package is not None else str(ensure_demo_package())
+        pkg = open_package(path, trust, root)
+        out[alias] = source_from_package(pkg, alias, entry.timing)
+    return out

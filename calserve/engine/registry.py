@@ -1,0 +1,172 @@
+"""RequestRegistry (spec §4): create / cancel / finish, request ids, one actor task per request.
+
+``create`` validates and offers the request to its generation's admission controller synchronously,
+so the HTTP layer gets its 400/404/429/503 at once (as an exception from ``calserve.errors``); an
+accepted request gets an id, a :class:`StreamWriter`, an inbox and an actor task, and is handed to
+the scheduler. ``cancel``/``finish`` are idempotent and forward to the scheduler, which ends the
+request now or when its in-flight job drains. Completions are delivered by the
+:class:`~calserve.engine.dispatcher.CompletionDispatcher` (the registry's ``on_prefill_complete`` /
+``on_decode_complete`` of the spec, done per batch).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from calserve.config import CalserveConfig
+from calserve.core.admission import Outcome, WorkItem
+from calserve.core.model_state import accepts_requests
+from calserve.core.prefill import classify
+from calserve.engine.actor import run_actor
+from calserve.engine.sampler import resolve_seed
+from calserve.engine.state import ActorMsg, Seq
+from calserve.engine.stream import StreamWriter
+from calserve.engine.types import Event, FinishReason, GenerateRequest
+from calserve.errors import CapacityError, EngineError, RequestError, UnavailableError
+
+if TYPE_CHECKING:
+    from calserve.engine.models import ModelManager
+    from calserve.engine.scheduler import Scheduler
+
+__all__ = ["RequestRegistry", "RequestHandle"]
+
+log = logging.getLogger("calserve.engine.registry")
+
+
+class RequestHandle:
+    """What ``Engine.submit`` returns: the request id and its event stream."""
+
+    def __init__(self, request_id: int, writer: StreamWriter, registry: RequestRegistry) -> None:
+        self.request_id = request_id
+        self._writer = writer
+        self._registry = registry
+
+    async def events(self) -> AsyncIterator[Event]:
+        """TokenEvent* then exactly one FinishEvent or ErrorEvent."""
+        async for ev in self._writer:
+            yield ev
+
+    async def receive_many(self) -> list[Event]:
+        """Everything buffered (at least one event); ``[]`` after the terminal event."""
+        return await self._writer.receive_many()
+
+    def cancel(self) -> None:
+        self._registry.cancel(self.request_id)
+
+    async def aclose(self) -> None:
+        """The consumer is gone (client disconnect): cancel and drop the stream."""
+        self._registry.cancel(self.request_id)
+        await self._writer.aclose()
+
+
+def _validate(req: GenerateRequest, vocab: int) -> None:
+    sp = req.sampling
+    if not req.prompt_tokens:
+        raise RequestError("the prompt is empty", param="prompt")
+    toks = np.asarray(req.prompt_tokens)
+    if toks.dtype.kind not in "iu" or int(toks.min()) < 0 or int(toks.max()) >= vocab:
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+    if not (math.isfinite(sp.temperature) and sp.temperature >= 0):
+        raise RequestError("temperature must be >= 0", param="temperature")
+    if not 0 < sp.top_p <= 1:
+        raise RequestError("top_p must be in (0, 1]", param="top_p")
+    if sp.top_k < 0:
+        raise RequestError("top_k must be >= 0", param="top_k")
+    if sp.max_tokens < 1:
+        raise RequestError("max_tokens must be >= 1", param="max_tokens")
+    if sp.min_tokens < 0 or sp.min_tokens > sp.max_tokens:
+        raise RequestError("min_tokens must be in [0, max_tokens]", param="min_tokens")
+    if sp.logprobs is not None and not 0 <= sp.logprobs <= 20:
+        raise RequestError("logprobs must be in [0, 20]", param="logprobs")
+    if any(not s for s in sp.stop):
+        raise RequestError("stop strings must be non-empty", param="stop")
+    if req.deadline_s is not None and not req.deadline_s > 0:
+        raise RequestError("deadline must be > 0 seconds", param="deadline")
+
+
+class RequestRegistry:
+    def __init__(self, cfg: CalserveConfig, models: ModelManager, sched: Scheduler) -> None:
+        self.cfg = cfg
+        self.models = models
+        self.sched = sched
+        self.nursery: trio.Nursery | None = None
+        self.closing = False
+        self._ids = itertools.count(1)
+        self.live: dict[int, Seq] = {}
+        self._empty = trio.Event()
+        self._empty.set()
+        self.requests_total: collections.Counter[str] = collections.Counter()
+        self.rejected_total: collections.Counter[str] = collections.Counter()
+
+    def create(self, req: GenerateRequest) -> RequestHandle:
+        if self.nursery is None or self.closing:
+            raise EngineError("the engine is not running")
+        gen = self.models.resolve(req.model)
+        try:
+            _validate(req, gen.source.model_config.vocab_size)
+        except RequestError:
+            self.rejected_total["invalid"] += 1
+            raise
+        now = trio.current_time()
+        rid = next(self._ids)
+        rel = req.deadline_s if req.deadline_s is not None else (
+            self.cfg.scheduler.admission.deadline_default_ms / 1000.0)
+        deadline = now + rel
+        prompt = np.asarray(req.prompt_tokens, np.int32)
+        item = WorkItem(rid, req.tenant, len(prompt), req.sampling.max_tokens, now, deadline, gen.id)
+        d = gen.admission.offer(item, now, accepts_requests(gen.state))
+        if d.outcome is not Outcome.QUEUE:
+            if d.outcome is Outcome.REJECT_INVALID:
+                self.rejected_total["invalid"] += 1
+                raise RequestError(d.reason, param=d.param)
+            if d.outcome is Outcome.REJECT_CAPACITY:
+                self.rejected_total["capacity"] += 1
+                raise CapacityError(d.reason, retry_after=d.retry_after_s)
+            if d.outcome is Outcome.REJECT_UNAVAILABLE:
+                self.rejected_total["unavailable"] += 1
+                raise UnavailableError(d.reason, retry_after=d.retry_after_s)
+            self.rejected_total["deadline"] += 1
+            raise RequestError(d.reason, param="deadline")
+        send, recv = trio.open_memory_channel[ActorMsg](math.inf)
+        seq = Seq(
+            rid=rid, req=req, gen=gen, arrival=now, deadline=deadline,
+            seed=resolve_seed(req.sampling.seed), prompt=prompt,
+            qclass=classify(len(prompt), self.cfg.scheduler.queues), inbox=send,
+        )
+        writer = StreamWriter(self.cfg.server.stream_buffer_events)
+        self.live[rid] = seq
+        self._empty = trio.Event()
+        self.nursery.start_soon(run_actor, seq, recv, writer, gen.source.tokenizer, self, name=f"request-{rid}")
+        self.sched.enqueue(seq)
+        log.debug("request %d accepted (tenant %s, gen %d)", rid, req.tenant, gen.id,
+                  extra={"request_id": rid, "generation": gen.id})
+        return RequestHandle(rid, writer, self)
+
+    def cancel(self, request_id: int) -> None:
+        """Idempotent; unknown or finished ids are ignored."""
+        self.finish(request_id, FinishReason.CANCELLED)
+
+    def finish(self, request_id: int, reason: FinishReason) -> None:
+        seq = self.live.get(request_id)
+        if seq is not None:
+            self.sched.stop(seq, reason)
+
+    def done(self, seq: Seq, outcome: str) -> None:
+        """Called once by the actor after it wrote the terminal event."""
+        if self.live.pop(seq.rid, None) is not None:
+            self.requests_total[outcome] += 1
+            log.debug("request %d ended: %s", seq.rid, outcome, extra={"request_id": seq.rid})
+        if not self.live:
+            self._empty.set()
+
+    async def wait_empty(self) -> None:
+        while self.live:
+            await self._empty.wait()

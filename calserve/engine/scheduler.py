@@ -1,0 +1,393 @@
+"""The scheduler task: one tick = expire, release, admit, then hand work to free executors.
+
+Each tick (spec §6-§9, batching note "调度循环"):
+
+1. expire deadlines (waiting requests via admission, admitted ones via a lazy deadline heap);
+2. free the runtime sequences of requests that ended (one device round trip per generation), and
+   only then return their lanes (spec §9.2: a lane is reused after the runtime confirmed release);
+3. admission: ``pop_admissible`` with the free lanes/KV tokens, reserve a lane per admitted request;
+4. while an executor is free: the service round robin (decode:short:medium:long) picks a class;
+   decode builds a batch for the serving profile (EDF, then least recently served), prefill takes the
+   oldest request of the class.
+
+Continuous batching falls out of this: a sequence that finishes frees its lane in the dispatcher,
+the next tick admits a waiting request into it, and the next decode batch includes it.
+
+It never busy-waits: when nothing can move it sleeps on an event (set by submit, cancel, job
+completion, recovery) with a timer at the next deadline or batching-window expiry.
+
+Invariant: every method here runs in the engine's one trio thread and mutates state synchronously
+(no await between reading and writing a request's scheduling fields), so the scheduler, dispatcher,
+recovery and cancel never interleave inside a decision.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from calserve.config import CalserveConfig
+from calserve.core.decode import BatchProfile, DecodeCandidate, batching_window, build_decode_batch
+from calserve.core.kv_state import KvSequenceState
+from calserve.core.model_state import ModelState
+from calserve.core.prefill import QueueClass, ServiceRoundRobin
+from calserve.engine.jobs import DeviceJob
+from calserve.engine.state import Admitted, End, Seq
+from calserve.engine.types import ErrorEvent, FinishReason
+
+if TYPE_CHECKING:
+    from calserve.engine.executor import DeviceExecutor
+    from calserve.engine.models import Generation, ModelManager
+
+__all__ = ["Scheduler", "GenQueues", "SchedulerStats"]
+
+log = logging.getLogger("calserve.engine.scheduler")
+
+_PREFILL_CLASSES = (QueueClass.SHORT, QueueClass.MEDIUM, QueueClass.LONG)
+
+
+@dataclasses.dataclass(eq=False)
+class GenQueues:
+    """The scheduler's per-generation view."""
+
+    waiting: dict[int, Seq] = dataclasses.field(default_factory=dict)  # in the admission queue
+    prefill: dict[QueueClass, collections.deque[Seq]] = dataclasses.field(
+        default_factory=lambda: {c: collections.deque() for c in _PREFILL_CLASSES}
+    )
+    # decode-ready, in the order they became ready (least recently served first)
+    decode_ready: dict[int, Seq] = dataclasses.field(default_factory=dict)
+    holders: dict[int, Seq] = dataclasses.field(default_factory=dict)  # admitted, not ended
+    deadlines: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # lazy heap
+    releases: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (lane, seq_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    waiting: int
+    prefill_ready: dict[str, int]
+    decode_ready: int
+    holders: int
+    inflight_jobs: int
+    batches_total: dict[int, int]
+    lanes_active_total: dict[int, int]
+    lanes_total: dict[int, int]
+    prefill_jobs_total: int
+    batch_wait_s_total: float
+    ticks: int
+
+
+class Scheduler:
+    def __init__(self, cfg: CalserveConfig, models: ModelManager) -> None:
+        self.cfg = cfg
+        self.models = models
+        self.executors: list[DeviceExecutor] = []
+        self.rr = ServiceRoundRobin.from_config(cfg.scheduler.queues)
+        self._wake = trio.Event()
+        self._queues: dict[int, GenQueues] = {}
+        self.paused = False  # recovery in progress: no new jobs
+        self._timer = math.inf
+        # statistics
+        self.batches_total: dict[int, int] = collections.Counter()
+        self.lanes_active_total: dict[int, int] = collections.Counter()
+        self.lanes_total: dict[int, int] = collections.Counter()
+        self.prefill_jobs_total = 0
+        self.batch_wait_s_total = 0.0
+        self.ticks = 0
+        # (job kind, request ids) of recent jobs, in dispatch order (tests, debugging)
+        self.trace: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(maxlen=20000)
+
+    # ---------------------------------------------------------------------------------------------
+    def queues(self, gen: Generation) -> GenQueues:
+        q = self._queues.get(gen.id)
+        if q is None:
+            q = self._queues[gen.id] = GenQueues()
+        return q
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def enqueue(self, seq: Seq) -> None:
+        """A request the admission controller queued."""
+        seq.queued = True
+        self.queues(seq.gen).waiting[seq.rid] = seq
+        self.wake()
+
+    def stop(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None) -> None:
+        """End a request early (cancel, stop string, deadline, shutdown). Idempotent (spec §4).
+
+        Waiting/ready requests end now; one with a job on the device gets a pending ending applied
+        when the job drains (its output is then dropped)."""
+        if seq.ended:
+            return
+        if seq.inflight is not None:
+            if seq.pending_reason is None and seq.pending_error is None:
+                seq.pending_reason, seq.pending_error = reason, error
+            return
+        if seq.queued:
+            seq.gen.admission.remove(seq.rid)
+            seq.queued = False
+        self.end(seq, reason, error)
+
+    def end(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None) -> None:
+        """Return every resource of a request that has no job in flight, then tell its actor."""
+        assert seq.inflight is None, "a request with a job on the device cannot end yet"
+        if seq.ended:
+            return
+        seq.ended = True
+        gen = seq.gen
+        q = self.queues(gen)
+        q.waiting.pop(seq.rid, None)
+        q.decode_ready.pop(seq.rid, None)
+        q.holders.pop(seq.rid, None)
+        if seq.admitted:
+            gen.admission.release(seq.rid)
+        if seq.lease is not None:
+            lane = seq.lease.lane
+            info = gen.kv.info(lane)
+            # Unknown lanes stay quarantined until recovery clears them after the reset.
+            if info.request_id == seq.rid and info.generation == gen.id:
+                if info.state in (KvSequenceState.RESERVED, KvSequenceState.ACTIVE):
+                    gen.kv.begin_release(lane)
+                    if info.seq_id is None:
+                        gen.kv.confirm_released(lane)
+                    else:
+                        q.releases.append((lane, info.seq_id))
+        if error is None and reason is None:
+            reason = FinishReason.STOP
+        seq.inbox.send_nowait(End(reason, error) if error is None else End(None, error))
+        self.wake()
+
+    def set_ready(self, seq: Seq, now: float) -> None:
+        seq.ready_since = now
+        self.queues(seq.gen).decode_ready[seq.rid] = seq
+
+    def requeue_prefill(self, seq: Seq) -> None:
+        self.queues(seq.gen).prefill[seq.qclass].appendleft(seq)
+
+    # ---------------------------------------------------------------------------------------------
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            self._wake = trio.Event()
+            await self.tick()
+            with trio.move_on_at(self._timer):
+                await self._wake.wait()
+
+    async def tick(self) -> None:
+        self.ticks += 1
+        now = trio.current_time()
+        timer = math.inf
+        for gen in list(self.models.generations.values()):
+            q = self.queues(gen)
+            self._expire(gen, q, now)
+            if q.releases:
+                await self._flush_releases(gen, q)
+                now = trio.current_time()
+            if gen.state is ModelState.READY and not self.paused:
+                self._admit(gen, q, now)
+            d = gen.admission.next_deadline()
+            if d is not None:
+                timer = min(timer, d)
+            if q.deadlines:
+                timer = min(timer, q.deadlines[0][0])
+        self._timer = timer
+        if not self.paused:
+            self._dispatch(now)
+
+    def _expire(self, gen: Generation, q: GenQueues, now: float) -> None:
+        for item in gen.admission.expire(now):
+            seq = q.waiting.get(item.request_id)
+            if seq is not None:
+                seq.queued = False
+                self.end(seq, FinishReason.DEADLINE)
+        while q.deadlines and q.deadlines[0][0] <= now:
+            _, rid = heapq.heappop(q.deadlines)
+            seq = q.holders.get(rid)
+            if seq is not None:
+                self.stop(seq, FinishReason.DEADLINE)
+
+    async def _flush_releases(self, gen: Generation, q: GenQueues) -> None:
+        batch, q.releases = q.releases, []
+        await gen.calbin.free_sequences([sid for _, sid in batch])
+        for lane, sid in batch:
+            info = gen.kv.info(lane)
+            # A reset in between may have cleared the lane already (then nothing is left to do).
+            if info.state is KvSequenceState.RELEASING and info.seq_id == sid:
+                gen.kv.confirm_released(lane)
+            if gen.lane_seq.get(lane) == sid:
+                del gen.lane_seq[lane]
+        self.wake()
+
+    def _admit(self, gen: Generation, q: GenQueues, now: float) -> None:
+        st = gen.kv.statistics()
+        if st.free == 0 or not q.waiting:
+            return
+        for item in gen.admission.pop_admissible(now, st.free, st.free_tokens):
+            seq = q.waiting.pop(item.request_id)
+            seq.queued = False
+            seq.admitted = True
+            lease = gen.kv.reserve(seq.rid, gen.id, min(item.kv_tokens, gen.max_seq))
+            if lease is None:  # admission and the lane table disagree: never silently drop
+                self.end(seq, error=ErrorEvent("no KV lane available", "internal"))
+                continue
+            seq.lease = lease
+            seq.admitted_at = now
+            q.holders[seq.rid] = seq
+            q.prefill[seq.qclass].append(seq)
+            if seq.deadline is not None:
+                heapq.heappush(q.deadlines, (seq.deadline, seq.rid))
+            seq.inbox.send_nowait(Admitted(now))
+
+    # ---------------------------------------------------------------------------------------------
+    def _free_executor(self) -> DeviceExecutor | None:
+        for ex in self.executors:
+            if not ex.busy:
+                return ex
+        return None
+
+    def _dispatch(self, now: float) -> None:
+        window_us = self.cfg.scheduler.batch.batching_window_us
+        while True:
+            ex = self._free_executor()
+            if ex is None:
+                return
+            progressed = False
+            for gen in list(self.models.generations.values()):
+                if gen.state is not ModelState.READY:
+                    continue
+                q = self.queues(gen)
+                available: set[QueueClass] = set()
+                for c in _PREFILL_CLASSES:
+                    dq = q.prefill[c]
+                    while dq and (dq[0].ended or dq[0].inflight is not None):
+                        dq.popleft()
+                    if dq:
+                        available.add(c)
+                if q.decode_ready:
+                    first = next(iter(q.decode_ready.values()))
+                    deadlines = [s.deadline for s in q.decode_ready.values() if s.deadline is not None]
+                    fire, wake_at = batching_window(
+                        now, len(q.decode_ready), gen.compiled_batch, first.ready_since,
+                        min(deadlines) if deadlines else None, window_us,
+                    )
+                    if fire:
+                        available.add(QueueClass.DECODE)
+                    elif wake_at is not None:
+                        self._timer = min(self._timer, wake_at)
+                cls = self.rr.next(available)
+                if cls is None:
+                    continue
+                job = self._decode_job(gen, q, now) if cls is QueueClass.DECODE else self._prefill_job(gen, q, cls, now)
+                if job is None:
+                    continue
+                ex.start(job)
+                progressed = True
+                break
+            if not progressed:
+                return
+
+    def _prefill_job(self, gen: Generation, q: GenQueues, cls: QueueClass, now: float) -> DeviceJob:
+        seq = q.prefill[cls].popleft()
+        job = DeviceJob(
+            "prefill", gen, [seq], seq.prompt, np.zeros(1, np.int32), np.ones(1, np.uint8), now
+        )
+        seq.inflight = job
+        self.prefill_jobs_total += 1
+        self.trace.append(("prefill", (seq.rid,)))
+        return job
+
+    def _decode_job(self, gen: Generation, q: GenQueues, now: float) -> DeviceJob | None:
+        B = gen.compiled_batch
+        profile = BatchProfile(B, gen.max_seq, valid_mask=gen.spec.valid_mask or B == 1,
+                               inactive_writes_kv=gen.spec.inactive_writes_kv)
+        cands = [
+            DecodeCandidate(
+                request_id=s.rid, seq_id=int(s.seq_id if s.seq_id is not None else -1),
+                tenant=s.tenant, generation=gen.id, last_token=s.last_token, position=s.position,
+                deadline=s.deadline, virtual_finish=s.ready_since, cancelled=s.pending_reason is not None,
+                lane=s.lease.lane,
+            )
+            for s in q.decode_ready.values()
+        ]
+        batch = build_decode_batch(
+            profile, cands, now, gen.id, self.cfg.scheduler.fairness.tenant_max_lane_share
+        )
+        for rid, why in batch.skipped:
+            seq = q.decode_ready.get(rid)
+            if seq is None:
+                continue
+            if why == "deadline":
+                self.stop(seq, FinishReason.DEADLINE)
+            elif why == "length":
+                self.stop(seq, FinishReason.LENGTH)
+        if batch.empty:
+            return None
+        lanes: list[Seq | None] = []
+        wait = 0.0
+        for c in batch.lanes:
+            if c is None:
+                lanes.append(None)
+                continue
+            seq = q.decode_ready.pop(c.request_id)
+            gen.kv.begin_update(seq.lease.lane, seq.position, 1)
+            wait += now - seq.ready_since
+            lanes.append(seq)
+        job = DeviceJob(
+            "decode", gen, lanes,
+            np.asarray(batch.token_ids, np.int32), np.asarray(batch.positions, np.int32),
+            np.asarray(batch.valid_mask, np.uint8), now,
+        )
+        job.seq_ids = np.asarray(batch.seq_ids, np.int32)
+        for s in job.seqs:
+            s.inflight = job
+        self.batches_total[B] += 1
+        self.lanes_active_total[B] += batch.active
+        self.lanes_total[B] += B
+        self.batch_wait_s_total += wait
+        self.trace.append(("decode", tuple(s.rid for s in job.seqs)))
+        return job
+
+    # ---------------------------------------------------------------------------------------------
+    def shutdown_requests(self) -> None:
+        """Engine shutdown: every request still alive ends with a shutdown error; requests with a
+        job on the device end when it drains."""
+        err = ErrorEvent("the engine is shutting down", "shutdown")
+        for q in self._queues.values():
+            for seq in [*q.waiting.values(), *q.holders.values()]:
+                self.stop(seq, error=err)
+
+    def fail_generation_waiting(self, gen: Generation, err: ErrorEvent) -> None:
+        q = self.queues(gen)
+        for seq in list(q.waiting.values()):
+            self.stop(seq, error=err)
+
+    def inflight_jobs(self) -> int:
+        return sum(1 for ex in self.executors if ex.busy)
+
+    def statistics(self) -> SchedulerStats:
+        waiting = sum(len(q.waiting) for q in self._queues.values())
+        pre = {c.value: sum(sum(1 for s in q.prefill[c] if not s.ended and s.inflight is None)
+                            for q in self._queues.values()) for c in _PREFILL_CLASSES}
+        return SchedulerStats(
+            waiting=waiting,
+            prefill_ready=pre,
+            decode_ready=sum(len(q.decode_ready) for q in self._queues.values()),
+            holders=sum(len(q.holders) for q in self._queues.values()),
+            inflight_jobs=self.inflight_jobs(),
+            batches_total=dict(self.batches_total),
+            lanes_active_total=dict(self.lanes_active_total),
+            lanes_total=dict(self.lanes_total),
+            prefill_jobs_total=self.prefill_jobs_total,
+            batch_wait_s_total=self.batch_wait_s_total,
+            ticks=self.ticks,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.statistics())

@@ -1,0 +1,56 @@
+"""Test helpers: an in-memory model source for the FakeBackend and a tiny tokenizer stand-in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from calserve.config import CalserveConfig, decode_config
+from calserve.engine.fake_device import fake_logits, history_hash
+from calserve.engine.models import ModelSource
+from calserve.runtime.reference import ModelConfig
+from calserve.runtime.types import ProfileSpec, Timing
+
+
+class CharTokenizer:
+    """Token i decodes to one printable character (ids >= 90 map into CJK to exercise multi-char)."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(33 + i) if i < 90 else chr(0x4E00 + i) for i in ids)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 33 if ord(c) < 0x4E00 else ord(c) - 0x4E00 for c in text]
+
+
+def fake_source(
+    vocab: int = 128,
+    profiles: Sequence[int] = (1, 4, 8, 16),
+    max_seq: int = 512,
+    max_sequences: int = 32,
+    eos: tuple[int, ...] = (),
+    step_us: float = 1000.0,
+    alias: str = "qwen3",
+) -> ModelSource:
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    specs = {b: ProfileSpec(b, max_seq, max_sequences) for b in profiles}
+    timing = {b: Timing(200.0, 2.0, {b: step_us}) for b in profiles}
+    return ModelSource(alias=alias, model_config=cfg, weights={}, profiles=specs, eos_token_ids=eos,
+                       tokenizer=CharTokenizer(), sha256="0" * 64, timing=timing)
+
+
+def fake_greedy(prompt: Sequence[int], steps: int, vocab: int = 128) -> list[int]:
+    """What the fake device's model generates greedily (solo reference)."""
+    toks = list(prompt)
+    out: list[int] = []
+    for _ in range(steps):
+        t = int(np.argmax(fake_logits(history_hash(toks), vocab)))
+        out.append(t)
+        toks.append(t)
+    return out
+
+
+def config(**sched: object) -> CalserveConfig:
+    """A config with scheduler overrides given as nested dicts, e.g. batch={"profiles": [8]}."""
+    return decode_config({"scheduler": sched})
