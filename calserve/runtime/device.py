@@ -127,6 +127,23 @@ def corrupted_lanes(result: JobResult) -> list[int]:
     return bad
 
 
+def _decode_step_us(t: Timing, batch: int) -> float:
+    """The modeled decode step for ``batch``: exact figure, else linear interpolation between the
+    neighbouring batch sizes, else the nearest one (0 when there are no figures)."""
+    pts = sorted((int(k), float(v)) for k, v in t.decode_step_us.items())
+    if not pts:
+        return 0.0
+    for b, us in pts:
+        if b == batch:
+            return us
+    lo = [p for p in pts if p[0] < batch]
+    hi = [p for p in pts if p[0] > batch]
+    if lo and hi:
+        (b0, u0), (b1, u1) = lo[-1], hi[0]
+        return u0 + (u1 - u0) * (batch - b0) / (b1 - b0)
+    return (lo[-1] if lo else hi[0])[1]
+
+
 def _i32(name: str, values: Sequence[int] | np.ndarray, n: int | None = None) -> np.ndarray:
     a = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
     if n is not None and a.shape[0] != n:
@@ -457,9 +474,10 @@ class Device:
         prof = (spec.compiled_batch, spec.max_seq, spec.max_sequences,
                 1 if spec.kv_dtype == "bf16" else 0, bool(spec.valid_mask), bool(spec.inactive_logits))
         t = timing or Timing()
-        decode_us = [(int(k), float(v)) for k, v in sorted(t.decode_step_us.items())]
-        tim = (float(t.prefill_base_us), float(t.prefill_us_per_token), decode_us,
-               float(t.pingpong_overlap), timing is not None)
+        if not 0.0 <= t.pingpong_overlap <= 1.0:
+            raise InvalidArgument("timing.pingpong_overlap must be in [0, 1]", 1)
+        tim = (float(t.prefill_base_us), float(t.prefill_us_per_token),
+               _decode_step_us(t, spec.compiled_batch), float(t.pingpong_overlap))
         h = _call(self._h.load_calbin, int(chip), model, tensors, prof, tim)
         cb = Calbin(self, h, config, spec, int(chip))
         self._calbins.append(cb)

@@ -1,0 +1,271 @@
+/*
+ * calrt.h — the CalRT C API as calserve uses it (modelled on CalRT 0.7.6, spec §1, §3, §9, §11-14).
+ *
+ * This is the ONLY header the CPython binding (ext/calserve_calrt.c) includes for the runtime. The
+ * software runtime (ext/calrt/sim, "calrt-sim") implements it; a vendor libcalrt that implements the
+ * same declarations can be linked instead (build with CALRT_IMPL=vendor CALRT_HOME=...), with no
+ * Python change. Sim-only debug entry points live in calrt_sim.h and are looked up with dlsym().
+ *
+ * Objects
+ *   calrt_device  the process's one VirtualDevice. It has 1 chip (calrt-0.7.6) or 2 chips (sim-next,
+ *                 chip-scoped configure); each chip has its own DRAM, PING and PONG job engines (one
+ *                 worker each, queue depth CALRT_QUEUE_DEPTH) and reset domain.
+ *   calrt_calbin  one compiled batch profile of a model (CreateCalbin); configure charges chip DRAM for
+ *                 weights + KV + scratch; owns a KvManager of max_sequences sequences.
+ *   calrt_job     one prefill or decode job with its own input and output buffers; reference counted
+ *                 (the caller's reference + the engine's while queued/running).
+ *
+ * Thread-safety: every function may be called from any thread concurrently, except that a handle
+ * must not be used concurrently with (or after) the call that destroys it (calrt_device_close,
+ * calrt_calbin_destroy, calrt_job_release). calrt_job_wait blocks only the calling thread.
+ *
+ * Reset semantics (calrt_device_reset): every job queued or running on the chip completes with
+ * CALRT_JOB_ABORTED (its buffers may then be reclaimed); the call returns only after no job of the chip
+ * is running any more, so no stale KV write can follow it. Every KV sequence of the chip is invalidated
+ * (its id stays allocated until calrt_kv_free_sequence). Faults are cleared. The weights stay configured,
+ * except after a CALRT_JOB_DMA_UNKNOWN completion: then every calbin of the chip reports
+ * needs_reconfigure and refuses jobs (CALRT_E_NEEDS_RECONFIGURE) until calrt_calbin_configure().
+ *
+ * KV commit rule: a job's tokens are committed (committed_len += n for each of its sequences) only when
+ * the job completes CALRT_JOB_OK. Decode lanes with valid=0 never write KV. A CCU fault marks the KV of
+ * every sequence of the job unknown (sequence_valid = 0) and faults the chip until reset.
+ *
+ * Output echo (spec §7.4): every output lane carries (job_id, seq_id, position) and the 64-bit FNV-1a
+ * checksum (calrt_checksum) of its logits row bytes; invalid lanes echo (job_id, -1, -1), checksum 0
+ * and an all-zero logits row.
+ *
+ * What the vendor must still confirm (spec §20) before any of the C3 capabilities below may be described
+ * as supported by hardware — calrt-sim implements them for design and test only:
+ *   1. exact B4/B8/B16 tensors / CSR / inactive-lane valid-mask contract and KV layout;
+ *   2. per-profile calbin, golden outputs, capacity, performance and compatibility data;
+ *   3. PING/PONG/parallel timing and the maximum number of jobs in flight (here CALRT_QUEUE_DEPTH);
+ *   4. whether a batch job fails as a whole or per lane, and the scope of KV contamination
+ *      (calrt-sim: the whole job fails, all of its sequences become unknown);
+ *   5. the formal API for multi-calbin residency, chip affinity and reset domains;
+ *   6. versions/API/device selection for more than one physical device after 0.7.6;
+ *   plus: the output checksum algorithm and echo layout used here (FNV-1a 64 over float32 bytes).
+ */
+#ifndef CALRT_H
+#define CALRT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CALRT_API_VERSION 1
+#define CALRT_QUEUE_DEPTH 2 /* jobs per engine: one running + one waiting */
+#define CALRT_MAX_CHIPS 2
+
+typedef enum calrt_status {
+  CALRT_OK = 0,
+  CALRT_E_INVALID_ARGUMENT = 1,     /* a bad argument; the message names it */
+  CALRT_E_NOT_SUPPORTED = 2,        /* operation or capability absent in this runtime profile */
+  CALRT_E_ALREADY_OPEN = 3,         /* a VirtualDevice is already open in this process */
+  CALRT_E_OUT_OF_DEVICE_MEMORY = 4, /* DRAM reservation does not fit (spec §13.1) */
+  CALRT_E_OUT_OF_SEQUENCES = 5,     /* KvManager has no free sequence */
+  CALRT_E_BUSY = 6,                 /* the engine's queue is full (DeviceBusy) */
+  CALRT_E_TIMEOUT = 7,              /* wait timed out; the job is still in flight */
+  CALRT_E_FAULTED = 8,              /* the chip needs a reset (or is being reset) */
+  CALRT_E_NEEDS_RECONFIGURE = 9,    /* the calbin must be configured again (after DMA_UNKNOWN) */
+  CALRT_E_IN_USE = 10,              /* jobs in flight (or calbins alive) prevent the operation */
+  CALRT_E_HOST_OOM = 11,            /* host allocation failed */
+  CALRT_E_INTERNAL = 12,
+  CALRT_E_SEQUENCE_INVALID = 13,    /* the sequence was invalidated by a reset or a fault */
+  CALRT_E_CLOSED = 14               /* the device is not open */
+} calrt_status;
+
+typedef enum calrt_job_status {
+  CALRT_JOB_OK = 0,
+  CALRT_JOB_ABORTED = 1,     /* reset while queued/running; outputs are zero */
+  CALRT_JOB_CCU_FAULT = 2,   /* compute fault: chip needs reset; the job's KV is unknown */
+  CALRT_JOB_DMA_UNKNOWN = 3, /* DMA state unknown: reset AND reconfigure required */
+  CALRT_JOB_INVALID = 4      /* rejected at execution (position != committed_len, sequence invalid
+                                or used by another running job); nothing written */
+} calrt_job_status;
+
+typedef enum calrt_engine { CALRT_ENGINE_PING = 0, CALRT_ENGINE_PONG = 1 } calrt_engine;
+
+typedef enum calrt_kv_dtype { CALRT_KV_FP32 = 0, CALRT_KV_BF16 = 1 } calrt_kv_dtype;
+
+typedef struct calrt_device calrt_device;
+typedef struct calrt_calbin calrt_calbin;
+typedef struct calrt_job calrt_job;
+
+/* Returns a static, human-readable message for the last failing call on this thread ("" if none). */
+const char *calrt_last_error(void);
+
+/* FNV-1a 64-bit over `n` bytes: the checksum each output lane reports. Pure; thread-safe. */
+uint64_t calrt_checksum(const void *data, size_t n);
+
+/* ---- device -------------------------------------------------------------------------------- */
+
+typedef struct calrt_open_params {
+  const char *profile; /* "calrt-0.7.6" | "sim-next" (a vendor build accepts its own name) */
+  uint64_t dram_bytes; /* DRAM capacity per chip */
+} calrt_open_params;
+
+typedef struct calrt_device_info {
+  char profile[32];
+  char runtime[32]; /* e.g. "calrt-sim 0.7.6-compat" */
+  int chips;
+  int queue_depth;
+  int batch_profiles; /* C3 */
+  int multi_calbin;   /* C3 */
+  int chip_scoped;    /* C3 */
+  int pingpong;
+  int do_shift; /* C1 */
+} calrt_device_info;
+
+typedef struct calrt_counters {
+  uint64_t submitted; /* accepted submits */
+  uint64_t completed; /* completed CALRT_JOB_OK */
+  uint64_t failed;    /* completed with any other status */
+  uint64_t busy;      /* submits refused with CALRT_E_BUSY */
+  uint64_t timeouts;  /* waits that returned CALRT_E_TIMEOUT */
+  uint64_t inflight;  /* queued + running now */
+} calrt_counters;
+
+/* Open the VirtualDevice. CALRT_E_ALREADY_OPEN if one is open in this process (until close);
+ * CALRT_E_INVALID_ARGUMENT for an unknown profile or zero DRAM. Starts the engine workers. */
+calrt_status calrt_device_open(const calrt_open_params *params, calrt_device **out);
+/* Close: CALRT_E_IN_USE while calbins exist (destroy them first; reset to abort their jobs). */
+calrt_status calrt_device_close(calrt_device *dev);
+calrt_status calrt_device_info_get(calrt_device *dev, calrt_device_info *out);
+calrt_status calrt_device_dram(calrt_device *dev, int chip, uint64_t *capacity, uint64_t *used);
+/* Reset one chip (chip = -1: all chips). See "Reset semantics" above. Blocks until the chip's running
+ * jobs stopped (at most one layer of compute). */
+calrt_status calrt_device_reset(calrt_device *dev, int chip);
+/* faulted: the chip refuses jobs until reset. needs_reconfigure: some calbin of the chip must be
+ * configured again. */
+calrt_status calrt_device_state(calrt_device *dev, int chip, int *faulted, int *needs_reconfigure);
+calrt_status calrt_engine_counters(calrt_device *dev, int chip, calrt_engine engine,
+                                   calrt_counters *out);
+
+/* ---- calbin -------------------------------------------------------------------------------- */
+
+typedef struct calrt_model_desc { /* Qwen3 decoder (Hugging Face names) */
+  int32_t vocab_size, hidden_size, intermediate_size, num_hidden_layers;
+  int32_t num_attention_heads, num_key_value_heads, head_dim;
+  float rms_norm_eps;
+  double rope_theta;
+  int32_t tie_word_embeddings;
+} calrt_model_desc;
+
+typedef struct calrt_tensor {
+  const char *name;  /* HF name, e.g. "model.layers.0.self_attn.q_proj.weight" */
+  const float *data; /* float32, C-contiguous; NOT copied: must outlive the calbin */
+  int32_t ndim;
+  int64_t shape[2];
+} calrt_tensor;
+
+typedef struct calrt_profile {
+  int32_t compiled_batch; /* B; > 1 needs batch_profiles (C3) */
+  int32_t max_seq;        /* KV slots per sequence */
+  int32_t max_sequences;  /* sequences of the KvManager */
+  calrt_kv_dtype kv_dtype;
+  int32_t valid_mask;      /* the profile takes a per-lane valid mask (else every lane must be valid) */
+  int32_t inactive_logits; /* inactive lanes' logits rows are returned (zeros) — informational */
+} calrt_profile;
+
+typedef struct calrt_timing { /* all zero: run as fast as the kernels allow */
+  double prefill_base_us, prefill_us_per_token;
+  double decode_step_us;   /* for this calbin's compiled_batch */
+  double pingpong_overlap; /* 0: PING and PONG serialise on the chip; 1: fully overlapped */
+} calrt_timing;
+
+typedef struct calrt_calbin_info {
+  int32_t calbin_id, chip, configured, needs_reconfigure;
+  calrt_model_desc model;
+  calrt_profile profile;
+  int32_t num_tensors;
+  uint64_t dram_bytes;          /* charged while configured */
+  uint64_t kv_bytes_per_token;  /* all layers, K and V */
+  int32_t kv_shape[5];          /* per sequence: [layers, 2 (K,V), kv_heads, max_seq, head_dim] */
+  int32_t inactive_writes_kv;   /* always 0 in calrt-sim */
+  int32_t null_compute;
+} calrt_calbin_info;
+
+typedef struct calrt_tensor_info {
+  char name[96];
+  int32_t ndim;
+  int64_t shape[2];
+  char dtype[8]; /* "float32" */
+} calrt_tensor_info;
+
+/* CreateCalbin on `chip`: checks the description, tensor names/shapes (message names the tensor) and
+ * capabilities (B > 1 without batch profiles, chip > 0 without chip-scoped configure -> NOT_SUPPORTED).
+ * `tensors` may be NULL/0 only on a null-compute device. Charges no DRAM yet. */
+calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_desc *model,
+                                 const calrt_tensor *tensors, size_t n_tensors,
+                                 const calrt_profile *profile, const calrt_timing *timing,
+                                 calrt_calbin **out);
+/* Configure (or reconfigure after DMA_UNKNOWN): charges DRAM (OUT_OF_DEVICE_MEMORY if it does not
+ * fit), sets up the KvManager. NOT_SUPPORTED if another calbin is configured and multi-calbin is off. */
+calrt_status calrt_calbin_configure(calrt_calbin *cb);
+/* ResetConfiguration: frees DRAM and every KV sequence. CALRT_E_IN_USE while jobs are in flight. */
+calrt_status calrt_calbin_reset_configuration(calrt_calbin *cb);
+/* Destroy (resetting the configuration first). CALRT_E_IN_USE while jobs are in flight. */
+calrt_status calrt_calbin_destroy(calrt_calbin *cb);
+calrt_status calrt_calbin_info_get(calrt_calbin *cb, calrt_calbin_info *out);
+calrt_status calrt_calbin_tensor_info(calrt_calbin *cb, int32_t index, calrt_tensor_info *out);
+
+/* ---- KvManager (per calbin) ---------------------------------------------------------------- */
+
+calrt_status calrt_kv_can_allocate(calrt_calbin *cb, int32_t n, int *ok);
+calrt_status calrt_kv_create_sequence(calrt_calbin *cb, int32_t *seq_id); /* OUT_OF_SEQUENCES */
+/* IN_USE if a queued/running job uses it; INVALID_ARGUMENT if not allocated. */
+calrt_status calrt_kv_free_sequence(calrt_calbin *cb, int32_t seq_id);
+calrt_status calrt_kv_committed_len(calrt_calbin *cb, int32_t seq_id, int32_t *len); /* SEQUENCE_INVALID */
+calrt_status calrt_kv_sequence_valid(calrt_calbin *cb, int32_t seq_id, int *valid);
+calrt_status calrt_kv_remove_tokens_at_end(calrt_calbin *cb, int32_t seq_id, int32_t n);
+/* DoShift (C1): drop the first n tokens; the rest keep their stored (RoPE-rotated) K/V. */
+calrt_status calrt_kv_do_shift(calrt_calbin *cb, int32_t seq_id, int32_t n);
+/* Not supported in 0.7.6 (spec §9.3): always CALRT_E_NOT_SUPPORTED. */
+calrt_status calrt_kv_copy_prefix(calrt_calbin *cb, int32_t src, int32_t dst, int32_t n);
+calrt_status calrt_kv_keep_one(calrt_calbin *cb, int32_t seq_id);
+calrt_status calrt_kv_position_add(calrt_calbin *cb, int32_t seq_id, int32_t delta);
+calrt_status calrt_kv_position_div(calrt_calbin *cb, int32_t seq_id, int32_t divisor);
+calrt_status calrt_kv_save_session(calrt_calbin *cb, int32_t seq_id, void *buf, size_t *n);
+calrt_status calrt_kv_load_session(calrt_calbin *cb, int32_t seq_id, const void *buf, size_t n);
+
+/* ---- jobs ---------------------------------------------------------------------------------- */
+
+typedef struct calrt_job_result {
+  int64_t job_id;
+  calrt_job_status status;
+  int32_t lanes, vocab;
+  const float *logits;     /* [lanes, vocab]; valid until calrt_job_release */
+  const int64_t *echo;     /* [lanes, 3] (job_id, seq_id, position) */
+  const uint64_t *checksum;/* [lanes] */
+  double device_us;        /* wall time from start on the engine to completion */
+} calrt_job_result;
+
+/* A prefill job: the whole prompt (n >= 1 tokens) appended at the sequence's committed_len; one output
+ * lane (logits of the last position). Inputs are copied into the job's own buffer. */
+calrt_status calrt_job_create_prefill(calrt_calbin *cb, int32_t seq_id, const int32_t *tokens,
+                                      int32_t n, calrt_job **out);
+/* A decode step over `lanes` == compiled_batch lanes. Valid lanes must name distinct allocated
+ * sequences, tokens in [0, vocab), positions in [0, max_seq). */
+calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
+                                     const int32_t *positions, const uint8_t *valid, int32_t lanes,
+                                     calrt_job **out);
+int64_t calrt_job_id(const calrt_job *job);
+/* Submit to an engine. BUSY (queue full), FAULTED (chip needs reset / resetting), NEEDS_RECONFIGURE,
+ * INVALID_ARGUMENT (already submitted), NOT_SUPPORTED (PONG without ping/pong). */
+calrt_status calrt_job_submit(calrt_job *job, calrt_engine engine);
+/* Wait up to timeout_us (< 0: forever). CALRT_OK with *status set, or CALRT_E_TIMEOUT (still in
+ * flight; counted). Waiting on a job never submitted: INVALID_ARGUMENT. */
+calrt_status calrt_job_wait(calrt_job *job, int64_t timeout_us, calrt_job_status *status);
+int calrt_job_done(calrt_job *job);
+/* The outputs of a completed job (INVALID_ARGUMENT if not completed). */
+calrt_status calrt_job_result_get(calrt_job *job, calrt_job_result *out);
+/* Drop the caller's reference. Safe while the job is in flight (the engine keeps its own). */
+void calrt_job_release(calrt_job *job);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CALRT_H */

@@ -1,0 +1,279 @@
+/* calbin.c — CreateCalbin / configure / ResetConfiguration / destroy, DRAM charging, introspection. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static const char *LAYER_NAMES[11] = {
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+    "mlp.up_proj.weight", "mlp.down_proj.weight"};
+
+/* Expected tensors in weight_shapes() order (reference.py). Returns the count. */
+static int32_t expected_tensors(const calrt_model_desc *m, calrt_tensor_info *out) {
+  int32_t n = 0;
+  int64_t h = m->hidden_size, d = m->head_dim, I = m->intermediate_size;
+  int64_t H = m->num_attention_heads, KV = m->num_key_value_heads;
+#define T1(nm, a) do { if (out) { snprintf(out[n].name, sizeof out[n].name, "%s", nm); out[n].ndim = 1; \
+      out[n].shape[0] = (a); out[n].shape[1] = 0; snprintf(out[n].dtype, 8, "float32"); } n++; } while (0)
+#define T2(nm, a, b) do { if (out) { snprintf(out[n].name, sizeof out[n].name, "%s", nm); out[n].ndim = 2; \
+      out[n].shape[0] = (a); out[n].shape[1] = (b); snprintf(out[n].dtype, 8, "float32"); } n++; } while (0)
+  T2("model.embed_tokens.weight", m->vocab_size, h);
+  char buf[96];
+  for (int i = 0; i < m->num_hidden_layers; i++) {
+    int64_t shp[11][2] = {{h, 0}, {H * d, h}, {KV * d, h}, {KV * d, h}, {h, H * d}, {d, 0},
+                          {d, 0}, {h, 0}, {I, h}, {I, h}, {h, I}};
+    for (int j = 0; j < 11; j++) {
+      snprintf(buf, sizeof buf, "model.layers.%d.%s", i, LAYER_NAMES[j]);
+      if (shp[j][1] == 0) T1(buf, shp[j][0]);
+      else T2(buf, shp[j][0], shp[j][1]);
+    }
+  }
+  T1("model.norm.weight", h);
+  if (!m->tie_word_embeddings) T2("lm_head.weight", m->vocab_size, h);
+#undef T1
+#undef T2
+  return n;
+}
+
+static uint64_t weights_bytes(const calrt_calbin *cb) {
+  uint64_t b = 0;
+  for (int32_t i = 0; i < cb->n_tensors; i++) {
+    uint64_t e = (uint64_t)cb->tinfo[i].shape[0];
+    if (cb->tinfo[i].ndim == 2) e *= (uint64_t)cb->tinfo[i].shape[1];
+    b += e * 4;
+  }
+  return b;
+}
+
+/* Activation scratch a compiled profile needs on the device (charged with the calbin). */
+static uint64_t scratch_bytes(const calrt_calbin *cb) {
+  const calrt_model_desc *m = &cb->m;
+  uint64_t per_lane = (uint64_t)m->vocab_size + 4ULL * (uint64_t)m->hidden_size +
+                      2ULL * (uint64_t)m->intermediate_size +
+                      3ULL * (uint64_t)m->num_attention_heads * (uint64_t)m->head_dim;
+  return per_lane * 4ULL * (uint64_t)cb->p.compiled_batch;
+}
+
+calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_desc *model,
+                                 const calrt_tensor *tensors, size_t n_tensors,
+                                 const calrt_profile *profile, const calrt_timing *timing,
+                                 calrt_calbin **out) {
+  if (!dev || !dev->open) return sim_err(CALRT_E_CLOSED, "device is not open");
+  if (!model || !profile || !out) return sim_err(CALRT_E_INVALID_ARGUMENT, "model/profile/out must not be NULL");
+  if (chip < 0 || chip >= CALRT_MAX_CHIPS)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "chip: %d out of range", chip);
+  if (chip >= dev->info.chips)
+    return sim_err(CALRT_E_NOT_SUPPORTED, "chip: chip-scoped configure (chip %d) is not supported by "
+                   "runtime profile %s", chip, dev->info.profile);
+  const calrt_model_desc *m = model;
+  if (m->vocab_size < 1 || m->hidden_size < 1 || m->intermediate_size < 1 || m->num_hidden_layers < 1 ||
+      m->num_attention_heads < 1 || m->num_key_value_heads < 1 || m->head_dim < 2 || m->head_dim % 2 ||
+      m->num_attention_heads % m->num_key_value_heads || !(m->rms_norm_eps > 0) || !(m->rope_theta > 0))
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "model: invalid model description");
+  const calrt_profile *p = profile;
+  if (p->compiled_batch < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.compiled_batch must be >= 1");
+  if (p->compiled_batch > 1 && !dev->info.batch_profiles)
+    return sim_err(CALRT_E_NOT_SUPPORTED, "profile.compiled_batch: B=%d needs batch profiles (C3), not "
+                   "supported by runtime profile %s", p->compiled_batch, dev->info.profile);
+  if (p->compiled_batch > 1 && !p->valid_mask)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.valid_mask: a B>1 profile without a valid-mask "
+                   "contract is not usable (spec 7.3)");
+  if (p->max_seq < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.max_seq must be >= 1");
+  if (p->max_sequences < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.max_sequences must be >= 1");
+  if (p->kv_dtype != CALRT_KV_FP32 && p->kv_dtype != CALRT_KV_BF16)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.kv_dtype: unknown %d", (int)p->kv_dtype);
+  if (timing && (timing->prefill_base_us < 0 || timing->prefill_us_per_token < 0 ||
+                 timing->decode_step_us < 0 || timing->pingpong_overlap < 0 || timing->pingpong_overlap > 1))
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "timing: figures must be >= 0 and overlap in [0, 1]");
+
+  int32_t n_exp = expected_tensors(m, NULL);
+  calrt_calbin *cb = calloc(1, sizeof *cb);
+  if (!cb) return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+  cb->tinfo = calloc((size_t)n_exp, sizeof *cb->tinfo);
+  cb->layers = calloc((size_t)m->num_hidden_layers, sizeof *cb->layers);
+  if (!cb->tinfo || !cb->layers) {
+    free(cb->tinfo); free(cb->layers); free(cb);
+    return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+  }
+  expected_tensors(m, cb->tinfo);
+  cb->n_tensors = n_exp;
+  cb->m = *m;
+  cb->p = *p;
+  if (timing) cb->t = *timing;
+  cb->dev = dev;
+  cb->chip = &dev->chips[chip];
+
+  calrt_status st = CALRT_OK;
+  if (n_tensors == 0 && dev->null_compute) {
+    cb->has_weights = 0;
+  } else if (!tensors) {
+    st = sim_err(CALRT_E_INVALID_ARGUMENT, "tensors: weights are required (device is not null-compute)");
+  } else {
+    /* Every expected tensor exactly once with the expected shape; nothing extra. */
+    if ((int32_t)n_tensors != n_exp)
+      st = sim_err(CALRT_E_INVALID_ARGUMENT, "tensors: expected %d tensors, got %zu", n_exp, n_tensors);
+    for (int32_t i = 0; st == CALRT_OK && i < n_exp; i++) {
+      const calrt_tensor_info *ti = &cb->tinfo[i];
+      const calrt_tensor *found = NULL;
+      for (size_t j = 0; j < n_tensors; j++)
+        if (tensors[j].name && strcmp(tensors[j].name, ti->name) == 0) { found = &tensors[j]; break; }
+      if (!found) { st = sim_err(CALRT_E_INVALID_ARGUMENT, "tensors: missing '%s'", ti->name); break; }
+      if (!found->data || found->ndim != ti->ndim || found->shape[0] != ti->shape[0] ||
+          (ti->ndim == 2 && found->shape[1] != ti->shape[1])) {
+        st = sim_err(CALRT_E_INVALID_ARGUMENT, "tensors: '%s' has the wrong shape (expected [%lld%s%lld])",
+                     ti->name, (long long)ti->shape[0], ti->ndim == 2 ? ", " : "",
+                     ti->ndim == 2 ? (long long)ti->shape[1] : 0LL);
+        break;
+      }
+      /* map by position in weight_shapes() order */
+      const float *dp = found->data;
+      if (i == 0) cb->embed = dp;
+      else if (i <= 11 * m->num_hidden_layers) {
+        int L = (i - 1) / 11, j = (i - 1) % 11;
+        const float **slots[11] = {&cb->layers[L].in_norm, &cb->layers[L].q, &cb->layers[L].k,
+                                   &cb->layers[L].v, &cb->layers[L].o, &cb->layers[L].q_norm,
+                                   &cb->layers[L].k_norm, &cb->layers[L].post_norm, &cb->layers[L].gate,
+                                   &cb->layers[L].up, &cb->layers[L].down};
+        *slots[j] = dp;
+      } else if (i == 11 * m->num_hidden_layers + 1) cb->final_norm = dp;
+      else cb->lm_head = dp;
+    }
+    if (st == CALRT_OK && m->tie_word_embeddings) cb->lm_head = cb->embed;
+    cb->has_weights = 1;
+  }
+  if (st != CALRT_OK) {
+    free(cb->tinfo); free(cb->layers); free(cb);
+    return st;
+  }
+  cb->kv_seq_bytes = sim_kv_seq_bytes(cb);
+  cb->dram_bytes = weights_bytes(cb) + cb->kv_seq_bytes * (uint64_t)p->max_sequences + scratch_bytes(cb);
+  pthread_mutex_lock(&dev->mu);
+  cb->id = dev->next_calbin_id++;
+  cb->next = dev->calbins;
+  dev->calbins = cb;
+  pthread_mutex_unlock(&dev->mu);
+  *out = cb;
+  return CALRT_OK;
+}
+
+calrt_status calrt_calbin_configure(calrt_calbin *cb) {
+  if (!cb) return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin is NULL");
+  sim_chip *ch = cb->chip;
+  calrt_device *dev = cb->dev;
+  pthread_mutex_lock(&ch->mu);
+  if (cb->configured && !cb->needs_reconfigure) {
+    pthread_mutex_unlock(&ch->mu);
+    return CALRT_OK;
+  }
+  if (ch->faulted || ch->resetting) {
+    pthread_mutex_unlock(&ch->mu);
+    return sim_err(CALRT_E_FAULTED, "chip %d needs a reset before configure", ch->index);
+  }
+  if (cb->configured && cb->needs_reconfigure) { /* weights re-uploaded; DRAM stays charged */
+    cb->needs_reconfigure = 0;
+    pthread_mutex_unlock(&ch->mu);
+    return CALRT_OK;
+  }
+  if (!dev->info.multi_calbin) {
+    pthread_mutex_lock(&dev->mu);
+    int other = 0;
+    for (calrt_calbin *o = dev->calbins; o; o = o->next)
+      if (o != cb && o->configured) other = o->id;
+    pthread_mutex_unlock(&dev->mu);
+    if (other) {
+      pthread_mutex_unlock(&ch->mu);
+      return sim_err(CALRT_E_NOT_SUPPORTED, "calbin %d is configured: multi-calbin residency (C3) is not "
+                     "supported by runtime profile %s; release it first", other, dev->info.profile);
+    }
+  }
+  if (cb->dram_bytes > ch->dram_capacity - ch->dram_used) {
+    uint64_t free_b = ch->dram_capacity - ch->dram_used;
+    pthread_mutex_unlock(&ch->mu);
+    return sim_err(CALRT_E_OUT_OF_DEVICE_MEMORY, "DRAM reservation of %llu bytes does not fit on chip %d "
+                   "(%llu free of %llu)", (unsigned long long)cb->dram_bytes, ch->index,
+                   (unsigned long long)free_b, (unsigned long long)ch->dram_capacity);
+  }
+  cb->seqs = calloc((size_t)cb->p.max_sequences, sizeof *cb->seqs);
+  if (!cb->seqs) {
+    pthread_mutex_unlock(&ch->mu);
+    return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+  }
+  ch->dram_used += cb->dram_bytes;
+  cb->configured = 1;
+  cb->needs_reconfigure = 0;
+  pthread_mutex_unlock(&ch->mu);
+  return CALRT_OK;
+}
+
+calrt_status calrt_calbin_reset_configuration(calrt_calbin *cb) {
+  if (!cb) return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin is NULL");
+  sim_chip *ch = cb->chip;
+  pthread_mutex_lock(&ch->mu);
+  if (cb->inflight) {
+    int n = cb->inflight;
+    pthread_mutex_unlock(&ch->mu);
+    return sim_err(CALRT_E_IN_USE, "calbin %d has %d job(s) in flight: wait for them or reset", cb->id, n);
+  }
+  if (cb->configured) {
+    sim_kv_free_all(cb);
+    free(cb->seqs);
+    cb->seqs = NULL;
+    ch->dram_used -= cb->dram_bytes;
+    cb->configured = 0;
+    cb->needs_reconfigure = 0;
+  }
+  pthread_mutex_unlock(&ch->mu);
+  return CALRT_OK;
+}
+
+calrt_status calrt_calbin_destroy(calrt_calbin *cb) {
+  if (!cb) return CALRT_OK;
+  calrt_status st = calrt_calbin_reset_configuration(cb);
+  if (st) return st;
+  calrt_device *dev = cb->dev;
+  pthread_mutex_lock(&dev->mu);
+  for (calrt_calbin **pp = &dev->calbins; *pp; pp = &(*pp)->next)
+    if (*pp == cb) { *pp = cb->next; break; }
+  pthread_mutex_unlock(&dev->mu);
+  free(cb->tinfo);
+  free(cb->layers);
+  free(cb);
+  return CALRT_OK;
+}
+
+calrt_status calrt_calbin_info_get(calrt_calbin *cb, calrt_calbin_info *out) {
+  if (!cb || !out) return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin/out is NULL");
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&cb->chip->mu);
+  out->calbin_id = cb->id;
+  out->chip = cb->chip->index;
+  out->configured = cb->configured;
+  out->needs_reconfigure = cb->needs_reconfigure;
+  pthread_mutex_unlock(&cb->chip->mu);
+  out->model = cb->m;
+  out->profile = cb->p;
+  out->num_tensors = cb->n_tensors;
+  out->dram_bytes = cb->dram_bytes;
+  int es = cb->p.kv_dtype == CALRT_KV_BF16 ? 2 : 4;
+  out->kv_bytes_per_token = 2ULL * (uint64_t)cb->m.num_hidden_layers * (uint64_t)cb->m.num_key_value_heads *
+                            (uint64_t)cb->m.head_dim * (uint64_t)es;
+  out->kv_shape[0] = cb->m.num_hidden_layers;
+  out->kv_shape[1] = 2;
+  out->kv_shape[2] = cb->m.num_key_value_heads;
+  out->kv_shape[3] = cb->p.max_seq;
+  out->kv_shape[4] = cb->m.head_dim;
+  out->inactive_writes_kv = 0;
+  out->null_compute = !cb->has_weights || cb->dev->null_compute;
+  return CALRT_OK;
+}
+
+calrt_status calrt_calbin_tensor_info(calrt_calbin *cb, int32_t index, calrt_tensor_info *out) {
+  if (!cb || !out) return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin/out is NULL");
+  if (index < 0 || index >= cb->n_tensors)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "index: %d not in [0, %d)", index, cb->n_tensors);
+  *out = cb->tinfo[index];
+  return CALRT_OK;
+}

@@ -1,0 +1,391 @@
+/* engine.c — jobs, the PING/PONG engines (one worker thread + FIFO queue each), submit/wait, the
+ * timing model and completion. Lock order: chip->mu, then dev->mu, then job->mu. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- job objects ---- */
+
+static calrt_job *job_alloc(calrt_calbin *cb, job_kind kind, int32_t lanes, int32_t n_in) {
+  calrt_job *j = calloc(1, sizeof *j);
+  if (!j) return NULL;
+  size_t V = (size_t)cb->m.vocab_size;
+  j->tokens = calloc((size_t)n_in, sizeof(int32_t));
+  j->seq_ids = calloc((size_t)lanes, sizeof(int32_t));
+  j->positions = calloc((size_t)lanes, sizeof(int32_t));
+  j->valid = calloc((size_t)lanes, 1);
+  j->logits = calloc((size_t)lanes * V, sizeof(float));
+  j->echo = calloc((size_t)lanes * 3, sizeof(int64_t));
+  j->checksum = calloc((size_t)lanes, sizeof(uint64_t));
+  if (!j->tokens || !j->seq_ids || !j->positions || !j->valid || !j->logits || !j->echo || !j->checksum) {
+    free(j->tokens); free(j->seq_ids); free(j->positions); free(j->valid);
+    free(j->logits); free(j->echo); free(j->checksum); free(j);
+    return NULL;
+  }
+  atomic_init(&j->refs, 1);
+  atomic_init(&j->abort, 0);
+  j->id = atomic_fetch_add(&cb->dev->next_job_id, 1);
+  j->cb = cb;
+  j->chip = cb->chip;
+  j->kind = kind;
+  j->lanes = lanes;
+  j->fault = -1;
+  j->engine = -1;
+  pthread_mutex_init(&j->mu, NULL);
+  sim_cond_init(&j->cond);
+  return j;
+}
+
+static void job_free(calrt_job *j) {
+  pthread_mutex_destroy(&j->mu);
+  pthread_cond_destroy(&j->cond);
+  free(j->tokens); free(j->seq_ids); free(j->positions); free(j->valid);
+  free(j->logits); free(j->echo); free(j->checksum); free(j);
+}
+
+void calrt_job_release(calrt_job *job) {
+  if (job && atomic_fetch_sub(&job->refs, 1) == 1) job_free(job);
+}
+
+int64_t calrt_job_id(const calrt_job *job) { return job ? job->id : -1; }
+
+calrt_status calrt_job_create_prefill(calrt_calbin *cb, int32_t seq_id, const int32_t *tokens,
+                                      int32_t n, calrt_job **out) {
+  if (!cb || !tokens || !out) return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin/tokens/out is NULL");
+  if (n < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "tokens: a prefill needs at least one token");
+  if (n > cb->p.max_seq)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "tokens: %d tokens exceed max_seq %d", n, cb->p.max_seq);
+  if (seq_id < 0 || seq_id >= cb->p.max_sequences)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "seq_id: %d not in [0, %d)", seq_id, cb->p.max_sequences);
+  for (int32_t i = 0; i < n; i++)
+    if (tokens[i] < 0 || tokens[i] >= cb->m.vocab_size)
+      return sim_err(CALRT_E_INVALID_ARGUMENT, "tokens[%d]: %d not in [0, vocab_size=%d)", i, tokens[i],
+                     cb->m.vocab_size);
+  calrt_job *j = job_alloc(cb, JOB_PREFILL, 1, n);
+  if (!j) return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+  memcpy(j->tokens, tokens, sizeof(int32_t) * (size_t)n);
+  j->n_tok = n;
+  j->seq_ids[0] = seq_id;
+  j->valid[0] = 1;
+  j->positions[0] = -1; /* set at execution: committed_len */
+  *out = j;
+  return CALRT_OK;
+}
+
+calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
+                                     const int32_t *positions, const uint8_t *valid, int32_t lanes,
+                                     calrt_job **out) {
+  if (!cb || !seq_ids || !tokens || !positions || !valid || !out)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin/arrays/out is NULL");
+  if (lanes != cb->p.compiled_batch)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "lanes: %d != compiled_batch %d", lanes, cb->p.compiled_batch);
+  int any = 0;
+  for (int32_t l = 0; l < lanes; l++) {
+    if (!valid[l]) {
+      if (!cb->p.valid_mask)
+        return sim_err(CALRT_E_INVALID_ARGUMENT, "valid[%d]: this profile has no valid mask; all lanes "
+                       "must be valid", l);
+      continue;
+    }
+    any = 1;
+    if (seq_ids[l] < 0 || seq_ids[l] >= cb->p.max_sequences)
+      return sim_err(CALRT_E_INVALID_ARGUMENT, "seq_ids[%d]: %d not in [0, %d)", l, seq_ids[l],
+                     cb->p.max_sequences);
+    if (tokens[l] < 0 || tokens[l] >= cb->m.vocab_size)
+      return sim_err(CALRT_E_INVALID_ARGUMENT, "tokens[%d]: %d not in [0, vocab_size=%d)", l, tokens[l],
+                     cb->m.vocab_size);
+    if (positions[l] < 0 || positions[l] >= cb->p.max_seq)
+      return sim_err(CALRT_E_INVALID_ARGUMENT, "positions[%d]: %d not in [0, max_seq=%d)", l, positions[l],
+                     cb->p.max_seq);
+    for (int32_t o = 0; o < l; o++)
+      if (valid[o] && seq_ids[o] == seq_ids[l])
+        return sim_err(CALRT_E_INVALID_ARGUMENT, "seq_ids[%d]: sequence %d already in lane %d", l, seq_ids[l], o);
+  }
+  if (!any) return sim_err(CALRT_E_INVALID_ARGUMENT, "valid: a decode job needs at least one valid lane");
+  calrt_job *j = job_alloc(cb, JOB_DECODE, lanes, lanes);
+  if (!j) return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+  for (int32_t l = 0; l < lanes; l++) {
+    j->valid[l] = valid[l] ? 1 : 0;
+    j->seq_ids[l] = valid[l] ? seq_ids[l] : -1;
+    j->tokens[l] = valid[l] ? tokens[l] : 0;
+    j->positions[l] = valid[l] ? positions[l] : -1;
+  }
+  j->n_tok = 1;
+  *out = j;
+  return CALRT_OK;
+}
+
+/* ---- submit / wait ---- */
+
+static void seq_users(calrt_job *j, int delta) {
+  for (int32_t l = 0; l < j->lanes; l++)
+    if (j->valid[l]) j->cb->seqs[j->seq_ids[l]].users += delta;
+}
+
+calrt_status calrt_job_submit(calrt_job *job, calrt_engine engine) {
+  if (!job) return sim_err(CALRT_E_INVALID_ARGUMENT, "job is NULL");
+  if (engine != CALRT_ENGINE_PING && engine != CALRT_ENGINE_PONG)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "engine: %d is not PING(0) or PONG(1)", (int)engine);
+  calrt_calbin *cb = job->cb;
+  sim_chip *ch = cb->chip;
+  if (engine == CALRT_ENGINE_PONG && !cb->dev->info.pingpong)
+    return sim_err(CALRT_E_NOT_SUPPORTED, "PONG engine is not available in this runtime profile");
+  pthread_mutex_lock(&ch->mu);
+  calrt_status st = CALRT_OK;
+  sim_engine *e = &ch->engines[engine];
+  if (job->state != JOB_CREATED) st = sim_err(CALRT_E_INVALID_ARGUMENT, "job %lld was already submitted",
+                                              (long long)job->id);
+  else if (ch->faulted || ch->resetting)
+    st = sim_err(CALRT_E_FAULTED, "chip %d %s", ch->index, ch->resetting ? "is resetting" : "needs a reset");
+  else if (!cb->configured) st = sim_err(CALRT_E_INVALID_ARGUMENT, "calbin %d is not configured", cb->id);
+  else if (cb->needs_reconfigure)
+    st = sim_err(CALRT_E_NEEDS_RECONFIGURE, "calbin %d must be reconfigured (DMA state unknown)", cb->id);
+  for (int32_t l = 0; st == CALRT_OK && l < job->lanes; l++)
+    if (job->valid[l] && !cb->seqs[job->seq_ids[l]].allocated)
+      st = sim_err(CALRT_E_INVALID_ARGUMENT, "seq_ids[%d]: %d is not an allocated sequence", l, job->seq_ids[l]);
+  if (st == CALRT_OK && e->n_queued >= CALRT_QUEUE_DEPTH) {
+    e->counters.busy++;
+    st = sim_err(CALRT_E_BUSY, "engine %s of chip %d is full (%d jobs)", engine ? "PONG" : "PING", ch->index,
+                 CALRT_QUEUE_DEPTH);
+  }
+  if (st == CALRT_OK) {
+    int32_t lane = 0;
+    int f = sim_fault_take(e, &lane);
+    if (f == CALRT_SIM_FAULT_BUSY) {
+      e->counters.busy++;
+      st = sim_err(CALRT_E_BUSY, "engine %s of chip %d is busy (injected)", engine ? "PONG" : "PING", ch->index);
+    } else {
+      job->fault = f;
+      job->fault_lane = lane;
+    }
+  }
+  if (st != CALRT_OK) {
+    pthread_mutex_unlock(&ch->mu);
+    return st;
+  }
+  atomic_fetch_add(&job->refs, 1); /* the engine's reference */
+  job->engine = (int)engine;
+  job->state = JOB_QUEUED;
+  pthread_mutex_lock(&job->mu);
+  job->submitted = 1;
+  pthread_mutex_unlock(&job->mu);
+  e->queue[e->n_queued++] = job;
+  e->counters.submitted++;
+  cb->inflight++;
+  seq_users(job, +1);
+  pthread_cond_signal(&e->cond);
+  pthread_mutex_unlock(&ch->mu);
+  return CALRT_OK;
+}
+
+calrt_status calrt_job_wait(calrt_job *job, int64_t timeout_us, calrt_job_status *status) {
+  if (!job) return sim_err(CALRT_E_INVALID_ARGUMENT, "job is NULL");
+  pthread_mutex_lock(&job->mu);
+  if (!job->submitted) {
+    pthread_mutex_unlock(&job->mu);
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "job %lld was never submitted", (long long)job->id);
+  }
+  struct timespec ts;
+  if (timeout_us >= 0) sim_deadline_ts(sim_now_us() + (double)timeout_us, &ts);
+  while (!job->done) {
+    if (timeout_us < 0) {
+      pthread_cond_wait(&job->cond, &job->mu);
+    } else if (pthread_cond_timedwait(&job->cond, &job->mu, &ts) == ETIMEDOUT) {
+      break;
+    }
+  }
+  int done = job->done;
+  if (done && status) *status = job->status;
+  pthread_mutex_unlock(&job->mu);
+  if (!done) {
+    /* The chip is static storage and outlives every job, so this is safe even across close(). */
+    atomic_fetch_add(&job->chip->engines[job->engine].timeouts, 1);
+    return sim_err(CALRT_E_TIMEOUT, "job %lld did not complete within %lld us", (long long)job->id,
+                   (long long)timeout_us);
+  }
+  return CALRT_OK;
+}
+
+int calrt_job_done(calrt_job *job) {
+  if (!job) return 0;
+  pthread_mutex_lock(&job->mu);
+  int d = job->done;
+  pthread_mutex_unlock(&job->mu);
+  return d;
+}
+
+calrt_status calrt_job_result_get(calrt_job *job, calrt_job_result *out) {
+  if (!job || !out) return sim_err(CALRT_E_INVALID_ARGUMENT, "job/out is NULL");
+  pthread_mutex_lock(&job->mu);
+  int d = job->done;
+  pthread_mutex_unlock(&job->mu);
+  if (!d) return sim_err(CALRT_E_INVALID_ARGUMENT, "job %lld has not completed", (long long)job->id);
+  /* After done, the outputs are immutable until release. */
+  out->job_id = job->id;
+  out->status = job->status;
+  out->lanes = job->lanes;
+  out->vocab = job->vocab;
+  out->logits = job->logits;
+  out->echo = job->echo;
+  out->checksum = job->checksum;
+  out->device_us = job->device_us;
+  return CALRT_OK;
+}
+
+/* ---- the engine worker ---- */
+
+/* Validate at execution (chip->mu held). Prefill: its position is the sequence's committed_len. */
+static int validate_at_execution(calrt_job *j) {
+  calrt_calbin *cb = j->cb;
+  for (int32_t l = 0; l < j->lanes; l++) {
+    if (!j->valid[l]) continue;
+    sim_seq *s = &cb->seqs[j->seq_ids[l]];
+    if (!s->allocated || !s->valid || s->busy) return 0;
+    if (j->kind == JOB_PREFILL) {
+      if (s->len + j->n_tok > cb->p.max_seq) return 0;
+      j->positions[0] = s->len;
+    } else if (j->positions[l] != s->len) {
+      return 0;
+    }
+  }
+  return 1;
+}
+
+static void set_busy(calrt_job *j, int busy) {
+  for (int32_t l = 0; l < j->lanes; l++)
+    if (j->valid[l]) j->cb->seqs[j->seq_ids[l]].busy = busy;
+}
+
+/* Complete the job at the head of the engine's queue (chip->mu held). */
+static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, double start_us) {
+  calrt_calbin *cb = j->cb;
+  size_t V = (size_t)cb->m.vocab_size;
+  if (status != CALRT_JOB_OK) {
+    memset(j->logits, 0, sizeof(float) * V * (size_t)j->lanes);
+    memset(j->checksum, 0, sizeof(uint64_t) * (size_t)j->lanes);
+  }
+  for (int32_t l = 0; l < j->lanes; l++) {
+    j->echo[3 * l + 0] = j->id;
+    j->echo[3 * l + 1] = j->valid[l] ? j->seq_ids[l] : -1;
+    j->echo[3 * l + 2] = j->valid[l] ? (j->kind == JOB_PREFILL ? j->positions[0] + j->n_tok - 1
+                                                               : j->positions[l]) : -1;
+  }
+  if (status == CALRT_JOB_OK) e->counters.completed++;
+  else e->counters.failed++;
+  /* Invariant: the completed job is queue[0] (FIFO, one running at a time). */
+  for (int i = 1; i < e->n_queued; i++) e->queue[i - 1] = e->queue[i];
+  e->queue[--e->n_queued] = NULL;
+  cb->inflight--;
+  seq_users(j, -1);
+  j->vocab = (int32_t)V;
+  j->cb = NULL; /* never touched again: the calbin may be destroyed from now on */
+  pthread_cond_broadcast(&e->chip->changed);
+  pthread_mutex_lock(&j->mu);
+  j->status = status;
+  j->device_us = start_us > 0 ? sim_now_us() - start_us : 0.0;
+  j->state = JOB_DONE;
+  j->done = 1;
+  pthread_cond_broadcast(&j->cond);
+  pthread_mutex_unlock(&j->mu);
+  calrt_job_release(j); /* the engine's reference */
+}
+
+/* Run queue[0] (chip->mu held; released during compute and modeled time). Returns its status. */
+static calrt_job_status run(sim_engine *e, calrt_job *j, double start) {
+  sim_chip *ch = e->chip;
+  calrt_calbin *cb = j->cb;
+  if (atomic_load(&j->abort)) return CALRT_JOB_ABORTED;
+  if (!validate_at_execution(j)) return CALRT_JOB_INVALID;
+  if (j->fault == CALRT_SIM_FAULT_TIMEOUT) { /* hang until a reset aborts it */
+    while (!atomic_load(&j->abort)) pthread_cond_wait(&ch->changed, &ch->mu);
+    return CALRT_JOB_ABORTED;
+  }
+  set_busy(j, 1);
+  int null = cb->dev->null_compute;
+  pthread_mutex_unlock(&ch->mu);
+  int rc = sim_forward(cb, j, null);
+  size_t V = (size_t)cb->m.vocab_size;
+  for (int32_t l = 0; l < j->lanes; l++)
+    j->checksum[l] = j->valid[l] ? calrt_checksum(j->logits + (size_t)l * V, V * sizeof(float)) : 0;
+  pthread_mutex_lock(&ch->mu);
+  /* Timing model: the shared part of the job ((1 - overlap) of it) serialises with the other engine. */
+  double d = sim_modeled_us(cb, j), end = start;
+  if (d > 0) {
+    double s = start > ch->shared_free_at_us ? start : ch->shared_free_at_us;
+    ch->shared_free_at_us = s + (1.0 - cb->t.pingpong_overlap) * d;
+    end = s + d;
+  }
+  if (cb->dev->jitter_us > 0) end += (double)(sim_rng_next(&ch->rng) % (uint64_t)(cb->dev->jitter_us + 1));
+  struct timespec ts;
+  sim_deadline_ts(end, &ts);
+  while (!atomic_load(&j->abort) && sim_now_us() < end)
+    if (pthread_cond_timedwait(&ch->changed, &ch->mu, &ts) == ETIMEDOUT) break;
+  set_busy(j, 0);
+  if (rc < 0) return CALRT_JOB_CCU_FAULT; /* host OOM inside the kernels: report as a compute fault */
+  if (rc > 0 || atomic_load(&j->abort)) return CALRT_JOB_ABORTED;
+  if (j->fault == CALRT_SIM_FAULT_CCU || j->fault == CALRT_SIM_FAULT_DMA_UNKNOWN) {
+    for (int32_t l = 0; l < j->lanes; l++)
+      if (j->valid[l]) cb->seqs[j->seq_ids[l]].valid = 0; /* KV unknown */
+    ch->faulted = 1;
+    if (j->fault == CALRT_SIM_FAULT_DMA_UNKNOWN) {
+      ch->dma_unknown = 1;
+      return CALRT_JOB_DMA_UNKNOWN;
+    }
+    return CALRT_JOB_CCU_FAULT;
+  }
+  for (int32_t l = 0; l < j->lanes; l++)
+    if (j->valid[l]) cb->seqs[j->seq_ids[l]].len += j->n_tok;
+  if (j->fault == CALRT_SIM_FAULT_CROSSTALK) sim_apply_crosstalk(j, j->fault_lane);
+  return CALRT_JOB_OK;
+}
+
+static void *worker(void *arg) {
+  sim_engine *e = arg;
+  sim_chip *ch = e->chip;
+  pthread_mutex_lock(&ch->mu);
+  for (;;) {
+    while (!ch->stop && e->n_queued == 0) pthread_cond_wait(&e->cond, &ch->mu);
+    if (ch->stop) break;
+    calrt_job *j = e->queue[0];
+    j->state = JOB_RUNNING;
+    double start = sim_now_us();
+    calrt_job_status st = run(e, j, start);
+    complete(e, j, st, start);
+  }
+  pthread_mutex_unlock(&ch->mu);
+  return NULL;
+}
+
+int sim_engines_start(sim_chip *ch) {
+  for (int i = 0; i < 2; i++) {
+    sim_engine *e = &ch->engines[i];
+    e->chip = ch;
+    e->index = i;
+    sim_cond_init(&e->cond);
+    atomic_init(&e->timeouts, 0);
+    if (pthread_create(&e->thread, NULL, worker, e) != 0) {
+      if (i == 1) {
+        pthread_mutex_lock(&ch->mu);
+        ch->stop = 1;
+        pthread_cond_signal(&ch->engines[0].cond);
+        pthread_mutex_unlock(&ch->mu);
+        pthread_join(ch->engines[0].thread, NULL);
+      }
+      return -1;
+    }
+  }
+  return 0;
+}
+
+void sim_engines_stop(sim_chip *ch) {
+  pthread_mutex_lock(&ch->mu);
+  ch->stop = 1;
+  for (int i = 0; i < 2; i++) pthread_cond_signal(&ch->engines[i].cond);
+  pthread_mutex_unlock(&ch->mu);
+  for (int i = 0; i < 2; i++) {
+    pthread_join(ch->engines[i].thread, NULL);
+    pthread_cond_destroy(&ch->engines[i].cond);
+  }
+}

@@ -1,0 +1,153 @@
+/* internal.h — calrt-sim's private structures, shared by its source files (split by concern:
+ * device.c, calbin.c, kv.c, engine.c, kernels.c, faults.c, timing.c). */
+#ifndef CALRT_SIM_INTERNAL_H
+#define CALRT_SIM_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "calrt.h"
+#include "calrt_sim.h"
+
+#define SIM_MAX_FAULTS 32
+
+/* Per-layer weight pointers into the caller's (not copied) buffers. */
+typedef struct sim_layer {
+  const float *in_norm, *q, *k, *v, *o, *q_norm, *k_norm, *post_norm, *gate, *up, *down;
+} sim_layer;
+
+typedef struct sim_seq {
+  int allocated;
+  int valid; /* 0 after reset / CCU fault: KV unknown */
+  int busy;  /* a running job is writing it */
+  int users; /* queued + running jobs naming it */
+  int32_t len;
+  void *kv; /* [layers][2][kv_heads][max_seq][head_dim] of float or uint16 */
+} sim_seq;
+
+typedef struct sim_fault {
+  int armed;
+  calrt_sim_fault kind;
+  int32_t countdown;
+  int32_t lane;
+} sim_fault;
+
+struct calrt_job;
+
+typedef struct sim_engine {
+  struct sim_chip *chip;
+  int index;
+  pthread_t thread;
+  pthread_cond_t cond; /* work available */
+  struct calrt_job *queue[CALRT_QUEUE_DEPTH]; /* FIFO; queue[0] runs first */
+  int n_queued;
+  calrt_counters counters;
+  atomic_ullong timeouts; /* atomic: counted by waiters without the chip lock */
+  sim_fault faults[SIM_MAX_FAULTS];
+} sim_engine;
+
+typedef struct sim_chip {
+  struct calrt_device *dev;
+  int index;
+  pthread_mutex_t mu; /* guards everything of the chip: queues, KV metadata, counters, calbins */
+  pthread_cond_t changed; /* job completed / reset progress / abort requested */
+  sim_engine engines[2];
+  uint64_t dram_capacity, dram_used;
+  int faulted, dma_unknown, resetting;
+  double shared_free_at_us; /* timing model: when the chip's shared datapath frees up */
+  uint64_t rng;             /* completion jitter */
+  int stop;
+} sim_chip;
+
+struct calrt_device {
+  int open;
+  calrt_device_info info;
+  int null_compute;
+  int64_t jitter_us;
+  sim_chip chips[CALRT_MAX_CHIPS];
+  pthread_mutex_t mu; /* guards calbin list + ids */
+  struct calrt_calbin *calbins; /* linked list */
+  int32_t next_calbin_id;
+  atomic_llong next_job_id;
+};
+
+struct calrt_calbin {
+  struct calrt_calbin *next;
+  calrt_device *dev;
+  sim_chip *chip;
+  int32_t id;
+  calrt_model_desc m;
+  calrt_profile p;
+  calrt_timing t;
+  int32_t n_tensors;
+  calrt_tensor_info *tinfo;
+  const float *embed, *final_norm, *lm_head;
+  sim_layer *layers;
+  int has_weights;
+  int configured, needs_reconfigure;
+  uint64_t dram_bytes;
+  uint64_t kv_seq_bytes; /* per sequence */
+  sim_seq *seqs;         /* [max_sequences] once configured */
+  int inflight;          /* jobs queued or running (chip->mu) */
+};
+
+typedef enum job_kind { JOB_PREFILL = 0, JOB_DECODE = 1 } job_kind;
+typedef enum job_state { JOB_CREATED = 0, JOB_QUEUED, JOB_RUNNING, JOB_DONE } job_state;
+
+struct calrt_job {
+  atomic_int refs;
+  int64_t id;
+  calrt_calbin *cb; /* NULL after completion: the calbin may be gone */
+  struct sim_chip *chip; /* static storage: always valid */
+  job_kind kind;
+  int32_t lanes;  /* output lanes: 1 for prefill, B for decode */
+  int32_t n_tok;  /* prefill tokens */
+  int32_t *tokens, *seq_ids, *positions;
+  uint8_t *valid;
+  float *logits;
+  int64_t *echo;
+  uint64_t *checksum;
+  double device_us;
+  int engine;
+  job_state state; /* chip->mu before completion; then job->mu */
+  atomic_int abort;
+  int fault; /* -1 or calrt_sim_fault */
+  int32_t fault_lane;
+  calrt_job_status status;
+  pthread_mutex_t mu; /* own lock: wait() must not depend on the chip/calbin outliving the job */
+  pthread_cond_t cond;
+  int done;
+  int submitted; /* job->mu */
+  int32_t vocab;
+};
+
+/* errors.c-ish helpers (device.c) */
+calrt_status sim_err(calrt_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* timing.c */
+double sim_now_us(void);
+void sim_deadline_ts(double at_us, struct timespec *ts);
+void sim_cond_init(pthread_cond_t *c);
+uint64_t sim_rng_next(uint64_t *state);
+double sim_modeled_us(const calrt_calbin *cb, const calrt_job *job);
+
+/* faults.c */
+int sim_fault_take(sim_engine *e, int32_t *lane); /* -1 if none hits this submit */
+void sim_apply_crosstalk(calrt_job *job, int32_t lane);
+
+/* kv.c */
+uint64_t sim_kv_seq_bytes(const calrt_calbin *cb);
+void sim_kv_free_all(calrt_calbin *cb);
+void sim_kv_invalidate_all(calrt_calbin *cb);
+
+/* kernels.c: run the forward pass of `job` (rows: prefill tokens or valid decode lanes). Writes KV at
+ * the rows' positions (not committing), logits of output lanes. Returns 0, or 1 if aborted. */
+int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute);
+void sim_null_logits(const calrt_calbin *cb, int32_t token, int32_t position, float *out);
+
+/* engine.c */
+int sim_engines_start(sim_chip *chip);
+void sim_engines_stop(sim_chip *chip);
+
+#endif

@@ -1,0 +1,694 @@
+/* calserve._calrt — the tiny CPython binding over calrt.h (and, if present, calrt_sim.h via dlsym).
+ *
+ * Why this shape: everything Python-facing (types, enums, validation messages) lives in
+ * calserve/runtime/device.py; this file only moves handles and buffers and turns a calrt_status into
+ * `_calrt.Error(message)` with `.code`. It releases the GIL around every call that can block or compute,
+ * borrows the weight buffers (no copy: Py_buffer views held until release) and returns the job outputs as
+ * numpy views whose base keeps the C job alive (no copy).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+
+#include <dlfcn.h>
+#include <string.h>
+
+#include "calrt.h"
+
+static PyObject *Error;
+
+/* Sim-only entry points (calrt_sim.h), declared here so a vendor build needs no sim header. */
+typedef calrt_status (*inject_fn)(calrt_device *, int, calrt_engine, int, int32_t, int32_t);
+typedef calrt_status (*simcfg_fn)(calrt_device *, int, int64_t, uint64_t);
+typedef calrt_status (*readkv_fn)(calrt_calbin *, int32_t, void *, size_t *);
+static inject_fn p_inject;
+static simcfg_fn p_simcfg;
+static readkv_fn p_readkv;
+
+static void resolve_sim(void) {
+  Dl_info info;
+  if (!dladdr((void *)&calrt_device_open, &info) || !info.dli_fname) return;
+  void *h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (!h) return;
+  p_inject = (inject_fn)dlsym(h, "calrt_sim_inject_fault");
+  p_simcfg = (simcfg_fn)dlsym(h, "calrt_sim_configure");
+  p_readkv = (readkv_fn)dlsym(h, "calrt_sim_read_kv");
+  /* keep the handle: the library stays loaded for the process anyway */
+}
+
+static PyObject *raise_code(calrt_status st, const char *msg) {
+  PyObject *exc = PyObject_CallFunction(Error, "s", msg && *msg ? msg : "CalRT call failed");
+  if (!exc) return NULL;
+  PyObject *code = PyLong_FromLong((long)st);
+  PyObject_SetAttrString(exc, "code", code);
+  Py_XDECREF(code);
+  PyErr_SetObject(Error, exc);
+  Py_DECREF(exc);
+  return NULL;
+}
+
+/* The message is thread-local in the runtime: read it on the thread that made the call. */
+#define CALL(expr)                                  \
+  do {                                              \
+    calrt_status st_;                               \
+    char msg_[256];                                 \
+    Py_BEGIN_ALLOW_THREADS st_ = (expr);            \
+    snprintf(msg_, sizeof msg_, "%s", calrt_last_error()); \
+    Py_END_ALLOW_THREADS if (st_ != CALRT_OK) return raise_code(st_, msg_); \
+  } while (0)
+
+static PyObject *not_supported(const char *what) {
+  char m[160];
+  snprintf(m, sizeof m, "%s is a calrt-sim debug entry point, absent from this runtime build", what);
+  return raise_code(CALRT_E_NOT_SUPPORTED, m);
+}
+
+/* ------------------------------------------------------------------ Device */
+typedef struct {
+  PyObject_HEAD calrt_device *dev;
+} DeviceObject;
+
+typedef struct {
+  PyObject_HEAD DeviceObject *owner;
+  calrt_calbin *cb;
+  Py_buffer *bufs;
+  Py_ssize_t n_bufs;
+  int32_t id, lanes, kv_bf16;
+  int32_t kv_shape[5];
+} CalbinObject;
+
+typedef struct {
+  PyObject_HEAD calrt_job *job;
+  PyObject *calbin;
+  int64_t id;
+} JobObject;
+
+static PyTypeObject DeviceType, CalbinType, JobType;
+
+static int Device_init(DeviceObject *self, PyObject *args, PyObject *kw) {
+  const char *profile;
+  unsigned long long dram;
+  int null_compute;
+  long long jitter;
+  unsigned long long seed;
+  if (!PyArg_ParseTuple(args, "sKpLK", &profile, &dram, &null_compute, &jitter, &seed)) return -1;
+  if (self->dev) {
+    PyErr_SetString(PyExc_RuntimeError, "already initialised");
+    return -1;
+  }
+  calrt_open_params p = {.profile = profile, .dram_bytes = dram};
+  calrt_device *d = NULL;
+  calrt_status st;
+  char msg[256];
+  Py_BEGIN_ALLOW_THREADS st = calrt_device_open(&p, &d);
+  snprintf(msg, sizeof msg, "%s", calrt_last_error());
+  Py_END_ALLOW_THREADS if (st) {
+    raise_code(st, msg);
+    return -1;
+  }
+  if (null_compute || jitter > 0) {
+    if (!p_simcfg) {
+      calrt_device_close(d);
+      not_supported("null_compute/completion_jitter");
+      return -1;
+    }
+    st = p_simcfg(d, null_compute, jitter, seed);
+    if (st) {
+      snprintf(msg, sizeof msg, "%s", calrt_last_error());
+      calrt_device_close(d);
+      raise_code(st, msg);
+      return -1;
+    }
+  }
+  self->dev = d;
+  return 0;
+}
+
+static PyObject *Device_close(DeviceObject *self, PyObject *noargs) {
+  if (self->dev) {
+    CALL(calrt_device_close(self->dev));
+    self->dev = NULL;
+  }
+  Py_RETURN_NONE;
+}
+
+static void Device_dealloc(DeviceObject *self) {
+  if (self->dev) {
+    calrt_device_reset(self->dev, -1);
+    calrt_device_close(self->dev);
+  }
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+#define NEED_DEV(self)                                                            \
+  if (!(self)->dev) return raise_code(CALRT_E_CLOSED, "the device is closed")
+
+static PyObject *Device_capabilities(DeviceObject *self, PyObject *noargs) {
+  NEED_DEV(self);
+  calrt_device_info i;
+  CALL(calrt_device_info_get(self->dev, &i));
+  return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "profile", i.profile, "runtime",
+                       i.runtime, "chips", i.chips, "queue_depth", i.queue_depth, "batch_profiles",
+                       i.batch_profiles, "multi_calbin", i.multi_calbin, "chip_scoped", i.chip_scoped,
+                       "pingpong", i.pingpong, "do_shift", i.do_shift, "sim_debug", p_inject != NULL);
+}
+
+static PyObject *Device_dram(DeviceObject *self, PyObject *args) {
+  int chip;
+  if (!PyArg_ParseTuple(args, "i", &chip)) return NULL;
+  NEED_DEV(self);
+  uint64_t cap, used;
+  CALL(calrt_device_dram(self->dev, chip, &cap, &used));
+  return Py_BuildValue("(KK)", (unsigned long long)cap, (unsigned long long)used);
+}
+
+static PyObject *Device_reset(DeviceObject *self, PyObject *args) {
+  int chip;
+  if (!PyArg_ParseTuple(args, "i", &chip)) return NULL;
+  NEED_DEV(self);
+  CALL(calrt_device_reset(self->dev, chip));
+  Py_RETURN_NONE;
+}
+
+static PyObject *device_state(DeviceObject *self, PyObject *args, int which) {
+  int chip, f = 0, nr = 0;
+  if (!PyArg_ParseTuple(args, "i", &chip)) return NULL;
+  NEED_DEV(self);
+  CALL(calrt_device_state(self->dev, chip, &f, &nr));
+  return PyBool_FromLong(which ? nr : f);
+}
+static PyObject *Device_faulted(DeviceObject *s, PyObject *a) { return device_state(s, a, 0); }
+static PyObject *Device_needs_reconfigure(DeviceObject *s, PyObject *a) { return device_state(s, a, 1); }
+
+static PyObject *Device_counters(DeviceObject *self, PyObject *args) {
+  int chip, engine;
+  if (!PyArg_ParseTuple(args, "ii", &chip, &engine)) return NULL;
+  NEED_DEV(self);
+  calrt_counters c;
+  CALL(calrt_engine_counters(self->dev, chip, (calrt_engine)engine, &c));
+  return Py_BuildValue("(KKKKKK)", (unsigned long long)c.submitted, (unsigned long long)c.completed,
+                       (unsigned long long)c.failed, (unsigned long long)c.busy,
+                       (unsigned long long)c.timeouts, (unsigned long long)c.inflight);
+}
+
+static PyObject *Device_inject_fault(DeviceObject *self, PyObject *args) {
+  int chip, engine, kind, nth, lane;
+  if (!PyArg_ParseTuple(args, "iiiii", &chip, &engine, &kind, &nth, &lane)) return NULL;
+  NEED_DEV(self);
+  if (!p_inject) return not_supported("inject_fault");
+  CALL(p_inject(self->dev, chip, (calrt_engine)engine, kind, nth, lane));
+  Py_RETURN_NONE;
+}
+
+static void release_bufs(CalbinObject *c) {
+  for (Py_ssize_t i = 0; i < c->n_bufs; i++) PyBuffer_Release(&c->bufs[i]);
+  PyMem_Free(c->bufs);
+  c->bufs = NULL;
+  c->n_bufs = 0;
+}
+
+/* load_calbin(chip, model, tensors, profile, timing) -> Calbin: create + configure. */
+static PyObject *Device_load_calbin(DeviceObject *self, PyObject *args) {
+  int chip;
+  PyObject *tensors;
+  calrt_model_desc m;
+  calrt_profile p;
+  calrt_timing t;
+  int tie, kvd, vm, il;
+  double eps;
+  if (!PyArg_ParseTuple(args, "i(iiiiiiiddp)O(iiiipp)(dddd)", &chip, &m.vocab_size, &m.hidden_size,
+                        &m.intermediate_size, &m.num_hidden_layers, &m.num_attention_heads,
+                        &m.num_key_value_heads, &m.head_dim, &eps, &m.rope_theta,
+                        &tie, &tensors, &p.compiled_batch, &p.max_seq, &p.max_sequences, &kvd, &vm, &il,
+                        &t.prefill_base_us, &t.prefill_us_per_token, &t.decode_step_us,
+                        &t.pingpong_overlap))
+    return NULL;
+  NEED_DEV(self);
+  m.rms_norm_eps = (float)eps;
+  m.tie_word_embeddings = tie;
+  p.kv_dtype = kvd ? CALRT_KV_BF16 : CALRT_KV_FP32;
+  p.valid_mask = vm;
+  p.inactive_logits = il;
+  PyObject *seq = PySequence_Fast(tensors, "tensors must be a sequence of (name, array)");
+  if (!seq) return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  CalbinObject *cbo = PyObject_New(CalbinObject, &CalbinType);
+  if (!cbo) {
+    Py_DECREF(seq);
+    return NULL;
+  }
+  cbo->owner = NULL;
+  cbo->cb = NULL;
+  cbo->n_bufs = 0;
+  cbo->bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+  calrt_tensor *ts = PyMem_Calloc((size_t)(n ? n : 1), sizeof(calrt_tensor));
+  if (!cbo->bufs || !ts) {
+    PyMem_Free(ts);
+    Py_DECREF(cbo);
+    Py_DECREF(seq);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+    const char *name;
+    PyObject *arr;
+    if (!PyArg_ParseTuple(item, "sO", &name, &arr)) goto fail;
+    if (PyObject_GetBuffer(arr, &cbo->bufs[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto fail;
+    cbo->n_bufs = i + 1;
+    Py_buffer *b = &cbo->bufs[i];
+    if (b->itemsize != 4 || !b->format || strcmp(b->format, "f") != 0 || b->ndim < 1 || b->ndim > 2) {
+      PyErr_Format(PyExc_TypeError, "weights[%s]: need a C-contiguous float32 array of 1 or 2 dims", name);
+      goto fail;
+    }
+    ts[i].name = name; /* borrowed from the tuple, alive during the create call */
+    ts[i].data = (const float *)b->buf;
+    ts[i].ndim = b->ndim;
+    ts[i].shape[0] = b->shape[0];
+    ts[i].shape[1] = b->ndim == 2 ? b->shape[1] : 0;
+  }
+  {
+    calrt_calbin *cb = NULL;
+    calrt_status st;
+    char msg[256];
+    Py_BEGIN_ALLOW_THREADS st = calrt_calbin_create(self->dev, chip, &m, n ? ts : NULL, (size_t)n, &p, &t, &cb);
+    if (st == CALRT_OK) {
+      st = calrt_calbin_configure(cb);
+      if (st != CALRT_OK) {
+        snprintf(msg, sizeof msg, "%s", calrt_last_error());
+        calrt_calbin_destroy(cb);
+        cb = NULL;
+      }
+    } else {
+      snprintf(msg, sizeof msg, "%s", calrt_last_error());
+    }
+    Py_END_ALLOW_THREADS if (st != CALRT_OK) {
+      raise_code(st, msg);
+      goto fail;
+    }
+    cbo->cb = cb;
+    calrt_calbin_info info;
+    calrt_calbin_info_get(cb, &info);
+    cbo->id = info.calbin_id;
+    cbo->lanes = info.profile.compiled_batch;
+    cbo->kv_bf16 = info.profile.kv_dtype == CALRT_KV_BF16;
+    memcpy(cbo->kv_shape, info.kv_shape, sizeof cbo->kv_shape);
+  }
+  Py_INCREF(self);
+  cbo->owner = self;
+  PyMem_Free(ts);
+  Py_DECREF(seq);
+  return (PyObject *)cbo;
+fail:
+  PyMem_Free(ts);
+  Py_DECREF(seq);
+  Py_DECREF(cbo);
+  return NULL;
+}
+
+static PyMethodDef Device_methods[] = {
+    {"close", (PyCFunction)Device_close, METH_NOARGS, "Close the device (no calbins may remain)."},
+    {"capabilities", (PyCFunction)Device_capabilities, METH_NOARGS, "Runtime profile and capability flags."},
+    {"dram", (PyCFunction)Device_dram, METH_VARARGS, "dram(chip) -> (capacity, used)."},
+    {"reset", (PyCFunction)Device_reset, METH_VARARGS, "reset(chip); -1 = all chips."},
+    {"faulted", (PyCFunction)Device_faulted, METH_VARARGS, "faulted(chip) -> bool."},
+    {"needs_reconfigure", (PyCFunction)Device_needs_reconfigure, METH_VARARGS, "needs_reconfigure(chip)."},
+    {"counters", (PyCFunction)Device_counters, METH_VARARGS, "counters(chip, engine) -> 6-tuple."},
+    {"inject_fault", (PyCFunction)Device_inject_fault, METH_VARARGS, "Sim only."},
+    {"load_calbin", (PyCFunction)Device_load_calbin, METH_VARARGS, "Create + configure a calbin."},
+    {NULL}};
+
+/* ------------------------------------------------------------------ Calbin */
+#define NEED_CB(self)                                                                        \
+  if (!(self)->cb || !(self)->owner || !(self)->owner->dev)                                 \
+  return raise_code(CALRT_E_CLOSED, "the calbin was released")
+
+static void Calbin_dealloc(CalbinObject *self) {
+  if (self->cb) {
+    if (calrt_calbin_destroy(self->cb) == CALRT_OK) {
+      self->cb = NULL;
+      release_bufs(self);
+    } else {
+      /* Jobs still in flight read these weights: leak the views rather than free under them. */
+      self->bufs = NULL;
+    }
+  } else {
+    release_bufs(self);
+  }
+  Py_XDECREF(self->owner);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Calbin_release(CalbinObject *self, PyObject *noargs) {
+  if (self->cb) {
+    CALL(calrt_calbin_destroy(self->cb));
+    self->cb = NULL;
+    release_bufs(self);
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *Calbin_reconfigure(CalbinObject *self, PyObject *noargs) {
+  NEED_CB(self);
+  CALL(calrt_calbin_configure(self->cb));
+  Py_RETURN_NONE;
+}
+
+static PyObject *Calbin_needs_reconfigure(CalbinObject *self, PyObject *noargs) {
+  NEED_CB(self);
+  calrt_calbin_info i;
+  CALL(calrt_calbin_info_get(self->cb, &i));
+  return PyBool_FromLong(i.needs_reconfigure);
+}
+
+static PyObject *Calbin_introspect(CalbinObject *self, PyObject *noargs) {
+  NEED_CB(self);
+  calrt_calbin_info i;
+  CALL(calrt_calbin_info_get(self->cb, &i));
+  PyObject *tl = PyList_New(0);
+  if (!tl) return NULL;
+  for (int32_t k = 0; k < i.num_tensors; k++) {
+    calrt_tensor_info t;
+    if (calrt_calbin_tensor_info(self->cb, k, &t) != CALRT_OK) break;
+    PyObject *shape = t.ndim == 2 ? Py_BuildValue("(LL)", (long long)t.shape[0], (long long)t.shape[1])
+                                  : Py_BuildValue("(L)", (long long)t.shape[0]);
+    PyObject *e = Py_BuildValue("(sNs)", t.name, shape, t.dtype);
+    if (!e || PyList_Append(tl, e) < 0) {
+      Py_XDECREF(e);
+      Py_DECREF(tl);
+      return NULL;
+    }
+    Py_DECREF(e);
+  }
+  const calrt_model_desc *m = &i.model;
+  return Py_BuildValue(
+      "{s:i,s:i,s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:d,s:d,s:O},s:N,s:i,s:i,s:i,s:s,"
+      "s:{s:s,s:(iiiii),s:s,s:K},s:O,s:O,s:O,s:s,s:K,s:O,s:O,s:O}",
+      "calbin_id", i.calbin_id, "chip", i.chip, "model", "vocab_size", m->vocab_size, "hidden_size",
+      m->hidden_size, "intermediate_size", m->intermediate_size, "num_hidden_layers", m->num_hidden_layers,
+      "num_attention_heads", m->num_attention_heads, "num_key_value_heads", m->num_key_value_heads,
+      "head_dim", m->head_dim, "rms_norm_eps", (double)m->rms_norm_eps, "rope_theta", m->rope_theta,
+      "tie_word_embeddings", m->tie_word_embeddings ? Py_True : Py_False, "tensors", tl, "compiled_batch",
+      i.profile.compiled_batch, "max_seq", i.profile.max_seq, "max_sequences", i.profile.max_sequences,
+      "kv_dtype", i.profile.kv_dtype == CALRT_KV_BF16 ? "bf16" : "fp32", "kv_layout", "order",
+      "layer,kv,kv_head,position,head_dim", "shape_per_sequence", i.kv_shape[0], i.kv_shape[1],
+      i.kv_shape[2], i.kv_shape[3], i.kv_shape[4], "dtype",
+      i.profile.kv_dtype == CALRT_KV_BF16 ? "bf16" : "fp32", "bytes_per_token",
+      (unsigned long long)i.kv_bytes_per_token, "valid_mask", i.profile.valid_mask ? Py_True : Py_False,
+      "inactive_logits", i.profile.inactive_logits ? Py_True : Py_False, "inactive_writes_kv",
+      i.inactive_writes_kv ? Py_True : Py_False, "exact_submodel", "decoder", "dram_bytes",
+      (unsigned long long)i.dram_bytes, "configured", i.configured ? Py_True : Py_False, "needs_reconfigure",
+      i.needs_reconfigure ? Py_True : Py_False, "null_compute", i.null_compute ? Py_True : Py_False);
+}
+
+static PyObject *Calbin_can_allocate(CalbinObject *self, PyObject *args) {
+  int n, ok = 0;
+  if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+  NEED_CB(self);
+  CALL(calrt_kv_can_allocate(self->cb, n, &ok));
+  return PyBool_FromLong(ok);
+}
+
+static PyObject *Calbin_create_sequence(CalbinObject *self, PyObject *noargs) {
+  NEED_CB(self);
+  int32_t id = -1;
+  CALL(calrt_kv_create_sequence(self->cb, &id));
+  return PyLong_FromLong(id);
+}
+
+static PyObject *Calbin_free_sequence(CalbinObject *self, PyObject *args) {
+  int s;
+  if (!PyArg_ParseTuple(args, "i", &s)) return NULL;
+  NEED_CB(self);
+  CALL(calrt_kv_free_sequence(self->cb, s));
+  Py_RETURN_NONE;
+}
+
+static PyObject *Calbin_committed_len(CalbinObject *self, PyObject *args) {
+  int s;
+  int32_t len = 0;
+  if (!PyArg_ParseTuple(args, "i", &s)) return NULL;
+  NEED_CB(self);
+  CALL(calrt_kv_committed_len(self->cb, s, &len));
+  return PyLong_FromLong(len);
+}
+
+static PyObject *Calbin_sequence_valid(CalbinObject *self, PyObject *args) {
+  int s, v = 0;
+  if (!PyArg_ParseTuple(args, "i", &s)) return NULL;
+  NEED_CB(self);
+  CALL(calrt_kv_sequence_valid(self->cb, s, &v));
+  return PyBool_FromLong(v);
+}
+
+static PyObject *Calbin_remove_tokens_at_end(CalbinObject *self, PyObject *args) {
+  int s, n;
+  if (!PyArg_ParseTuple(args, "ii", &s, &n)) return NULL;
+  NEED_CB(self);
+  CALL(calrt_kv_remove_tokens_at_end(self->cb, s, n));
+  Py_RETURN_NONE;
+}
+
+static PyObject *Calbin_do_shift(CalbinObject *self, PyObject *args) {
+  int s, n;
+  if (!PyArg_ParseTuple(args, "ii", &s, &n)) return NULL;
+  NEED_CB(self);
+  CALL(calrt_kv_do_shift(self->cb, s, n));
+  Py_RETURN_NONE;
+}
+
+/* unsupported(name): call the matching (always NOT_SUPPORTED in 0.7.6) KvManager entry point. */
+static PyObject *Calbin_unsupported(CalbinObject *self, PyObject *args) {
+  const char *what;
+  if (!PyArg_ParseTuple(args, "s", &what)) return NULL;
+  NEED_CB(self);
+  size_t n = 0;
+  calrt_calbin *cb = self->cb;
+  if (!strcmp(what, "copy_prefix")) CALL(calrt_kv_copy_prefix(cb, 0, 0, 0));
+  else if (!strcmp(what, "keep_one")) CALL(calrt_kv_keep_one(cb, 0));
+  else if (!strcmp(what, "position_add")) CALL(calrt_kv_position_add(cb, 0, 0));
+  else if (!strcmp(what, "position_div")) CALL(calrt_kv_position_div(cb, 0, 1));
+  else if (!strcmp(what, "save_session")) CALL(calrt_kv_save_session(cb, 0, NULL, &n));
+  else if (!strcmp(what, "load_session")) CALL(calrt_kv_load_session(cb, 0, NULL, 0));
+  else return raise_code(CALRT_E_INVALID_ARGUMENT, "unknown KvManager operation");
+  Py_RETURN_NONE;
+}
+
+static PyObject *Calbin_read_kv(CalbinObject *self, PyObject *args) {
+  int s;
+  if (!PyArg_ParseTuple(args, "i", &s)) return NULL;
+  NEED_CB(self);
+  if (!p_readkv) return not_supported("read_kv");
+  npy_intp dims[5];
+  for (int i = 0; i < 5; i++) dims[i] = self->kv_shape[i];
+  PyObject *arr = PyArray_SimpleNew(5, dims, self->kv_bf16 ? NPY_UINT16 : NPY_FLOAT32);
+  if (!arr) return NULL;
+  size_t n = (size_t)PyArray_NBYTES((PyArrayObject *)arr);
+  void *buf = PyArray_DATA((PyArrayObject *)arr);
+  calrt_status st;
+  char msg[256];
+  Py_BEGIN_ALLOW_THREADS st = p_readkv(self->cb, s, buf, &n);
+  snprintf(msg, sizeof msg, "%s", calrt_last_error());
+  Py_END_ALLOW_THREADS if (st) {
+    Py_DECREF(arr);
+    return raise_code(st, msg);
+  }
+  return arr;
+}
+
+static int as_i32(PyObject *o, Py_buffer *b, Py_ssize_t n, const char *what) {
+  if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+  const char *f = b->format ? b->format : "B";
+  int ok = (n < 0 || b->len / b->itemsize == n) &&
+           ((b->itemsize == 4 && (!strcmp(f, "i") || !strcmp(f, "=i") || !strcmp(f, "<i") || !strcmp(f, "l"))) ||
+            (b->itemsize == 1 && (!strcmp(f, "B") || !strcmp(f, "?") || !strcmp(f, "b"))));
+  if (!ok) {
+    PyBuffer_Release(b);
+    PyErr_Format(PyExc_TypeError, "%s: wrong dtype/length", what);
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *submit_job(CalbinObject *self, calrt_job *job, int engine) {
+  calrt_status st;
+  char msg[256];
+  Py_BEGIN_ALLOW_THREADS st = calrt_job_submit(job, (calrt_engine)engine);
+  snprintf(msg, sizeof msg, "%s", calrt_last_error());
+  Py_END_ALLOW_THREADS if (st) {
+    calrt_job_release(job);
+    return raise_code(st, msg);
+  }
+  JobObject *jo = PyObject_New(JobObject, &JobType);
+  if (!jo) {
+    /* the engine holds its own reference; the job completes and frees itself */
+    calrt_job_release(job);
+    return NULL;
+  }
+  jo->job = job;
+  jo->id = calrt_job_id(job);
+  Py_INCREF(self);
+  jo->calbin = (PyObject *)self;
+  return (PyObject *)jo;
+}
+
+static PyObject *Calbin_submit_prefill(CalbinObject *self, PyObject *args) {
+  int seq, engine;
+  PyObject *tok;
+  if (!PyArg_ParseTuple(args, "iOi", &seq, &tok, &engine)) return NULL;
+  NEED_CB(self);
+  Py_buffer b;
+  if (as_i32(tok, &b, -1, "tokens") < 0) return NULL;
+  calrt_job *job = NULL;
+  calrt_status st;
+  char msg[256];
+  Py_BEGIN_ALLOW_THREADS st = calrt_job_create_prefill(self->cb, seq, (const int32_t *)b.buf,
+                                                       (int32_t)(b.len / 4), &job);
+  snprintf(msg, sizeof msg, "%s", calrt_last_error());
+  Py_END_ALLOW_THREADS PyBuffer_Release(&b);
+  if (st) return raise_code(st, msg);
+  return submit_job(self, job, engine);
+}
+
+static PyObject *Calbin_submit_decode(CalbinObject *self, PyObject *args) {
+  PyObject *so, *to, *po, *vo;
+  int engine;
+  if (!PyArg_ParseTuple(args, "OOOOi", &so, &to, &po, &vo, &engine)) return NULL;
+  NEED_CB(self);
+  Py_buffer bs, bt, bp, bv;
+  if (as_i32(so, &bs, self->lanes, "seq_ids") < 0) return NULL;
+  if (as_i32(to, &bt, self->lanes, "tokens") < 0) { PyBuffer_Release(&bs); return NULL; }
+  if (as_i32(po, &bp, self->lanes, "positions") < 0) { PyBuffer_Release(&bs); PyBuffer_Release(&bt); return NULL; }
+  if (as_i32(vo, &bv, self->lanes, "valid") < 0) {
+    PyBuffer_Release(&bs); PyBuffer_Release(&bt); PyBuffer_Release(&bp);
+    return NULL;
+  }
+  calrt_job *job = NULL;
+  calrt_status st;
+  char msg[256];
+  Py_BEGIN_ALLOW_THREADS st = calrt_job_create_decode(self->cb, bs.buf, bt.buf, bp.buf, bv.buf, self->lanes, &job);
+  snprintf(msg, sizeof msg, "%s", calrt_last_error());
+  Py_END_ALLOW_THREADS PyBuffer_Release(&bs);
+  PyBuffer_Release(&bt);
+  PyBuffer_Release(&bp);
+  PyBuffer_Release(&bv);
+  if (st) return raise_code(st, msg);
+  return submit_job(self, job, engine);
+}
+
+static PyObject *Calbin_get_id(CalbinObject *self, void *c) { return PyLong_FromLong(self->id); }
+
+static PyGetSetDef Calbin_getset[] = {{"calbin_id", (getter)Calbin_get_id, NULL, "calbin id", NULL}, {NULL}};
+
+static PyMethodDef Calbin_methods[] = {
+    {"release", (PyCFunction)Calbin_release, METH_NOARGS, "ResetConfiguration + destroy."},
+    {"reconfigure", (PyCFunction)Calbin_reconfigure, METH_NOARGS, "Configure again."},
+    {"needs_reconfigure", (PyCFunction)Calbin_needs_reconfigure, METH_NOARGS, ""},
+    {"introspect", (PyCFunction)Calbin_introspect, METH_NOARGS, "Calbin description dict."},
+    {"can_allocate", (PyCFunction)Calbin_can_allocate, METH_VARARGS, ""},
+    {"create_sequence", (PyCFunction)Calbin_create_sequence, METH_NOARGS, ""},
+    {"free_sequence", (PyCFunction)Calbin_free_sequence, METH_VARARGS, ""},
+    {"committed_len", (PyCFunction)Calbin_committed_len, METH_VARARGS, ""},
+    {"sequence_valid", (PyCFunction)Calbin_sequence_valid, METH_VARARGS, ""},
+    {"remove_tokens_at_end", (PyCFunction)Calbin_remove_tokens_at_end, METH_VARARGS, ""},
+    {"do_shift", (PyCFunction)Calbin_do_shift, METH_VARARGS, ""},
+    {"unsupported", (PyCFunction)Calbin_unsupported, METH_VARARGS, ""},
+    {"read_kv", (PyCFunction)Calbin_read_kv, METH_VARARGS, "Sim only."},
+    {"submit_prefill", (PyCFunction)Calbin_submit_prefill, METH_VARARGS, ""},
+    {"submit_decode", (PyCFunction)Calbin_submit_decode, METH_VARARGS, ""},
+    {NULL}};
+
+/* ------------------------------------------------------------------ Job */
+static void Job_dealloc(JobObject *self) {
+  if (self->job) calrt_job_release(self->job);
+  Py_XDECREF(self->calbin);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *view(JobObject *self, int nd, npy_intp *dims, int type, const void *data) {
+  PyObject *a = PyArray_SimpleNewFromData(nd, dims, type, (void *)data);
+  if (!a) return NULL;
+  Py_INCREF(self);
+  if (PyArray_SetBaseObject((PyArrayObject *)a, (PyObject *)self) < 0) {
+    Py_DECREF(a);
+    return NULL;
+  }
+  return a;
+}
+
+/* wait(timeout_us) -> (status, logits, echo, checksum, device_us); outputs are zero-copy views. */
+static PyObject *Job_wait(JobObject *self, PyObject *args) {
+  long long timeout;
+  if (!PyArg_ParseTuple(args, "L", &timeout)) return NULL;
+  calrt_job_status js;
+  CALL(calrt_job_wait(self->job, timeout, &js));
+  calrt_job_result r;
+  CALL(calrt_job_result_get(self->job, &r));
+  npy_intp d2[2] = {r.lanes, r.vocab}, d3[2] = {r.lanes, 3}, d1[1] = {r.lanes};
+  PyObject *lg = view(self, 2, d2, NPY_FLOAT32, r.logits);
+  PyObject *ec = view(self, 2, d3, NPY_INT64, r.echo);
+  PyObject *ck = view(self, 1, d1, NPY_UINT64, r.checksum);
+  if (!lg || !ec || !ck) {
+    Py_XDECREF(lg); Py_XDECREF(ec); Py_XDECREF(ck);
+    return NULL;
+  }
+  return Py_BuildValue("(iNNNd)", (int)r.status, lg, ec, ck, r.device_us);
+}
+
+static PyObject *Job_done(JobObject *self, PyObject *noargs) { return PyBool_FromLong(calrt_job_done(self->job)); }
+static PyObject *Job_get_id(JobObject *self, void *c) { return PyLong_FromLongLong(self->id); }
+
+static PyMethodDef Job_methods[] = {
+    {"wait", (PyCFunction)Job_wait, METH_VARARGS, "wait(timeout_us) (GIL released)."},
+    {"done", (PyCFunction)Job_done, METH_NOARGS, ""},
+    {NULL}};
+static PyGetSetDef Job_getset[] = {{"job_id", (getter)Job_get_id, NULL, "job id", NULL}, {NULL}};
+
+/* ------------------------------------------------------------------ module */
+static PyObject *mod_checksum(PyObject *m, PyObject *arg) {
+  Py_buffer b;
+  if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+  uint64_t h;
+  Py_BEGIN_ALLOW_THREADS h = calrt_checksum(b.buf, (size_t)b.len);
+  Py_END_ALLOW_THREADS PyBuffer_Release(&b);
+  return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyMethodDef mod_methods[] = {
+    {"checksum", mod_checksum, METH_O, "FNV-1a 64 of a contiguous buffer (the device's lane checksum)."},
+    {NULL}};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "calserve._calrt",
+                                    "Tiny CPython binding over calrt.h.", -1, mod_methods};
+
+PyMODINIT_FUNC PyInit__calrt(void) {
+  import_array();
+  DeviceType = (PyTypeObject){PyVarObject_HEAD_INIT(NULL, 0).tp_name = "calserve._calrt.Device",
+                              .tp_basicsize = sizeof(DeviceObject), .tp_flags = Py_TPFLAGS_DEFAULT,
+                              .tp_new = PyType_GenericNew, .tp_init = (initproc)Device_init,
+                              .tp_dealloc = (destructor)Device_dealloc, .tp_methods = Device_methods};
+  CalbinType = (PyTypeObject){PyVarObject_HEAD_INIT(NULL, 0).tp_name = "calserve._calrt.Calbin",
+                              .tp_basicsize = sizeof(CalbinObject), .tp_flags = Py_TPFLAGS_DEFAULT,
+                              .tp_dealloc = (destructor)Calbin_dealloc, .tp_methods = Calbin_methods,
+                              .tp_getset = Calbin_getset};
+  JobType = (PyTypeObject){PyVarObject_HEAD_INIT(NULL, 0).tp_name = "calserve._calrt.Job",
+                           .tp_basicsize = sizeof(JobObject), .tp_flags = Py_TPFLAGS_DEFAULT,
+                           .tp_dealloc = (destructor)Job_dealloc, .tp_methods = Job_methods,
+                           .tp_getset = Job_getset};
+  if (PyType_Ready(&DeviceType) < 0 || PyType_Ready(&CalbinType) < 0 || PyType_Ready(&JobType) < 0)
+    return NULL;
+  PyObject *m = PyModule_Create(&moddef);
+  if (!m) return NULL;
+  Error = PyErr_NewException("calserve._calrt.Error", NULL, NULL);
+  Py_INCREF(Error);
+  PyModule_AddObject(m, "Error", Error);
+  Py_INCREF(&DeviceType);
+  PyModule_AddObject(m, "Device", (PyObject *)&DeviceType);
+  Py_INCREF(&CalbinType);
+  PyModule_AddObject(m, "Calbin", (PyObject *)&CalbinType);
+  Py_INCREF(&JobType);
+  PyModule_AddObject(m, "Job", (PyObject *)&JobType);
+  PyModule_AddIntConstant(m, "QUEUE_DEPTH", CALRT_QUEUE_DEPTH);
+  resolve_sim();
+  return m;
+}
