@@ -196,7 +196,7 @@ async def serve_floor(app: FloorApp, *, task_status: Any = trio.TASK_STATUS_IGNO
     from hypercorn.trio import serve
 
     async with trio.open_nursery() as n:
-        binds = await n.start(serve, app, hypercorn_config(host, port))  # type: ignore[arg-type]
+        binds = await n.start(serve, app, hypercorn_config(host, port))
         task_status.started(int(binds[0].rsplit(":", 1)[1]))
 
 

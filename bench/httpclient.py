@@ -10,7 +10,7 @@ the read that completed it, which is exactly what TTFT/ITL need. It speaks only 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Final
 
@@ -36,7 +36,7 @@ class Response:
     length: int | None
     keep_alive: bool
 
-    async def body_parts(self) -> AsyncIterator[bytes]:
+    async def body_parts(self) -> AsyncGenerator[bytes, None]:
         """Yield body bytes as they arrive (de-chunked); marks the connection reusable at the end."""
         c = self.conn
         if self.chunked:
@@ -200,7 +200,7 @@ class ConnectionPool:
             await c.aclose()
 
 
-async def iter_sse(resp: Response) -> AsyncIterator[tuple[float, bytes]]:
+async def iter_sse(resp: Response) -> AsyncGenerator[tuple[float, bytes], None]:
     """Yield ``(arrival_time, data)`` for each SSE event's ``data:`` payload (multi-line joined).
 
     The arrival time is the monotonic time of the network read that completed the event."""

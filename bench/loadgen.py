@@ -430,7 +430,8 @@ def _spec_doc(spec: LoadSpec) -> dict[str, Any]:
     d["tenants"] = [{**dataclasses.asdict(t), "api_key": "***" if t.api_key else None,
                      "prompt_len": [t.prompt_len.lo, t.prompt_len.hi],
                      "output_len": [t.output_len.lo, t.output_len.hi]} for t in spec.tenants]
-    return json.loads(json.dumps(d, default=str))
+    doc: dict[str, Any] = json.loads(json.dumps(d, default=str))
+    return doc
 
 
 def save_run(result: RunResult, out: Path) -> None:

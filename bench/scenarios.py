@@ -79,8 +79,10 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
 
 def m1_async_vs_sync(out: Path, quick: bool) -> dict[str, Any]:
     """Spec §19 M1, in-process through the engine's Python API (bench/m1_async_vs_sync.py)."""
+    import importlib
+
     try:
-        from bench import m1_async_vs_sync as m1
+        m1 = importlib.import_module("bench.m1_async_vs_sync")
     except ImportError as e:
         return {"error": f"bench/m1_async_vs_sync.py is not available: {e}"}
     argv = ["--out", str(out)] + (["--quick"] if quick else [])
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     pinned = pin_self(1)
     t0 = time.monotonic()
     fn = SCENARIOS[a.name]
-    doc = fn(out, a.quick, a.minutes) if a.name == "soak" else fn(out, a.quick)
+    doc = soak(out, a.quick, a.minutes) if a.name == "soak" else fn(out, a.quick)
     doc = {"scenario": a.name, "quick": a.quick, "loadgen_pinned_core1": pinned,
            "wall_s": round(time.monotonic() - t0, 1), **doc}
     write_json(out / "summary.json", doc)

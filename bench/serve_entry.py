@@ -67,7 +67,7 @@ def _fallback(argv: list[str]) -> int:
     cfg = Config()
     cfg.bind = [f"{a.host}:{a.port}"]
     cfg.accesslog = None
-    trio.run(serve, app, cfg)  # type: ignore[arg-type]
+    trio.run(serve, app, cfg)
     return 0
 
 
