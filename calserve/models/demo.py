@@ -111,7 +111,11 @@ def tokenizer_vocab_size(tokenizer_json: str) -> int:
 
 def demo_special_tokens(tokenizer_json: str) -> SpecialTokens:
     tok = tokenizers.Tokenizer.from_str(tokenizer_json)
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        i = tok.token_to_id(t)
+        assert i is not None, t  # trained in as special tokens
+        ids[t] = int(i)
     return SpecialTokens(
         eos_token_ids=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         pad_token_id=ids["<|endoftext|>"],

@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from calserve.errors import CalserveError
 from calserve.models.manifest import GoldenCase
 from calserve.models.package import VerifiedPackage
 from calserve.models.validate import compare_introspection
@@ -310,6 +311,11 @@ def _soak(dev: Any, vp: VerifiedPackage, weights: Any, b: int, cycles: int) -> s
     return f"{cycles} cycles, DRAM back to {base} B, {(time.perf_counter() - t0) / cycles * 1e3:.1f} ms/cycle"
 
 
+def _introspection(m: Any, b: int, cb: Any) -> str:
+    compare_introspection(m, b, cb.introspect())
+    return "matches manifest"
+
+
 def golden_run(dev: Any, vp: VerifiedPackage, compiled_batch: int) -> tuple[bool, str]:
     """Load one profile, run every golden case (one lane), release. (ok, figure or reason)."""
     m = vp.manifest
@@ -345,7 +351,7 @@ def run_device_check(
                 rows += [CheckRow(c, tag, "FAIL", f"load: {e}") for c in CHECKS]
                 continue
             plan: list[tuple[str, Callable[[], str] | None]] = [
-                ("introspection", lambda: (compare_introspection(m, b, cb.introspect()), "matches manifest")[1]),
+                ("introspection", lambda: _introspection(m, b, cb)),
                 ("single seq prefill+decode", lambda: _single(cb, cases)),
                 ("two seqs alternating", lambda: _alternating(cb, cases, 2)),
                 ("lanes 1..B filled", None if b == 1 else lambda: _lanes(cb, cases)),
@@ -368,7 +374,7 @@ def _row(name: str, tag: str, fn: Callable[[], str] | None, dev: Any, cb: Any) -
         return CheckRow(name, tag, "N/A", "not applicable at B1 (spec §18)")
     try:
         return CheckRow(name, tag, "PASS", fn())
-    except (CheckFailed, CalrtError, ValueError) as e:
+    except (CheckFailed, CalrtError, CalserveError, ValueError) as e:
         # Leave the device usable for the next check: reset aborts leftovers, free every sequence.
         try:
             dev.reset()

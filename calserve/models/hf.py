@@ -59,7 +59,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
     data_len = size - 8 - n
     for name, info in header.items():
         try:
-            dtype, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+            dtype, shape, (lo, hi) = info["dtype"], info["shape"], info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise ValidationError(f"{p.name}: tensor {name!r}: malformed header entry") from None
         if dtype not in _ITEMSIZE:
@@ -67,7 +67,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
                 f"{p.name}: tensor {name!r} has dtype {dtype}; supported: BF16, F16, F32"
             )
         want = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
-        if not (0 <= b <= e <= data_len) or e - b != want:
+        if not (0 <= lo <= hi <= data_len) or hi - lo != want:
             raise ValidationError(f"{p.name}: tensor {name!r}: data offsets do not match its shape")
     return header, 8 + n
 

@@ -15,7 +15,7 @@ The manifest says what the compiler produced (spec §2 ``BatchProfile``, §7.3 i
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
@@ -42,8 +42,8 @@ __all__ = [
     "decode_golden",
 ]
 
-FORMAT = "calculet-calbin/v1"
-GOLDEN_FORMAT = "calculet-golden/v1"
+FORMAT: Final = "calculet-calbin/v1"
+GOLDEN_FORMAT: Final = "calculet-golden/v1"
 
 KvDtype = Literal["fp32", "bf16"]
 Tier = Literal["C0", "C1", "C2", "C3", "C4"]

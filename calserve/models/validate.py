@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from calserve.config import CalserveConfig
@@ -141,11 +141,11 @@ def validate_manifest(manifest: Manifest, source: str = "manifest.json") -> None
         floor = cap.parameter_bytes + p.max_sequences * p.max_seq * p.kv_layout.bytes_per_token
         if r < floor:
             raise _bad(source, f"capacity.dram_reservation_bytes[{b}] {r} < parameters + KV ({floor})")
-    t = manifest.timing
-    for b, us in t.decode_step_us.items():
+    tm = manifest.timing
+    for b, us in tm.decode_step_us.items():
         if b not in ALLOWED_BATCHES or us < 0:
             raise _bad(source, f"timing.decode_step_us[{b}]: bad entry {us}")
-    if t.prefill_base_us < 0 or t.prefill_us_per_token < 0 or not 0.0 <= t.pingpong_overlap <= 1.0:
+    if tm.prefill_base_us < 0 or tm.prefill_us_per_token < 0 or not 0.0 <= tm.pingpong_overlap <= 1.0:
         raise _bad(source, "timing: negative time or pingpong_overlap outside 0..1")
     files = [*manifest.weights, manifest.tokenizer, manifest.golden]
     if not manifest.weights:
@@ -205,7 +205,7 @@ def check_scheduler_config(
     naming the key path."""
     batch = cfg.scheduler.batch
     have = set(manifest.compiled_batches)
-    requested = sorted(set(batch.profiles))
+    requested: list[int] = sorted(set(batch.profiles))
     if not requested:
         raise ConfigError("$.scheduler.batch.profiles: empty; at least one profile is needed")
     for b in requested:
@@ -237,7 +237,7 @@ def check_scheduler_config(
 # Runtimes name dtypes their own way; these spellings mean the manifest's "fp32" / "bf16".
 _DTYPE_ALIASES = {"float32": "fp32", "f32": "fp32", "bfloat16": "bf16"}
 
-_INTROSPECT_KEYS = {
+_INTROSPECT_KEYS: dict[str, Callable[[ProfileManifest, str], object]] = {
     "compiled_batch": lambda p, s: p.compiled_batch,
     "max_seq": lambda p, s: p.max_seq,
     "max_sequences": lambda p, s: p.max_sequences,
@@ -269,7 +269,9 @@ def compare_introspection(manifest: Manifest, compiled_batch: int, info: Mapping
     model = info.get("model")
     if isinstance(model, Mapping):
         for k, v in manifest.model_config().to_dict().items():
-            if k in model and model[k] != v:
+            # Float fields may come back as float32 (rms_norm_eps 1e-6 -> 9.99999997e-07).
+            close = isinstance(v, float) and isinstance(model.get(k), float) and abs(model[k] - v) <= 1e-6 * abs(v)
+            if k in model and model[k] != v and not close:
                 raise ValidationError(f"{where}: model.{k} = {model[k]!r}, manifest.json says {v!r}")
     kl = info.get("kv_layout")
     if isinstance(kl, Mapping):
