@@ -1,0 +1,38 @@
+"""Fixtures for the runtime tests: one VirtualDevice per process, so every test opens and closes it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from calserve.runtime import Device
+from calserve.runtime.reference import ModelConfig, random_weights
+
+SMALL = ModelConfig(
+    vocab_size=101,
+    hidden_size=40,
+    intermediate_size=72,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture
+def small_weights() -> dict:
+    return random_weights(SMALL, seed=7)
+
+
+@pytest.fixture
+def device() -> Iterator[Device]:
+    with Device.open("calrt-0.7.6", dram_bytes=1 << 30) as d:
+        yield d
+
+
+@pytest.fixture
+def next_device() -> Iterator[Device]:
+    with Device.open("sim-next", dram_bytes=1 << 30) as d:
+        yield d

@@ -1,0 +1,114 @@
+"""Batch invariance (sim-next): per-lane logits at B4/B8/B16 are bitwise equal to running the sequence
+alone at B1; inactive lanes never write KV; interleaving; RemoveTokensAtEnd."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calserve.runtime import Calbin, Device, JobStatus, ProfileSpec
+from calserve.runtime.reference import greedy_generate
+
+from .conftest import SMALL
+
+
+def _prefill(cb: Calbin, seq: int, prompt: list[int]) -> int:
+    r = cb.submit_prefill(seq, prompt).wait(30)
+    assert r.status is JobStatus.OK
+    return int(np.argmax(r.logits[0]))
+
+
+def _alone(cb1: Calbin, prompt: list[int], steps: int) -> list[np.ndarray]:
+    """Logits rows of `steps` greedy decode steps of one sequence on the B1 calbin."""
+    seq = cb1.create_sequence()
+    tok = _prefill(cb1, seq, prompt)
+    rows = []
+    for _ in range(steps):
+        r = cb1.submit_decode([seq], [tok], [cb1.committed_len(seq)], [True]).wait(30)
+        rows.append(r.logits[0].copy())
+        tok = int(np.argmax(r.logits[0]))
+    cb1.free_sequence(seq)
+    return rows
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [4, 8, 16])
+def test_batch_lanes_bitwise_equal_b1(next_device: Device, small_weights: dict, batch: int,
+                                      kv_dtype: str) -> None:
+    steps = 6
+    rng = np.random.default_rng(batch)
+    cb1 = next_device.load_calbin(SMALL, small_weights, ProfileSpec(1, 64, 2, kv_dtype=kv_dtype))
+    cbb = next_device.load_calbin(SMALL, small_weights,
+                                  ProfileSpec(batch, 64, batch + 1, kv_dtype=kv_dtype))
+    # Active lanes: every other lane plus lane 1 (so inactive lanes sit between active ones).
+    active = sorted({*range(0, batch, 2), 1})
+    prompts = {lane: [int(t) for t in rng.integers(0, SMALL.vocab_size, 3 + 2 * lane)] for lane in active}
+    expect = {lane: _alone(cb1, prompts[lane], steps) for lane in active}
+
+    seqs = {lane: cbb.create_sequence() for lane in active}
+    toks = {lane: _prefill(cbb, seqs[lane], prompts[lane]) for lane in active}
+    # An idle sequence with committed KV that inactive lanes point at: its bytes must not change.
+    idle = cbb.create_sequence()
+    _prefill(cbb, idle, [5, 6, 7])
+    idle_kv = cbb.read_kv(idle).copy()
+    active_kv_before = {lane: cbb.read_kv(seqs[lane]).copy() for lane in active}
+    for step in range(steps):
+        seq_ids = [seqs.get(lane, idle) for lane in range(batch)]
+        tokens = [toks.get(lane, 11) for lane in range(batch)]
+        positions = [cbb.committed_len(seqs[lane]) if lane in seqs else 3 for lane in range(batch)]
+        valid = [lane in seqs for lane in range(batch)]
+        r = cbb.submit_decode(seq_ids, tokens, positions, valid).wait(30)
+        assert r.status is JobStatus.OK
+        for lane in range(batch):
+            if lane in seqs:
+                assert np.array_equal(r.logits[lane], expect[lane][step]), (lane, step)
+                assert r.echo[lane].tolist() == [r.job_id, seqs[lane], positions[lane]]
+                toks[lane] = int(np.argmax(r.logits[lane]))
+            else:
+                assert not r.logits[lane].any()
+                assert r.echo[lane].tolist() == [r.job_id, -1, -1]
+                assert int(r.checksum[lane]) == 0
+    assert np.array_equal(cbb.read_kv(idle), idle_kv)
+    assert cbb.committed_len(idle) == 3
+    for lane in active:  # active lanes wrote exactly positions [len, len+steps)
+        kv = cbb.read_kv(seqs[lane])
+        n = len(prompts[lane])
+        assert np.array_equal(kv[:, :, :, :n], active_kv_before[lane][:, :, :, :n])
+        assert kv[:, :, :, n : n + steps].any()
+        assert not kv[:, :, :, n + steps :].any()
+
+
+def test_two_sequences_interleaved_match_alone(device: Device, small_weights: dict) -> None:
+    cb = device.load_calbin(SMALL, small_weights, ProfileSpec(1, 64, 2))
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3]]
+    alone = [greedy_generate(SMALL, small_weights, p, 12) for p in prompts]
+    seqs = [cb.create_sequence() for _ in prompts]
+    toks = [[_prefill(cb, s, p)] for s, p in zip(seqs, prompts)]
+    for _ in range(11):
+        for i, s in enumerate(seqs):
+            r = cb.submit_decode([s], [toks[i][-1]], [cb.committed_len(s)], [True]).wait(30)
+            toks[i].append(int(np.argmax(r.logits[0])))
+    assert toks == alone
+
+
+@pytest.mark.parametrize("cut_at", [15, 16, 17])
+def test_remove_tokens_at_end_then_redecode(device: Device, small_weights: dict, cut_at: int) -> None:
+    cb = device.load_calbin(SMALL, small_weights, ProfileSpec(1, 64, 1))
+    seq = cb.create_sequence()
+    prompt = [3, 1, 4, 1, 5]
+    toks = [_prefill(cb, seq, prompt)]
+    rows = []
+    while cb.committed_len(seq) < 24:
+        r = cb.submit_decode([seq], [toks[-1]], [cb.committed_len(seq)], [True]).wait(30)
+        rows.append(r.logits[0].copy())
+        toks.append(int(np.argmax(r.logits[0])))
+    # toks[i] is fed at position len(prompt) + i; rewind so committed_len == cut_at.
+    cb.remove_tokens_at_end(seq, cb.committed_len(seq) - cut_at)
+    assert cb.committed_len(seq) == cut_at
+    i = cut_at - len(prompt)
+    tok = toks[i]
+    for j in range(i, len(rows)):
+        r = cb.submit_decode([seq], [tok], [cb.committed_len(seq)], [True]).wait(30)
+        assert np.array_equal(r.logits[0], rows[j])
+        tok = int(np.argmax(r.logits[0]))
+        assert tok == toks[j + 1]
