@@ -70,6 +70,7 @@ class Engine:
         # Set when the engine can no longer serve (crash, or every model Failed).
         self.failed = self.recovery.failed
         self._nursery: trio.Nursery | None = None
+        self.leaked_at_close = 0
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -131,13 +132,18 @@ class Engine:
             await ex.wait_idle()
 
     async def _release_all(self) -> None:
+        """Return every lane (confirming releases) and every calbin to the device.
+
+        ``leaked_at_close`` counts runtime sequences still bound to a lane of a request that never
+        ended (only after a crash/outside cancellation); a clean shutdown leaves it 0."""
         for ex in self.executors:
             await ex.wait_idle()
         for gen in self.model_manager.generations.values():
             q = self.scheduler.queues(gen)
-            sids = sorted(set(gen.lane_seq.values()) | {sid for _, sid in q.releases})
-            q.releases.clear()
-            await gen.calbin.free_sequences(sids)
+            await self.scheduler._flush_releases(gen, q)
+            leftover = sorted(set(gen.lane_seq.values()))
+            self.leaked_at_close += len(leftover)
+            await gen.calbin.free_sequences(leftover)
             gen.lane_seq.clear()
             await gen.calbin.release()
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from calserve.engine.backend import JobTicket, fnv1a_rows
+from calserve.engine.backend import JobTicket, row_checksums
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import (
     RUNTIME_PROFILES,
@@ -99,6 +99,7 @@ class FakeCalbin:
         self._seqs: dict[int, _Seq] = {}
         self._next_seq = 1
         self.released = False
+        self.leaked_at_release = 0
 
     def introspect(self) -> dict[str, Any]:
         return {
@@ -171,12 +172,13 @@ class FakeCalbin:
         await trio.lowlevel.checkpoint()
         if any(j.calbin is self for j in self._dev._inflight.values()):
             raise InvalidArgument("calbin has jobs in flight")
+        self.leaked_at_release = len(self._seqs)
         self._seqs.clear()
         self.released = True
         self._dev._calbins.remove(self)
 
     def checksum_ok(self, result: JobResult, lanes: np.ndarray) -> np.ndarray:
-        return np.asarray(fnv1a_rows(result.logits[lanes]) == result.checksum[lanes])
+        return np.asarray(row_checksums(result.logits[lanes]) == result.checksum[lanes])
 
     # Completion -----------------------------------------------------------------------------------
     def _finish(self, job: _Job, aborted: bool) -> JobResult:
@@ -215,7 +217,7 @@ class FakeCalbin:
                 seq = self._seqs.get(int(job.seq_ids[lane]))
                 if seq is not None and job.valid[lane]:
                     seq.valid = False
-        checksum = fnv1a_rows(logits)
+        checksum = row_checksums(logits)
         checksum[echo[:, 1] < 0] = 0
         if status is JobStatus.OK and job.fault is FaultKind.CROSSTALK:
             lane = job.fault_lane % B

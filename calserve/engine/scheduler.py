@@ -215,7 +215,10 @@ class Scheduler:
 
     async def _flush_releases(self, gen: Generation, q: GenQueues) -> None:
         batch, q.releases = q.releases, []
-        await gen.calbin.free_sequences([sid for _, sid in batch])
+        # Shielded: once taken out of q.releases the lanes must reach Free even if the engine is
+        # being cancelled (else they would stay Releasing forever).
+        with trio.CancelScope(shield=True):
+            await gen.calbin.free_sequences([sid for _, sid in batch])
         for lane, sid in batch:
             info = gen.kv.info(lane)
             # A reset in between may have cleared the lane already (then nothing is left to do).
