@@ -33,8 +33,6 @@ from calserve.engine.types import SamplingParams, TokenLogprob
 __all__ = ["LaneSampling", "SampleResult", "sample_batch", "resolve_seed", "uniform_for"]
 
 _MASK64: Final = (1 << 64) - 1
-# Width of the first candidate window for nucleus-only lanes; widened x8 until the nucleus fits.
-_NUCLEUS_FIRST_WINDOW: Final = 64
 _process_rng = np.random.default_rng()
 
 
@@ -168,24 +166,21 @@ def _exp_shifted(rows: npt.NDArray[np.float32], temps: npt.NDArray[np.float64]) 
     return s
 
 
-def _draw_full(
-    rows: npt.NDArray[np.float32], temps: npt.NDArray[np.float64], u: npt.NDArray[np.float64]
-) -> npt.NDArray[np.int64]:
-    """Temperature sampling over the whole vocabulary: inverse CDF in token-id order.
+def _draw_id_order(e: npt.NDArray[np.float64], u: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
+    """Inverse-CDF draw over non-negative weights ``e`` [m, v] in token-id order.
 
     Two-level search (block sums, then one block) instead of a cumsum over the vocabulary, which
-    is several times slower than a sum in numpy."""
-    m, v = rows.shape
-    e = _exp_shifted(rows, temps)
-    e = _pad_blocks(e, _DRAW_BLOCK, 0.0)
-    bsum = e.sum(axis=2)
+    is several times slower than a sum in numpy. Every row needs some positive weight."""
+    m, _ = e.shape
+    eb = _pad_blocks(e, _DRAW_BLOCK, 0.0)
+    bsum = eb.sum(axis=2)
     bcdf = np.cumsum(bsum, axis=1)
     target = u * bcdf[:, -1]
     last_block = bsum.shape[1] - 1 - np.argmax(bsum[:, ::-1] > 0.0, axis=1)
     b = np.minimum(np.count_nonzero(bcdf <= target[:, None], axis=1), last_block)
     r = np.arange(m)
     before = np.where(b > 0, bcdf[r, np.maximum(b - 1, 0)], 0.0)
-    blk = e[r, b]  # [m, block]
+    blk = eb[r, b]  # [m, block]
     icdf = np.cumsum(blk, axis=1)
     j = np.count_nonzero(icdf <= (target - before)[:, None], axis=1)
     # Rounding between the block sum and its cumsum: fall back to the block's last non-zero token.
@@ -194,52 +189,97 @@ def _draw_full(
     return out
 
 
-def _draw_truncated(
+def _nucleus_of_sorted(
+    q: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64], before: npt.NDArray[np.float64]
+) -> npt.NDArray[np.bool_]:
+    """Keep mask of candidates sorted by probability: keep while the mass ranked before a token
+    (``before`` + exclusive cumsum) is < top_p; never an empty set."""
+    exclusive = before[:, None] + np.cumsum(q, axis=1) - q
+    keep = (exclusive < top_p[:, None]) & (q > 0.0)
+    keep[:, 0] |= before <= 0.0  # at least one: the most likely token
+    return keep
+
+
+def _draw_top_k(
     rows: npt.NDArray[np.float32],
     temps: npt.NDArray[np.float64],
     top_k: npt.NDArray[np.int64],
     top_p: npt.NDArray[np.float64],
     u: npt.NDArray[np.float64],
 ) -> npt.NDArray[np.int64]:
-    """Top-k then top-p (on the renormalised top-k distribution, as vLLM does), then an inverse-CDF
-    draw over the kept candidates in descending-probability order."""
+    """Top-k, then top-p on the renormalised top-k distribution (as vLLM does)."""
     m, vocab = rows.shape
+    k_eff = np.minimum(top_k, vocab)
+    width = int(k_eff.max())
+    ids = _top_sorted(rows, width)
     # max(x / T) == max(x) / T exactly (rounding is monotone), so no full-row division is needed.
     smax = (rows.max(axis=1).astype(np.float64) / temps)[:, None]
-    k_eff = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
-    nucleus_only = top_k == 0
-    z_full = np.ones(m, dtype=np.float64)
-    if nucleus_only.any():
-        # Full-vocabulary normaliser of the nucleus-only lanes (their nucleus is over all tokens).
-        nz = np.flatnonzero(nucleus_only)
-        z_full[nz] = _exp_shifted(rows[nz], temps[nz]).sum(axis=1)
-    width = int(k_eff[~nucleus_only].max()) if (~nucleus_only).any() else 0
-    if nucleus_only.any():
-        width = max(width, _NUCLEUS_FIRST_WINDOW)
-    width = min(max(width, 1), vocab)
-    while True:
-        ids = _top_sorted(rows, width)
-        cand = np.exp(np.take_along_axis(rows, ids, axis=1).astype(np.float64) / temps[:, None] - smax)
-        pos = np.arange(width)[None, :]
-        cand = np.where(pos < k_eff[:, None], cand, 0.0)
-        norm = np.where(nucleus_only, z_full, cand.sum(axis=1))
-        q = cand / norm[:, None]
-        cum = np.cumsum(q, axis=1)
-        # Invariant: the nucleus is a prefix of the sorted order; if a nucleus-only lane's window
-        # holds less than top_p of the mass, the nucleus may extend past it: widen and redo.
-        if width >= vocab or bool(np.all(~nucleus_only | (cum[:, -1] >= top_p))):
-            break
-        width = min(vocab, width * 8)
-    exclusive = cum - q
-    keep = (exclusive < top_p[:, None]) & (q > 0.0)
-    keep[:, 0] = True  # keep at least one (the most likely token)
-    kept_q = np.where(keep, q, 0.0)
-    kcdf = np.cumsum(kept_q, axis=1)
-    n_kept = np.count_nonzero(keep, axis=1)
-    target = u * kcdf[:, -1]
-    idx = np.minimum(np.count_nonzero(kcdf <= target[:, None], axis=1), n_kept - 1)
-    chosen: npt.NDArray[np.int64] = ids[np.arange(m), idx]
+    cand = np.exp(np.take_along_axis(rows, ids, axis=1).astype(np.float64) / temps[:, None] - smax)
+    cand = np.where(np.arange(width)[None, :] < k_eff[:, None], cand, 0.0)
+    q = cand / cand.sum(axis=1, keepdims=True)
+    keep = _nucleus_of_sorted(q, top_p, np.zeros(m))
+    # Draw in token-id order over the kept set (the same rule as every other path).
+    by_id = np.argsort(np.where(keep, ids, vocab), axis=1, kind="stable")
+    w = np.take_along_axis(np.where(keep, q, 0.0), by_id, axis=1)
+    j = _draw_id_order(w, u)
+    chosen: npt.NDArray[np.int64] = np.take_along_axis(ids, by_id, axis=1)[np.arange(m), j]
     return chosen
+
+
+# Probability buckets for the nucleus: the top 16 bits of a float64 (sign, exponent, 4 mantissa
+# bits) are monotone in the value, so ``bits >> 48`` sorts weights into 16 buckets per octave.
+_BUCKET_SHIFT: Final = np.uint64(48)
+_BUCKETS: Final = 16 * 64 + 1  # 64 octaves below the maximum, then one bucket for the rest
+
+
+def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64]) -> npt.NDArray[np.bool_]:
+    """The top-p set of each row of weights ``e`` (max 1.0) without sorting the vocabulary.
+
+    Bucket masses (a histogram over float bits) locate the bucket where the cumulative mass in
+    descending order crosses top_p: buckets above it are kept whole, buckets below dropped, and
+    only the tokens of that one bucket are sorted (value desc, id asc) to find the exact cut."""
+    m, v = e.shape
+    z = e.sum(axis=1)
+    top_key = np.uint64(0x3FF0)  # 1.0 >> 48
+    key = e.view(np.uint64) >> _BUCKET_SHIFT
+    bucket = np.minimum(top_key - np.minimum(key, top_key), np.uint64(_BUCKETS - 1)).astype(np.int64)
+    flat = bucket + (np.arange(m, dtype=np.int64) * _BUCKETS)[:, None]
+    mass = np.bincount(flat.ravel(), weights=e.ravel(), minlength=m * _BUCKETS).reshape(m, _BUCKETS)
+    cum = np.cumsum(mass, axis=1) / z[:, None]
+    # First bucket whose inclusive cumulative mass reaches top_p (clipped: rounding near 1.0).
+    bb = np.minimum(np.count_nonzero(cum < top_p[:, None], axis=1), _BUCKETS - 1)
+    r = np.arange(m)
+    before = np.where(bb > 0, cum[r, np.maximum(bb - 1, 0)], 0.0)
+    keep = bucket < bb[:, None]
+    rows_i, cols = np.nonzero(bucket == bb[:, None])
+    counts = np.bincount(rows_i, minlength=m)
+    width = max(int(counts.max()), 1)
+    slot = np.arange(rows_i.size) - (np.cumsum(counts) - counts)[rows_i]
+    ids = np.full((m, width), v, dtype=np.int64)
+    vals = np.full((m, width), -1.0, dtype=np.float64)  # padding sorts last and has no mass
+    ids[rows_i, slot] = cols
+    vals[rows_i, slot] = e[rows_i, cols]
+    order = np.lexsort((ids, -vals), axis=-1)
+    ids = np.take_along_axis(ids, order, axis=1)
+    q = np.maximum(np.take_along_axis(vals, order, axis=1), 0.0) / z[:, None]
+    kb = _nucleus_of_sorted(q, top_p, before)
+    kr, kc = np.nonzero(kb & (ids < v))
+    keep[kr, ids[kr, kc]] = True
+    keep &= e > 0.0
+    return keep
+
+
+def _draw_nucleus(
+    rows: npt.NDArray[np.float32],
+    temps: npt.NDArray[np.float64],
+    top_p: npt.NDArray[np.float64],
+    u: npt.NDArray[np.float64],
+) -> npt.NDArray[np.int64]:
+    """Top-p over the whole vocabulary (no top-k)."""
+    e = _exp_shifted(rows, temps)
+    keep = _nucleus_mask(e, top_p)
+    np.multiply(e, keep, out=e)
+    return _draw_id_order(e, u)
 
 
 def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleResult:
@@ -285,14 +325,19 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
         if not seeded.all():
             ui = np.flatnonzero(~seeded)
             u[ui] = _process_rng.random(len(ui))
-        truncated = ~greedy & ((top_k > 0) & (top_k < vocab) | (top_p < 1.0))
-        full = ~greedy & ~truncated
+        k_on = (top_k > 0) & (top_k < vocab)
+        by_k = ~greedy & k_on
+        by_p = ~greedy & ~k_on & (top_p < 1.0)
+        full = ~greedy & ~k_on & ~by_p
         if full.any():
             f = np.flatnonzero(full)
-            tokens[f] = _draw_full(x[f], temps[f], u[f])
-        if truncated.any():
-            t = np.flatnonzero(truncated)
-            tokens[t] = _draw_truncated(x[t], temps[t], top_k[t], top_p[t], u[t])
+            tokens[f] = _draw_id_order(_exp_shifted(x[f], temps[f]), u[f])
+        if by_k.any():
+            t = np.flatnonzero(by_k)
+            tokens[t] = _draw_top_k(x[t], temps[t], top_k[t], top_p[t], u[t])
+        if by_p.any():
+            t = np.flatnonzero(by_p)
+            tokens[t] = _draw_nucleus(x[t], temps[t], top_p[t], u[t])
 
     out_lp: list[TokenLogprob | None] = [None] * n
     want = [i for i, ln in enumerate(lanes) if ln.logprobs is not None]
