@@ -265,8 +265,8 @@ def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64]) ->
     kb = _nucleus_of_sorted(q, top_p, before)
     kr, kc = np.nonzero(kb & (ids < v))
     keep[kr, ids[kr, kc]] = True
-    keep &= e > 0.0
-    return keep
+    out: npt.NDArray[np.bool_] = keep & (e > 0.0)
+    return out
 
 
 def _draw_nucleus(
