@@ -1,0 +1,257 @@
+"""Spec §19 M1: the async engine at in-flight 1 against the synchronous baseline, same workload.
+
+Both sides run in this process on the same software runtime (``calrt-0.7.6``, B1, one job engine),
+the same model (the demo package unless ``--package``), the same timing profile and the same
+requests; greedy decoding with ``ignore_eos`` so both produce exactly ``--max-tokens`` tokens, and
+the outputs are compared token for token (a behaviour difference fails the run).
+
+Workloads:
+  closed   one request at a time (next submitted when the previous finished): pure per-token
+           overhead of the engine (trio, threads, scheduler, dispatcher, actor, stream) vs a loop.
+  poisson  open-loop Poisson arrivals at ``--load`` x the device's B1 capacity: adds queueing.
+           Not a like-for-like TPOT comparison: the baseline serves FIFO to completion, the
+           engine interleaves the decode steps of the waiting requests even at B1 (continuous
+           batching), so its inter-token gaps include other requests' steps while its TTFT drops.
+           Compare throughput and TTFT there; the M1 verdict is the ``closed`` workload's.
+
+Per-token latency is the gap between consecutive tokens of a request (pooled over requests);
+TTFT is arrival -> first token. Throughput is output tokens / makespan. Target (spec §19 M1):
+async P50 within 3 % and P99 within 5 % of the baseline.
+
+    python -m bench.m1_async_vs_sync [--quick] [--out DIR] [--timing fast|sat-4k|...]
+
+Writes ``DIR/summary.json`` and prints a table. Exit code 0 when the run completed (and, with
+``--strict``, only if the M1 targets were met).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from calserve.config import CalserveConfig, decode_config
+from calserve.engine.baseline import BaselineRecord, BaselineRequest, SyncBaseline
+from calserve.engine.models import ModelSource, load_sources
+from calserve.engine.types import FinishEvent, GenerateRequest, SamplingParams, TokenEvent
+
+P50_TARGET = 0.03
+P99_TARGET = 0.05
+
+
+def _config(timing: str, package: str | None, wait_timeout_ms: int) -> CalserveConfig:
+    return decode_config(
+        {
+            "runtime": {"profile": "calrt-0.7.6"},
+            "models": {"qwen3": {"package": package, "timing": timing}},
+            "scheduler": {
+                "batch": {"profiles": [1], "batching_window_us": 0},
+                "executor": {"max_inflight": 1, "fixed_engine": True, "wait_timeout_ms": wait_timeout_ms},
+            },
+        }
+    )
+
+
+def _workload(
+    n: int, vocab: int, max_tokens: int, prompt_range: tuple[int, int], rate: float | None, seed: int
+) -> list[BaselineRequest]:
+    """Seeded requests; ``rate`` None = closed loop (arrival 0: the driver serialises them)."""
+    rng = np.random.default_rng(seed)
+    t = 0.0
+    out = []
+    for i in range(n):
+        plen = int(rng.integers(prompt_range[0], prompt_range[1] + 1))
+        prompt = tuple(int(x) for x in rng.integers(0, vocab, plen))
+        if rate is not None:
+            t += float(rng.exponential(1.0 / rate))
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        out.append(BaselineRequest(i, prompt, sp, arrival_s=t if rate is not None else 0.0))
+    return out
+
+
+# ------------------------------------------------------------------------------------- sync side
+def run_sync(src: ModelSource, reqs: Sequence[BaselineRequest], closed: bool, timeout_s: float) -> list[BaselineRecord]:
+    from calserve.runtime import Device
+
+    spec = src.profiles[1]
+    with Device.open("calrt-0.7.6") as dev:
+        cb = dev.load_calbin(src.model_config, src.weights, spec, timing=src.timing.get(1))
+        runner = SyncBaseline(cb, eos_token_ids=src.eos_token_ids, wait_timeout_s=timeout_s, reset=dev.reset)
+        if closed:
+            # Closed loop: each request "arrives" when the previous one finished (time base shared).
+            t0 = time.perf_counter()
+            recs = []
+            for r in reqs:
+                arrival = time.perf_counter() - t0
+                rec = runner.serve_one(r)
+                recs.append(_rebase(rec, arrival, t0, runner))
+            return recs
+        return runner.run(reqs)
+
+
+def _rebase(rec: BaselineRecord, arrival: float, t0: float, runner: SyncBaseline) -> BaselineRecord:
+    """serve_one measures from the runner's own epoch; shift to the driver's epoch."""
+    shift = runner._t0 - t0  # noqa: SLF001 - same module family, bench only
+    return BaselineRecord(
+        request_id=rec.request_id,
+        tokens=rec.tokens,
+        finish_reason=rec.finish_reason,
+        arrival_s=arrival,
+        start_s=rec.start_s + shift,
+        token_times_s=tuple(t + shift for t in rec.token_times_s),
+        finish_s=rec.finish_s + shift,
+        error=rec.error,
+    )
+
+
+# ------------------------------------------------------------------------------------ async side
+async def _run_async(
+    cfg: CalserveConfig, src: ModelSource, reqs: Sequence[BaselineRequest], closed: bool
+) -> list[BaselineRecord]:
+    from calserve.engine.engine import Engine
+
+    records: dict[int, BaselineRecord] = {}
+    async with Engine.open(cfg, sources={"qwen3": src}) as engine:
+        t0 = trio.current_time()
+
+        async def one(r: BaselineRequest, arrival: float) -> None:
+            handle = await engine.submit(GenerateRequest(prompt_tokens=r.prompt_tokens, sampling=r.sampling))
+            start = trio.current_time() - t0
+            toks: list[int] = []
+            times: list[float] = []
+            reason = None
+            error = None
+            async for ev in handle.events():
+                now = trio.current_time() - t0
+                if isinstance(ev, TokenEvent):
+                    toks.extend(ev.token_ids)
+                    times.extend([now] * len(ev.token_ids))  # coalesced tokens share a timestamp
+                elif isinstance(ev, FinishEvent):
+                    reason = ev.reason
+                else:
+                    error = ev.message
+            from calserve.engine.types import FinishReason
+
+            records[r.request_id] = BaselineRecord(
+                request_id=r.request_id,
+                tokens=tuple(toks),
+                finish_reason=reason or FinishReason.ERROR,
+                arrival_s=arrival,
+                start_s=start,
+                token_times_s=tuple(times),
+                finish_s=trio.current_time() - t0,
+                error=error,
+            )
+
+        if closed:
+            for r in reqs:
+                await one(r, trio.current_time() - t0)
+        else:
+            async with trio.open_nursery() as nursery:
+                for r in sorted(reqs, key=lambda q: q.arrival_s):
+                    delay = r.arrival_s - (trio.current_time() - t0)
+                    if delay > 0:
+                        await trio.sleep(delay)
+                    nursery.start_soon(one, r, r.arrival_s)
+    return [records[r.request_id] for r in reqs]
+
+
+def run_async(cfg: CalserveConfig, src: ModelSource, reqs: Sequence[BaselineRequest], closed: bool) -> list[BaselineRecord]:
+    return trio.run(_run_async, cfg, src, reqs, closed)
+
+
+# ------------------------------------------------------------------------------------- analysis
+def summarise(recs: Sequence[BaselineRecord]) -> dict[str, float]:
+    gaps = np.array([g for r in recs for g in r.inter_token_s], dtype=np.float64)
+    ttft = np.array([r.ttft_s for r in recs if r.ttft_s is not None], dtype=np.float64)
+    ntok = sum(len(r.tokens) for r in recs)
+    span = max(r.finish_s for r in recs) - min(r.arrival_s for r in recs)
+    return {
+        "requests": len(recs),
+        "errors": sum(r.error is not None for r in recs),
+        "tokens": ntok,
+        "tpot_p50_ms": float(np.percentile(gaps, 50) * 1e3) if gaps.size else float("nan"),
+        "tpot_p99_ms": float(np.percentile(gaps, 99) * 1e3) if gaps.size else float("nan"),
+        "tpot_mean_ms": float(gaps.mean() * 1e3) if gaps.size else float("nan"),
+        "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3) if ttft.size else float("nan"),
+        "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3) if ttft.size else float("nan"),
+        "throughput_tok_s": ntok / span if span > 0 else float("nan"),
+    }
+
+
+def compare(sync: dict[str, float], asy: dict[str, float]) -> dict[str, Any]:
+    p50 = asy["tpot_p50_ms"] / sync["tpot_p50_ms"] - 1.0
+    p99 = asy["tpot_p99_ms"] / sync["tpot_p99_ms"] - 1.0
+    thr = asy["throughput_tok_s"] / sync["throughput_tok_s"] - 1.0
+    return {
+        "tpot_p50_degradation": p50,
+        "tpot_p99_degradation": p99,
+        "throughput_change": thr,
+        "m1_pass": bool(p50 <= P50_TARGET and p99 <= P99_TARGET),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/out/m1"))
+    ap.add_argument("--quick", action="store_true", help="small run (~30 s)")
+    ap.add_argument("--timing", default="sat-4k", help="timing profile of the software runtime")
+    ap.add_argument("--package", default=None, help="model package dir (default: the demo package)")
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--load", type=float, default=0.6, help="poisson arrival rate / B1 capacity")
+    ap.add_argument("--workloads", default="closed,poisson")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--strict", action="store_true", help="exit 1 when an M1 target is missed")
+    a = ap.parse_args(argv)
+
+    n = a.requests or (8 if a.quick else 40)
+    max_tokens = a.max_tokens or (24 if a.quick else 64)
+    cfg = _config(a.timing, a.package, 30_000)
+    src = load_sources(cfg)["qwen3"]
+    vocab = src.model_config.vocab_size
+    timing = src.timing.get(1)
+    step_s = (timing.decode_step_us.get(1, 0.0) if timing else 0.0) / 1e6
+    prefill_s = ((timing.prefill_base_us + 24 * timing.prefill_us_per_token) if timing else 0.0) / 1e6
+    per_req_s = max(prefill_s + (max_tokens - 1) * step_s, 1e-3)
+
+    doc: dict[str, Any] = {"timing": a.timing, "requests": n, "max_tokens": max_tokens, "workloads": {}}
+    ok = True
+    for wl in [w.strip() for w in a.workloads.split(",") if w.strip()]:
+        closed = wl == "closed"
+        rate = None if closed else a.load / per_req_s
+        reqs = _workload(n, vocab, max_tokens, (8, 48), rate, a.seed)
+        sync_recs = run_sync(src, reqs, closed, 30.0)
+        async_recs = run_async(cfg, src, reqs, closed)
+        same = [s.tokens == r.tokens for s, r in zip(sorted(sync_recs, key=lambda r: r.request_id), async_recs)]
+        s_sum, a_sum = summarise(sync_recs), summarise(async_recs)
+        cmp_ = compare(s_sum, a_sum)
+        cmp_["outputs_equal"] = all(same)
+        if closed:
+            ok = ok and cmp_["m1_pass"]
+        ok = ok and cmp_["outputs_equal"]
+        doc["workloads"][wl] = {"sync": s_sum, "async": a_sum, "comparison": cmp_, "rate_req_s": rate}
+        print(f"\n== {wl} ({n} requests x {max_tokens} tokens, timing {a.timing}"
+              + (f", {rate:.2f} req/s" if rate else "") + ")")
+        print(f"{'':8s} {'tpot p50':>10s} {'tpot p99':>10s} {'ttft p50':>10s} {'ttft p99':>10s} {'tok/s':>9s}")
+        for name, s in (("sync", s_sum), ("async", a_sum)):
+            print(f"{name:8s} {s['tpot_p50_ms']:9.3f}ms {s['tpot_p99_ms']:9.3f}ms {s['ttft_p50_ms']:9.3f}ms"
+                  f" {s['ttft_p99_ms']:9.3f}ms {s['throughput_tok_s']:9.1f}")
+        print(f"P50 {cmp_['tpot_p50_degradation']:+.2%} (target <= +3%), P99 {cmp_['tpot_p99_degradation']:+.2%}"
+              f" (target <= +5%), throughput {cmp_['throughput_change']:+.2%}, outputs equal: {cmp_['outputs_equal']}"
+              f" -> {'PASS' if cmp_['m1_pass'] else 'MISS'}")
+    doc["m1_pass"] = ok
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "summary.json").write_text(json.dumps(doc, indent=2))
+    return 1 if (a.strict and not ok) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
