@@ -1,0 +1,72 @@
+/* Shared helpers of the plain-C harnesses: a tiny random model and weight tensors. */
+#ifndef CALRT_TEST_COMMON_H
+#define CALRT_TEST_COMMON_H
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "calrt.h"
+#include "calrt_sim.h"
+
+#define CHECK(cond)                                                                     \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      fprintf(stderr, "%s:%d: CHECK failed: %s (%s)\n", __FILE__, __LINE__, #cond,     \
+              calrt_last_error());                                                      \
+      exit(1);                                                                          \
+    }                                                                                   \
+  } while (0)
+
+typedef struct test_model {
+  calrt_model_desc m;
+  int n;
+  calrt_tensor t[64];
+  char names[64][96];
+  float *data[64];
+} test_model;
+
+static unsigned long long test_rng = 88172645463325252ULL;
+static float frand(void) {
+  test_rng ^= test_rng << 13; test_rng ^= test_rng >> 7; test_rng ^= test_rng << 17;
+  return (float)((test_rng >> 40) & 0xFFFFFF) / 16777216.0f - 0.5f;
+}
+
+static void add(test_model *tm, const char *name, int64_t a, int64_t b, float base) {
+  int i = tm->n++;
+  snprintf(tm->names[i], 96, "%s", name);
+  int64_t n = a * (b ? b : 1);
+  tm->data[i] = malloc(sizeof(float) * (size_t)n);
+  for (int64_t k = 0; k < n; k++) tm->data[i][k] = base + 0.3f * frand();
+  tm->t[i] = (calrt_tensor){tm->names[i], tm->data[i], b ? 2 : 1, {a, b}};
+}
+
+static void make_model(test_model *tm, int tie) {
+  memset(tm, 0, sizeof *tm);
+  tm->m = (calrt_model_desc){61, 24, 40, 2, 4, 2, 8, 1e-6f, 10000.0, tie};
+  const calrt_model_desc *m = &tm->m;
+  int h = m->hidden_size, d = m->head_dim, H = m->num_attention_heads, KV = m->num_key_value_heads;
+  add(tm, "model.embed_tokens.weight", m->vocab_size, h, 0);
+  char b[96];
+  for (int l = 0; l < m->num_hidden_layers; l++) {
+#define A(suffix, x, y, base) snprintf(b, 96, "model.layers.%d.%s", l, suffix); add(tm, b, x, y, base)
+    A("input_layernorm.weight", h, 0, 1);
+    A("self_attn.q_proj.weight", H * d, h, 0);
+    A("self_attn.k_proj.weight", KV * d, h, 0);
+    A("self_attn.v_proj.weight", KV * d, h, 0);
+    A("self_attn.o_proj.weight", h, H * d, 0);
+    A("self_attn.q_norm.weight", d, 0, 1);
+    A("self_attn.k_norm.weight", d, 0, 1);
+    A("post_attention_layernorm.weight", h, 0, 1);
+    A("mlp.gate_proj.weight", m->intermediate_size, h, 0);
+    A("mlp.up_proj.weight", m->intermediate_size, h, 0);
+    A("mlp.down_proj.weight", h, m->intermediate_size, 0);
+#undef A
+  }
+  add(tm, "model.norm.weight", h, 0, 1);
+  if (!tie) add(tm, "lm_head.weight", m->vocab_size, h, 0);
+}
+
+static void free_model(test_model *tm) {
+  for (int i = 0; i < tm->n; i++) free(tm->data[i]);
+}
+#endif
