@@ -1,0 +1,121 @@
+"""Fault handling on the fake device: a fault during a full B8 decode batch ends every request of
+the batch with an explicit error, quarantines their KV, resets, and the next requests succeed; the
+reset budget turns the model Failed (new requests: UnavailableError)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from calserve.engine.engine import Engine
+from calserve.engine.fake_device import FakeBackend
+from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
+from calserve.errors import UnavailableError
+from calserve.runtime.types import FaultKind, JobEngine
+
+from .helpers import config, fake_greedy, fake_source
+
+
+async def collect(eng: Engine, prompt: tuple[int, ...], max_tokens: int) -> tuple[list[int], object]:
+    h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
+    toks: list[int] = []
+    term = None
+    async for ev in h.events():
+        if isinstance(ev, TokenEvent):
+            toks.extend(ev.token_ids)
+        else:
+            assert term is None
+            term = ev
+    return toks, term
+
+
+def b8_config(**extra: object) -> object:
+    return config(
+        batch={"profiles": [8], "batching_window_us": 1_000_000},
+        executor={"wait_timeout_ms": 200},
+        **extra,
+    )
+
+
+async def run_batch(eng: Engine, n: int = 8, max_tokens: int = 12) -> list[tuple[list[int], object]]:
+    out: list[tuple[list[int], object]] = [([], None)] * n
+
+    async def one(i: int) -> None:
+        out[i] = await collect(eng, (i + 1, 2 * i + 3, 7), max_tokens)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    return out
+
+
+@pytest.mark.parametrize("kind", [FaultKind.TIMEOUT, FaultKind.CCU_FAULT, FaultKind.CROSSTALK, FaultKind.DMA_UNKNOWN])
+async def test_fault_in_b8_batch_recovers(autojump_clock: object, kind: FaultKind) -> None:
+    be = FakeBackend("sim-next", seed=2)
+    async with Engine.open(b8_config(), backend=be, sources={"qwen3": fake_source()}) as eng:
+        # jobs 1-8 are the prefills, 9 the first full decode batch, 10 the second one
+        be.inject_fault(kind, JobEngine.PING, 10, lane=3)
+        results = await run_batch(eng)
+        for toks, term in results:
+            assert isinstance(term, ErrorEvent), term
+            assert term.kind == "device_error"
+            assert len(toks) == 2  # prefill token + first decode token reached the client
+        await trio.sleep(1.0)  # fake clock: let recovery finish (the errors are sent before it ends)
+        st = eng.statistics()
+        assert st.resets_total == 1
+        assert st.quarantined_kv_total == 8
+        assert sum(st.faults_total.values()) == 1
+        assert st.models["qwen3"][1] == "Ready"
+        assert be.resets == 1 and not be.needs_reconfigure
+        # the next requests succeed, with the right tokens
+        again = await run_batch(eng, n=3, max_tokens=6)
+        for i, (toks, term) in enumerate(again):
+            assert isinstance(term, FinishEvent) and term.reason is FinishReason.LENGTH
+            assert toks == fake_greedy((i + 1, 2 * i + 3, 7), 6)
+        k = eng.generation().kv.statistics()
+        assert k.unknown == 0 and k.free == k.num_lanes
+
+
+async def test_unknown_dma_without_restart_fails_model(autojump_clock: object) -> None:
+    be = FakeBackend("sim-next", seed=2)
+    cfg = b8_config(recovery={"restart_on_unknown_dma": False})
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source()}) as eng:
+        be.inject_fault(FaultKind.DMA_UNKNOWN, JobEngine.PING, 10)
+        results = await run_batch(eng)
+        assert all(isinstance(t, ErrorEvent) for _, t in results)
+        await trio.sleep(1.0)
+        assert eng.failed.is_set() and not eng.ready()
+        with pytest.raises(UnavailableError):
+            await eng.submit(GenerateRequest((1, 2)))
+
+
+async def test_reset_budget_enforced(autojump_clock: object) -> None:
+    be = FakeBackend("sim-next", seed=2)
+    cfg = b8_config(recovery={"max_resets_per_10min": 1})
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source()}) as eng:
+        be.inject_fault(FaultKind.CCU_FAULT, JobEngine.PING, 10)
+        await run_batch(eng)
+        await trio.sleep(1.0)
+        assert eng.ready()
+        be.inject_fault(FaultKind.CCU_FAULT, JobEngine.PING, 10)  # counted from now: same shape
+        results = await run_batch(eng)
+        assert all(isinstance(t, ErrorEvent) and t.kind == "device_error" for _, t in results)
+        await trio.sleep(1.0)
+        st = eng.statistics()
+        assert st.resets_total == 2  # the job still had to drain: the device was reset anyway
+        assert st.models["qwen3"][1] == "Failed"
+        assert eng.failed.is_set() and not eng.ready()
+        with pytest.raises(UnavailableError):
+            await eng.submit(GenerateRequest((1, 2)))
+
+
+async def test_busy_is_retried_not_fatal(autojump_clock: object) -> None:
+    be = FakeBackend("sim-next", seed=2)
+    async with Engine.open(b8_config(), backend=be, sources={"qwen3": fake_source()}) as eng:
+        be.inject_fault(FaultKind.DEVICE_BUSY, JobEngine.PING, 3)
+        results = await run_batch(eng, n=4, max_tokens=5)
+        for i, (toks, term) in enumerate(results):
+            assert isinstance(term, FinishEvent)
+            assert toks == fake_greedy((i + 1, 2 * i + 3, 7), 5)
+        assert be.counters(JobEngine.PING).busy == 1
+        assert eng.statistics().resets_total == 0
