@@ -1,0 +1,74 @@
+"""calrt-sim decode throughput at B1/B4/B16 for a ~30M-parameter Qwen3 config vs the numpy reference.
+
+Run: ``.venv/bin/python bench/runtime_bench.py [--steps 16]``. Prints tokens/s per batch size, the
+speed-up over :class:`ReferenceModel` (numpy, one sequence) and the B16 step cost vs 16x the B1 step.
+Not a test: figures depend on the machine (single-threaded kernels, one job per engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from calserve.runtime import Device, JobStatus, ProfileSpec
+from calserve.runtime.reference import ModelConfig, ReferenceModel, random_weights
+
+CFG = ModelConfig(
+    vocab_size=16000, hidden_size=512, intermediate_size=1536, num_hidden_layers=7,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
+)
+PROMPT = 32
+
+
+def bench_batch(dev: Device, w: dict, batch: int, steps: int) -> float:
+    """Seconds per decode step at compiled batch ``batch`` (all lanes active)."""
+    cb = dev.load_calbin(CFG, w, ProfileSpec(batch, PROMPT + steps + 8, batch))
+    try:
+        seqs = [cb.create_sequence() for _ in range(batch)]
+        rng = np.random.default_rng(batch)
+        toks = []
+        for s in seqs:
+            r = cb.submit_prefill(s, rng.integers(0, CFG.vocab_size, PROMPT)).wait(600)
+            assert r.status is JobStatus.OK
+            toks.append(int(np.argmax(r.logits[0])))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            pos = [cb.committed_len(s) for s in seqs]
+            r = cb.submit_decode(seqs, toks, pos, [True] * batch).wait(600)
+            assert r.status is JobStatus.OK
+            toks = [int(np.argmax(row)) for row in r.logits]
+        return (time.perf_counter() - t0) / steps
+    finally:
+        cb.release()
+
+
+def bench_reference(w: dict, steps: int) -> float:
+    m = ReferenceModel(CFG, w)
+    logits = m.forward(list(range(PROMPT)))[-1]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        logits = m.forward([int(np.argmax(logits))])[-1]
+    return (time.perf_counter() - t0) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=16)
+    args = ap.parse_args()
+    w = random_weights(CFG, seed=0)
+    print(f"config: {CFG.parameter_count() / 1e6:.1f}M parameters, prompt {PROMPT}, {args.steps} steps")
+    ref = bench_reference(w, max(4, args.steps // 2))
+    print(f"numpy reference B1: {ref * 1e3:8.2f} ms/step  {1 / ref:8.1f} tok/s")
+    with Device.open("sim-next", dram_bytes=8 << 30) as dev:
+        per = {b: bench_batch(dev, w, b, args.steps) for b in (1, 4, 16)}
+    for b, s in per.items():
+        print(f"calrt-sim B{b:<2}: {s * 1e3:8.2f} ms/step  {b / s:8.1f} tok/s  "
+              f"speed-up vs numpy {b / s * ref:6.1f}x")
+    print(f"B16 step = {per[16] / per[1]:.2f} x B1 step (vs 16x if lanes were run one by one); "
+          f"B16 costs {per[16] / (16 * per[1]) * 100:.0f}% of 16 B1 steps")
+
+
+if __name__ == "__main__":
+    main()
