@@ -179,7 +179,7 @@ class Engine:
             g = self.model_manager.generations[gid]
             profiles = tuple(
                 ProfileInfo(b, g.source.tiers.get(b, "C0" if b == 1 else "C3"),
-                            b == g.compiled_batch and (b == 1 or caps.batch_profiles))
+                            b == 1 or caps.batch_profiles)
                 for b in sorted(g.source.profiles)
             )
             out.append(ModelInfo(alias, gid, g.state.value, g.max_seq, profiles, g.source.sha256,

@@ -261,7 +261,7 @@ def source_from_package(pkg: Any, alias: str, timing_name: str | None = None) ->
     from calserve.models.validate import compare_introspection
 
     m = pkg.manifest
-    profiles = {b: m.profile_spec(b) for b in m.compiled_batches()}
+    profiles = {b: m.profile_spec(b) for b in m.compiled_batches}
     timing: dict[int, Timing] = {}
     for b in profiles:
         timing[b] = m.timing_for(b)
