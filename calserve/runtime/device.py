@@ -53,11 +53,13 @@ from calserve.runtime.types import (
     WaitTimeout,
 )
 
+_calrt: Any
+_IMPORT_ERROR: ImportError | None
 try:  # the extension is built by ``pip install -e .``
     from calserve import _calrt
 except ImportError as exc:  # pragma: no cover - only when the build is missing
     _calrt = None
-    _IMPORT_ERROR: ImportError | None = exc
+    _IMPORT_ERROR = exc
 else:
     _IMPORT_ERROR = None
 
@@ -97,7 +99,7 @@ def _call(fn: Callable[..., _T], *args: Any) -> _T:
     """Call into the binding, translating its status exception into the CalrtError tree."""
     try:
         return fn(*args)
-    except _calrt.Error as exc:  # type: ignore[union-attr]
+    except _calrt.Error as exc:
         _raise(exc)
 
 
@@ -406,7 +408,7 @@ class Device:
         if self._calbins:
             try:
                 self._h.reset(-1)
-            except _calrt.Error:  # type: ignore[union-attr]
+            except _calrt.Error:
                 pass
         for cb in list(self._calbins):
             try:
