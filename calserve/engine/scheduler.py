@@ -100,7 +100,8 @@ class Scheduler:
         self.prefill_jobs_total = 0
         self.batch_wait_s_total = 0.0
         self.ticks = 0
-        # (job kind, request ids) of recent jobs, in dispatch order (tests, debugging)
+        # ("admit" | "prefill" | "decode", request ids) of recent admissions and jobs, in order
+        # (tests, debugging)
         self.trace: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(maxlen=20000)
 
     # ---------------------------------------------------------------------------------------------
@@ -247,6 +248,7 @@ class Scheduler:
             if seq.deadline is not None:
                 heapq.heappush(q.deadlines, (seq.deadline, seq.rid))
             seq.inbox.send_nowait(Admitted(now))
+            self.trace.append(("admit", (seq.rid,)))
 
     # ---------------------------------------------------------------------------------------------
     def _free_executor(self) -> DeviceExecutor | None:

@@ -1,0 +1,142 @@
+"""End to end on the demo package with the software runtime (real clock, real C kernels).
+
+- one request streams the package's golden tokens (default config: calrt-0.7.6, B1, package loaded
+  through calserve.models from CALSERVE_HOME);
+- 16 concurrent requests of different lengths at B4/B8/B16 (sim-next) and B1 (calrt-0.7.6), each
+  equal to its solo greedy output from the numpy reference;
+- a short request submitted while long ones run finishes first, and its lane is reused by the next
+  waiting request at once (continuous batching), while the long ones keep running.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import trio
+
+from calserve.config import decode_config
+from calserve.engine.engine import Engine
+from calserve.engine.models import ModelSource
+from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
+from calserve.runtime.reference import greedy_generate
+
+
+async def stream(eng: Engine, prompt: tuple[int, ...], max_tokens: int, **kw: object) -> tuple[list[int], FinishEvent]:
+    h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)))
+    toks: list[int] = []
+    term = None
+    async for ev in h.events():
+        if isinstance(ev, TokenEvent):
+            toks.extend(ev.token_ids)
+        else:
+            assert term is None
+            term = ev
+    assert isinstance(term, FinishEvent), term
+    return toks, term
+
+
+async def test_golden_tokens_stream_default_config(engine_home: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   demo_source: ModelSource) -> None:
+    monkeypatch.setenv("CALSERVE_HOME", str(engine_home))
+    cfg = decode_config({})  # the embedded default: calrt-0.7.6, B1, demo package as "qwen3"
+    async with Engine.open(cfg) as eng:
+        assert eng.ready()
+        [info] = eng.models()
+        assert (info.alias, info.generation, info.state) == ("qwen3", 1, "Ready")
+        assert len(demo_source.golden) >= 1
+        for prompt, expected in demo_source.golden:
+            want = list(expected[1])
+            toks, fin = await stream(eng, tuple(prompt), len(want), ignore_eos=True)
+            assert toks == want
+            assert fin.reason is FinishReason.LENGTH
+            assert fin.usage.completion_tokens == len(want)
+            assert fin.timings is not None and fin.timings.ttft_s is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _solo(source_id: int, prompt: tuple[int, ...], n: int, kv: str) -> list[int]:
+    src = _SOURCES[source_id]
+    return greedy_generate(src.model_config, src.weights, list(prompt), n, kv)
+
+
+_SOURCES: dict[int, ModelSource] = {}
+
+
+@pytest.mark.parametrize(
+    "profile,batch",
+    [("calrt-0.7.6", 1), ("sim-next", 4), ("sim-next", 8), ("sim-next", 16)],
+    ids=["B1-0.7.6", "B4", "B8", "B16"],
+)
+async def test_16_concurrent_equal_solo(demo_source: ModelSource, profile: str, batch: int) -> None:
+    _SOURCES[id(demo_source)] = demo_source
+    cfg = decode_config({"runtime": {"profile": profile},
+                         "scheduler": {"batch": {"profiles": [batch]}}})
+    prompts = [tuple((7 * i + j * 13 + 5) % 500 + 3 for j in range(2 + (i * 5) % 23)) for i in range(16)]
+    lengths = [4 + (i * 7) % 29 for i in range(16)]
+    out: dict[int, list[int]] = {}
+    async with Engine.open(cfg, sources={"qwen3": demo_source}) as eng:
+        async def one(i: int) -> None:
+            toks, fin = await stream(eng, prompts[i], lengths[i], ignore_eos=True)
+            assert fin.reason is FinishReason.LENGTH
+            out[i] = toks
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+        st = eng.statistics()
+        if batch > 1:
+            # really batched: decode jobs carried several lanes
+            assert st.lanes_active_total[batch] > st.batches_total[batch]
+    kv = demo_source.profiles[batch].kv_dtype
+    for i in range(16):
+        assert out[i] == _solo(id(demo_source), prompts[i], lengths[i], kv), f"request {i}"
+
+
+async def test_short_request_finishes_first_and_its_lane_is_reused(demo_source: ModelSource) -> None:
+    # 4 lanes only: 3 long requests + 1 short one fill them; a 5th request waits for a lane.
+    cfg = decode_config({
+        "runtime": {"profile": "sim-next"},
+        "scheduler": {"batch": {"profiles": [4]}, "admission": {"max_sequences": 4}},
+    })
+    finished: list[str] = []
+    lanes: dict[str, int] = {}
+    rid: dict[str, int] = {}
+    async with Engine.open(cfg, sources={"qwen3": demo_source}) as eng:
+        async def run(name: str, prompt: tuple[int, ...], n: int, started: trio.Event | None = None) -> None:
+            h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                        ignore_eos=True)))
+            rid[name] = h.request_id
+            async for ev in h.events():
+                if isinstance(ev, TokenEvent) and name not in lanes:
+                    lanes[name] = eng.registry.live[h.request_id].lease.lane
+                    if started is not None:
+                        started.set()
+            finished.append(name)
+
+        async with trio.open_nursery() as nursery:
+            started = [trio.Event() for _ in range(3)]
+            for i in range(3):
+                nursery.start_soon(run, f"long{i}", (11 + i, 22, 33), 400, started[i])
+            for ev in started:
+                await ev.wait()
+            nursery.start_soon(run, "short", (44, 55), 3)
+            while "short" not in rid:
+                await trio.sleep(0)
+            nursery.start_soon(run, "waiter", (66, 77), 3)
+        assert finished[:2] == ["short", "waiter"], finished
+        assert lanes["waiter"] == lanes["short"]
+        # the waiter was admitted into the freed lane at the very next tick after the short request's
+        # last job (no job in between), while the long ones were still decoding; its prefill then
+        # came within the decode:short = 8:4 round robin (at most 2 decode picks before it)
+        trace = list(eng.scheduler.trace)
+        jobs = [(i, k, ids) for i, (k, ids) in enumerate(trace)]
+        last_short = max(i for i, k, ids in jobs if k != "admit" and rid["short"] in ids)
+        admit_waiter = trace.index(("admit", (rid["waiter"],)))
+        assert admit_waiter == last_short + 1
+        waiter_prefill = trace.index(("prefill", (rid["waiter"],)))
+        between = [k for k, _ in trace[admit_waiter + 1:waiter_prefill]]
+        assert between.count("decode") <= 2 and "prefill" not in between
+        later_decodes = [ids for k, ids in trace[waiter_prefill:] if k == "decode"]
+        assert later_decodes and all(rid["long0"] in ids for ids in later_decodes[:3])
