@@ -71,6 +71,8 @@ class Engine:
         self.failed = self.recovery.failed
         self._nursery: trio.Nursery | None = None
         self.leaked_at_close = 0
+        # the last snapshot, taken after the drain and before the device is closed
+        self.final_statistics: EngineStatistics | None = None
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -141,6 +143,8 @@ class Engine:
         for gen in self.model_manager.generations.values():
             q = self.scheduler.queues(gen)
             await self.scheduler._flush_releases(gen, q)
+        self.final_statistics = build_statistics(self)
+        for gen in self.model_manager.generations.values():
             leftover = sorted(set(gen.lane_seq.values()))
             self.leaked_at_close += len(leftover)
             await gen.calbin.free_sequences(leftover)
