@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from calserve.core.kv_state import KvSequenceState
+from calserve.engine.backend import JobTicket
 from calserve.engine.jobs import DeviceJob, JobOutcome
 from calserve.runtime.types import CalrtError, DeviceBusy, DeviceFaulted, JobEngine
 
@@ -111,15 +112,9 @@ class DeviceExecutor:
                 if gen.kv.info(lane).state is not KvSequenceState.ACTIVE:
                     raise DeviceFaulted("KV lane lost while the job was queued")
                 gen.kv.begin_update(lane, seq.position, len(job.tokens))
-                submit = lambda: cb.submit_prefill(seq.seq_id, job.tokens, self.engine)  # noqa: E731
-            else:
-                assert job.seq_ids is not None
-                submit = lambda: cb.submit_decode(  # noqa: E731
-                    job.seq_ids, job.tokens, job.positions, job.valid, self.engine
-                )
             for attempt in range(BUSY_RETRIES + 1):
                 try:
-                    ticket = await submit()
+                    ticket = await self._submit(job)
                     break
                 except DeviceBusy:
                     if attempt == BUSY_RETRIES:
@@ -144,6 +139,15 @@ class DeviceExecutor:
                 log.warning("job %d: no completion after %.3fs", job.job_id, self.wait_timeout_s,
                             extra={"job_id": job.job_id})
                 await self.recovery.on_timeout(job)
+
+    async def _submit(self, job: DeviceJob) -> JobTicket:
+        cb = job.gen.calbin
+        if job.kind == "prefill":
+            seq = job.lanes[0]
+            assert seq is not None and seq.seq_id is not None
+            return await cb.submit_prefill(seq.seq_id, job.tokens, self.engine)
+        assert job.seq_ids is not None
+        return await cb.submit_decode(job.seq_ids, job.tokens, job.positions, job.valid, self.engine)
 
     def statistics(self) -> ExecutorStats:
         return ExecutorStats(self.engine.name.lower(), self.busy, self.jobs, self.submit_refused,

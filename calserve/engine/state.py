@@ -22,6 +22,7 @@ import trio
 from calserve.engine.types import ErrorEvent, FinishReason, GenerateRequest, TokenLogprob
 
 if TYPE_CHECKING:
+    from calserve.engine.jobs import DeviceJob
     from calserve.engine.models import Generation
 
 __all__ = ["Seq", "Admitted", "Tokens", "End", "ActorMsg"]
@@ -76,7 +77,7 @@ class Seq:
     generated: int = 0  # tokens sampled so far
     # Invariant: inflight is not None <=> exactly one job containing this request is on the device;
     # while set, the lane is Updating and nothing of the request is released.
-    inflight: int | None = None
+    inflight: DeviceJob | None = None
     prefilled: bool = False
     # Pending ending decided while a job was in flight (cancel / stop string / shutdown): applied
     # when the job drains. Cancel is idempotent: setting it twice changes nothing.

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 import trio
 
 from calserve.engine.types import EngineStatistics, ExecutorEngineStats, TenantStats
-from calserve.runtime.types import JobEngine
 
 if TYPE_CHECKING:
     from calserve.engine.engine import Engine
@@ -53,9 +52,9 @@ def build_statistics(eng: Engine) -> EngineStatistics:
     depth = {"decode": sched.decode_ready, **sched.prefill_ready}
     executors: dict[str, ExecutorEngineStats] = {}
     for ex in eng.executors:
-        c = eng.backend.counters(ex.engine)
+        cnt = eng.backend.counters(ex.engine)
         executors[ex.engine.name.lower()] = ExecutorEngineStats(
-            c.submitted, c.completed, c.failed, c.busy, c.timeouts, c.inflight
+            cnt.submitted, cnt.completed, cnt.failed, cnt.busy, cnt.timeouts, cnt.inflight
         )
     reg = eng.registry
     running = sched.holders
@@ -92,5 +91,3 @@ def build_statistics(eng: Engine) -> EngineStatistics:
         recovery_seconds_total=rec.recovery_seconds_total,
     )
 
-
-_ = JobEngine
