@@ -1,0 +1,58 @@
+"""Faults on the software runtime (real clock): an injected timeout, CCU fault and crosstalk during
+a full B8 decode batch end those requests with an explicit error, quarantine their KV, reset the
+device, and the next requests succeed with correct output."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from calserve.config import decode_config
+from calserve.engine.engine import Engine
+from calserve.engine.models import ModelSource
+from calserve.engine.types import ErrorEvent, FinishEvent, GenerateRequest, SamplingParams, TokenEvent
+from calserve.runtime.reference import greedy_generate
+from calserve.runtime.types import FaultKind, JobEngine
+
+
+async def run(eng: Engine, prompts: list[tuple[int, ...]], n: int) -> list[tuple[list[int], object]]:
+    out: list[tuple[list[int], object]] = [([], None)] * len(prompts)
+
+    async def one(i: int) -> None:
+        h = await eng.submit(GenerateRequest(prompts[i], SamplingParams(temperature=0.0, max_tokens=n,
+                                                                        ignore_eos=True)))
+        evs = [ev async for ev in h.events()]
+        out[i] = ([t for e in evs if isinstance(e, TokenEvent) for t in e.token_ids], evs[-1])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return out
+
+
+@pytest.mark.parametrize("kind", [FaultKind.TIMEOUT, FaultKind.CCU_FAULT, FaultKind.CROSSTALK],
+                         ids=["timeout", "ccu", "crosstalk"])
+async def test_fault_in_b8_batch_real_runtime(demo_source: ModelSource, kind: FaultKind) -> None:
+    cfg = decode_config({
+        "runtime": {"profile": "sim-next"},
+        "scheduler": {"batch": {"profiles": [8], "batching_window_us": 50_000},
+                      "executor": {"wait_timeout_ms": 150}},
+    })
+    prompts = [(10 + i, 20 + 3 * i, 30) for i in range(8)]
+    async with Engine.open(cfg, sources={"qwen3": demo_source}) as eng:
+        eng.backend.inject_fault(kind, JobEngine.PING, 10, 5)  # the 2nd full decode batch
+        res = await run(eng, prompts, 10)
+        for toks, term in res:
+            assert isinstance(term, ErrorEvent) and term.kind == "device_error", term
+            assert len(toks) == 2
+        with trio.fail_after(5):
+            while eng.statistics().resets_total < 1 or not eng.ready():
+                await trio.sleep(0.01)
+        st = eng.statistics()
+        assert st.resets_total == 1 and st.quarantined_kv_total == 8
+        assert st.kv_sequences["Unknown"] == 0
+        again = await run(eng, prompts[:3], 6)
+        for i, (toks, term) in enumerate(again):
+            assert isinstance(term, FinishEvent), term
+            assert toks == greedy_generate(demo_source.model_config, demo_source.weights,
+                                           list(prompts[i]), 6, demo_source.profiles[8].kv_dtype)
