@@ -158,8 +158,21 @@ class Engine:
         await trio.lowlevel.checkpoint()
         return self.registry.create(req)
 
-    def cancel(self, request_id: int) -> None:
-        self.registry.cancel(request_id)
+    def cancel(self, request_id: int | str) -> None:
+        """Idempotent; unknown or finished ids are ignored (ids may come back as strings)."""
+        try:
+            rid = int(request_id)
+        except (TypeError, ValueError):
+            return
+        self.registry.cancel(rid)
+
+    @property
+    def default_alias(self) -> str:
+        return self.cfg.scheduler.model_alias
+
+    async def wait_failed(self) -> None:
+        """Return when the engine can no longer serve (every model Failed, or a task crashed)."""
+        await self.failed.wait()
 
     def generation(self, alias: str | None = None) -> Generation:
         return self.model_manager.resolve(alias)
