@@ -88,6 +88,22 @@ class BackendCalbin(Protocol):
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None: ...
 
+    async def submit_decode_wait(
+        self,
+        seq_ids: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        valid: np.ndarray,
+        engine: JobEngine,
+        timeout_s: float,
+    ) -> tuple[JobTicket, JobResult | None]:
+        """Submit + first wait in one device round trip (the hot path: one thread hop per step)."""
+        ...
+
+    async def submit_prefill_wait(
+        self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float
+    ) -> tuple[JobTicket, JobResult | None]: ...
+
     async def reconfigure(self) -> None: ...
 
     async def release(self) -> None: ...
@@ -202,6 +218,38 @@ class _RuntimeCalbin:
                 return None
 
         return await self._t.run(w)
+
+    def _submit_wait(self, job: Any, engine: JobEngine, timeout_s: float) -> tuple[JobTicket, JobResult | None]:
+        ticket = JobTicket(int(job.job_id), engine, job)
+        try:
+            r: JobResult = job.wait(timeout_s)
+        except WaitTimeout:
+            return ticket, None
+        return ticket, r
+
+    async def submit_decode_wait(
+        self,
+        seq_ids: np.ndarray,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        valid: np.ndarray,
+        engine: JobEngine,
+        timeout_s: float,
+    ) -> tuple[JobTicket, JobResult | None]:
+        def go() -> tuple[JobTicket, JobResult | None]:
+            job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine)
+            return self._submit_wait(job, engine, timeout_s)
+
+        return await self._t.run(go)
+
+    async def submit_prefill_wait(
+        self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float
+    ) -> tuple[JobTicket, JobResult | None]:
+        def go() -> tuple[JobTicket, JobResult | None]:
+            job = self._c.submit_prefill(seq_id, tokens, engine)
+            return self._submit_wait(job, engine, timeout_s)
+
+        return await self._t.run(go)
 
     async def reconfigure(self) -> None:
         await self._t.run(self._c.reconfigure)

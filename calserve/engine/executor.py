@@ -22,7 +22,7 @@ import trio
 from calserve.core.kv_state import KvSequenceState
 from calserve.engine.backend import JobTicket
 from calserve.engine.jobs import DeviceJob, JobOutcome
-from calserve.runtime.types import CalrtError, DeviceBusy, DeviceFaulted, JobEngine
+from calserve.runtime.types import CalrtError, DeviceBusy, DeviceFaulted, JobEngine, JobResult
 
 if TYPE_CHECKING:
     from calserve.engine.dispatcher import CompletionDispatcher
@@ -93,6 +93,7 @@ class DeviceExecutor:
                     self.busy = False
                     self._idle.set()
                     self.sched.wake()
+                self.sched.tick_sync()  # start the next job now, without a scheduler task hop
 
     async def _execute(self, job: DeviceJob) -> JobOutcome:
         gen = job.gen
@@ -114,7 +115,7 @@ class DeviceExecutor:
                 gen.kv.begin_update(lane, seq.position, len(job.tokens))
             for attempt in range(BUSY_RETRIES + 1):
                 try:
-                    ticket = await self._submit(job)
+                    ticket, r = await self._submit(job)
                     break
                 except DeviceBusy:
                     if attempt == BUSY_RETRIES:
@@ -129,25 +130,26 @@ class DeviceExecutor:
             log.debug("job %d %s on %s: requests %s", job.job_id, job.kind, self.engine.name, ids,
                       extra={"job_id": job.job_id, "request_ids": ids})
         timed_out = False
-        while True:
-            r = await cb.wait(ticket, self.wait_timeout_s)
-            if r is not None:
-                return JobOutcome(result=r, timed_out=timed_out)
+        while r is None:
             if not timed_out:
                 timed_out = True
                 self.timeouts += 1
                 log.warning("job %d: no completion after %.3fs", job.job_id, self.wait_timeout_s,
                             extra={"job_id": job.job_id})
                 await self.recovery.on_timeout(job)
+            r = await cb.wait(ticket, self.wait_timeout_s)
+        return JobOutcome(result=r, timed_out=timed_out)
 
-    async def _submit(self, job: DeviceJob) -> JobTicket:
+    async def _submit(self, job: DeviceJob) -> tuple[JobTicket, JobResult | None]:
         cb = job.gen.calbin
         if job.kind == "prefill":
             seq = job.lanes[0]
             assert seq is not None and seq.seq_id is not None
-            return await cb.submit_prefill(seq.seq_id, job.tokens, self.engine)
+            return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, self.wait_timeout_s)
         assert job.seq_ids is not None
-        return await cb.submit_decode(job.seq_ids, job.tokens, job.positions, job.valid, self.engine)
+        return await cb.submit_decode_wait(
+            job.seq_ids, job.tokens, job.positions, job.valid, self.engine, self.wait_timeout_s
+        )
 
     def statistics(self) -> ExecutorStats:
         return ExecutorStats(self.engine.name.lower(), self.busy, self.jobs, self.submit_refused,

@@ -154,7 +154,7 @@ class HealthRecovery:
                 if info.state is not KvSequenceState.UNKNOWN:
                     g.kv.mark_unknown(seq.lease.lane)
                 self.sched.end(seq, error=err)
-            sids = sorted(set(g.lane_seq.values()) | {sid for _, sid in q.releases})
+            sids = sorted(set(g.lane_seq.values()) | {r[1] for r in q.releases})
             q.releases.clear()
             await g.calbin.free_sequences(sids)
             g.lane_seq.clear()

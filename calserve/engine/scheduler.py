@@ -65,7 +65,8 @@ class GenQueues:
     decode_ready: dict[int, Seq] = dataclasses.field(default_factory=dict)
     holders: dict[int, Seq] = dataclasses.field(default_factory=dict)  # admitted, not ended
     deadlines: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # lazy heap
-    releases: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (lane, seq_id)
+    # (lane, seq_id, request id, ended at) waiting for the runtime to free the sequence
+    releases: list[tuple[int, int, int, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Scheduler:
         self.lanes_total: dict[int, int] = collections.Counter()
         self.prefill_jobs_total = 0
         self.batch_wait_s_total = 0.0
+        self.kv_free_seconds_total = 0.0  # sequence end -> runtime confirmed its release
         self.ticks = 0
         # ("admit" | "prefill" | "decode", request ids) of recent admissions and jobs, in order
         # (tests, debugging)
@@ -159,7 +161,7 @@ class Scheduler:
                     if info.seq_id is None:
                         gen.kv.confirm_released(lane)
                     else:
-                        q.releases.append((lane, info.seq_id))
+                        q.releases.append((lane, info.seq_id, seq.rid, trio.current_time()))
         if error is None and reason is None:
             reason = FinishReason.STOP
         seq.inbox.send_nowait(End(reason, error) if error is None else End(None, error))
@@ -183,14 +185,20 @@ class Scheduler:
 
     async def tick(self) -> None:
         self.ticks += 1
+        for gen in list(self.models.generations.values()):
+            q = self.queues(gen)
+            if q.releases:
+                await self._flush_releases(gen, q)
+        self.tick_sync()
+
+    def tick_sync(self) -> None:
+        """The synchronous part of a tick: expire, admit, dispatch. Executors call it right after a
+        completion so the next job starts without waiting for the scheduler task (hot path)."""
         now = trio.current_time()
         timer = math.inf
         for gen in list(self.models.generations.values()):
             q = self.queues(gen)
             self._expire(gen, q, now)
-            if q.releases:
-                await self._flush_releases(gen, q)
-                now = trio.current_time()
             if gen.state is ModelState.READY and not self.paused:
                 self._admit(gen, q, now)
             d = gen.admission.next_deadline()
@@ -219,12 +227,15 @@ class Scheduler:
         # Shielded: once taken out of q.releases the lanes must reach Free even if the engine is
         # being cancelled (else they would stay Releasing forever).
         with trio.CancelScope(shield=True):
-            await gen.calbin.free_sequences([sid for _, sid in batch])
-        for lane, sid in batch:
+            await gen.calbin.free_sequences([sid for _, sid, _, _ in batch])
+        now = trio.current_time()
+        for lane, sid, rid, ended_at in batch:
             info = gen.kv.info(lane)
             # A reset in between may have cleared the lane already (then nothing is left to do).
             if info.state is KvSequenceState.RELEASING and info.seq_id == sid:
                 gen.kv.confirm_released(lane)
+                self.kv_free_seconds_total += now - ended_at
+                self.trace.append(("released", (rid,)))
             if gen.lane_seq.get(lane) == sid:
                 del gen.lane_seq[lane]
         self.wake()

@@ -79,7 +79,7 @@ def build_statistics(eng: Engine) -> EngineStatistics:
         kv_sequences=dict(kv_states),
         kv_tokens_reserved=kv_reserved,
         kv_tokens_used=kv_used,
-        kv_free_seconds_total=0.0,
+        kv_free_seconds_total=eng.scheduler.kv_free_seconds_total,
         executor_inflight_jobs=sched.inflight_jobs,
         executor=executors,
         models=eng.model_manager.statistics(),

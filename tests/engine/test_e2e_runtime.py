@@ -127,14 +127,16 @@ async def test_short_request_finishes_first_and_its_lane_is_reused(demo_source: 
             nursery.start_soon(run, "waiter", (66, 77), 3)
         assert finished[:2] == ["short", "waiter"], finished
         assert lanes["waiter"] == lanes["short"]
-        # the waiter was admitted into the freed lane at the very next tick after the short request's
-        # last job (no job in between), while the long ones were still decoding; its prefill then
-        # came within the decode:short = 8:4 round robin (at most 2 decode picks before it)
+        # the waiter was admitted into the freed lane in the same tick as the runtime confirmed the
+        # release of the short request's sequence (a lane is reused only after that, spec §9.2),
+        # while the long ones kept decoding; its prefill then came within the decode:short = 8:4
+        # round robin (at most 2 decode picks before it)
         trace = list(eng.scheduler.trace)
-        jobs = [(i, k, ids) for i, (k, ids) in enumerate(trace)]
-        last_short = max(i for i, k, ids in jobs if k != "admit" and rid["short"] in ids)
+        released_short = trace.index(("released", (rid["short"],)))
         admit_waiter = trace.index(("admit", (rid["waiter"],)))
-        assert admit_waiter == last_short + 1
+        assert admit_waiter == released_short + 1
+        last_short = max(i for i, (k, ids) in enumerate(trace) if k in ("prefill", "decode") and rid["short"] in ids)
+        assert [k for k, _ in trace[last_short + 1:released_short]].count("decode") <= 2
         waiter_prefill = trace.index(("prefill", (rid["waiter"],)))
         between = [k for k, _ in trace[admit_waiter + 1:waiter_prefill]]
         assert between.count("decode") <= 2 and "prefill" not in between
