@@ -412,7 +412,9 @@ async def run_load(spec: LoadSpec) -> RunResult:
         extra["server_proc"] = _proc_summary(run.proc)
     duration = (end if end is not None else trio.current_time()) - run.t0
     summary = summarize(run.records, duration=duration, slo_ttft_ms=spec.slo_ttft_ms,
-                        slo_tpot_ms=spec.slo_tpot_ms, extra=extra)
+                        slo_tpot_ms=spec.slo_tpot_ms, extra=extra,
+                        window=(min(1.0, 0.2 * spec.duration_s), spec.duration_s)
+                        if spec.duration_s else None)
     return RunResult(run.records, summary, scraper.samples, run.proc)
 
 
@@ -465,7 +467,9 @@ def headline(s: dict[str, Any]) -> str:
         f"requests: sent {s['sent']} ok {o['ok']} rejected {o['rejected']} failed {o['failed']} "
         f"disconnected {o['disconnected']} timeout {o['timeout']}  by status {s['by_status']}",
         f"duration {s['duration_s']:.1f}s  req/s {s['request_throughput']:.2f}  "
-        f"output tok/s {s['output_throughput']:.0f}  goodput {s['goodput']:.2f} req/s",
+        f"output tok/s {s['output_throughput']:.0f} (steady window "
+        f"{(s.get('window') or {}).get('output_throughput', float('nan')):.0f})  "
+        f"goodput {s['goodput']:.2f} req/s",
         f"TTFT {st('ttft_ms')}", f"TPOT {st('tpot_ms')}", f"ITL  {st('itl_ms')}",
         f"E2E  {st('e2e_ms')}",
     ]

@@ -57,7 +57,8 @@ def sweep_plot(points: Sequence[dict[str, Any]], x: str, path: Path, *, xlabel: 
     for name, pts in groups.items():
         pts = sorted(pts, key=lambda p: p[x])
         xs = [p[x] for p in pts]
-        a1.plot(xs, [p["output_throughput"] for p in pts], marker="o", label=name or "output tok/s")
+        ys = [p.get("window_output_throughput") or p["output_throughput"] for p in pts]
+        a1.plot(xs, ys, marker="o", label=name or "output tok/s (steady window)")
         a2.plot(xs, [p["ttft_p50_ms"] for p in pts], marker="o", label=f"{name} p50".strip())
         a2.plot(xs, [p["ttft_p99_ms"] for p in pts], marker="x", ls="--",
                 label=f"{name} p99".strip())

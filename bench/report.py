@@ -49,6 +49,7 @@ def table(summaries: Sequence[tuple[str, dict[str, Any]]]) -> str:
         ("duration (s)", lambda s: s["duration_s"]),
         ("requests/s", lambda s: s["request_throughput"]),
         ("output tokens/s", lambda s: s["output_throughput"]),
+        ("output tokens/s (steady window)", lambda s: s["window"]["output_throughput"]),
         ("goodput (req/s)", lambda s: s["goodput"]),
     ]
     for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):

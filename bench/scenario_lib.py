@@ -72,6 +72,7 @@ def point_row(res: RunResult, **fields: Any) -> dict[str, Any]:
     return {
         **fields,
         "output_throughput": s["output_throughput"],
+        "window_output_throughput": (s.get("window") or {}).get("output_throughput"),
         "request_throughput": s["request_throughput"],
         "ttft_p50_ms": s["ttft_ms"].get("p50", math.nan),
         "ttft_p99_ms": s["ttft_ms"].get("p99", math.nan),

@@ -111,9 +111,14 @@ def summarize(
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
     bin_s: float = 1.0,
+    window: tuple[float, float] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The summary document (JSON-able). ``duration`` defaults to first send -> last answer."""
+    """The summary document (JSON-able). ``duration`` defaults to first send -> last answer.
+
+    ``window`` (s from run start) adds the steady-state output throughput: every output token whose
+    event arrived inside the window, over its length. Closed-loop saturation runs use it so the ramp-up
+    and the drain tail (when fewer and fewer requests remain) do not dilute the figure."""
     ends = [r.start + (r.e2e or 0.0) for r in records]
     if duration is None:
         duration = (max(ends) - min(r.start for r in records)) if records else 0.0
@@ -177,6 +182,14 @@ def summarize(
         "service_over_time": {"bin_s": bin_s,
                               "tokens_per_s": service_over_time(records, bin_s, duration)},
     }
+    if window is not None:
+        w0, w1 = window
+        tok = 0.0
+        for r in records:
+            w = _tokens_per_event(r)
+            tok += sum(w for t in r.token_times if w0 <= r.start + t < w1)
+        summary["window"] = {"start_s": w0, "end_s": w1, "output_tokens": tok,
+                             "output_throughput": tok / max(1e-9, w1 - w0)}
     if extra:
         summary.update(extra)
     return summary

@@ -89,6 +89,7 @@ async def test_open_and_closed_loop_accounting(nursery: trio.Nursery) -> None:
     total = sum(sum(v) for v in svc.values()) * s["service_over_time"]["bin_s"]
     delivered = sum(t["output_tokens_delivered"] for t in s["tenants"].values())
     assert math.isclose(total, delivered, rel_tol=1e-6)
+    assert s["window"]["end_s"] == 2.0 and 0 < s["window"]["output_tokens"] <= delivered
 
 
 async def test_request_count_bound_nonstreaming_and_seed(nursery: trio.Nursery, tmp_path: Path) -> None:
