@@ -49,6 +49,10 @@ class ApiState:
         self.metrics = ApiMetrics(self._stats)
         self.api_keys: dict[str, str] = {}  # key -> tenant; empty = one "default" tenant
 
+    @property
+    def needs_thread(self) -> bool:
+        return self._factory is None
+
     def _stats(self) -> Any:
         return self.host.statistics() if self.host is not None else None
 
@@ -159,7 +163,12 @@ def create_app(
 
     @app.before_serving
     async def _start() -> None:
-        host = await trio.to_thread.run_sync(state.build_host)
+        # A thread only when building the demo package may block (seconds of file I/O); with an
+        # injected engine the start-up stays trio-native (autojump_clock-friendly, STACK.md).
+        if state.needs_thread:
+            host = await trio.to_thread.run_sync(state.build_host)
+        else:
+            host = state.build_host()
         app.config["MAX_CONTENT_LENGTH"] = host.config.server.max_body_bytes
         await app.nursery.start(host.run)
         log.info("calserve: engine started (models: %s)", ", ".join(host.config.models))

@@ -1,0 +1,138 @@
+"""``calserve serve``: run the HTTP server on hypercorn's trio worker, in this process.
+
+Why not just ``hypercorn -k trio calserve:app``: hypercorn's CLI exits 0 even when its worker died, so a
+supervisor cannot tell a crash from a clean stop. Here we drive ``hypercorn.trio.serve`` ourselves and
+exit non-zero when the engine fails beyond recovery (or never started), 0 on SIGINT/SIGTERM.
+
+Exit codes: 0 clean shutdown; 1 engine failed / start-up refused / bad config; 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import trio
+
+from calserve.config import CalserveConfig, ModelEntry, decode_config, load_config
+from calserve.errors import CalserveError
+
+__all__ = ["main", "build_parser", "apply_cli"]
+
+log = logging.getLogger("calserve.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="calserve serve",
+                                 description="Run the OpenAI-compatible HTTP server (trio).")
+    ap.add_argument("--config", metavar="FILE",
+                    help="config file (default: $CALSERVE_CONFIG, else the embedded default)")
+    ap.add_argument("--model", metavar="PKG",
+                    help="serve this package as the default (and only) alias; its location is "
+                         "trusted, its signature is still checked")
+    ap.add_argument("--alias", metavar="NAME",
+                    help="alias for --model (default: the package directory's name)")
+    ap.add_argument("--trusted-key", action="append", default=[], metavar="PUB",
+                    help="trust this ed25519 public key (repeatable)")
+    ap.add_argument("--host", help="listen address (default: server.host, 127.0.0.1)")
+    ap.add_argument("--port", type=int, help="listen port (default: server.port, 8000)")
+    ap.add_argument("--log-level", default="info",
+                    choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    return ap
+
+
+def apply_cli(config: CalserveConfig, a: argparse.Namespace) -> CalserveConfig:
+    """Fold the command-line overrides into the config (re-validated)."""
+    data = msgspec.to_builtins(config)
+    if a.model:
+        pkg = Path(a.model).expanduser().resolve()
+        alias = a.alias or pkg.name
+        data["models"] = {alias: msgspec.to_builtins(ModelEntry(package=str(pkg)))}
+        data["scheduler"]["model_alias"] = alias
+        # "trusted as a location": the package's own directory becomes the model root.
+        data["trust"]["model_root"] = str(pkg.parent)
+    elif a.alias:
+        raise CalserveError("--alias needs --model")
+    data["trust"]["trusted_keys"] = list(data["trust"]["trusted_keys"]) + [
+        str(Path(k).expanduser().resolve()) for k in a.trusted_key
+    ]
+    if a.host is not None:
+        data["server"]["host"] = a.host
+    if a.port is not None:
+        data["server"]["port"] = a.port
+    try:
+        return decode_config(data, "command line")
+    except ValueError as e:  # __post_init__ cross-checks
+        raise CalserveError(f"command line: {e}") from None
+
+
+async def _serve(a: argparse.Namespace, config: CalserveConfig) -> int:
+    from hypercorn.config import Config as HyperConfig
+    from hypercorn.trio import serve
+
+    from calserve.api.app import create_app, get_state
+
+    app = create_app(config)
+    state = get_state(app)
+    hc = HyperConfig()
+    host = config.server.host
+    hc.bind = [f"[{host}]:{config.server.port}" if ":" in host else f"{host}:{config.server.port}"]
+    hc.errorlog = "-"
+    hc.accesslog = "-" if a.access_log else None
+    hc.loglevel = a.log_level.upper()
+    outcome = {"failed": False}
+
+    async def shutdown_trigger() -> None:
+        async with trio.open_nursery() as n:
+            async def on_signal() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+                    async for s in sigs:
+                        log.info("received %s: shutting down", signal.Signals(s).name)
+                        n.cancel_scope.cancel()
+                        return
+
+            async def on_failure() -> None:
+                while state.host is None:
+                    await trio.sleep(0.05)
+                await state.host.failed.wait()
+                outcome["failed"] = True
+                log.critical("engine failed beyond recovery: stopping with exit code 1")
+                n.cancel_scope.cancel()
+
+            n.start_soon(on_signal)
+            n.start_soon(on_failure)
+
+    try:
+        await serve(app, hc, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+    except BaseException as e:  # lifespan start-up failure and friends
+        if isinstance(e, KeyboardInterrupt):
+            return 0
+        msg = e.exceptions[0] if isinstance(e, BaseExceptionGroup) and e.exceptions else e
+        print(f"calserve serve: could not serve: {msg}", file=sys.stderr)
+        return 1
+    if state.host is None:
+        print("calserve serve: the engine never started", file=sys.stderr)
+        return 1
+    return 1 if outcome["failed"] or state.host.failed.is_set() else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = apply_cli(load_config(a.config), a)
+    except CalserveError as e:
+        print(f"calserve serve: {e.message}", file=sys.stderr)
+        return 1
+    return trio.run(_serve, a, config)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
