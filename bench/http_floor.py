@@ -90,6 +90,7 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
         import pyinstrument  # noqa: F401
     except ImportError:
         return None
+    session = out / "calserve_profile.pyisession"
     target = out / "calserve_profile.html"
     cfg_dir = out / "server-profile"
     cfg_dir.mkdir(parents=True, exist_ok=True)
@@ -99,12 +100,16 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
     port = free_port()
     cfg = {**cfg, "server": {"host": "127.0.0.1", "port": port}}
     (cfg_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
-    argv = [sys.executable, "-m", "pyinstrument", "--async-mode", "disabled", "-r", "html", "-o",
-            str(target), "-m", "bench.serve_entry", "--config", str(cfg_dir / "config.yaml"),
+    argv = [sys.executable, "-m", "pyinstrument", "-r", "pyisession", "-o", str(session), "-m", "bench.serve_entry", "--config", str(cfg_dir / "config.yaml"),
             "--port", "{port}"]
     with Server.start(argv, cfg_dir, port=port) as srv:
         run_point(srv, out / "profiled", concurrency=CONCURRENCY, duration=dur, prompt="16",
                   output="256", scrape_interval_s=None, progress=False)
+    if not session.exists():
+        return None
+    for renderer, path in (("html", target), ("text", out / "calserve_profile.txt")):
+        subprocess.run([sys.executable, "-m", "pyinstrument", "--load", str(session), "-r",
+                        renderer, "-o", str(path)], check=False, timeout=120)
     return str(target) if target.exists() else None
 
 
@@ -119,7 +124,10 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
     with Server.start(floor_argv, out / "server-floor", ready_path="/health") as fsrv:
         floor_size = probe_event_size(fsrv.url)
         flo = _measure(fsrv, out / "floor", dur)
-    prof = _profile(cfg, out, min(dur, 5.0))
+    try:
+        prof = _profile(cfg, out, min(dur, 5.0))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # a profile is a bonus
+        prof = f"profiling failed: {e}"[:300]
     ratio = cal["us_per_event"] / flo["us_per_event"] if flo["us_per_event"] else None
     doc = {"concurrency": CONCURRENCY, "event_bytes_calserve": size, "event_bytes_floor": floor_size,
            "calserve": cal, "floor": flo, "ratio_per_event": ratio,
