@@ -48,6 +48,7 @@ class ApiState:
         self.host: EngineHost | None = None
         self.metrics = ApiMetrics(self._stats)
         self.api_keys: dict[str, str] = {}  # key -> tenant; empty = one "default" tenant
+        self.startup_error: BaseException | None = None  # why before_serving failed, if it did
 
     @property
     def needs_thread(self) -> bool:
@@ -170,7 +171,12 @@ def create_app(
         else:
             host = state.build_host()
         app.config["MAX_CONTENT_LENGTH"] = host.config.server.max_body_bytes
-        await app.nursery.start(host.run)
+        try:
+            await app.nursery.start(host.run)
+        except BaseException as e:
+            state.startup_error = e
+            log.critical("calserve: the engine could not start: %s", e)
+            raise
         log.info("calserve: engine started (models: %s)", ", ".join(host.config.models))
 
     @app.after_serving

@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 import msgspec
@@ -22,7 +23,7 @@ import trio
 from calserve.config import CalserveConfig, ModelEntry, decode_config, load_config
 from calserve.errors import CalserveError
 
-__all__ = ["main", "build_parser", "apply_cli"]
+__all__ = ["main", "build_parser", "apply_cli", "serve_app"]
 
 log = logging.getLogger("calserve.serve")
 
@@ -72,13 +73,18 @@ def apply_cli(config: CalserveConfig, a: argparse.Namespace) -> CalserveConfig:
         raise CalserveError(f"command line: {e}") from None
 
 
-async def _serve(a: argparse.Namespace, config: CalserveConfig) -> int:
+async def serve_app(
+    a: argparse.Namespace, config: CalserveConfig, *, engine_factory: Any = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> int:
+    """Serve until SIGINT/SIGTERM (-> 0) or an engine failure (-> 1). ``task_status`` reports the
+    bound addresses (tests bind port 0)."""
     from hypercorn.config import Config as HyperConfig
     from hypercorn.trio import serve
 
     from calserve.api.app import create_app, get_state
 
-    app = create_app(config)
+    app = create_app(config, engine_factory=engine_factory)
     state = get_state(app)
     hc = HyperConfig()
     host = config.server.host
@@ -109,12 +115,15 @@ async def _serve(a: argparse.Namespace, config: CalserveConfig) -> int:
             n.start_soon(on_failure)
 
     try:
-        await serve(app, hc, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+        await serve(app, hc, shutdown_trigger=shutdown_trigger,  # type: ignore[arg-type]
+                    task_status=task_status)
     except BaseException as e:  # lifespan start-up failure and friends
         if isinstance(e, KeyboardInterrupt):
             return 0
-        msg = e.exceptions[0] if isinstance(e, BaseExceptionGroup) and e.exceptions else e
-        print(f"calserve serve: could not serve: {msg}", file=sys.stderr)
+        cause = state.startup_error or e
+        while isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+            cause = cause.exceptions[0]
+        print(f"calserve serve: could not serve: {cause}", file=sys.stderr)
         return 1
     if state.host is None:
         print("calserve serve: the engine never started", file=sys.stderr)
@@ -131,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CalserveError as e:
         print(f"calserve serve: {e.message}", file=sys.stderr)
         return 1
-    return trio.run(_serve, a, config)
+    return trio.run(serve_app, a, config)
 
 
 if __name__ == "__main__":  # pragma: no cover
