@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
+import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+import outcome
 import trio
 
 from calserve.runtime.reference import ModelConfig
@@ -163,10 +166,60 @@ class _Threads:
         return result
 
 
+class _EngineThread:
+    """One long-lived OS thread per job engine for the hot path (submit + wait).
+
+    Why not ``trio.to_thread``: it checkpoints before the thread starts, so every other ready task
+    (request actors detokenising and streaming the previous token) would run between a completion
+    and the next submit, adding their cost to every step. Here the call is queued synchronously —
+    the device starts at once — and trio runs those tasks while the device computes.
+    Invariant: one call at a time per thread (the executor of that engine is its only user), and the
+    caller always waits for the result (shielded): nothing submitted is ever abandoned.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, done = item
+            res = outcome.capture(fn)
+            try:
+                self._token.run_sync_soon(done, res)
+            except trio.RunFinishedError:  # pragma: no cover - trio run ended under us
+                return
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        ev = trio.Event()
+        box: list[outcome.Outcome[T]] = []
+
+        def done(res: outcome.Outcome[T]) -> None:
+            box.append(res)
+            ev.set()
+
+        self._q.put((fn, done))
+        with trio.CancelScope(shield=True):
+            await ev.wait()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return box[0].unwrap()
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
 class _RuntimeCalbin:
-    def __init__(self, native: Any, threads: _Threads) -> None:
+    def __init__(self, native: Any, threads: _Threads, engine_threads: dict[JobEngine, _EngineThread]) -> None:
         self._c = native
         self._t = threads
+        self._et = engine_threads
         self.spec: ProfileSpec = native.spec
         self.config: ModelConfig = native.config
 
@@ -236,20 +289,17 @@ class _RuntimeCalbin:
         engine: JobEngine,
         timeout_s: float,
     ) -> tuple[JobTicket, JobResult | None]:
-        def go() -> tuple[JobTicket, JobResult | None]:
-            job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine)
-            return self._submit_wait(job, engine, timeout_s)
-
-        return await self._t.run(go)
+        # Submit inline: it only queues the job (DeviceBusy when the queue is full, never blocks), so
+        # the device starts now instead of after a GIL hand-over to a worker thread; the blocking
+        # wait runs on the engine's thread. Nothing between submit and wait can be cancelled.
+        job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine)
+        return await self._et[engine].run(lambda: self._submit_wait(job, engine, timeout_s))
 
     async def submit_prefill_wait(
         self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float
     ) -> tuple[JobTicket, JobResult | None]:
-        def go() -> tuple[JobTicket, JobResult | None]:
-            job = self._c.submit_prefill(seq_id, tokens, engine)
-            return self._submit_wait(job, engine, timeout_s)
-
-        return await self._t.run(go)
+        job = self._c.submit_prefill(seq_id, tokens, engine)
+        return await self._et[engine].run(lambda: self._submit_wait(job, engine, timeout_s))
 
     async def reconfigure(self) -> None:
         await self._t.run(self._c.reconfigure)
@@ -270,7 +320,8 @@ class RuntimeBackend:
 
     def __init__(self, device: Any, threads: int = 4) -> None:
         self._dev = device
-        self._t = _Threads(threads)
+        self._t = _Threads(threads)  # control calls (sequences, reset, configure) and later waits
+        self._et = {e: _EngineThread(f"calrt-{e.name.lower()}") for e in JobEngine}
         self.capabilities: RuntimeCapabilities = device.capabilities
 
     @classmethod
@@ -301,7 +352,7 @@ class RuntimeBackend:
         timing: Timing | None = None,
     ) -> BackendCalbin:
         native = await self._t.run(self._dev.load_calbin, config, weights, spec, timing)
-        return _RuntimeCalbin(native, self._t)
+        return _RuntimeCalbin(native, self._t, self._et)
 
     async def reset(self) -> None:
         await self._t.run(self._dev.reset)
@@ -322,4 +373,6 @@ class RuntimeBackend:
         self._dev.inject_fault(kind, engine, nth, lane)
 
     async def aclose(self) -> None:
+        for et in self._et.values():
+            et.close()
         await self._t.run(self._dev.close)

@@ -83,17 +83,25 @@ class DeviceExecutor:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        async for job in self._recv:
-            with trio.CancelScope(shield=True):
-                outcome = await self._execute(job)
-                self.jobs += 1
+        async for first in self._recv:
+            job: DeviceJob | None = first
+            while job is not None:
+                with trio.CancelScope(shield=True):
+                    outcome = await self._execute(job)
+                    self.jobs += 1
+                    try:
+                        self.dispatcher.complete(job, outcome)
+                    finally:
+                        self.busy = False
+                        self._idle.set()
+                        self.sched.wake()
+                # Start the next job now, without a scheduler task hop and without yielding to the
+                # request actors first (they run while the device computes).
+                self.sched.tick_sync()
                 try:
-                    self.dispatcher.complete(job, outcome)
-                finally:
-                    self.busy = False
-                    self._idle.set()
-                    self.sched.wake()
-                self.sched.tick_sync()  # start the next job now, without a scheduler task hop
+                    job = self._recv.receive_nowait()
+                except trio.WouldBlock:
+                    job = None
 
     async def _execute(self, job: DeviceJob) -> JobOutcome:
         gen = job.gen

@@ -241,8 +241,10 @@ class Scheduler:
         self.wake()
 
     def _admit(self, gen: Generation, q: GenQueues, now: float) -> None:
+        if not q.waiting:
+            return
         st = gen.kv.statistics()
-        if st.free == 0 or not q.waiting:
+        if st.free == 0:
             return
         for item in gen.admission.pop_admissible(now, st.free, st.free_tokens):
             seq = q.waiting.pop(item.request_id)

