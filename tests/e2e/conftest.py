@@ -1,0 +1,38 @@
+"""E2E fixtures: the demo package is built ONCE per session into an isolated CALSERVE_HOME
+(``ensure_demo_package`` builds in a temporary directory and renames atomically), then real
+``hypercorn -k trio calserve:app`` processes serve it on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .server import ServerProcess, start_hypercorn
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/e2e/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def calserve_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from calserve.models.demo import ensure_demo_package
+
+    home = tmp_path_factory.mktemp("calserve-home")
+    ensure_demo_package(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The embedded default (no config): software runtime + demo package, alias ``qwen3``."""
+    proc = start_hypercorn(calserve_home, cwd=tmp_path_factory.mktemp("cwd"))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
