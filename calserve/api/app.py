@@ -107,8 +107,23 @@ def _trio_running() -> bool:
     return True
 
 
+def _expected(exc: BaseException | None) -> bool:
+    """A deliberate refusal (bad package/config): one log line, no traceback."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_expected(e) for e in exc.exceptions)
+    return isinstance(exc, CalserveError)
+
+
 class CalserveApp(QuartTrio):
-    """QuartTrio that refuses, with a clear message, to run under an asyncio ASGI server."""
+    """QuartTrio that refuses, with a clear message, to run under an asyncio ASGI server, and logs
+    expected refusals (CalserveError) as one line instead of a traceback."""
+
+    def log_exception(self, exception_info: Any) -> None:
+        exc = exception_info[1] if exception_info else None
+        if _expected(exc):
+            self.logger.error("%s", exc)
+            return
+        super().log_exception(exception_info)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if _trio_running():
@@ -175,7 +190,8 @@ def create_app(
             await app.nursery.start(host.run)
         except BaseException as e:
             state.startup_error = e
-            log.critical("calserve: the engine could not start: %s", e)
+            log.critical("calserve: the engine could not start: %s", e,
+                         exc_info=None if _expected(e) else e)
             raise
         log.info("calserve: engine started (models: %s)", ", ".join(host.config.models))
 

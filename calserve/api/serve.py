@@ -89,8 +89,9 @@ async def serve_app(
     hc = HyperConfig()
     host = config.server.host
     hc.bind = [f"[{host}]:{config.server.port}" if ":" in host else f"{host}:{config.server.port}"]
-    hc.errorlog = "-"
-    hc.accesslog = "-" if a.access_log else None
+    # Logger objects, not "-": hypercorn would add its own stderr handler next to basicConfig's.
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.accesslog = logging.getLogger("hypercorn.access") if a.access_log else None
     hc.loglevel = a.log_level.upper()
     outcome = {"failed": False}
 
@@ -115,7 +116,7 @@ async def serve_app(
             n.start_soon(on_failure)
 
     try:
-        await serve(app, hc, shutdown_trigger=shutdown_trigger,  # type: ignore[arg-type]
+        await serve(app, hc, shutdown_trigger=shutdown_trigger,
                     task_status=task_status)
     except BaseException as e:  # lifespan start-up failure and friends
         if isinstance(e, KeyboardInterrupt):
