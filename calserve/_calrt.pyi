@@ -28,6 +28,7 @@ class Device:
         tensors: list[tuple[str, np.ndarray]],
         profile: tuple[int, int, int, int, bool, bool],
         timing: tuple[float, float, float, float],
+        kv_owner: Calbin | None = None,
     ) -> Calbin: ...
 
 class Calbin:

@@ -22,9 +22,12 @@ static PyObject *Error;
 typedef calrt_status (*inject_fn)(calrt_device *, int, calrt_engine, int, int32_t, int32_t);
 typedef calrt_status (*simcfg_fn)(calrt_device *, int, int64_t, uint64_t);
 typedef calrt_status (*readkv_fn)(calrt_calbin *, int32_t, void *, size_t *);
+/* C3 calrt.h extension (shared KV): optional, so a vendor libcalrt without it still links. */
+typedef calrt_status (*sharekv_fn)(calrt_calbin *, calrt_calbin *);
 static inject_fn p_inject;
 static simcfg_fn p_simcfg;
 static readkv_fn p_readkv;
+static sharekv_fn p_sharekv;
 
 static void resolve_sim(void) {
   Dl_info info;
@@ -34,6 +37,7 @@ static void resolve_sim(void) {
   p_inject = (inject_fn)dlsym(h, "calrt_sim_inject_fault");
   p_simcfg = (simcfg_fn)dlsym(h, "calrt_sim_configure");
   p_readkv = (readkv_fn)dlsym(h, "calrt_sim_read_kv");
+  p_sharekv = (sharekv_fn)dlsym(h, "calrt_calbin_share_kv");
   /* keep the handle: the library stays loaded for the process anyway */
 }
 
@@ -148,10 +152,11 @@ static PyObject *Device_capabilities(DeviceObject *self, PyObject *noargs) {
   NEED_DEV(self);
   calrt_device_info i;
   CALL(calrt_device_info_get(self->dev, &i));
-  return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "profile", i.profile, "runtime",
+  return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "profile", i.profile, "runtime",
                        i.runtime, "chips", i.chips, "queue_depth", i.queue_depth, "batch_profiles",
                        i.batch_profiles, "multi_calbin", i.multi_calbin, "chip_scoped", i.chip_scoped,
-                       "pingpong", i.pingpong, "do_shift", i.do_shift, "sim_debug", p_inject != NULL);
+                       "pingpong", i.pingpong, "do_shift", i.do_shift, "sim_debug", p_inject != NULL,
+                       "shared_kv", p_sharekv != NULL && i.shared_kv);
 }
 
 static PyObject *Device_dram(DeviceObject *self, PyObject *args) {
@@ -208,23 +213,37 @@ static void release_bufs(CalbinObject *c) {
   c->n_bufs = 0;
 }
 
-/* load_calbin(chip, model, tensors, profile, timing) -> Calbin: create + configure. */
+/* load_calbin(chip, model, tensors, profile, timing, kv_owner=None) -> Calbin: create (+ share_kv) +
+ * configure. */
 static PyObject *Device_load_calbin(DeviceObject *self, PyObject *args) {
   int chip;
-  PyObject *tensors;
+  PyObject *tensors, *owner_obj = Py_None;
   calrt_model_desc m;
   calrt_profile p;
   calrt_timing t;
   int tie, kvd, vm, il;
   double eps;
-  if (!PyArg_ParseTuple(args, "i(iiiiiiiddp)O(iiiipp)(dddd)", &chip, &m.vocab_size, &m.hidden_size,
+  if (!PyArg_ParseTuple(args, "i(iiiiiiiddp)O(iiiipp)(dddd)|O", &chip, &m.vocab_size, &m.hidden_size,
                         &m.intermediate_size, &m.num_hidden_layers, &m.num_attention_heads,
                         &m.num_key_value_heads, &m.head_dim, &eps, &m.rope_theta,
                         &tie, &tensors, &p.compiled_batch, &p.max_seq, &p.max_sequences, &kvd, &vm, &il,
                         &t.prefill_base_us, &t.prefill_us_per_token, &t.decode_step_us,
-                        &t.pingpong_overlap))
+                        &t.pingpong_overlap, &owner_obj))
     return NULL;
   NEED_DEV(self);
+  calrt_calbin *kv_owner = NULL;
+  if (owner_obj != Py_None) {
+    if (!PyObject_TypeCheck(owner_obj, &CalbinType)) {
+      PyErr_SetString(PyExc_TypeError, "kv_owner must be a Calbin or None");
+      return NULL;
+    }
+    CalbinObject *oo = (CalbinObject *)owner_obj;
+    if (!oo->cb || oo->owner != self) return raise_code(CALRT_E_INVALID_ARGUMENT, "kv_owner: the calbin was "
+                                                        "released or belongs to another device");
+    if (!p_sharekv) return raise_code(CALRT_E_NOT_SUPPORTED, "kv_owner: shared KV (C3) is not provided by "
+                                      "this runtime build");
+    kv_owner = oo->cb;
+  }
   m.rms_norm_eps = (float)eps;
   m.tie_word_embeddings = tie;
   p.kv_dtype = kvd ? CALRT_KV_BF16 : CALRT_KV_FP32;
@@ -273,7 +292,8 @@ static PyObject *Device_load_calbin(DeviceObject *self, PyObject *args) {
     char msg[256];
     Py_BEGIN_ALLOW_THREADS st = calrt_calbin_create(self->dev, chip, &m, n ? ts : NULL, (size_t)n, &p, &t, &cb);
     if (st == CALRT_OK) {
-      st = calrt_calbin_configure(cb);
+      st = kv_owner ? p_sharekv(cb, kv_owner) : CALRT_OK;
+      if (st == CALRT_OK) st = calrt_calbin_configure(cb);
       if (st != CALRT_OK) {
         snprintf(msg, sizeof msg, "%s", calrt_last_error());
         calrt_calbin_destroy(cb);
@@ -381,7 +401,7 @@ static PyObject *Calbin_introspect(CalbinObject *self, PyObject *noargs) {
     Py_DECREF(e);
   }
   const calrt_model_desc *m = &i.model;
-  return Py_BuildValue(
+  PyObject *d = Py_BuildValue(
       "{s:i,s:i,s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:d,s:d,s:O},s:N,s:i,s:i,s:i,s:s,"
       "s:{s:s,s:(iiiii),s:s,s:K},s:O,s:O,s:O,s:s,s:K,s:O,s:O,s:O}",
       "calbin_id", i.calbin_id, "chip", i.chip, "model", "vocab_size", m->vocab_size, "hidden_size",
@@ -399,6 +419,16 @@ static PyObject *Calbin_introspect(CalbinObject *self, PyObject *noargs) {
       i.inactive_writes_kv ? Py_True : Py_False, "exact_submodel", "decoder", "dram_bytes",
       (unsigned long long)i.dram_bytes, "configured", i.configured ? Py_True : Py_False, "needs_reconfigure",
       i.needs_reconfigure ? Py_True : Py_False, "null_compute", i.null_compute ? Py_True : Py_False);
+  if (!d) return NULL;
+  PyObject *g = Py_BuildValue("{s:i,s:i,s:K}", "kv_group", i.kv_group_id, "kv_group_size", i.kv_group_size,
+                              "shared_dram_bytes", (unsigned long long)i.shared_dram_bytes);
+  if (!g || PyDict_Update(d, g) < 0) {
+    Py_XDECREF(g);
+    Py_DECREF(d);
+    return NULL;
+  }
+  Py_DECREF(g);
+  return d;
 }
 
 static PyObject *Calbin_can_allocate(CalbinObject *self, PyObject *args) {

@@ -21,10 +21,16 @@ Contract in brief (the full C-level contract is documented in ``ext/calrt/includ
   until ``free_sequence``). Weights stay configured except after ``DMA_UNKNOWN``.
 * Every output lane echoes ``(job_id, seq_id, position)`` and a 64-bit FNV-1a checksum of its logits row
   bytes; :func:`logits_checksum` / :func:`corrupted_lanes` let the caller detect crosstalk.
+* Shared KV (C3, ``capabilities.shared_kv``, sim-next only): ``load_calbin(..., kv_owner=cb)`` makes the
+  new calbin (e.g. the B16 profile) a member of ``cb``'s KV group (e.g. the B1 profile of the same
+  model): one KvManager, one set of sequences and one weights + KV DRAM charge for the whole group, so a
+  sequence can be decoded at B1 and at B16 alternately (spec §8). Members are released in any order;
+  the group's KV lives until the last one is released. ``calrt-0.7.6``: :class:`NotSupported`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -208,7 +214,13 @@ class Calbin:
     """
 
     def __init__(
-        self, device: Device, handle: Any, config: ModelConfig, spec: ProfileSpec, chip: int
+        self,
+        device: Device,
+        handle: Any,
+        config: ModelConfig,
+        spec: ProfileSpec,
+        chip: int,
+        kv_owner: Calbin | None = None,
     ) -> None:
         self._device = device
         self._h = handle
@@ -216,6 +228,23 @@ class Calbin:
         self.spec = spec
         self.chip = chip
         self.calbin_id: int = int(handle.calbin_id)
+        #: The calbin passed as ``kv_owner`` at load (None for a standalone calbin / group creator).
+        self.kv_owner: Calbin | None = kv_owner
+        # Invariant: a loaded calbin stays in the same KV group until release (the facade never
+        # resets a configuration without destroying the calbin), so the id can be cached.
+        self.kv_group: int = int(handle.introspect()["kv_group"])
+        self._released = False
+
+    def kv_group_members(self) -> list[Calbin]:
+        """Live calbins of this device sharing this calbin's KvManager (itself included), in load
+        order. A standalone calbin is a group of one. Empty once released."""
+        if self._released:
+            return []
+        return [cb for cb in self._device.calbins() if cb.kv_group == self.kv_group]
+
+    @property
+    def released(self) -> bool:
+        return self._released
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def introspect(self) -> dict[str, Any]:
@@ -241,6 +270,7 @@ class Calbin:
         """ResetConfiguration + destroy: frees the DRAM. :class:`InvalidArgument` while jobs are in
         flight on it (wait for them or reset the chip first). Idempotent."""
         _call(self._h.release)
+        self._released = True
         self._device._forget(self)
 
     # ---- KvManager ---------------------------------------------------------------------------
@@ -370,6 +400,10 @@ class Device:
             pingpong=bool(caps["pingpong"]),
             do_shift=bool(caps["do_shift"]),
         )
+        # shared_kv is also a property of the build: a runtime without calrt_calbin_share_kv lacks it.
+        has_shared = bool(caps.get("shared_kv", False))
+        if self.capabilities.shared_kv != has_shared:
+            self.capabilities = dataclasses.replace(self.capabilities, shared_kv=has_shared)
         self.chips: int = int(caps["chips"])
         self.queue_depth: int = int(caps["queue_depth"])
         self.sim_debug: bool = bool(caps["sim_debug"])
@@ -436,8 +470,18 @@ class Device:
         spec: ProfileSpec,
         timing: Timing | None = None,
         chip: int = 0,
+        kv_owner: Calbin | None = None,
     ) -> Calbin:
         """CreateCalbin + configure + KvManager on ``chip``; charges weights + KV DRAM.
+
+        ``kv_owner`` (C3 shared KV, sim-next only): an already loaded calbin of the same model; the new
+        calbin joins its KV group — the same KvManager (sequence ids, committed lengths, KV memory) and
+        the same weights, charged once: the new calbin costs only its own pools (activation scratch).
+        KvManager methods and jobs on any member act on the shared sequences; a sequence in use by a job
+        on one member is in use for all. ``weights`` must be the very same arrays as the owner's,
+        ``config`` equal, ``spec.max_seq`` / ``max_sequences`` / ``kv_dtype`` equal, ``chip`` the same
+        (``compiled_batch``, ``valid_mask`` and ``timing`` may differ); else :class:`InvalidArgument`
+        naming what differs. Without ``capabilities.shared_kv``: :class:`NotSupported`.
 
         Weights (HF names, float32, shapes per :func:`weight_shapes`) are NOT copied: the arrays are
         kept referenced until ``release``. With ``null_compute`` weights may be ``{}``.
@@ -480,8 +524,19 @@ class Device:
             raise InvalidArgument("timing.pingpong_overlap must be in [0, 1]", 1)
         tim = (float(t.prefill_base_us), float(t.prefill_us_per_token),
                _decode_step_us(t, spec.compiled_batch), float(t.pingpong_overlap))
-        h = _call(self._h.load_calbin, int(chip), model, tensors, prof, tim)
-        cb = Calbin(self, h, config, spec, int(chip))
+        owner_h = None
+        if kv_owner is not None:
+            if not self.capabilities.shared_kv:
+                raise NotSupported(f"kv_owner: shared KV across calbins (C3) is not supported by runtime "
+                                   f"profile {self.profile}", 2)
+            if not isinstance(kv_owner, Calbin) or kv_owner._device is not self or kv_owner.released:
+                raise InvalidArgument("kv_owner: must be a loaded, not released Calbin of this device", 1)
+            if kv_owner.chip != int(chip):
+                raise InvalidArgument(f"kv_owner: is on chip {kv_owner.chip}, not chip {int(chip)} (KV "
+                                      "lives in one chip's DRAM)", 1)
+            owner_h = kv_owner._h
+        h = _call(self._h.load_calbin, int(chip), model, tensors, prof, tim, owner_h)
+        cb = Calbin(self, h, config, spec, int(chip), kv_owner)
         self._calbins.append(cb)
         return cb
 

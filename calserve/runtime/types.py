@@ -5,11 +5,12 @@ C binding ``calserve._calrt``; mirrored, async, by the engine's trio-native fake
 
 ``Device.open(profile="calrt-0.7.6", dram_bytes=..., null_compute=False) -> Device``
     One physical VirtualDevice per process: a second open raises :class:`DeviceAlreadyOpen`.
-``Device.load_calbin(config, weights, spec, timing=None, chip=0) -> Calbin``
+``Device.load_calbin(config, weights, spec, timing=None, chip=0, kv_owner=None) -> Calbin``
     CreateCalbin + configure + KvManager. Charges DRAM (weights + KV for ``spec.max_sequences`` x
     ``spec.max_seq``); :class:`OutOfDeviceMemory` if it does not fit; :class:`NotSupported` for a
     second resident calbin without the multi-calbin capability, or ``compiled_batch > 1`` without the
-    batch capability.
+    batch capability. With ``kv_owner`` (C3 ``shared_kv``, sim-next only) the new calbin joins the
+    owner's KV group: same KvManager, sequences and weights, charged once.
 ``Calbin``: ``introspect()``, ``release()``, KvManager (``can_allocate(n)``, ``create_sequence()``,
     ``free_sequence(id)``, ``committed_len(id)``, ``remove_tokens_at_end(id, n)``, ``do_shift(id, n)``,
     NotSupported ops), jobs (``submit_prefill``, ``submit_decode``) returning a ``Job`` whose
@@ -86,6 +87,8 @@ class RuntimeCapabilities:
     pingpong: bool  # two job engines usable (C1/C2)
     do_shift: bool  # DoShift present (C1)
     incremental_prefill: bool = False  # chunked prefill: not declared by any profile (spec §6)
+    # calbins of one model share one KvManager + weights (load_calbin(kv_owner=...)); C3, sim only
+    shared_kv: bool = False
 
 
 RUNTIME_PROFILES: dict[str, RuntimeCapabilities] = {
@@ -104,6 +107,7 @@ RUNTIME_PROFILES: dict[str, RuntimeCapabilities] = {
         chip_scoped=True,
         pingpong=True,
         do_shift=True,
+        shared_kv=True,
     ),
 }
 

@@ -117,6 +117,7 @@ typedef struct calrt_device_info {
   int chip_scoped;    /* C3 */
   int pingpong;
   int do_shift; /* C1 */
+  int shared_kv; /* C3, sim-next only: calrt_calbin_share_kv (KV groups across batch profiles) */
 } calrt_device_info;
 
 typedef struct calrt_counters {
@@ -186,6 +187,10 @@ typedef struct calrt_calbin_info {
   int32_t kv_shape[5];          /* per sequence: [layers, 2 (K,V), kv_heads, max_seq, head_dim] */
   int32_t inactive_writes_kv;   /* always 0 in calrt-sim */
   int32_t null_compute;
+  /* KV group (see calrt_calbin_share_kv). A standalone configured calbin is a group of one. */
+  int32_t kv_group_id;          /* 0 while the calbin has no KvManager (not configured, not joined) */
+  int32_t kv_group_size;        /* calbins currently sharing the group's KvManager */
+  uint64_t shared_dram_bytes;   /* weights + KV of the group, charged once while the group lives */
 } calrt_calbin_info;
 
 typedef struct calrt_tensor_info {
@@ -203,13 +208,41 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
                                  const calrt_profile *profile, const calrt_timing *timing,
                                  calrt_calbin **out);
 /* Configure (or reconfigure after DMA_UNKNOWN): charges DRAM (OUT_OF_DEVICE_MEMORY if it does not
- * fit), sets up the KvManager. NOT_SUPPORTED if another calbin is configured and multi-calbin is off. */
+ * fit), sets up the KvManager. NOT_SUPPORTED if another calbin is configured and multi-calbin is off.
+ * A calbin that joined a KV group (calrt_calbin_share_kv) is charged only its own pools and uses the
+ * group's KvManager; otherwise it starts a new group of one (weights + KV + its pools charged). */
 calrt_status calrt_calbin_configure(calrt_calbin *cb);
-/* ResetConfiguration: frees DRAM and every KV sequence. CALRT_E_IN_USE while jobs are in flight. */
+/* ResetConfiguration: frees DRAM and every KV sequence. CALRT_E_IN_USE while jobs are in flight (on this
+ * calbin). A member of a KV group only leaves the group (its own pools are freed); the group's sequences,
+ * KV memory and weights charge are freed when its last member leaves. */
 calrt_status calrt_calbin_reset_configuration(calrt_calbin *cb);
 /* Destroy (resetting the configuration first). CALRT_E_IN_USE while jobs are in flight. */
 calrt_status calrt_calbin_destroy(calrt_calbin *cb);
 calrt_status calrt_calbin_info_get(calrt_calbin *cb, calrt_calbin_info *out);
+
+/* ---- shared KV across batch profiles (C3: sim-next only, NOT described as hardware-supported) -----
+ *
+ * calrt_calbin_share_kv(cb, owner), called between calrt_calbin_create(cb) and its first
+ * calrt_calbin_configure(cb), makes cb a member of owner's KV group: cb uses the group's KvManager
+ * (sequence ids, committed lengths, valid flags, KV memory) and the group's weights, so configure
+ * charges DRAM only for cb's own pools (activation scratch). This is what lets an engine run one sequence
+ * at B1 under low load and in a B16 batch under high load (spec §8) without moving KV.
+ *
+ *   - capability: calrt_device_info.shared_kv; without it CALRT_E_NOT_SUPPORTED (calrt-0.7.6).
+ *   - owner: any configured calbin of the group (not needing a reconfigure: else NEEDS_RECONFIGURE) on
+ *     the same chip, with the same model description, the very same weight buffers (pointer equality,
+ *     per tensor), and the same max_seq, max_sequences and kv_dtype; compiled_batch, valid_mask and
+ *     timing may differ. Anything else: CALRT_E_INVALID_ARGUMENT naming what differs.
+ *   - KvManager calls on any member act on the shared sequences. A job on any member reads/writes
+ *     them; the concurrency rules are group-wide (a sequence written by a running job of one member is
+ *     INVALID for a job of another; a sequence used by a job in flight on any member is IN_USE).
+ *   - release: any member (the owner too) may be reset/destroyed whenever it has no job in flight; the
+ *     group lives (refcount) until its last member leaves, then its KV and weights charge are freed.
+ *   - reset invalidates the group's sequences (once; idempotent); after DMA_UNKNOWN every configured
+ *     member reports needs_reconfigure and is configured again individually.
+ * Vendor confirmation needed (spec §20 item 5): whether calbins of one model can share weights and a
+ * KvManager, and the formal API for it. */
+calrt_status calrt_calbin_share_kv(calrt_calbin *cb, calrt_calbin *owner);
 calrt_status calrt_calbin_tensor_info(calrt_calbin *cb, int32_t index, calrt_tensor_info *out);
 
 /* ---- KvManager (per calbin) ---------------------------------------------------------------- */

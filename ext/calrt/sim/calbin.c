@@ -149,7 +149,8 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
     return st;
   }
   cb->kv_seq_bytes = sim_kv_seq_bytes(cb);
-  cb->dram_bytes = weights_bytes(cb) + cb->kv_seq_bytes * (uint64_t)p->max_sequences + scratch_bytes(cb);
+  cb->shared_bytes = weights_bytes(cb) + cb->kv_seq_bytes * (uint64_t)p->max_sequences;
+  cb->own_bytes = scratch_bytes(cb);
   pthread_mutex_lock(&dev->mu);
   cb->id = dev->next_calbin_id++;
   cb->next = dev->calbins;
@@ -189,19 +190,26 @@ calrt_status calrt_calbin_configure(calrt_calbin *cb) {
                      "supported by runtime profile %s; release it first", other, dev->info.profile);
     }
   }
-  if (cb->dram_bytes > ch->dram_capacity - ch->dram_used) {
+  /* A calbin that joined a KV group (calrt_calbin_share_kv) pays only its own pools; otherwise it
+   * starts its own group and pays weights + KV too. */
+  uint64_t need = cb->own_bytes + (cb->kv ? 0 : cb->shared_bytes);
+  if (need > ch->dram_capacity - ch->dram_used) {
     uint64_t free_b = ch->dram_capacity - ch->dram_used;
     pthread_mutex_unlock(&ch->mu);
     return sim_err(CALRT_E_OUT_OF_DEVICE_MEMORY, "DRAM reservation of %llu bytes does not fit on chip %d "
-                   "(%llu free of %llu)", (unsigned long long)cb->dram_bytes, ch->index,
+                   "(%llu free of %llu)", (unsigned long long)need, ch->index,
                    (unsigned long long)free_b, (unsigned long long)ch->dram_capacity);
   }
-  cb->seqs = calloc((size_t)cb->p.max_sequences, sizeof *cb->seqs);
-  if (!cb->seqs) {
-    pthread_mutex_unlock(&ch->mu);
-    return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+  if (!cb->kv) {
+    cb->kv = sim_kvgroup_new(cb);
+    if (!cb->kv) {
+      pthread_mutex_unlock(&ch->mu);
+      return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+    }
+    cb->kv_joined = 0;
+    cb->seqs = cb->kv->seqs;
   }
-  ch->dram_used += cb->dram_bytes;
+  ch->dram_used += need;
   cb->configured = 1;
   cb->needs_reconfigure = 0;
   pthread_mutex_unlock(&ch->mu);
@@ -218,15 +226,98 @@ calrt_status calrt_calbin_reset_configuration(calrt_calbin *cb) {
     return sim_err(CALRT_E_IN_USE, "calbin %d has %d job(s) in flight: wait for them or reset", cb->id, n);
   }
   if (cb->configured) {
-    sim_kv_free_all(cb);
-    free(cb->seqs);
-    cb->seqs = NULL;
-    ch->dram_used -= cb->dram_bytes;
+    ch->dram_used -= cb->own_bytes;
     cb->configured = 0;
     cb->needs_reconfigure = 0;
   }
+  /* Leave the KV group (also a joined-but-never-configured one); the last member frees the sequences,
+   * the KV memory and the weights charge. */
+  if (cb->kv) {
+    sim_kvgroup_unref(ch, cb->kv);
+    cb->kv = NULL;
+    cb->seqs = NULL;
+    cb->kv_joined = 0;
+  }
   pthread_mutex_unlock(&ch->mu);
   return CALRT_OK;
+}
+
+/* The weight buffer of expected tensor `i` (weight_shapes() order), as mapped at create. */
+static const float *tensor_ptr(const calrt_calbin *cb, int32_t i) {
+  int32_t nl = cb->m.num_hidden_layers;
+  if (i == 0) return cb->embed;
+  if (i <= 11 * nl) {
+    const sim_layer *l = &cb->layers[(i - 1) / 11];
+    const float *slots[11] = {l->in_norm, l->q, l->k, l->v, l->o, l->q_norm,
+                              l->k_norm, l->post_norm, l->gate, l->up, l->down};
+    return slots[(i - 1) % 11];
+  }
+  if (i == 11 * nl + 1) return cb->final_norm;
+  return cb->lm_head;
+}
+
+/* Why the two calbins cannot share KV + weights (message set), or CALRT_OK. */
+static calrt_status kv_compatible(const calrt_calbin *cb, const calrt_calbin *o) {
+  const calrt_model_desc *a = &cb->m, *b = &o->m;
+#define SAME(f)                                                                                       \
+  if (a->f != b->f)                                                                                   \
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: model." #f " differs (%g vs owner's %g)",     \
+                   (double)a->f, (double)b->f)
+  SAME(vocab_size); SAME(hidden_size); SAME(intermediate_size); SAME(num_hidden_layers);
+  SAME(num_attention_heads); SAME(num_key_value_heads); SAME(head_dim); SAME(rms_norm_eps);
+  SAME(rope_theta); SAME(tie_word_embeddings);
+#undef SAME
+  if (cb->p.max_seq != o->p.max_seq)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: profile.max_seq differs (%d vs owner's %d)",
+                   cb->p.max_seq, o->p.max_seq);
+  if (cb->p.max_sequences != o->p.max_sequences)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: profile.max_sequences differs (%d vs owner's %d): "
+                   "the group has one KvManager", cb->p.max_sequences, o->p.max_sequences);
+  if (cb->p.kv_dtype != o->p.kv_dtype)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: profile.kv_dtype differs (%s vs owner's %s)",
+                   cb->p.kv_dtype == CALRT_KV_BF16 ? "bf16" : "fp32",
+                   o->p.kv_dtype == CALRT_KV_BF16 ? "bf16" : "fp32");
+  if (cb->has_weights != o->has_weights)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: one calbin has weights, the other none");
+  if (cb->has_weights)
+    for (int32_t i = 0; i < cb->n_tensors; i++)
+      if (tensor_ptr(cb, i) != tensor_ptr(o, i))
+        return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: tensor '%s' is not the owner's buffer (shared "
+                       "weights must be the very same buffers)", cb->tinfo[i].name);
+  return CALRT_OK;
+}
+
+calrt_status calrt_calbin_share_kv(calrt_calbin *cb, calrt_calbin *owner) {
+  if (!cb || !owner) return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin/kv_owner is NULL");
+  calrt_device *dev = cb->dev;
+  if (!dev->info.shared_kv)
+    return sim_err(CALRT_E_NOT_SUPPORTED, "kv_owner: shared KV across calbins (C3) is not supported by "
+                   "runtime profile %s", dev->info.profile);
+  if (owner == cb) return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: a calbin cannot share with itself");
+  if (owner->dev != dev) return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: belongs to another device");
+  if (owner->chip != cb->chip)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: is on chip %d, this calbin on chip %d (KV lives in "
+                   "one chip's DRAM)", owner->chip->index, cb->chip->index);
+  calrt_status st = kv_compatible(cb, owner); /* immutable fields: no lock needed */
+  if (st) return st;
+  sim_chip *ch = cb->chip;
+  pthread_mutex_lock(&ch->mu);
+  if (cb->configured || cb->kv)
+    st = sim_err(CALRT_E_INVALID_ARGUMENT, "calbin %d is already configured or in a KV group: share_kv "
+                 "goes between create and configure", cb->id);
+  else if (!owner->configured || !owner->kv)
+    st = sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: calbin %d is not configured", owner->id);
+  else if (owner->needs_reconfigure)
+    st = sim_err(CALRT_E_NEEDS_RECONFIGURE, "kv_owner: calbin %d must be reconfigured first (DMA state "
+                 "unknown)", owner->id);
+  if (st == CALRT_OK) {
+    cb->kv = owner->kv;
+    cb->kv->refs++;
+    cb->kv_joined = 1;
+    cb->seqs = cb->kv->seqs;
+  }
+  pthread_mutex_unlock(&ch->mu);
+  return st;
 }
 
 calrt_status calrt_calbin_destroy(calrt_calbin *cb) {
@@ -252,11 +343,14 @@ calrt_status calrt_calbin_info_get(calrt_calbin *cb, calrt_calbin_info *out) {
   out->chip = cb->chip->index;
   out->configured = cb->configured;
   out->needs_reconfigure = cb->needs_reconfigure;
+  out->dram_bytes = cb->own_bytes + (cb->kv_joined ? 0 : cb->shared_bytes);
+  out->kv_group_id = cb->kv ? cb->kv->id : 0;
+  out->kv_group_size = cb->kv ? cb->kv->refs : 0;
+  out->shared_dram_bytes = cb->shared_bytes;
   pthread_mutex_unlock(&cb->chip->mu);
   out->model = cb->m;
   out->profile = cb->p;
   out->num_tensors = cb->n_tensors;
-  out->dram_bytes = cb->dram_bytes;
   int es = cb->p.kv_dtype == CALRT_KV_BF16 ? 2 : 4;
   out->kv_bytes_per_token = 2ULL * (uint64_t)cb->m.num_hidden_layers * (uint64_t)cb->m.num_key_value_heads *
                             (uint64_t)cb->m.head_dim * (uint64_t)es;

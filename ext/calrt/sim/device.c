@@ -69,9 +69,11 @@ calrt_status calrt_device_open(const calrt_open_params *params, calrt_device **o
   d->info.chip_scoped = next;
   d->info.pingpong = 1;
   d->info.do_shift = 1;
+  d->info.shared_kv = next;
   pthread_mutex_init(&d->mu, NULL);
   d->next_calbin_id = 1;
   atomic_init(&d->next_job_id, 1);
+  atomic_init(&d->next_kv_group_id, 1);
   for (int c = 0; c < d->info.chips; c++) {
     sim_chip *ch = &d->chips[c];
     ch->dev = d;
@@ -151,7 +153,8 @@ static void reset_chip(calrt_device *dev, sim_chip *ch) {
     pthread_cond_broadcast(&ch->changed);
     pthread_cond_wait(&ch->changed, &ch->mu);
   }
-  /* Invariant: no job of this chip is queued or running here, so KV can be invalidated safely. */
+  /* Invariant: no job of this chip is queued or running here, so KV can be invalidated safely. A KV
+   * group shared by several calbins is reached through each of them: invalidation is idempotent. */
   pthread_mutex_lock(&dev->mu);
   for (calrt_calbin *cb = dev->calbins; cb; cb = cb->next) {
     if (cb->chip != ch) continue;

@@ -33,6 +33,19 @@ typedef struct sim_fault {
   int32_t lane;
 } sim_fault;
 
+/* The KvManager + KV memory + weights charge of a KV group (C3 shared KV, sim-next). A standalone
+ * calbin is a group of one. Guarded by the chip mutex (every member lives on the same chip).
+ * Invariant: refs == number of calbins whose ->kv points here; the group (its sequences, KV bytes and
+ * the shared DRAM charge) is freed exactly when refs drops to 0. */
+typedef struct sim_kvgroup {
+  int32_t id;             /* unique per device (kv_group_id) */
+  int refs;
+  int32_t max_sequences;
+  uint64_t seq_bytes;     /* KV bytes per sequence */
+  uint64_t shared_bytes;  /* weights + KV of max_sequences sequences: charged once on the chip */
+  sim_seq *seqs;          /* [max_sequences] */
+} sim_kvgroup;
+
 struct calrt_job;
 
 typedef struct sim_engine {
@@ -69,6 +82,7 @@ struct calrt_device {
   pthread_mutex_t mu; /* guards calbin list + ids */
   struct calrt_calbin *calbins; /* linked list */
   int32_t next_calbin_id;
+  atomic_int next_kv_group_id;
   atomic_llong next_job_id;
 };
 
@@ -86,9 +100,12 @@ struct calrt_calbin {
   sim_layer *layers;
   int has_weights;
   int configured, needs_reconfigure;
-  uint64_t dram_bytes;
+  uint64_t own_bytes;    /* this calbin's own pools (activation scratch), charged while configured */
+  uint64_t shared_bytes; /* weights + KV: charged by the calbin's KV group once */
   uint64_t kv_seq_bytes; /* per sequence */
-  sim_seq *seqs;         /* [max_sequences] once configured */
+  sim_kvgroup *kv;       /* its KV group: own (configure) or joined (calrt_calbin_share_kv); chip->mu */
+  int kv_joined;         /* kv was joined from another calbin (so shared_bytes are not this one's) */
+  sim_seq *seqs;         /* == kv->seqs while kv != NULL (alias kept for the kernels), else NULL */
   int inflight;          /* jobs queued or running (chip->mu) */
 };
 
@@ -138,7 +155,8 @@ void sim_apply_crosstalk(calrt_job *job, int32_t lane);
 
 /* kv.c */
 uint64_t sim_kv_seq_bytes(const calrt_calbin *cb);
-void sim_kv_free_all(calrt_calbin *cb);
+sim_kvgroup *sim_kvgroup_new(calrt_calbin *cb); /* refs = 1; NULL on host OOM */
+void sim_kvgroup_unref(sim_chip *ch, sim_kvgroup *g); /* chip->mu held; frees + uncharges at 0 */
 void sim_kv_invalidate_all(calrt_calbin *cb);
 
 /* kernels.c: run the forward pass of `job` (rows: prefill tokens or valid decode lanes). Writes KV at

@@ -12,12 +12,29 @@ uint64_t sim_kv_seq_bytes(const calrt_calbin *cb) {
          (uint64_t)cb->p.max_seq * (uint64_t)cb->m.head_dim * es;
 }
 
-void sim_kv_free_all(calrt_calbin *cb) {
-  if (!cb->seqs) return;
-  for (int32_t i = 0; i < cb->p.max_sequences; i++) {
-    free(cb->seqs[i].kv);
-    memset(&cb->seqs[i], 0, sizeof cb->seqs[i]);
+sim_kvgroup *sim_kvgroup_new(calrt_calbin *cb) {
+  sim_kvgroup *g = calloc(1, sizeof *g);
+  if (!g) return NULL;
+  g->seqs = calloc((size_t)cb->p.max_sequences, sizeof *g->seqs);
+  if (!g->seqs) {
+    free(g);
+    return NULL;
   }
+  g->id = atomic_fetch_add(&cb->dev->next_kv_group_id, 1);
+  g->refs = 1;
+  g->max_sequences = cb->p.max_sequences;
+  g->seq_bytes = cb->kv_seq_bytes;
+  g->shared_bytes = cb->shared_bytes;
+  return g;
+}
+
+void sim_kvgroup_unref(sim_chip *ch, sim_kvgroup *g) {
+  if (!g || --g->refs > 0) return;
+  /* Invariant: the last member left with no job in flight, so no kernel reads these buffers. */
+  for (int32_t i = 0; i < g->max_sequences; i++) free(g->seqs[i].kv);
+  free(g->seqs);
+  ch->dram_used -= g->shared_bytes;
+  free(g);
 }
 
 void sim_kv_invalidate_all(calrt_calbin *cb) {
