@@ -282,6 +282,19 @@ def _draw_nucleus(
     return _draw_id_order(e, u)
 
 
+def _greedy_only(x: npt.NDArray[np.float32]) -> SampleResult:
+    """Fast path when every lane is greedy without logprobs (the common B1 decode step): one argmax
+    pass, no per-kind masks. The row check is the general path's: ``x[i, argmax]`` is the row's
+    max, NaN included (argmax stops at the first NaN), so a row is rejected exactly when its max is
+    not finite."""
+    tokens: npt.NDArray[np.int64] = x.argmax(axis=1).astype(np.int64, copy=False)
+    top = x[np.arange(x.shape[0]), tokens]
+    if not np.isfinite(top).all():
+        i = int(np.flatnonzero(~np.isfinite(top))[0])
+        raise ValueError(f"logits row {i} (lane {i}) is NaN or has no finite value")
+    return SampleResult(tokens=tokens, logprobs=[None] * x.shape[0])
+
+
 def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleResult:
     """Sample one token for every row of ``logits`` ([n, vocab] float32) with ``lanes[i]``'s rules.
 
@@ -299,9 +312,11 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
     if vocab < 1:
         raise ValueError("logits has an empty vocabulary axis")
     x = np.ascontiguousarray(x, dtype=np.float32)
-    tokens = np.zeros(n, dtype=np.int64)
     if n == 0:
-        return SampleResult(tokens=tokens, logprobs=[])
+        return SampleResult(tokens=np.zeros(0, dtype=np.int64), logprobs=[])
+    if all(ln.temperature == 0.0 and ln.logprobs is None for ln in lanes):
+        return _greedy_only(x)
+    tokens = np.zeros(n, dtype=np.int64)
     rowmax = x.max(axis=1)
     bad = ~np.isfinite(rowmax)  # max propagates NaN; -inf means the row has no finite value
     if bad.any():

@@ -254,3 +254,32 @@ def test_masked_minus_inf_tokens_are_never_drawn() -> None:
     res = sample_batch(x, lanes)
     assert set(res.tokens.tolist()) <= {1, 4}
     assert set(res.tokens.tolist()) == {1, 4}
+
+
+@given(logits_matrix(), st.data())
+def test_greedy_fast_path_equals_general_path(x: np.ndarray, data: st.DataObject) -> None:
+    """All-greedy batches without logprobs take a fast path; a greedy lane asking for logprobs
+    goes through the general one. Tokens must not depend on which path ran, and rows with NaN,
+    +inf or no finite value are rejected by both, naming the same (first) lane."""
+    n = x.shape[0]
+    bad = data.draw(st.lists(st.sampled_from(["nan", "inf", "-inf_row"]), max_size=n))
+    for i, kind in enumerate(bad):
+        if kind == "nan":
+            x[i, data.draw(st.integers(0, x.shape[1] - 1))] = np.nan
+        elif kind == "inf":
+            x[i, data.draw(st.integers(0, x.shape[1] - 1))] = np.inf
+        else:
+            x[i, :] = -np.inf
+    fast_lanes = [LaneSampling()] * n
+    general_lanes = [LaneSampling(logprobs=0)] * n
+    if bad:
+        with pytest.raises(ValueError, match="lane 0"):
+            sample_batch(x, fast_lanes)
+        with pytest.raises(ValueError, match="lane 0"):
+            sample_batch(x, general_lanes)
+        return
+    fast = sample_batch(x, fast_lanes)
+    general = sample_batch(x, general_lanes)
+    assert fast.tokens.dtype == np.int64
+    assert fast.tokens.tolist() == general.tokens.tolist()
+    assert fast.logprobs == [None] * n
