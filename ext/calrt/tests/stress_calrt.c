@@ -1,7 +1,10 @@
 /* Multi-threaded stress of calrt-sim (run under TSAN by `make tsan-test`): worker threads submit
  * prefill/decode jobs to both engines of both chips and wait with random timeouts, while a chaos thread
- * injects random faults and resets chips. Checks: every submitted job completes exactly once (waits
- * return a status; aborted/failed jobs leave no KV commit), nothing deadlocks, no data race. */
+ * injects random faults and resets chips. Chip 1 holds a shared-KV group (B4 + B1 member): its workers
+ * move their sequence between the two profiles at random. A churn thread keeps creating a B2 member of
+ * chip 0's KV group, running a sequence on it and destroying it while chip 0's workers use the owner.
+ * Checks: every submitted job completes exactly once (waits return a status; aborted/failed jobs leave
+ * no KV commit), nothing deadlocks, no data race, DRAM back to zero. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
@@ -13,9 +16,9 @@
 #define ITERS 500
 
 static calrt_device *dev;
-static calrt_calbin *cbs[2]; /* chip 0: B1, chip 1: B4 */
+static calrt_calbin *cbs[3]; /* chip 0: B1; chip 1: B4 + B1 sharing its KV group */
 static atomic_int stop_chaos;
-static atomic_long completed_ok, completed_other;
+static atomic_long completed_ok, completed_other, churn_rounds;
 
 static unsigned rnd(unsigned *s) { *s = *s * 1103515245u + 12345u; return (*s >> 16) & 0x7FFF; }
 
@@ -26,6 +29,11 @@ static void *worker(void *arg) {
   int lanes = chip ? 4 : 1;
   int32_t seq = -1, len = 0, tok = 1;
   for (int it = 0; it < ITERS; it++) {
+    if (chip == 1) { /* same sequence, either profile of the group */
+      int b1 = rnd(&seed) % 2;
+      cb = cbs[b1 ? 2 : 1];
+      lanes = b1 ? 1 : 4;
+    }
     int valid = 0;
     if (seq >= 0 && (calrt_kv_sequence_valid(cb, seq, &valid) != CALRT_OK || !valid)) {
       CHECK(calrt_kv_free_sequence(cb, seq) == CALRT_OK);
@@ -86,6 +94,46 @@ static void *worker(void *arg) {
   return NULL;
 }
 
+/* Members joining and leaving chip 0's KV group while its owner is in use. */
+static void *churn(void *arg) {
+  test_model *tm = arg;
+  calrt_profile p2 = {2, 48, THREADS, CALRT_KV_FP32, 1, 0};
+  calrt_timing t = {20, 5, 100, 0.5};
+  unsigned seed = 99;
+  while (!atomic_load(&stop_chaos)) {
+    calrt_calbin *m = NULL;
+    CHECK(calrt_calbin_create(dev, 0, &tm->m, tm->t, (size_t)tm->n, &p2, &t, &m) == CALRT_OK);
+    calrt_status st = calrt_calbin_share_kv(m, cbs[0]);
+    CHECK(st == CALRT_OK || st == CALRT_E_NEEDS_RECONFIGURE);
+    if (st == CALRT_OK) st = calrt_calbin_configure(m);
+    int32_t seq = -1;
+    if (st == CALRT_OK) st = calrt_kv_create_sequence(m, &seq);
+    CHECK(st == CALRT_OK || st == CALRT_E_FAULTED || st == CALRT_E_NEEDS_RECONFIGURE ||
+          st == CALRT_E_OUT_OF_SEQUENCES);
+    for (int k = 0; st == CALRT_OK && k < 4; k++) {
+      calrt_job *j = NULL;
+      int32_t p[2] = {3, (int32_t)(rnd(&seed) % 61)}, len = 0;
+      if (calrt_kv_committed_len(m, seq, &len) != CALRT_OK) break;
+      if (len == 0) {
+        CHECK(calrt_job_create_prefill(m, seq, p, 2, &j) == CALRT_OK);
+      } else {
+        int32_t sid[2] = {seq, seq}, tk[2] = {p[1], 0}, ps[2] = {len, 0};
+        uint8_t va[2] = {1, 0};
+        CHECK(calrt_job_create_decode(m, sid, tk, ps, va, 2, &j) == CALRT_OK);
+      }
+      if (calrt_job_submit(j, rnd(&seed) % 2 ? CALRT_ENGINE_PONG : CALRT_ENGINE_PING) == CALRT_OK) {
+        calrt_job_status js;
+        CHECK(calrt_job_wait(j, -1, &js) == CALRT_OK);
+      }
+      calrt_job_release(j);
+    }
+    if (seq >= 0) CHECK(calrt_kv_free_sequence(m, seq) == CALRT_OK);
+    CHECK(calrt_calbin_destroy(m) == CALRT_OK); /* nothing in flight on it: always allowed */
+    atomic_fetch_add(&churn_rounds, 1);
+  }
+  return NULL;
+}
+
 static void *chaos(void *arg) {
   unsigned seed = 4242;
   while (!atomic_load(&stop_chaos)) {
@@ -111,17 +159,23 @@ int main(void) {
   test_model tm;
   make_model(&tm, 1);
   calrt_profile p1 = {1, 48, THREADS, CALRT_KV_FP32, 1, 0}, p4 = {4, 48, THREADS, CALRT_KV_BF16, 1, 0};
+  calrt_profile p1b = {1, 48, THREADS, CALRT_KV_BF16, 1, 0};
   calrt_timing t = {50, 10, 200, 0.5};
   CHECK(calrt_calbin_create(dev, 0, &tm.m, tm.t, (size_t)tm.n, &p1, &t, &cbs[0]) == CALRT_OK);
   CHECK(calrt_calbin_configure(cbs[0]) == CALRT_OK);
   CHECK(calrt_calbin_create(dev, 1, &tm.m, tm.t, (size_t)tm.n, &p4, &t, &cbs[1]) == CALRT_OK);
   CHECK(calrt_calbin_configure(cbs[1]) == CALRT_OK);
-  pthread_t th[THREADS], ch;
+  CHECK(calrt_calbin_create(dev, 1, &tm.m, tm.t, (size_t)tm.n, &p1b, &t, &cbs[2]) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(cbs[2], cbs[1]) == CALRT_OK);
+  CHECK(calrt_calbin_configure(cbs[2]) == CALRT_OK);
+  pthread_t th[THREADS], ch, cu;
   CHECK(pthread_create(&ch, NULL, chaos, NULL) == 0);
+  CHECK(pthread_create(&cu, NULL, churn, &tm) == 0);
   for (uintptr_t i = 0; i < THREADS; i++) CHECK(pthread_create(&th[i], NULL, worker, (void *)i) == 0);
   for (int i = 0; i < THREADS; i++) pthread_join(th[i], NULL);
   atomic_store(&stop_chaos, 1);
   pthread_join(ch, NULL);
+  pthread_join(cu, NULL);
   CHECK(calrt_device_reset(dev, -1) == CALRT_OK);
   for (int c = 0; c < 2; c++) {
     calrt_counters a, b;
@@ -131,12 +185,17 @@ int main(void) {
     CHECK(a.submitted == a.completed + a.failed && b.submitted == b.completed + b.failed);
   }
   CHECK(calrt_calbin_destroy(cbs[0]) == CALRT_OK);
-  CHECK(calrt_calbin_destroy(cbs[1]) == CALRT_OK);
+  CHECK(calrt_calbin_destroy(cbs[1]) == CALRT_OK); /* the group's creator first: cbs[2] keeps the KV */
   uint64_t cap, used;
+  calrt_calbin_info i2;
+  CHECK(calrt_calbin_info_get(cbs[2], &i2) == CALRT_OK && i2.kv_group_size == 1);
+  CHECK(calrt_device_dram(dev, 1, &cap, &used) == CALRT_OK && used == i2.dram_bytes + i2.shared_dram_bytes);
+  CHECK(calrt_calbin_destroy(cbs[2]) == CALRT_OK);
   CHECK(calrt_device_dram(dev, 0, &cap, &used) == CALRT_OK && used == 0);
+  CHECK(calrt_device_dram(dev, 1, &cap, &used) == CALRT_OK && used == 0);
   CHECK(calrt_device_close(dev) == CALRT_OK);
   free_model(&tm);
-  printf("calrt-sim stress: OK (%ld ok, %ld failed/aborted/invalid)\n", atomic_load(&completed_ok),
-         atomic_load(&completed_other));
+  printf("calrt-sim stress: OK (%ld ok, %ld failed/aborted/invalid, %ld member join/leave rounds)\n",
+         atomic_load(&completed_ok), atomic_load(&completed_other), atomic_load(&churn_rounds));
   return 0;
 }

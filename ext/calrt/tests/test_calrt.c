@@ -16,6 +16,147 @@ static int argmax(const float *x, int n) {
   return b;
 }
 
+/* Greedy decode `steps` tokens of `seq` at `lane` of the calbin chosen per step (cbs[pick[k]]), after
+ * a prefill on cbs[0]; logits rows into out[steps + 1][V]. */
+static void run_schedule(calrt_calbin **cbs, const int *lanes_of, const int *pick, int steps, int32_t seq,
+                         const int32_t *prompt, int plen, int V, float *out) {
+  calrt_job *j;
+  calrt_job_result r;
+  CHECK(calrt_job_create_prefill(cbs[0], seq, prompt, plen, &j) == CALRT_OK);
+  CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+  CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+  memcpy(out, r.logits, sizeof(float) * (size_t)V);
+  calrt_job_release(j);
+  for (int k = 0; k < steps; k++) {
+    calrt_calbin *cb = cbs[pick[k]];
+    int B = lanes_of[pick[k]], lane = k % B;
+    int32_t sid[16], tk[16], ps[16];
+    uint8_t va[16] = {0};
+    for (int l = 0; l < B; l++) { sid[l] = seq; tk[l] = 0; ps[l] = 0; }
+    tk[lane] = argmax(out + (size_t)k * V, V);
+    ps[lane] = plen + k;
+    va[lane] = 1;
+    CHECK(calrt_job_create_decode(cb, sid, tk, ps, va, B, &j) == CALRT_OK);
+    CHECK(run(j, k % 2 ? CALRT_ENGINE_PONG : CALRT_ENGINE_PING) == CALRT_JOB_OK);
+    CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+    CHECK(r.echo[3 * lane + 1] == seq && r.echo[3 * lane + 2] == plen + k);
+    memcpy(out + (size_t)(k + 1) * V, r.logits + (size_t)lane * V, sizeof(float) * (size_t)V);
+    calrt_job_release(j);
+  }
+}
+
+#define ERR_HAS(s) (strstr(calrt_last_error(), (s)) != NULL)
+
+/* Shared KV groups (C3, sim-next): refusals, DRAM charged once, bitwise B1/B4 interleaving, release
+ * in either order, reset invalidation, in-use rules across members. */
+static void test_shared_kv(calrt_device *dev, test_model *tm) {
+  const int V = tm->m.vocab_size, STEPS = 6;
+  calrt_profile p1 = {1, 40, 3, CALRT_KV_FP32, 1, 0}, p4 = {4, 40, 3, CALRT_KV_FP32, 1, 0};
+  calrt_timing t0 = {0};
+  uint64_t cap, base, used;
+  CHECK(calrt_device_dram(dev, 0, &cap, &base) == CALRT_OK);
+  calrt_calbin *o, *m, *bad;
+  CHECK(calrt_calbin_create(dev, 0, &tm->m, tm->t, (size_t)tm->n, &p1, &t0, &o) == CALRT_OK);
+  CHECK(calrt_calbin_create(dev, 0, &tm->m, tm->t, (size_t)tm->n, &p4, &t0, &m) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(m, o) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("not configured"));
+  CHECK(calrt_calbin_configure(o) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(o, o) == CALRT_E_INVALID_ARGUMENT);
+  CHECK(calrt_calbin_share_kv(o, m) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("already configured"));
+  /* mismatches, each named */
+  calrt_profile pb = p4;
+  pb.max_sequences = 4;
+  CHECK(calrt_calbin_create(dev, 0, &tm->m, tm->t, (size_t)tm->n, &pb, &t0, &bad) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(bad, o) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("max_sequences"));
+  CHECK(calrt_calbin_destroy(bad) == CALRT_OK);
+  pb = p4;
+  pb.kv_dtype = CALRT_KV_BF16;
+  CHECK(calrt_calbin_create(dev, 0, &tm->m, tm->t, (size_t)tm->n, &pb, &t0, &bad) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(bad, o) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("kv_dtype"));
+  CHECK(calrt_calbin_destroy(bad) == CALRT_OK);
+  calrt_model_desc md = tm->m;
+  md.rope_theta = 5e5;
+  CHECK(calrt_calbin_create(dev, 0, &md, tm->t, (size_t)tm->n, &p4, &t0, &bad) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(bad, o) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("rope_theta"));
+  CHECK(calrt_calbin_destroy(bad) == CALRT_OK);
+  calrt_tensor copy[64];
+  memcpy(copy, tm->t, sizeof(calrt_tensor) * (size_t)tm->n);
+  size_t nb = sizeof(float) * (size_t)(copy[5].shape[0] * (copy[5].ndim == 2 ? copy[5].shape[1] : 1));
+  float *dup = malloc(nb);
+  memcpy(dup, copy[5].data, nb);
+  copy[5].data = dup;
+  CHECK(calrt_calbin_create(dev, 0, &tm->m, copy, (size_t)tm->n, &p4, &t0, &bad) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(bad, o) == CALRT_E_INVALID_ARGUMENT && ERR_HAS(tm->names[5]));
+  CHECK(calrt_calbin_destroy(bad) == CALRT_OK);
+  free(dup);
+  CHECK(calrt_calbin_create(dev, 1, &tm->m, tm->t, (size_t)tm->n, &p4, &t0, &bad) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(bad, o) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("chip"));
+  CHECK(calrt_calbin_destroy(bad) == CALRT_OK);
+  CHECK(calrt_device_dram(dev, 0, &cap, &used) == CALRT_OK);
+  calrt_calbin_info io, im;
+  CHECK(calrt_calbin_info_get(o, &io) == CALRT_OK && used - base == io.dram_bytes);
+  CHECK(io.kv_group_id > 0 && io.kv_group_size == 1 && io.shared_dram_bytes < io.dram_bytes);
+
+  /* join: only the member's own pools are charged */
+  CHECK(calrt_calbin_share_kv(m, o) == CALRT_OK);
+  CHECK(calrt_calbin_configure(m) == CALRT_OK);
+  CHECK(calrt_calbin_info_get(m, &im) == CALRT_OK && calrt_calbin_info_get(o, &io) == CALRT_OK);
+  CHECK(im.kv_group_id == io.kv_group_id && im.kv_group_size == 2 && io.kv_group_size == 2);
+  CHECK(im.dram_bytes < im.shared_dram_bytes && im.shared_dram_bytes == io.shared_dram_bytes);
+  uint64_t used2;
+  CHECK(calrt_device_dram(dev, 0, &cap, &used2) == CALRT_OK && used2 - used == im.dram_bytes);
+
+  /* bitwise: B1 only vs B1,B1,B4,B4,B1,B4 (lanes 0..3 of B4) */
+  calrt_calbin *cbs[2] = {o, m};
+  int lanes_of[2] = {1, 4}, all1[6] = {0, 0, 0, 0, 0, 0}, mixed[6] = {0, 0, 1, 1, 0, 1};
+  int32_t prompt[3] = {4, 50, 7}, sa, sb;
+  float *ra = malloc(sizeof(float) * (size_t)V * (STEPS + 1)), *rb = malloc(sizeof(float) * (size_t)V * (STEPS + 1));
+  CHECK(calrt_kv_create_sequence(o, &sa) == CALRT_OK && calrt_kv_create_sequence(m, &sb) == CALRT_OK);
+  CHECK(sa != sb);
+  run_schedule(cbs, lanes_of, all1, STEPS, sa, prompt, 3, V, ra);
+  run_schedule(cbs, lanes_of, mixed, STEPS, sb, prompt, 3, V, rb);
+  CHECK(memcmp(ra, rb, sizeof(float) * (size_t)V * (STEPS + 1)) == 0);
+  free(ra);
+  free(rb);
+  int32_t len = 0;
+  CHECK(calrt_kv_committed_len(o, sb, &len) == CALRT_OK && len == 3 + STEPS);
+
+  /* in use across members: a member's queued job pins the sequence for the owner too */
+  calrt_job *j;
+  calrt_job_status js;
+  int32_t tk = 1;
+  CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PONG, CALRT_SIM_FAULT_TIMEOUT, 1, 0) == CALRT_OK);
+  CHECK(calrt_job_create_prefill(m, sa, &tk, 1, &j) == CALRT_OK);
+  CHECK(calrt_job_submit(j, CALRT_ENGINE_PONG) == CALRT_OK);
+  CHECK(calrt_kv_free_sequence(o, sa) == CALRT_E_IN_USE);
+  CHECK(calrt_kv_remove_tokens_at_end(o, sa, 1) == CALRT_E_IN_USE);
+  CHECK(calrt_calbin_destroy(m) == CALRT_E_IN_USE);
+  /* the owner has no job in flight: it may leave; the group lives on */
+  CHECK(calrt_calbin_destroy(o) == CALRT_OK);
+  CHECK(calrt_device_dram(dev, 0, &cap, &used) == CALRT_OK && used - base == im.dram_bytes + im.shared_dram_bytes);
+  CHECK(calrt_calbin_info_get(m, &im) == CALRT_OK && im.kv_group_size == 1);
+  CHECK(calrt_device_reset(dev, 0) == CALRT_OK); /* aborts the job, invalidates the group once */
+  CHECK(calrt_job_wait(j, -1, &js) == CALRT_OK && js == CALRT_JOB_ABORTED);
+  calrt_job_release(j);
+  int valid = 1;
+  CHECK(calrt_kv_sequence_valid(m, sa, &valid) == CALRT_OK && !valid);
+  CHECK(calrt_kv_sequence_valid(m, sb, &valid) == CALRT_OK && !valid);
+  CHECK(calrt_kv_committed_len(m, sb, &len) == CALRT_E_SEQUENCE_INVALID);
+  CHECK(calrt_kv_free_sequence(m, sa) == CALRT_OK && calrt_kv_free_sequence(m, sb) == CALRT_OK);
+
+  /* a new member joins the surviving member; then the member that created nothing leaves last */
+  calrt_calbin *o2;
+  CHECK(calrt_calbin_create(dev, 0, &tm->m, tm->t, (size_t)tm->n, &p1, &t0, &o2) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(o2, m) == CALRT_OK);
+  CHECK(calrt_calbin_destroy(m) == CALRT_OK); /* o2 joined but never configured: still holds the group */
+  CHECK(calrt_calbin_configure(o2) == CALRT_OK);
+  CHECK(calrt_kv_create_sequence(o2, &sa) == CALRT_OK);
+  CHECK(calrt_job_create_prefill(o2, sa, prompt, 3, &j) == CALRT_OK);
+  CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+  calrt_job_release(j);
+  CHECK(calrt_calbin_destroy(o2) == CALRT_OK);
+  CHECK(calrt_device_dram(dev, 0, &cap, &used) == CALRT_OK && used == base);
+}
+
 int main(void) {
   calrt_device *dev = NULL, *dev2 = NULL;
   calrt_open_params op = {"sim-next", 64u << 20};
@@ -166,6 +307,7 @@ int main(void) {
   CHECK(calrt_calbin_destroy(c1) == CALRT_OK);
   CHECK(calrt_calbin_destroy(c4) == CALRT_OK);
   CHECK(calrt_device_dram(dev, 0, &cap, &used) == CALRT_OK && used == used0);
+  test_shared_kv(dev, &tm);
   CHECK(calrt_device_close(dev) == CALRT_OK);
 
   calrt_open_params old = {"calrt-0.7.6", 64u << 20};
@@ -176,6 +318,9 @@ int main(void) {
   CHECK(calrt_calbin_create(dev, 0, &tm.m, tm.t, (size_t)tm.n, &p1, &t0, &a) == CALRT_OK);
   CHECK(calrt_calbin_create(dev, 0, &tm.m, tm.t, (size_t)tm.n, &p1, &t0, &b) == CALRT_OK);
   CHECK(calrt_calbin_configure(a) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(b, a) == CALRT_E_NOT_SUPPORTED && ERR_HAS("shared KV"));
+  calrt_device_info di;
+  CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && !di.shared_kv);
   CHECK(calrt_calbin_configure(b) == CALRT_E_NOT_SUPPORTED);
   CHECK(calrt_calbin_reset_configuration(a) == CALRT_OK);
   CHECK(calrt_calbin_configure(b) == CALRT_OK);
