@@ -111,7 +111,7 @@ class BackendCalbin(Protocol):
 
     async def release(self) -> None: ...
 
-    def checksum_ok(self, result: JobResult, lanes: np.ndarray) -> np.ndarray:
+    def checksum_ok(self, result: JobResult, lanes: Sequence[int]) -> list[bool]:
         """Per requested lane: does the runtime's checksum match the logits row received?"""
         ...
 
@@ -307,12 +307,12 @@ class _RuntimeCalbin:
     async def release(self) -> None:
         await self._t.run(self._c.release)
 
-    def checksum_ok(self, result: JobResult, lanes: np.ndarray) -> np.ndarray:
+    def checksum_ok(self, result: JobResult, lanes: Sequence[int]) -> list[bool]:
         from calserve.runtime.device import logits_checksum
 
-        return np.array(
-            [logits_checksum(result.logits[i]) == int(result.checksum[i]) for i in lanes], dtype=bool
-        )
+        sums = result.checksum.tolist()
+        logits = result.logits
+        return [logits_checksum(logits[i]) == sums[i] for i in lanes]
 
 
 class RuntimeBackend:

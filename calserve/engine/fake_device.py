@@ -195,8 +195,10 @@ class FakeCalbin:
         self.released = True
         self._dev._calbins.remove(self)
 
-    def checksum_ok(self, result: JobResult, lanes: np.ndarray) -> np.ndarray:
-        return np.asarray(row_checksums(result.logits[lanes]) == result.checksum[lanes])
+    def checksum_ok(self, result: JobResult, lanes: Sequence[int]) -> list[bool]:
+        idx = list(lanes)
+        ok: list[bool] = (row_checksums(result.logits[idx]) == result.checksum[idx]).tolist()
+        return ok
 
     # Completion -----------------------------------------------------------------------------------
     def _finish(self, job: _Job, aborted: bool) -> JobResult:

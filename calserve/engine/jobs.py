@@ -28,10 +28,14 @@ class DeviceJob:
     seq_ids: np.ndarray | None = None  # decode: runtime sequence per lane, -1 inactive
     job_id: int = -1  # runtime job id once submitted
     epoch: int = 0  # recovery epoch at submit: an ABORTED result from an older epoch is no new fault
+    # Derived once at construction (the hot path reads them several times per step):
+    # Invariant: seqs == the non-None lanes in lane order; active == their lane indices (ascending).
+    seqs: list[Seq] = dataclasses.field(init=False)
+    active: list[int] = dataclasses.field(init=False)
 
-    @property
-    def seqs(self) -> list[Seq]:
-        return [s for s in self.lanes if s is not None]
+    def __post_init__(self) -> None:
+        self.active = [i for i, s in enumerate(self.lanes) if s is not None]
+        self.seqs = [s for s in self.lanes if s is not None]
 
 
 @dataclasses.dataclass(frozen=True)
