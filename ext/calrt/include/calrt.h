@@ -11,7 +11,9 @@
  *                 chip-scoped configure); each chip has its own DRAM, PING and PONG job engines (one
  *                 worker each, queue depth CALRT_QUEUE_DEPTH) and reset domain.
  *   calrt_calbin  one compiled batch profile of a model (CreateCalbin); configure charges chip DRAM for
- *                 weights + KV + scratch; owns a KvManager of max_sequences sequences.
+ *                 weights + KV + scratch; owns a KvManager of max_sequences sequences. On sim-next
+ *                 (C3 shared_kv) several calbins of one model may form a KV group sharing one KvManager
+ *                 and one weights + KV charge: see calrt_calbin_share_kv.
  *   calrt_job     one prefill or decode job with its own input and output buffers; reference counted
  *                 (the caller's reference + the engine's while queued/running).
  *
@@ -41,7 +43,8 @@
  *   3. PING/PONG/parallel timing and the maximum number of jobs in flight (here CALRT_QUEUE_DEPTH);
  *   4. whether a batch job fails as a whole or per lane, and the scope of KV contamination
  *      (calrt-sim: the whole job fails, all of its sequences become unknown);
- *   5. the formal API for multi-calbin residency, chip affinity and reset domains;
+ *   5. the formal API for multi-calbin residency, chip affinity and reset domains, and whether the
+ *      calbins of one model can share weights and a KvManager (calrt-sim: calrt_calbin_share_kv);
  *   6. versions/API/device selection for more than one physical device after 0.7.6;
  *   plus: the output checksum algorithm and echo layout used here (FNV-1a 64 over float32 bytes).
  */
