@@ -158,7 +158,8 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 
 def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     ms = np.mean(x.astype(np.float32) ** 2, axis=-1, keepdims=True)
-    return (x / np.sqrt(ms + np.float32(eps))).astype(np.float32) * w
+    out: np.ndarray = (x / np.sqrt(ms + np.float32(eps))).astype(np.float32) * w
+    return out
 
 
 def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
@@ -173,7 +174,8 @@ def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
-    return (x / (1.0 + np.exp(-x))).astype(np.float32)
+    out: np.ndarray = (x / (1.0 + np.exp(-x))).astype(np.float32)
+    return out
 
 
 class ReferenceModel:
