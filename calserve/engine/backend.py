@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import queue
 import threading
 import zlib
@@ -166,52 +167,94 @@ class _Threads:
         return result
 
 
+class _Doorbell:
+    """A file descriptor one thread rings and trio waits on with ``wait_readable``.
+
+    Why not ``TrioToken.run_sync_soon``: that wakes trio's entry-queue task, which runs the
+    callback, which reschedules the waiter one batch later. ``wait_readable`` lets epoll reschedule
+    the waiting task itself (measured on the 2-core box under load: ~140 -> ~75 us p50 from the
+    thread's signal to the trio task running). eventfd on Linux, a pipe elsewhere.
+    """
+
+    def __init__(self) -> None:
+        if hasattr(os, "eventfd"):
+            self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            self._wfd = self.fd
+        else:  # pragma: no cover - non-Linux
+            self.fd, self._wfd = os.pipe()
+            os.set_blocking(self.fd, False)
+
+    def ring(self) -> None:
+        if self._wfd == self.fd:
+            os.eventfd_write(self.fd, 1)
+        else:  # pragma: no cover - non-Linux
+            os.write(self._wfd, b"\0")
+
+    def clear(self) -> None:
+        try:
+            if self._wfd == self.fd:
+                os.eventfd_read(self.fd)
+            else:  # pragma: no cover - non-Linux
+                os.read(self.fd, 4096)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self._wfd != self.fd:  # pragma: no cover - non-Linux
+            os.close(self._wfd)
+
+
 class _EngineThread:
     """One long-lived OS thread per job engine for the hot path (submit + wait).
 
     Why not ``trio.to_thread``: it checkpoints before the thread starts, so every other ready task
     (request actors detokenising and streaming the previous token) would run between a completion
     and the next submit, adding their cost to every step. Here the call is queued synchronously —
-    the device starts at once — and trio runs those tasks while the device computes.
+    the device starts at once — and trio runs those tasks while the device computes. The result
+    comes back through a :class:`_Doorbell` (epoll wakes the waiting executor directly).
     Invariant: one call at a time per thread (the executor of that engine is its only user), and the
     caller always waits for the result (shielded): nothing submitted is ever abandoned.
+    Invariant: ``_result`` is written before the doorbell rings and read after it rang.
     """
 
     def __init__(self, name: str) -> None:
-        self._q: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._token = trio.lowlevel.current_trio_token()
+        self._q: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
+        self._bell = _Doorbell()
+        self._result: outcome.Outcome[Any] | None = None
+        self._busy = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, done = item
-            res = outcome.capture(fn)
-            try:
-                self._token.run_sync_soon(done, res)
-            except trio.RunFinishedError:  # pragma: no cover - trio run ended under us
-                return
+        try:
+            while True:
+                fn = self._q.get()
+                if fn is None:
+                    return
+                self._result = outcome.capture(fn)
+                self._bell.ring()
+        finally:
+            # Closed by the thread itself, after its last ring: never a write to a reused fd number.
+            self._bell.close()
 
     async def run(self, fn: Callable[[], T]) -> T:
-        ev = trio.Event()
-        box: list[outcome.Outcome[T]] = []
-
-        def done(res: outcome.Outcome[T]) -> None:
-            box.append(res)
-            ev.set()
-
-        self._q.put((fn, done))
+        assert not self._busy, "one call at a time per engine thread"
+        self._busy = True
+        self._q.put(fn)
         with trio.CancelScope(shield=True):
-            await ev.wait()
+            await trio.lowlevel.wait_readable(self._bell.fd)
+        self._bell.clear()
+        res, self._result = self._result, None
+        self._busy = False
+        assert res is not None
         await trio.lowlevel.checkpoint_if_cancelled()
-        return box[0].unwrap()
+        out: T = res.unwrap()
+        return out
 
     def close(self) -> None:
+        """Stop the thread (call from trio, with no call in flight)."""
+        trio.lowlevel.notify_closing(self._bell.fd)
         self._q.put(None)
 
 

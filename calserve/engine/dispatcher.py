@@ -66,7 +66,7 @@ class CompletionDispatcher:
                 self._ok(job, seqs, r.logits)
             else:
                 self._failed(job, seqs, reason, outcome.timed_out)
-        self.sched.wake()
+        # No scheduler wake here: the executor runs the scheduling pass inline right after this.
 
     # ---------------------------------------------------------------------------------------------
     def _check(self, job: DeviceJob, r: JobResult) -> str | None:

@@ -91,12 +91,15 @@ class DeviceExecutor:
                     self.jobs += 1
                     try:
                         self.dispatcher.complete(job, outcome)
+                    except BaseException:
+                        self.sched.wake()
+                        raise
                     finally:
                         self.busy = False
                         self._idle.set()
-                        self.sched.wake()
                 # Start the next job now, without a scheduler task hop and without yielding to the
-                # request actors first (they run while the device computes).
+                # request actors first (they run while the device computes). This inline tick is
+                # the completion's scheduling pass: it wakes the scheduler task only if needed.
                 self.sched.tick_sync()
                 try:
                     job = self._recv.receive_nowait()

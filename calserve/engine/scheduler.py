@@ -94,6 +94,10 @@ class Scheduler:
         self._queues: dict[int, GenQueues] = {}
         self.paused = False  # recovery in progress: no new jobs
         self._timer = math.inf
+        # The timer the scheduler task sleeps with (-inf while it is ticking itself). An inline
+        # tick (executor, after a completion) wakes the task only when it moved the timer earlier.
+        self._armed = -math.inf
+        self._profiles: dict[int, BatchProfile] = {}  # generation id -> its decode profile
         # statistics
         self.batches_total: dict[int, int] = collections.Counter()
         self.lanes_active_total: dict[int, int] = collections.Counter()
@@ -179,7 +183,9 @@ class Scheduler:
         task_status.started()
         while True:
             self._wake = trio.Event()
+            self._armed = -math.inf
             await self.tick()
+            self._armed = self._timer
             with trio.move_on_at(self._timer):
                 await self._wake.wait()
 
@@ -193,7 +199,10 @@ class Scheduler:
 
     def tick_sync(self) -> None:
         """The synchronous part of a tick: expire, admit, dispatch. Executors call it right after a
-        completion so the next job starts without waiting for the scheduler task (hot path)."""
+        completion so the next job starts without waiting for the scheduler task (hot path); the
+        task is then only woken if this tick needs it earlier than it planned (a nearer deadline
+        or batching-window expiry). Ended requests wake it themselves (:meth:`end`) so their
+        sequences are freed by the task."""
         now = trio.current_time()
         timer = math.inf
         for gen in list(self.models.generations.values()):
@@ -209,6 +218,8 @@ class Scheduler:
         self._timer = timer
         if not self.paused:
             self._dispatch(now)
+        if self._timer < self._armed:
+            self.wake()
 
     def _expire(self, gen: Generation, q: GenQueues, now: float) -> None:
         for item in gen.admission.expire(now):
@@ -323,8 +334,11 @@ class Scheduler:
 
     def _decode_job(self, gen: Generation, q: GenQueues, now: float) -> DeviceJob | None:
         B = gen.compiled_batch
-        profile = BatchProfile(B, gen.max_seq, valid_mask=gen.spec.valid_mask or B == 1,
-                               inactive_writes_kv=gen.spec.inactive_writes_kv)
+        profile = self._profiles.get(gen.id)
+        if profile is None:  # a generation is immutable: build its profile once
+            profile = self._profiles[gen.id] = BatchProfile(
+                B, gen.max_seq, valid_mask=gen.spec.valid_mask or B == 1,
+                inactive_writes_kv=gen.spec.inactive_writes_kv)
         cands = [
             DecodeCandidate(
                 request_id=s.rid, seq_id=int(s.seq_id if s.seq_id is not None else -1),
