@@ -94,7 +94,10 @@ REST_GAUGES = ("calserve_requests_running", "calserve_requests_waiting", "calser
 
 def counters_at_rest(srv: Server) -> dict[str, float | None]:
     """The gauges that must be back at zero when no load runs (spec §19 M0: nothing leaks)."""
-    status, body = srv.get("/metrics")
+    try:
+        status, body = srv.get("/metrics")
+    except OSError:
+        return {"server_unreachable_exit_code": srv.exit_code}
     if status != 200:
         return {}
     m = parse_metrics(body.decode())

@@ -111,11 +111,12 @@ def batching(out: Path, quick: bool) -> dict[str, Any]:
             run_point(srv, out / f"b{b}-warmup", concurrency=b, duration=1.0, progress=False)
             res = run_point(srv, out / f"b{b}", rate=rate, duration=dur, output=str(olen),
                             prompt="32", drain=8.0)
+            died = srv.exit_code
         lim = device_limit(b, SAT_STEP_US)
         rows.append(point_row(res, batch=b, device_limit=lim, series="Poisson",
                               throughput_vs_model=_steady(res) / lim,
                               tpot_p99_vs_step=res.summary["tpot_ms"].get("p99", math.nan)
-                              / (SAT_STEP_US / 1000)))
+                              / (SAT_STEP_US / 1000), server_died_exit_code=died))
     plots.sweep_plot(rows, "batch", out / "batching.png", xlabel="compiled batch size", logx=True)
     b16 = rows[-1]
     return {"rate_req_s": rate, "points": rows, "m3": {
@@ -198,6 +199,7 @@ def overload(out: Path, quick: bool) -> dict[str, Any]:
                         output=str(olen), drain=20.0, request_timeout_s=60.0)
         time.sleep(1.0)
         rest = counters_at_rest(srv)
+        died = srv.exit_code  # None = still running (good)
     recs = res.records
     short = [r for r in recs if r.outcome == "ok" and r.prompt_tokens <= 64 and r.ttft is not None]
     long_ = [r for r in recs if r.outcome == "ok" and r.prompt_tokens > 64 and r.ttft is not None]
@@ -213,6 +215,7 @@ def overload(out: Path, quick: bool) -> dict[str, Any]:
         "output_throughput": s["output_throughput"],
         "lost": s["sent"] - sum(s["outcomes"].values()),
         "counters_at_rest": rest,
+        "server_died_exit_code": died,
     }
 
 
@@ -236,14 +239,21 @@ def soak(out: Path, quick: bool, minutes: float | None = None) -> dict[str, Any]
         idle_cpu = ((idle1.cpu_s - idle0.cpu_s) / (time.monotonic() - t0)
                     if idle0 and idle1 else None)
         rest = counters_at_rest(srv)
+        died = srv.exit_code  # None = still running (good)
     proc = res.proc
     plots.proc_series(proc, out / "soak_proc.png", marks=[dur])
+    # RSS slope after the first quarter (allocator warm-up): a leak shows as a steady climb.
+    late = [p for p in proc if dur * 0.25 <= p["t"] <= dur]
+    slope = ((late[-1]["rss_bytes"] - late[0]["rss_bytes"]) / 2**20 / max(1e-9, (late[-1]["t"]
+             - late[0]["t"]) / 60) if len(late) > 1 else None)
     s = res.summary
     return {
         "minutes": minutes,
         "outcomes": s["outcomes"],
         "lost": s["sent"] - sum(s["outcomes"].values()),
         "server_proc": s.get("server_proc"),
+        "rss_growth_after_warmup_mib_per_min": slope,
+        "server_died_exit_code": died,
         "idle_cpu_cores_after_load": idle_cpu,
         "idle_rss_bytes": idle1.rss_bytes if idle1 else None,
         "idle_fds": idle1.open_fds if idle1 else None,

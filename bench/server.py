@@ -76,6 +76,11 @@ class Server:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs; the exit code (negative = signal) if it died."""
+        return self.proc.poll()
+
     def get(self, path: str) -> tuple[int, bytes]:
         return _get(self.port, path)
 
@@ -93,6 +98,7 @@ class Server:
         full_env = dict(os.environ)
         full_env.setdefault("CALSERVE_HOME", str(BENCH_OUT / ".home"))
         full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env.setdefault("PYTHONFAULTHANDLER", "1")  # a crash in C leaves a trace in the log
         full_env.update(env or {})
         log_path = run_dir / log_name
         log: IO[bytes] = log_path.open("wb")
