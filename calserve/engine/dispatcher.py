@@ -20,9 +20,9 @@ import trio
 
 from calserve.core.kv_state import KvSequenceState
 from calserve.engine.jobs import DeviceJob, JobOutcome
-from calserve.engine.sampler import LaneSampling, sample_batch
+from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch
 from calserve.engine.state import Seq, Tokens
-from calserve.engine.types import ErrorEvent, FinishReason
+from calserve.engine.types import ErrorEvent, FinishReason, TokenLogprob
 from calserve.runtime.types import DeviceBusy, JobResult, JobStatus
 
 if TYPE_CHECKING:
@@ -32,11 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["CompletionDispatcher"]
 
 log = logging.getLogger("calserve.engine.dispatcher")
-
-# A greedy lane without logprobs samples the same token whatever its seed and step: one shared
-# (immutable) LaneSampling instead of a validated new one per lane per step.
-_GREEDY = LaneSampling()
-
 
 def _lane_sampling(s: Seq) -> LaneSampling:
     sp = s.req.sampling
@@ -147,9 +142,13 @@ class CompletionDispatcher:
             # Active lanes are ascending: a contiguous prefix is a view, not a fancy-index copy.
             rows = logits[:n] if active[-1] == n - 1 else logits[active]
             n_new = 1
-        lanes = [_GREEDY if (s.req.sampling.temperature == 0.0 and s.req.sampling.logprobs is None)
-                 else _lane_sampling(s) for s in seqs]
-        res = sample_batch(rows, lanes)
+        logprobs: list[TokenLogprob | None]
+        if all(s.req.sampling.temperature == 0.0 and s.req.sampling.logprobs is None for s in seqs):
+            tokens = greedy_argmax(rows)  # what sample_batch returns for such lanes, minus its setup
+            logprobs = [None] * len(seqs)
+        else:
+            res = sample_batch(rows, [_lane_sampling(s) for s in seqs])
+            tokens, logprobs = res.tokens.tolist(), res.logprobs
         eos = gen.source.eos_token_ids
         for i, s in enumerate(seqs):
             gen.kv.commit(s.lease.lane, n_new)
@@ -162,7 +161,7 @@ class CompletionDispatcher:
             if s.pending_reason is not None or s.pending_error is not None:
                 self.sched.end(s, s.pending_reason, s.pending_error)  # output dropped (drained)
                 continue
-            tok = int(res.tokens[i])
+            tok = tokens[i]
             sp = s.req.sampling
             first = s.generated == 0
             s.generated += 1
@@ -176,7 +175,7 @@ class CompletionDispatcher:
                     reason, hidden = FinishReason.STOP, True
             if reason is None and (s.generated >= sp.max_tokens or s.position >= s.lease.reserved_len):
                 reason = FinishReason.LENGTH
-            s.inbox.send_nowait(Tokens(tok, res.logprobs[i], first, hidden))
+            s.inbox.send_nowait(Tokens(tok, logprobs[i], first, hidden))
             if reason is not None:
                 self.sched.end(s, reason)
             elif s.deadline is not None and s.deadline <= now:

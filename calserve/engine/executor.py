@@ -85,8 +85,10 @@ class DeviceExecutor:
         task_status.started()
         async for first in self._recv:
             job: DeviceJob | None = first
-            while job is not None:
-                with trio.CancelScope(shield=True):
+            # One shielded scope per busy period (not per job): the only checkpoints inside are the
+            # device waits, which must not be cancelled anyway; idle, the executor is cancellable.
+            with trio.CancelScope(shield=True):
+                while job is not None:
                     outcome = await self._execute(job)
                     self.jobs += 1
                     try:
@@ -97,14 +99,15 @@ class DeviceExecutor:
                     finally:
                         self.busy = False
                         self._idle.set()
-                # Start the next job now, without a scheduler task hop and without yielding to the
-                # request actors first (they run while the device computes). This inline tick is
-                # the completion's scheduling pass: it wakes the scheduler task only if needed.
-                self.sched.tick_sync()
-                try:
-                    job = self._recv.receive_nowait()
-                except trio.WouldBlock:
-                    job = None
+                    # Start the next job now, without a scheduler task hop and without yielding to
+                    # the request actors first (they run while the device computes). This inline
+                    # tick is the completion's scheduling pass: it wakes the scheduler task only if
+                    # needed.
+                    self.sched.tick_sync()
+                    try:
+                        job = self._recv.receive_nowait()
+                    except trio.WouldBlock:
+                        job = None
 
     async def _execute(self, job: DeviceJob) -> JobOutcome:
         gen = job.gen

@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from calserve.engine.types import SamplingParams, TokenLogprob
 
-__all__ = ["LaneSampling", "SampleResult", "sample_batch", "resolve_seed", "uniform_for"]
+__all__ = ["LaneSampling", "SampleResult", "sample_batch", "greedy_argmax", "resolve_seed", "uniform_for"]
 
 _MASK64: Final = (1 << 64) - 1
 _process_rng = np.random.default_rng()
@@ -282,17 +282,20 @@ def _draw_nucleus(
     return _draw_id_order(e, u)
 
 
-def _greedy_only(x: npt.NDArray[np.float32]) -> SampleResult:
-    """Fast path when every lane is greedy without logprobs (the common B1 decode step): one argmax
-    pass, no per-kind masks. The row check is the general path's: ``x[i, argmax]`` is the row's
-    max, NaN included (argmax stops at the first NaN), so a row is rejected exactly when its max is
-    not finite."""
-    tokens: npt.NDArray[np.int64] = x.argmax(axis=1).astype(np.int64, copy=False)
-    top = x[np.arange(x.shape[0]), tokens]
-    if not np.isfinite(top).all():
-        i = int(np.flatnonzero(~np.isfinite(top))[0])
-        raise ValueError(f"logits row {i} (lane {i}) is NaN or has no finite value")
-    return SampleResult(tokens=tokens, logprobs=[None] * x.shape[0])
+def greedy_argmax(x: npt.NDArray[np.float32]) -> list[int]:
+    """Greedy tokens of every row of ``x`` ([n, vocab] float32), lowest id on ties, as Python ints,
+    with :func:`sample_batch`'s row check: ``x[i, argmax]`` is the row's max, NaN included (argmax
+    stops at the first NaN), so a row is rejected exactly when its max is not finite.
+
+    The all-greedy fast path (the common decode step): one argmax call, no per-kind masks; the
+    dispatcher calls it directly when no lane needs more than the argmax."""
+    if x.dtype != np.float32:
+        x = x.astype(np.float32)
+    toks: list[int] = x.argmax(axis=1).tolist()
+    for i, t in enumerate(toks):
+        if not math.isfinite(x[i, t]):
+            raise ValueError(f"logits row {i} (lane {i}) is NaN or has no finite value")
+    return toks
 
 
 def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleResult:
@@ -315,7 +318,7 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
     if n == 0:
         return SampleResult(tokens=np.zeros(0, dtype=np.int64), logprobs=[])
     if all(ln.temperature == 0.0 and ln.logprobs is None for ln in lanes):
-        return _greedy_only(x)
+        return SampleResult(tokens=np.array(greedy_argmax(x), dtype=np.int64), logprobs=[None] * n)
     tokens = np.zeros(n, dtype=np.int64)
     rowmax = x.max(axis=1)
     bad = ~np.isfinite(rowmax)  # max propagates NaN; -inf means the row has no finite value

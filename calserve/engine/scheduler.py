@@ -371,12 +371,10 @@ class Scheduler:
             gen.kv.begin_update(seq.lease.lane, seq.position, 1)
             wait += now - seq.ready_since
             lanes.append(seq)
-        job = DeviceJob(
-            "decode", gen, lanes,
-            np.asarray(batch.token_ids, np.int32), np.asarray(batch.positions, np.int32),
-            np.asarray(batch.valid_mask, np.uint8), now,
-        )
-        job.seq_ids = np.asarray(batch.seq_ids, np.int32)
+        # One int32 [3, B] array, its rows (contiguous views) are the job's tensors.
+        host = np.array((batch.token_ids, batch.positions, batch.seq_ids), np.int32)
+        job = DeviceJob("decode", gen, lanes, host[0], host[1], np.asarray(batch.valid_mask, np.uint8), now)
+        job.seq_ids = host[2]
         for s in job.seqs:
             s.inflight = job
         self.batches_total[B] += 1
