@@ -42,6 +42,9 @@ async def cancel_request(
                     r = engine.cancel(handle.request_id)
                     if inspect.isawaitable(r):
                         await r
+                    close = getattr(handle, "aclose", None)  # drop the stream's buffer too
+                    if close is not None:
+                        await close()
                 except Exception:
                     log.exception("engine.cancel(%s) failed", handle.request_id)
             aclose = getattr(events, "aclose", None)
@@ -170,7 +173,19 @@ async def run_stream(
         return sse({"id": rid, "object": obj, "created": created, "model": prep.alias,
                     "choices": [c], **usage_null})
 
-    events = handle.events()
+    recv_many = getattr(handle, "receive_many", None)
+    events = None if recv_many is not None else handle.events()
+
+    async def next_batch() -> list[Any]:
+        """Every event already queued (one write for all of them), or [] at the end."""
+        if recv_many is not None:
+            return list(await recv_many())
+        assert events is not None
+        try:
+            return [await events.__anext__()]
+        except StopAsyncIteration:
+            return []
+
     finished = False
     metrics.streams_active.inc()
     try:
@@ -178,34 +193,41 @@ async def run_stream(
             yield chunk("", None, None, role=True)
         if prep.echo_text:
             yield chunk(prep.echo_text, None, None)
-        async for ev in events:
-            if isinstance(ev, TokenEvent):
-                obs.tokens(len(ev.token_ids))
-                lps = None
-                if ev.logprobs is not None and prep.logprobs is not None:
-                    lps = fmt.chat(ev.logprobs) if chat else fmt.completion(ev.logprobs)
-                if ev.text or lps is not None:
-                    yield chunk(ev.text, lps, None)
-            elif isinstance(ev, FinishEvent):
-                finished = True
-                obs.end(ev)
-                out = chunk(ev.text if (ev.text or not chat) else None, None,
-                            finish_reason(ev.reason))
-                if prep.include_usage:
-                    out += sse({"id": rid, "object": obj, "created": created,
-                                "model": prep.alias, "choices": [],
-                                "usage": usage_dict(ev.usage)})
-                yield out + DONE  # one write: final chunk, usage, [DONE]
-                return
-            else:
-                finished = True
-                obs.end(ev)
-                err = error_event_to_api(ev)
-                yield sse(error_body(err.message, err.type, err.param, err.code))
-                return
-        finished = True  # iterator ended without a terminal event: an engine bug
-        yield sse(error_body("the engine ended the request without a terminal event",
-                             "server_error", None, "internal_error"))
+        while not finished:
+            batch = await next_batch()
+            if not batch:
+                finished = True  # stream ended without a terminal event: an engine bug
+                yield sse(error_body("the engine ended the request without a terminal event",
+                                     "server_error", None, "internal_error"))
+                break
+            out = bytearray()
+            for ev in batch:
+                if isinstance(ev, TokenEvent):
+                    obs.tokens(len(ev.token_ids))
+                    lps = None
+                    if ev.logprobs is not None and prep.logprobs is not None:
+                        lps = fmt.chat(ev.logprobs) if chat else fmt.completion(ev.logprobs)
+                    if ev.text or lps is not None:
+                        out += chunk(ev.text, lps, None)
+                elif isinstance(ev, FinishEvent):
+                    finished = True
+                    obs.end(ev)
+                    out += chunk(ev.text if (ev.text or not chat) else None, None,
+                                 finish_reason(ev.reason))
+                    if prep.include_usage:
+                        out += sse({"id": rid, "object": obj, "created": created,
+                                    "model": prep.alias, "choices": [],
+                                    "usage": usage_dict(ev.usage)})
+                    out += DONE
+                    break
+                else:
+                    finished = True
+                    obs.end(ev)
+                    err = error_event_to_api(ev)
+                    out += sse(error_body(err.message, err.type, err.param, err.code))
+                    break
+            if out:
+                yield bytes(out)  # coalesced: one write per batch of queued events
     finally:
         metrics.streams_active.dec()
         if not finished:

@@ -79,9 +79,33 @@ class FakeHandle:
         self._engine.cancel(self._r.rid)
 
 
+class FakeCoalescingHandle(FakeHandle):
+    """Also offers ``receive_many`` (like the real RequestHandle): everything queued at once."""
+
+    def __init__(self, r: _Req, engine: FakeEngine) -> None:
+        super().__init__(r, engine)
+        self._done = False
+
+    async def receive_many(self) -> list[Event]:
+        if self._done:
+            return []
+        out = [await self._r.recv.receive()]
+        while True:
+            try:
+                out.append(self._r.recv.receive_nowait())
+            except trio.WouldBlock:
+                break
+        self._done = any(isinstance(e, (FinishEvent, ErrorEvent)) for e in out)
+        self._engine.batches.append(len(out))
+        return out
+
+
 class FakeEngine:
     def __init__(self, config: CalserveConfig, *, max_running: int = 64, token_delay: float = 0.01,
-                 max_seq: int = 512, fail_after_tokens: int | None = None) -> None:
+                 max_seq: int = 512, fail_after_tokens: int | None = None,
+                 coalesce: bool = False) -> None:
+        self.coalesce = coalesce
+        self.batches: list[int] = []  # sizes of receive_many() answers
         self.config = config
         self.default_alias = config.scheduler.model_alias
         self.max_running = max_running
@@ -138,7 +162,7 @@ class FakeEngine:
         self.submitted.append(req)
         assert self._nursery is not None
         self._nursery.start_soon(self._generate, r)
-        return FakeHandle(r, self)
+        return FakeCoalescingHandle(r, self) if self.coalesce else FakeHandle(r, self)
 
     def cancel(self, request_id: str) -> None:
         r = self.active.get(request_id)

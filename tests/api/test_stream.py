@@ -190,3 +190,18 @@ async def test_non_stream_handler_cancel_also_cancels(harness_factory: Any,
         await trio.sleep(0.01)
         assert h.engine.active == {}
         assert len(h.engine.cancelled_ids) == 1
+
+
+async def test_queued_events_are_coalesced_into_one_write(harness_factory: Any) -> None:
+    """A slow reader: everything queued is sent as one write (receive_many), text unchanged.
+    (quart-trio's test client buffers at most 10 body writes before it is read: keep it short.)"""
+    async with harness_factory(token_delay=0.0, coalesce=True) as h:
+        status, raw, _ = await h.post(C, {"prompt": "slow", "max_tokens": 9, "stream": True,
+                                          "stream_options": {"include_usage": True}})
+        events = parse_sse(raw)
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if e["choices"]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text("slow", 9)
+        assert events[-2]["usage"]["completion_tokens"] == 9
+        assert max(h.engine.batches) > 1  # some answers carried several events
+        assert sum(h.engine.batches) == 10  # 9 tokens + the finish event, none lost
