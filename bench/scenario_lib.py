@@ -19,11 +19,14 @@ __all__ = ["calserve_config", "run_point", "point_row", "write_json", "device_li
 
 
 def calserve_config(*, profiles: list[int], timing: str, runtime: str = "sim-next",
-                    null_compute: bool = False, max_inflight: int = 1,
+                    null_compute: bool = False, max_inflight: int = 2,
                     window_us: int = 500, tenants: dict[str, Any] | None = None,
                     fairness: dict[str, Any] | None = None,
                     admission: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A config document (``calserve.config`` schema) for one benchmark server."""
+    """A config document (``calserve.config`` schema) for one benchmark server.
+
+    ``max_inflight`` defaults to 2 (PING/PONG), as ``configs/sim-next.yaml``: with one job in flight
+    the host work of a step (sampling, dispatch, streaming) cannot overlap the next device step."""
     sched: dict[str, Any] = {
         "batch": {"profiles": profiles, "batching_window_us": window_us},
         "executor": {"max_inflight": max_inflight},

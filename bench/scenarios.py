@@ -66,6 +66,13 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
                             prompt="16")
         knee_rows.append(point_row(res, step_us=us, device_limit=lim, series="c=64",
                                    efficiency=_steady(res) / lim))
+    # The same c=64 point with one job in flight (no PING/PONG): how much the overlap buys.
+    with Server.calserve(calserve_config(profiles=[16], timing="sat-4k", max_inflight=1),
+                         out / "server-inflight1") as srv:
+        run_point(srv, out / "inflight1-warmup", concurrency=64, duration=1.0, progress=False)
+        res = run_point(srv, out / "inflight1-c064", concurrency=64, duration=dur, output="256",
+                        prompt="16")
+    inflight1 = point_row(res, concurrency=64, max_inflight=1, efficiency=_steady(res) / limit)
     held = [r for r in knee_rows if r["efficiency"] >= 0.9]
     knee = max((r["device_limit"] for r in held), default=None)
     plots.sweep_plot(knee_rows, "device_limit", out / "knee.png",
@@ -79,6 +86,7 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
         "knee_tok_s": knee,
         "sweep": rows,
         "knee_points": knee_rows,
+        "efficiency_at_4k_inflight1_c64": inflight1["efficiency"],
         "counters_at_rest": rest,
         "saturation_throughput": best["window_output_throughput"],
     }
@@ -176,6 +184,8 @@ def fairness(out: Path, quick: bool) -> dict[str, Any]:
             "shares": {n: s["tenants"][n]["share"] for n in names if n in s["tenants"]},
             "fair_shares": {n: weights[n] / wsum for n in names},
             "service_gap_tokens": _gap(s, weights, names),
+            "max_share_error": max(abs(s["tenants"].get(n, {}).get("share", 0.0) - weights[n] / wsum)
+                                   for n in names),
             "ttft_p99_ms": {n: s["tenants"][n]["ttft_ms"].get("p99") for n in names
                             if n in s["tenants"]},
             "output_throughput": s["output_throughput"],
