@@ -239,18 +239,29 @@ class _EngineThread:
             self._bell.close()
 
     async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the thread; always reclaims its result. If the caller is cancelled while
+        waiting (the executor shields, so only an unshielded caller), the wait is finished in a
+        shielded scope and the cancellation re-raised afterwards — no per-call CancelScope on the
+        hot path."""
         assert not self._busy, "one call at a time per engine thread"
         self._busy = True
         self._q.put(fn)
-        with trio.CancelScope(shield=True):
+        try:
             await trio.lowlevel.wait_readable(self._bell.fd)
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await trio.lowlevel.wait_readable(self._bell.fd)
+            self._take()
+            raise
+        out: T = self._take().unwrap()
+        return out
+
+    def _take(self) -> outcome.Outcome[Any]:
         self._bell.clear()
         res, self._result = self._result, None
         self._busy = False
         assert res is not None
-        await trio.lowlevel.checkpoint_if_cancelled()
-        out: T = res.unwrap()
-        return out
+        return res
 
     def close(self) -> None:
         """Stop the thread (call from trio, with no call in flight)."""

@@ -73,11 +73,7 @@ class CompletionDispatcher:
         echo = r.echo.tolist()
         jid = job.job_id
         if job.kind == "decode":
-            assert job.seq_ids is not None
-            exp_seq = job.seq_ids.tolist()
-            exp_pos = job.positions.tolist()
-            ok = [echo[i][0] == jid and echo[i][1] == exp_seq[i] and echo[i][2] == exp_pos[i]
-                  for i in active]
+            ok = [echo[i] == [jid, sq, pos] for i, (sq, pos) in zip(active, job.expect, strict=True)]
         else:
             s = job.lanes[0]
             assert s is not None and s.seq_id is not None

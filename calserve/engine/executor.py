@@ -63,8 +63,9 @@ class DeviceExecutor:
         self._send, self._recv = trio.open_memory_channel[DeviceJob](1)
         # Invariant: busy <=> a job was handed over and its completion was not dispatched yet.
         self.busy = False
-        self._idle = trio.Event()
-        self._idle.set()
+        # Set (and dropped) when the executor becomes idle; created only when someone waits, so
+        # the per-job path allocates nothing for it.
+        self._idle: trio.Event | None = None
         self.jobs = 0
         self.submit_refused = 0
         self.timeouts = 0
@@ -73,13 +74,20 @@ class DeviceExecutor:
         """Hand a job over (sync, never blocks: the scheduler only calls it when not busy)."""
         assert not self.busy
         self.busy = True
-        self._idle = trio.Event()
         job.epoch = self.recovery.epoch
         self._send.send_nowait(job)
 
     async def wait_idle(self) -> None:
         while self.busy:
+            if self._idle is None:
+                self._idle = trio.Event()
             await self._idle.wait()
+
+    def _set_idle(self) -> None:
+        self.busy = False
+        if self._idle is not None:
+            self._idle.set()
+            self._idle = None
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -97,8 +105,7 @@ class DeviceExecutor:
                         self.sched.wake()
                         raise
                     finally:
-                        self.busy = False
-                        self._idle.set()
+                        self._set_idle()
                     # Start the next job now, without a scheduler task hop and without yielding to
                     # the request actors first (they run while the device computes). This inline
                     # tick is the completion's scheduling pass: it wakes the scheduler task only if

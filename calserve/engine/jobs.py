@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -26,6 +26,8 @@ class DeviceJob:
     valid: np.ndarray  # decode: uint8 valid mask
     created_at: float  # scheduler time the job was built (batch wait accounting)
     seq_ids: np.ndarray | None = None  # decode: runtime sequence per lane, -1 inactive
+    # decode: (seq_id, position) the device must echo for each active lane, as Python ints
+    expect: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     job_id: int = -1  # runtime job id once submitted
     epoch: int = 0  # recovery epoch at submit: an ABORTED result from an older epoch is no new fault
     # Derived once at construction (the hot path reads them several times per step):
@@ -38,9 +40,9 @@ class DeviceJob:
         self.seqs = [s for s in self.lanes if s is not None]
 
 
-@dataclasses.dataclass(frozen=True)
-class JobOutcome:
-    """How a job ended. Exactly one of ``result`` / ``submit_error`` is set."""
+class JobOutcome(NamedTuple):
+    """How a job ended. Exactly one of ``result`` / ``submit_error`` is set. (A NamedTuple: one is
+    built per job on the hot path.)"""
 
     result: JobResult | None = None
     submit_error: BaseException | None = None  # refused at submit: nothing reached the device

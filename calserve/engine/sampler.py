@@ -34,6 +34,7 @@ __all__ = ["LaneSampling", "SampleResult", "sample_batch", "greedy_argmax", "res
 
 _MASK64: Final = (1 << 64) - 1
 _process_rng = np.random.default_rng()
+_F32: Final = np.dtype(np.float32)
 
 
 @final
@@ -289,7 +290,7 @@ def greedy_argmax(x: npt.NDArray[np.float32]) -> list[int]:
 
     The all-greedy fast path (the common decode step): one argmax call, no per-kind masks; the
     dispatcher calls it directly when no lane needs more than the argmax."""
-    if x.dtype != np.float32:
+    if x.dtype is not _F32 and x.dtype != _F32:  # identity first: the common case is one pointer test
         x = x.astype(np.float32)
     toks: list[int] = x.argmax(axis=1).tolist()
     for i, t in enumerate(toks):

@@ -375,6 +375,7 @@ class Scheduler:
         host = np.array((batch.token_ids, batch.positions, batch.seq_ids), np.int32)
         job = DeviceJob("decode", gen, lanes, host[0], host[1], np.asarray(batch.valid_mask, np.uint8), now)
         job.seq_ids = host[2]
+        job.expect = [(c.seq_id, c.position) for c in batch.lanes if c is not None]
         for s in job.seqs:
             s.inflight = job
         self.batches_total[B] += 1

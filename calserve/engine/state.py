@@ -14,7 +14,7 @@ Ownership (who may write what) is the point of this module:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import trio
@@ -33,9 +33,11 @@ class Admitted:
     at: float
 
 
-@dataclasses.dataclass(frozen=True)
-class Tokens:
-    """One sampled token. ``hidden``: EOS / stop token id, counted in usage but never shown."""
+class Tokens(NamedTuple):
+    """One sampled token. ``hidden``: EOS / stop token id, counted in usage but never shown.
+
+    A NamedTuple (immutable like the other messages) because one is built per token on the
+    dispatcher's hot path, where a frozen dataclass's ``__init__`` costs several times more."""
 
     token_id: int
     logprob: TokenLogprob | None
