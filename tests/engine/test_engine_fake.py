@@ -211,3 +211,20 @@ async def test_engine_exit_ends_everything_with_one_terminal(autojump_clock: obj
         assert len(term) == 1 and isinstance(term[0], ErrorEvent) and term[0].kind == "shutdown"
     assert be.closed is False  # injected backends belong to the caller
     assert be.live_sequences() == 0
+
+
+async def test_batching_window_timer_set_by_the_inline_tick_fires(autojump_clock: object) -> None:
+    """After a completion the executor runs the scheduling pass itself; when that pass decides to
+    wait for the batching window (one ready lane of four), the scheduler task, asleep with no
+    timer, must be woken to re-arm at the window's end, else the lone request would stall."""
+    be = FakeBackend("sim-next", seed=2)
+    cfg = config(batch={"profiles": [4], "batching_window_us": 20_000})
+    src = fake_source(profiles=(4,), step_us=1_000)
+    async with Engine.open(cfg, backend=be, sources={"qwen3": src}) as eng:
+        t0 = trio.current_time()
+        with trio.fail_after(5):
+            ev = await drain(await eng.submit(GenerateRequest((5, 6), greedy({"max_tokens": 5}))))
+        assert tokens(ev) == fake_greedy((5, 6), 5)
+        assert isinstance(ev[-1], FinishEvent) and ev[-1].reason is FinishReason.LENGTH
+        # 4 decode steps, each waiting out the 20 ms window first (then ~1 ms of device time)
+        assert 0.08 <= trio.current_time() - t0 < 0.1
