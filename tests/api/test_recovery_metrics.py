@@ -25,7 +25,7 @@ from .sse_util import parse_sse
 C = "/v1/completions"
 CH = "/v1/chat/completions"
 
-IDLE_GAUGES = (
+IDLE_GAUGES: tuple[tuple[str, dict[str, str]], ...] = (
     ("calserve_requests_running", {}),
     ("calserve_requests_waiting", {}),
     ("calserve_kv_tokens_reserved", {}),
