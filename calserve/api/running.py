@@ -173,6 +173,17 @@ async def run_stream(
         return sse({"id": rid, "object": obj, "created": created, "model": prep.alias,
                     "choices": [c], **usage_null})
 
+    def token_chunk(texts: list[str], lp_items: list[Any]) -> bytes:
+        """One chunk for several token events, or b"" when they add neither text nor logprobs."""
+        text = "".join(texts)
+        if not text and not lp_items:
+            return b""
+        lps: Any = None
+        if lp_items:
+            lps = ([x for part in lp_items for x in part] if chat
+                   else merge_completion_logprobs(lp_items))
+        return chunk(text, lps, None)
+
     recv_many = getattr(handle, "receive_many", None)
     events = None if recv_many is not None else handle.events()
 
@@ -201,17 +212,24 @@ async def run_stream(
                                      "server_error", None, "internal_error"))
                 break
             out = bytearray()
+            # Invariant: the token events of one batch become ONE chunk (their texts and logprobs
+            # concatenated), written before the terminal's chunk; a batch adding no text and no
+            # logprobs (a partial UTF-8 character, text held back for a stop string) sends nothing.
+            texts: list[str] = []
+            lp_items: list[Any] = []
             for ev in batch:
                 if isinstance(ev, TokenEvent):
                     obs.tokens(len(ev.token_ids))
-                    lps = None
-                    if ev.logprobs is not None and prep.logprobs is not None:
-                        lps = fmt.chat(ev.logprobs) if chat else fmt.completion(ev.logprobs)
-                    if ev.text or lps is not None:
-                        out += chunk(ev.text, lps, None)
-                elif isinstance(ev, FinishEvent):
-                    finished = True
-                    obs.end(ev)
+                    texts.append(ev.text)
+                    if ev.logprobs and prep.logprobs is not None:
+                        lp_items.append(fmt.chat(ev.logprobs) if chat
+                                        else fmt.completion(ev.logprobs))
+                    continue
+                out += token_chunk(texts, lp_items)
+                texts, lp_items = [], []
+                finished = True
+                obs.end(ev)
+                if isinstance(ev, FinishEvent):
                     out += chunk(ev.text if (ev.text or not chat) else None, None,
                                  finish_reason(ev.reason))
                     if prep.include_usage:
@@ -219,13 +237,11 @@ async def run_stream(
                                     "model": prep.alias, "choices": [],
                                     "usage": usage_dict(ev.usage)})
                     out += DONE
-                    break
                 else:
-                    finished = True
-                    obs.end(ev)
                     err = error_event_to_api(ev)
                     out += sse(error_body(err.message, err.type, err.param, err.code))
-                    break
+                break
+            out += token_chunk(texts, lp_items)
             if out:
                 yield bytes(out)  # coalesced: one write per batch of queued events
     finally:
