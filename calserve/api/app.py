@@ -25,7 +25,7 @@ from calserve.api.metrics import ApiMetrics
 from calserve.config import CalserveConfig, load_config
 from calserve.errors import CalserveError
 
-__all__ = ["create_app", "ApiState", "CalserveApp", "ASYNCIO_REFUSAL", "get_state"]
+__all__ = ["create_app", "ApiState", "CalserveApp", "ASYNCIO_REFUSAL", "get_state", "GUARDS_KEY"]
 
 log = logging.getLogger("calserve.api")
 
@@ -33,6 +33,8 @@ ASYNCIO_REFUSAL: Final = (
     "calserve:app runs on Trio only: start it with `hypercorn -k trio calserve:app` "
     "(or `calserve serve`); hypercorn's default asyncio worker is not supported"
 )
+# ASGI scope key: StreamGuards of the connection (see calserve.api.running.StreamGuard).
+GUARDS_KEY: Final = "calserve.stream_guards"
 _STOP_TIMEOUT_S: Final = 4.0  # < quart-trio's 5 s background-task deadline
 
 
@@ -127,7 +129,20 @@ class CalserveApp(QuartTrio):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if _trio_running():
-            await super().__call__(scope, receive, send)
+            if scope["type"] != "http":
+                await super().__call__(scope, receive, send)
+                return
+            guards: list[Any] = []
+            scope = {**scope, GUARDS_KEY: guards}
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                # A streaming request whose body never started (the client left first) is
+                # cancelled here; started bodies own their request (no-op).
+                if guards:
+                    with trio.CancelScope(shield=True):
+                        for g in guards:
+                            await g.release()
             return
         print(f"error: {ASYNCIO_REFUSAL}", file=sys.stderr, flush=True)
         if scope["type"] == "lifespan":

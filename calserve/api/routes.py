@@ -9,7 +9,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from calserve import errors as E
-from calserve.api.app import ApiState, error_response, json_response
+from calserve.api.app import GUARDS_KEY, ApiState, error_response, json_response
 from calserve.api.convert import (
     Prepared, chat_messages, check_token_ids, encode_chat, prepare_chat, prepare_completion,
     resolve_model,
@@ -18,7 +18,7 @@ from calserve.api.errors import ApiError, msgspec_error
 from calserve.api.metrics import CONTENT_TYPE
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter
-from calserve.api.running import run_json, run_stream
+from calserve.api.running import StreamGuard, run_json, run_stream
 from calserve.api.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
 
 __all__ = ["register_routes"]
@@ -83,7 +83,11 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
         handle = await eng.submit(prep.request)
         fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
         if prep.stream:
-            resp = Response(run_stream(eng, state.metrics, prep, handle, fmt), status=200,
+            guard = StreamGuard(eng, handle)
+            guards = request.scope.get(GUARDS_KEY)
+            if isinstance(guards, list):  # released by CalserveApp when the connection ends
+                guards.append(guard)
+            resp = Response(run_stream(eng, state.metrics, prep, handle, fmt, guard), status=200,
                             content_type="text/event-stream", headers=_SSE_HEADERS)
             resp.timeout = None
             return resp

@@ -24,7 +24,7 @@ from calserve.api.render import (
 )
 from calserve.engine.types import ErrorEvent, FinishEvent, TokenEvent
 
-__all__ = ["cancel_request", "run_json", "run_stream", "error_event_to_api"]
+__all__ = ["cancel_request", "run_json", "run_stream", "error_event_to_api", "StreamGuard"]
 
 log = logging.getLogger("calserve.api")
 _CANCEL_TIMEOUT_S: Final = 5.0
@@ -53,6 +53,29 @@ async def cancel_request(
                     await aclose()
                 except Exception:
                     log.exception("closing the event stream of %s failed", handle.request_id)
+
+
+class StreamGuard:
+    """Owns an accepted streaming request until its SSE body generator starts.
+
+    Why: the body generator's ``finally`` cancels the request, but it only runs once the server
+    started iterating the body. A client that goes away between "the handler returned the
+    Response" and "the body started" (e.g. while the headers are sent) cancels the connection
+    before that, so without this guard the request would run on to ``max_tokens`` holding its
+    lane. The app runs :meth:`release` (shielded) when the connection ends.
+
+    Invariant: exactly one of the generator (``owned``) or :meth:`release` ends the request."""
+
+    def __init__(self, engine: EngineLike, handle: HandleLike) -> None:
+        self._engine = engine
+        self._handle = handle
+        self.owned = False
+
+    async def release(self) -> None:
+        if self.owned:
+            return
+        self.owned = True
+        await cancel_request(self._engine, self._handle, None)
 
 
 def error_event_to_api(ev: ErrorEvent) -> ApiError:
@@ -147,10 +170,15 @@ async def run_json(
 
 async def run_stream(
     engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
-    fmt: LogprobFormatter,
+    fmt: LogprobFormatter, guard: StreamGuard | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body. No nursery around a yield (STACK.md); cancellation on disconnect arrives at a
-    yield as Cancelled/GeneratorExit and the ``finally`` cancels the request at once."""
+    yield as Cancelled/GeneratorExit and the ``finally`` cancels the request at once. From its
+    first step (no checkpoint before the ``try``) this generator owns the request, not ``guard``."""
+    if guard is not None:
+        if guard.owned:  # released already: the connection ended before the body started
+            return
+        guard.owned = True
     obs = _Observer(metrics, prep.alias, prep.request.tenant)
     chat = prep.kind == "chat"
     rid = new_id("chatcmpl" if chat else "cmpl")

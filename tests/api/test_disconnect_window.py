@@ -1,0 +1,63 @@
+"""Disconnect in every window: a client that goes away after its streaming request was accepted
+but before the SSE body started (headers not yet sent) still cancels the engine request at once.
+Without a guard the body generator never runs, so its ``finally`` never cancels, and the request
+would hold its lane until max_tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+from quart import Response, request
+
+from calserve.api.app import create_app, get_state
+
+from .conftest import make_config
+from .fake_engine import FakeEngine, fake_factory
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 400, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 400, "stream": True}),
+])
+async def test_disconnect_before_the_body_starts_cancels(autojump_clock: Any, path: str,
+                                                         body: dict[str, Any]) -> None:
+    app = create_app(make_config(), engine_factory=fake_factory(token_delay=1.0))
+    in_window = trio.Event()
+
+    @app.after_request
+    async def stall(resp: Response) -> Response:
+        # Holds the connection between "handler returned the streaming Response" and "headers
+        # sent": the window a disconnect can hit in production (the send of the headers).
+        if request.path == path:
+            in_window.set()
+            await trio.sleep(10)
+        return resp
+
+    async with app.test_app() as t:
+        client = t.test_client()
+        host = get_state(app).host
+        assert host is not None and isinstance(host.engine, FakeEngine)
+        eng = host.engine
+        conn = client.request(path=path, method="POST",
+                              headers={"content-type": "application/json"})
+        async with conn as c:
+            await c.send(msgspec.json.encode(body))
+            await c.send_complete()
+            await in_window.wait()
+            assert len(eng.active) == 1
+            rid = next(iter(eng.active))
+            t0 = trio.current_time()
+            await c.disconnect()
+            c._client_send.close()  # type: ignore[attr-defined]  # see test_stream._disconnect
+        await trio.sleep(0.01)
+        assert rid in eng.cancelled_ids
+        assert eng.active == {}
+        assert trio.current_time() - t0 < 0.5
+        text = (await (await client.get("/metrics")).get_data(as_text=True))
+        assert "calserve_streams_active 0.0" in text
+        r = await client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
+        assert r.status_code == 200
