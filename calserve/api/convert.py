@@ -215,10 +215,15 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         else:
             parts = []
             for j, p in enumerate(m.content):
-                if p.type != "text" or p.text is None:
+                if p.type != "text":
                     raise E.UnsupportedParameter(
                         f"content part type {p.type!r} is not supported (text only)",
                         param=f"messages[{i}].content[{j}].type",
+                    )
+                if p.text is None:
+                    raise E.RequestError(
+                        f"`messages[{i}].content[{j}].text` is required for a text part",
+                        param=f"messages[{i}].content[{j}].text",
                     )
                 parts.append(p.text)
             text = "".join(parts)

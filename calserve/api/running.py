@@ -15,7 +15,7 @@ from typing import Any, Final
 import trio
 
 from calserve.api.convert import Prepared
-from calserve.api.errors import ApiError, error_body
+from calserve.api.errors import ApiError, error_body, from_exception
 from calserve.api.metrics import ApiMetrics
 from calserve.api.protocol import EngineLike, HandleLike
 from calserve.api.render import (
@@ -226,6 +226,7 @@ async def run_stream(
             return []
 
     finished = False
+    broken = False  # the engine's stream raised (not a client disconnect)
     metrics.streams_active.inc()
     try:
         if chat:
@@ -233,7 +234,14 @@ async def run_stream(
         if prep.echo_text:
             yield chunk(prep.echo_text, None, None)
         while not finished:
-            batch = await next_batch()
+            try:
+                batch = await next_batch()
+            except Exception as exc:  # an engine bug: still one terminal event for the client
+                log.exception("the event stream of %s failed", handle.request_id)
+                err = from_exception(exc)
+                broken = True  # not ``finished``: the finally cancels the request
+                yield sse(error_body(err.message, err.type, err.param, err.code))
+                break
             if not batch:
                 finished = True  # stream ended without a terminal event: an engine bug
                 yield sse(error_body("the engine ended the request without a terminal event",
@@ -274,6 +282,6 @@ async def run_stream(
                 yield bytes(out)  # coalesced: one write per batch of queued events
     finally:
         metrics.streams_active.dec()
-        if not finished:
+        if not finished and not broken:
             metrics.streams_disconnected.labels(prep.alias).inc()
         await cancel_request(engine, handle, events, cancel=not finished)
