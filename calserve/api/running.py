@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import trio
 
+from calserve.api.chunks import ChunkEncoder
 from calserve.api.convert import Prepared
 from calserve.api.errors import ApiError, error_body, from_exception
 from calserve.api.metrics import ApiMetrics
@@ -88,33 +89,42 @@ def error_event_to_api(ev: ErrorEvent) -> ApiError:
 
 
 class _Observer:
-    """Latency histograms as the HTTP layer sees them (spec §16 + issue 6)."""
+    """Latency histograms as the HTTP layer sees them (spec §16 + issue 6). The labelled children
+    are looked up once per request: ``labels()`` is a locked dict lookup, too dear per token."""
+
+    __slots__ = ("_ttft", "_itl", "_tokens", "_e2e", "_queue", "t0", "last")
 
     def __init__(self, metrics: ApiMetrics, alias: str, tenant: str) -> None:
-        self.m = metrics
-        self.alias = alias
-        self.tenant = tenant
+        self._ttft = metrics.ttft.labels(alias)
+        self._itl = metrics.itl.labels(alias)
+        self._tokens = metrics.completion_tokens.labels(alias, tenant)
+        self._e2e = metrics.e2e.labels(alias)
+        self._queue = metrics.queue.labels(alias)
         self.t0 = trio.current_time()
         self.last: float | None = None
 
     def tokens(self, n: int) -> None:
-        now = trio.current_time()
+        """``n`` tokens arrived together. Invariant: one TTFT and ``tokens - 1`` inter-token
+        observations per request (tokens arriving with the first one have a gap of 0)."""
         if n <= 0:
             return
+        now = trio.current_time()
+        h = self._itl
         if self.last is None:
-            self.m.ttft.labels(self.alias).observe(now - self.t0)
+            self._ttft.observe(now - self.t0)
+            for _ in range(n - 1):
+                h.observe(0.0)
         else:
             gap = (now - self.last) / n
-            h = self.m.itl.labels(self.alias)
             for _ in range(n):
                 h.observe(gap)
         self.last = now
-        self.m.completion_tokens.labels(self.alias, self.tenant).inc(n)
+        self._tokens.inc(n)
 
     def end(self, ev: FinishEvent | ErrorEvent) -> None:
-        self.m.e2e.labels(self.alias).observe(trio.current_time() - self.t0)
+        self._e2e.observe(trio.current_time() - self.t0)
         if ev.timings is not None:
-            self.m.queue.labels(self.alias).observe(ev.timings.queue_s)
+            self._queue.observe(ev.timings.queue_s)
 
 
 async def run_json(
@@ -181,36 +191,18 @@ async def run_stream(
         guard.owned = True
     obs = _Observer(metrics, prep.alias, prep.request.tenant)
     chat = prep.kind == "chat"
-    rid = new_id("chatcmpl" if chat else "cmpl")
-    created = now_s()
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    usage_null = {"usage": None} if prep.include_usage else {}
-
-    def chunk(text: str | None, lps: Any, fr: str | None, role: bool = False) -> bytes:
-        if chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            c: dict[str, Any] = {"index": 0, "delta": delta,
-                                 "logprobs": {"content": lps} if lps is not None else None,
-                                 "finish_reason": fr}
-        else:
-            c = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": fr}
-        return sse({"id": rid, "object": obj, "created": created, "model": prep.alias,
-                    "choices": [c], **usage_null})
+    enc = ChunkEncoder(chat=chat, rid=new_id("chatcmpl" if chat else "cmpl"), created=now_s(),
+                       model=prep.alias, include_usage=prep.include_usage)
+    want_lps = prep.logprobs is not None
 
     def token_chunk(texts: list[str], lp_items: list[Any]) -> bytes:
         """One chunk for several token events, or b"" when they add neither text nor logprobs."""
-        text = "".join(texts)
-        if not text and not lp_items:
-            return b""
-        lps: Any = None
-        if lp_items:
-            lps = ([x for part in lp_items for x in part] if chat
-                   else merge_completion_logprobs(lp_items))
-        return chunk(text, lps, None)
+        text = texts[0] if len(texts) == 1 else "".join(texts)
+        if not lp_items:
+            return enc.text(text) if text else b""
+        lps = ([x for part in lp_items for x in part] if chat
+               else merge_completion_logprobs(lp_items))
+        return enc.chunk(text, lps, None)
 
     recv_many = getattr(handle, "receive_many", None)
     events = None if recv_many is not None else handle.events()
@@ -230,9 +222,9 @@ async def run_stream(
     metrics.streams_active.inc()
     try:
         if chat:
-            yield chunk("", None, None, role=True)
+            yield enc.chunk("", None, None, role=True)
         if prep.echo_text:
-            yield chunk(prep.echo_text, None, None)
+            yield enc.text(prep.echo_text)
         while not finished:
             try:
                 batch = await next_batch()
@@ -247,39 +239,39 @@ async def run_stream(
                 yield sse(error_body("the engine ended the request without a terminal event",
                                      "server_error", None, "internal_error"))
                 break
-            out = bytearray()
             # Invariant: the token events of one batch become ONE chunk (their texts and logprobs
             # concatenated), written before the terminal's chunk; a batch adding no text and no
             # logprobs (a partial UTF-8 character, text held back for a stop string) sends nothing.
             texts: list[str] = []
             lp_items: list[Any] = []
+            n_tokens = 0
+            terminal: FinishEvent | ErrorEvent | None = None
             for ev in batch:
                 if isinstance(ev, TokenEvent):
-                    obs.tokens(len(ev.token_ids))
+                    n_tokens += len(ev.token_ids)
                     texts.append(ev.text)
-                    if ev.logprobs and prep.logprobs is not None:
+                    if want_lps and ev.logprobs:
                         lp_items.append(fmt.chat(ev.logprobs) if chat
                                         else fmt.completion(ev.logprobs))
                     continue
-                out += token_chunk(texts, lp_items)
-                texts, lp_items = [], []
+                terminal = ev
+                break
+            obs.tokens(n_tokens)  # one clock read and metric update per batch, not per event
+            out = token_chunk(texts, lp_items) if texts else b""
+            if terminal is not None:
                 finished = True
-                obs.end(ev)
-                if isinstance(ev, FinishEvent):
-                    out += chunk(ev.text if (ev.text or not chat) else None, None,
-                                 finish_reason(ev.reason))
+                obs.end(terminal)
+                if isinstance(terminal, FinishEvent):
+                    out += enc.chunk(terminal.text if (terminal.text or not chat) else None, None,
+                                     finish_reason(terminal.reason))
                     if prep.include_usage:
-                        out += sse({"id": rid, "object": obj, "created": created,
-                                    "model": prep.alias, "choices": [],
-                                    "usage": usage_dict(ev.usage)})
+                        out += enc.usage(terminal.usage)
                     out += DONE
                 else:
-                    err = error_event_to_api(ev)
+                    err = error_event_to_api(terminal)
                     out += sse(error_body(err.message, err.type, err.param, err.code))
-                break
-            out += token_chunk(texts, lp_items)
             if out:
-                yield bytes(out)  # coalesced: one write per batch of queued events
+                yield out  # coalesced: one write per batch of queued events
     finally:
         metrics.streams_active.dec()
         if not finished and not broken:
