@@ -28,6 +28,9 @@ static inject_fn p_inject;
 static simcfg_fn p_simcfg;
 static readkv_fn p_readkv;
 static sharekv_fn p_sharekv;
+/* Optional completion notification fd per job engine (calrt_sim_engine_completion_fd, spec §19 M1). */
+typedef calrt_status (*cfd_fn)(calrt_device *, int, calrt_engine, int *);
+static cfd_fn p_cfd;
 
 static void resolve_sim(void) {
   Dl_info info;
@@ -38,6 +41,7 @@ static void resolve_sim(void) {
   p_simcfg = (simcfg_fn)dlsym(h, "calrt_sim_configure");
   p_readkv = (readkv_fn)dlsym(h, "calrt_sim_read_kv");
   p_sharekv = (sharekv_fn)dlsym(h, "calrt_calbin_share_kv");
+  p_cfd = (cfd_fn)dlsym(h, "calrt_sim_engine_completion_fd");
   /* keep the handle: the library stays loaded for the process anyway */
 }
 
@@ -206,6 +210,18 @@ static PyObject *Device_inject_fault(DeviceObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* completion_fd(chip, engine) -> int: the engine's completion eventfd, owned by the runtime (never
+ * close it; it is closed with the device). NOT_SUPPORTED when the runtime build lacks it. */
+static PyObject *Device_completion_fd(DeviceObject *self, PyObject *args) {
+  int chip, engine, fd = -1;
+  if (!PyArg_ParseTuple(args, "ii", &chip, &engine)) return NULL;
+  NEED_DEV(self);
+  if (!p_cfd) return raise_code(CALRT_E_NOT_SUPPORTED, "completion_fd: this runtime build has no completion "
+                                "notification fd (calrt_sim_engine_completion_fd)");
+  CALL(p_cfd(self->dev, chip, (calrt_engine)engine, &fd));
+  return PyLong_FromLong(fd);
+}
+
 static void release_bufs(CalbinObject *c) {
   for (Py_ssize_t i = 0; i < c->n_bufs; i++) PyBuffer_Release(&c->bufs[i]);
   PyMem_Free(c->bufs);
@@ -335,6 +351,8 @@ static PyMethodDef Device_methods[] = {
     {"needs_reconfigure", (PyCFunction)Device_needs_reconfigure, METH_VARARGS, "needs_reconfigure(chip)."},
     {"counters", (PyCFunction)Device_counters, METH_VARARGS, "counters(chip, engine) -> 6-tuple."},
     {"inject_fault", (PyCFunction)Device_inject_fault, METH_VARARGS, "Sim only."},
+    {"completion_fd", (PyCFunction)Device_completion_fd, METH_VARARGS,
+     "completion_fd(chip, engine) -> eventfd incremented per completed job (runtime-owned)."},
     {"load_calbin", (PyCFunction)Device_load_calbin, METH_VARARGS, "Create + configure a calbin."},
     {NULL}};
 

@@ -203,6 +203,17 @@ class Job:
         """True once the job completed (any status); ``wait`` then returns without blocking."""
         return self._result is not None or bool(self._h.done())
 
+    def result_nowait(self) -> JobResult | None:
+        """The result if the job completed, else ``None`` — never blocks, never counts a timeout.
+
+        The non-blocking half of the :meth:`Device.completion_fd` protocol (drain the fd, then call
+        this; ``None`` means wait for the fd again)."""
+        if self._result is not None:
+            return self._result
+        if not self._h.done():
+            return None
+        return self.wait(0.0)
+
     def __repr__(self) -> str:
         return f"Job(id={self.job_id}, engine={self.engine.name}, chip={self.chip})"
 
@@ -567,6 +578,24 @@ class Device:
         """Status counters of one engine (cumulative since open; ``inflight`` is current)."""
         s, c, f, b, t, i = _call(self._h.counters, int(chip), int(engine))
         return EngineCounters(submitted=s, completed=c, failed=f, busy=b, timeouts=t, inflight=i)
+
+    def completion_fd(self, engine: JobEngine, chip: int = 0) -> int | None:
+        """The completion notification fd of one job engine, or ``None`` when this runtime build
+        has none (a vendor libcalrt without ``calrt_sim_engine_completion_fd``: wait with
+        :meth:`Job.wait` on a thread instead).
+
+        A non-blocking Linux eventfd the engine increments after every job of ``(chip, engine)``
+        completes (any status, ABORTED by a reset included), only once :meth:`Job.done` is already
+        true. Protocol that never loses a wake-up: drain it (``os.eventfd_read``, ``BlockingIOError``
+        = nothing pending), then :meth:`Job.result_nowait`; on ``None`` wait until the fd is
+        readable and repeat. A count can be stale (a job waited for another way): one spurious
+        wake-up. The same fd on every call; owned by the runtime: never close it; it is closed by
+        :meth:`close` (stop waiting on it before). :class:`InvalidArgument` for a bad chip/engine.
+        """
+        try:
+            return int(_call(self._h.completion_fd, int(chip), int(engine)))
+        except NotSupported:
+            return None
 
     def inject_fault(
         self, kind: FaultKind, engine: JobEngine, nth: int, lane: int = 0, chip: int = 0

@@ -46,6 +46,9 @@
  *   5. the formal API for multi-calbin residency, chip affinity and reset domains, and whether the
  *      calbins of one model can share weights and a KvManager (calrt-sim: calrt_calbin_share_kv);
  *   6. versions/API/device selection for more than one physical device after 0.7.6;
+ *   7. a pollable completion notification per job engine (calrt-sim: calrt_sim_engine_completion_fd,
+ *      an eventfd incremented on every completion), so a host waits in its event loop instead of a
+ *      thread blocked in calrt_job_wait (spec §19 M1: one wake-up per step instead of two);
  *   plus: the output checksum algorithm and echo layout used here (FNV-1a 64 over float32 bytes).
  */
 #ifndef CALRT_H

@@ -27,6 +27,20 @@ calrt_status calrt_sim_configure(calrt_device *dev, int null_compute, int64_t ji
  * *n in: buffer size; out: bytes needed/written. */
 calrt_status calrt_sim_read_kv(calrt_calbin *cb, int32_t seq_id, void *buf, size_t *n);
 
+/* Completion notification fd of one job engine (optional extension; the binding looks it up with
+ * dlsym, so a vendor libcalrt without it still links and the caller falls back to a thread blocked in
+ * calrt_job_wait). *fd: a non-blocking, close-on-exec Linux eventfd (counter mode, not semaphore)
+ * that the engine's worker increments by 1 after every job of (chip, engine) completes — OK, failed,
+ * INVALID or ABORTED (a reset) alike — and only after calrt_job_done() reports it, so the protocol
+ *   drain (read, EAGAIN ignored) -> check calrt_job_done() -> if not done, poll/epoll for readable
+ * never loses a wake-up (a count may be stale: one spurious wake-up, never a missed one).
+ * Created on the first call (the same fd on every later call), owned by the runtime: the caller only
+ * reads it and must not close it; it is closed by calrt_device_close (stop waiting on it first).
+ * Errors: CLOSED, INVALID_ARGUMENT (chip/engine/fd), INTERNAL (eventfd() failed).
+ * Vendor question (spec §20): can a completion interrupt/doorbell be exposed as a pollable fd per job
+ * engine (or per chip), with this ordering guarantee against calrt_job_done? */
+calrt_status calrt_sim_engine_completion_fd(calrt_device *dev, int chip, calrt_engine engine, int *fd);
+
 #ifdef __cplusplus
 }
 #endif

@@ -260,3 +260,18 @@ calrt_status calrt_sim_inject_fault(calrt_device *dev, int chip, calrt_engine en
   pthread_mutex_unlock(&ch->mu);
   return sim_err(CALRT_E_INVALID_ARGUMENT, "too many armed faults (max %d)", SIM_MAX_FAULTS);
 }
+
+calrt_status calrt_sim_engine_completion_fd(calrt_device *dev, int chip, calrt_engine engine, int *fd) {
+  calrt_status st = check_chip(dev, chip);
+  if (st) return st;
+  if (engine != CALRT_ENGINE_PING && engine != CALRT_ENGINE_PONG)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "engine: %d is not PING(0) or PONG(1)", (int)engine);
+  if (!fd) return sim_err(CALRT_E_INVALID_ARGUMENT, "fd is NULL");
+  sim_chip *ch = &dev->chips[chip];
+  pthread_mutex_lock(&ch->mu);
+  int f = sim_engine_completion_fd(&ch->engines[engine]);
+  pthread_mutex_unlock(&ch->mu);
+  if (f < 0) return sim_err(CALRT_E_INTERNAL, "eventfd() failed for the completion fd");
+  *fd = f;
+  return CALRT_OK;
+}

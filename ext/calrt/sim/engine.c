@@ -3,6 +3,8 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -289,6 +291,14 @@ static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, doubl
   j->done = 1;
   pthread_cond_broadcast(&j->cond);
   pthread_mutex_unlock(&j->mu);
+  /* Invariant: the notification follows done = 1 (both visible to a reader that drains, then checks
+   * done): a waiter that saw "not done" is woken by this write. */
+  if (e->completion_fd >= 0) {
+    uint64_t one = 1;
+    ssize_t w;
+    do w = write(e->completion_fd, &one, sizeof one); while (w < 0 && errno == EINTR);
+    /* EAGAIN only at a counter of 2^64-2 (never drained): it is readable then anyway. */
+  }
   calrt_job_release(j); /* the engine's reference */
 }
 
@@ -365,6 +375,7 @@ int sim_engines_start(sim_chip *ch) {
     e->index = i;
     sim_cond_init(&e->cond);
     atomic_init(&e->timeouts, 0);
+    e->completion_fd = -1;
     if (pthread_create(&e->thread, NULL, worker, e) != 0) {
       if (i == 1) {
         pthread_mutex_lock(&ch->mu);
@@ -387,5 +398,14 @@ void sim_engines_stop(sim_chip *ch) {
   for (int i = 0; i < 2; i++) {
     pthread_join(ch->engines[i].thread, NULL);
     pthread_cond_destroy(&ch->engines[i].cond);
+    if (ch->engines[i].completion_fd >= 0) { /* the worker (its only writer) is gone */
+      close(ch->engines[i].completion_fd);
+      ch->engines[i].completion_fd = -1;
+    }
   }
+}
+
+int sim_engine_completion_fd(sim_engine *e) {
+  if (e->completion_fd < 0) e->completion_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  return e->completion_fd;
 }

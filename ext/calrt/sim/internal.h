@@ -57,6 +57,9 @@ typedef struct sim_engine {
   int n_queued;
   calrt_counters counters;
   atomic_ullong timeouts; /* atomic: counted by waiters without the chip lock */
+  /* Completion eventfd (calrt_sim_engine_completion_fd), -1 until first asked for. Guarded by chip->mu
+   * (created and written under it; closed after the worker was joined). */
+  int completion_fd;
   sim_fault faults[SIM_MAX_FAULTS];
 } sim_engine;
 
@@ -167,5 +170,6 @@ void sim_null_logits(const calrt_calbin *cb, int32_t token, int32_t position, fl
 /* engine.c */
 int sim_engines_start(sim_chip *chip);
 void sim_engines_stop(sim_chip *chip);
+int sim_engine_completion_fd(sim_engine *e); /* chip->mu held; creates on first use; -1 on failure */
 
 #endif

@@ -4,7 +4,10 @@
  * move their sequence between the two profiles at random. A churn thread keeps creating a B2 member of
  * chip 0's KV group, running a sequence on it and destroying it while chip 0's workers use the owner.
  * Checks: every submitted job completes exactly once (waits return a status; aborted/failed jobs leave
- * no KV commit), nothing deadlocks, no data race, DRAM back to zero. */
+ * no KV commit), nothing deadlocks, no data race, DRAM back to zero. A poller thread drains the
+ * completion eventfds of all four engines (calrt_sim_engine_completion_fd) while all this runs: the
+ * counts it reads add up to each engine's completions. */
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
@@ -19,6 +22,24 @@ static calrt_device *dev;
 static calrt_calbin *cbs[3]; /* chip 0: B1; chip 1: B4 + B1 sharing its KV group */
 static atomic_int stop_chaos;
 static atomic_long completed_ok, completed_other, churn_rounds;
+static int cfds[4];        /* completion fds: chip * 2 + engine */
+static uint64_t cfd_count[4]; /* poller's totals (read by main after join) */
+
+static void drain_fds(void) {
+  for (int k = 0; k < 4; k++) {
+    uint64_t v;
+    if (read(cfds[k], &v, sizeof v) == (ssize_t)sizeof v) cfd_count[k] += v;
+  }
+}
+
+static void *poller(void *arg) {
+  struct pollfd p[4];
+  for (int k = 0; k < 4; k++) p[k] = (struct pollfd){cfds[k], POLLIN, 0};
+  while (!atomic_load(&stop_chaos)) {
+    if (poll(p, 4, 5) > 0) drain_fds();
+  }
+  return NULL;
+}
 
 static unsigned rnd(unsigned *s) { *s = *s * 1103515245u + 12345u; return (*s >> 16) & 0x7FFF; }
 
@@ -168,7 +189,10 @@ int main(void) {
   CHECK(calrt_calbin_create(dev, 1, &tm.m, tm.t, (size_t)tm.n, &p1b, &t, &cbs[2]) == CALRT_OK);
   CHECK(calrt_calbin_share_kv(cbs[2], cbs[1]) == CALRT_OK);
   CHECK(calrt_calbin_configure(cbs[2]) == CALRT_OK);
-  pthread_t th[THREADS], ch, cu;
+  for (int k = 0; k < 4; k++)
+    CHECK(calrt_sim_engine_completion_fd(dev, k / 2, (calrt_engine)(k % 2), &cfds[k]) == CALRT_OK);
+  pthread_t th[THREADS], ch, cu, po;
+  CHECK(pthread_create(&po, NULL, poller, NULL) == 0);
   CHECK(pthread_create(&ch, NULL, chaos, NULL) == 0);
   CHECK(pthread_create(&cu, NULL, churn, &tm) == 0);
   for (uintptr_t i = 0; i < THREADS; i++) CHECK(pthread_create(&th[i], NULL, worker, (void *)i) == 0);
@@ -176,13 +200,16 @@ int main(void) {
   atomic_store(&stop_chaos, 1);
   pthread_join(ch, NULL);
   pthread_join(cu, NULL);
+  pthread_join(po, NULL);
   CHECK(calrt_device_reset(dev, -1) == CALRT_OK);
+  drain_fds(); /* the reset returned after every job completed, so every count was written */
   for (int c = 0; c < 2; c++) {
     calrt_counters a, b;
     CHECK(calrt_engine_counters(dev, c, CALRT_ENGINE_PING, &a) == CALRT_OK);
     CHECK(calrt_engine_counters(dev, c, CALRT_ENGINE_PONG, &b) == CALRT_OK);
     CHECK(a.inflight == 0 && b.inflight == 0);
     CHECK(a.submitted == a.completed + a.failed && b.submitted == b.completed + b.failed);
+    CHECK(cfd_count[2 * c] == a.completed + a.failed && cfd_count[2 * c + 1] == b.completed + b.failed);
   }
   CHECK(calrt_calbin_destroy(cbs[0]) == CALRT_OK);
   CHECK(calrt_calbin_destroy(cbs[1]) == CALRT_OK); /* the group's creator first: cbs[2] keeps the KV */
@@ -195,7 +222,9 @@ int main(void) {
   CHECK(calrt_device_dram(dev, 1, &cap, &used) == CALRT_OK && used == 0);
   CHECK(calrt_device_close(dev) == CALRT_OK);
   free_model(&tm);
-  printf("calrt-sim stress: OK (%ld ok, %ld failed/aborted/invalid, %ld member join/leave rounds)\n",
-         atomic_load(&completed_ok), atomic_load(&completed_other), atomic_load(&churn_rounds));
+  printf("calrt-sim stress: OK (%ld ok, %ld failed/aborted/invalid, %ld member join/leave rounds, "
+         "%llu completion fd counts)\n", atomic_load(&completed_ok), atomic_load(&completed_other),
+         atomic_load(&churn_rounds),
+         (unsigned long long)(cfd_count[0] + cfd_count[1] + cfd_count[2] + cfd_count[3]));
   return 0;
 }

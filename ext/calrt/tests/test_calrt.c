@@ -1,5 +1,9 @@
 /* Plain-C tests of calrt-sim (run under ASAN+UBSAN by `make asan-test`). */
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <poll.h>
+#include <unistd.h>
 
 #include "common.h"
 
@@ -157,6 +161,74 @@ static void test_shared_kv(calrt_device *dev, test_model *tm) {
   CHECK(calrt_device_dram(dev, 0, &cap, &used) == CALRT_OK && used == base);
 }
 
+static uint64_t drain(int fd) {
+  uint64_t v = 0;
+  if (read(fd, &v, sizeof v) != (ssize_t)sizeof v) v = 0; /* EAGAIN: nothing pending */
+  return v;
+}
+static int readable(int fd, int ms) {
+  struct pollfd p = {fd, POLLIN, 0};
+  return poll(&p, 1, ms) == 1 && (p.revents & POLLIN);
+}
+
+/* calrt_sim_engine_completion_fd on chip 1 (a calbin of its own): one count per completion of any
+ * status, after calrt_job_done; per engine; stable fd; closed by calrt_device_close (checked by main). */
+static int test_completion_fd(calrt_device *dev, test_model *tm) {
+  calrt_profile p1 = {1, 48, 3, CALRT_KV_FP32, 1, 0};
+  calrt_timing t0 = {0};
+  calrt_calbin *cb;
+  CHECK(calrt_calbin_create(dev, 1, &tm->m, tm->t, (size_t)tm->n, &p1, &t0, &cb) == CALRT_OK);
+  CHECK(calrt_calbin_configure(cb) == CALRT_OK);
+  int fd = -1, fd2 = -1, fdp = -1;
+  CHECK(calrt_sim_engine_completion_fd(dev, 1, CALRT_ENGINE_PING, &fd) == CALRT_OK && fd >= 0);
+  CHECK(calrt_sim_engine_completion_fd(dev, 1, CALRT_ENGINE_PING, &fd2) == CALRT_OK && fd2 == fd);
+  CHECK(calrt_sim_engine_completion_fd(dev, 1, CALRT_ENGINE_PONG, &fdp) == CALRT_OK && fdp >= 0 && fdp != fd);
+  CHECK(calrt_sim_engine_completion_fd(dev, 0, CALRT_ENGINE_PING, &fd2) == CALRT_OK && fd2 != fd && fd2 != fdp);
+  CHECK(calrt_sim_engine_completion_fd(dev, 2, CALRT_ENGINE_PING, &fd2) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("chip"));
+  CHECK(calrt_sim_engine_completion_fd(dev, 1, (calrt_engine)7, &fd2) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("engine"));
+  CHECK(calrt_sim_engine_completion_fd(dev, 1, CALRT_ENGINE_PING, NULL) == CALRT_E_INVALID_ARGUMENT);
+  CHECK(fcntl(fd, F_GETFL) & O_NONBLOCK);
+  CHECK(fcntl(fd, F_GETFD) & FD_CLOEXEC);
+  CHECK(drain(fd) == 0 && drain(fdp) == 0 && !readable(fd, 0)); /* created now: no past counts */
+
+  int32_t s, tk = 3;
+  CHECK(calrt_kv_create_sequence(cb, &s) == CALRT_OK);
+  calrt_job *j, *j2;
+  calrt_job_status st;
+  /* OK on PING: readable exactly once, and done is already visible when it is. */
+  CHECK(calrt_job_create_prefill(cb, s, &tk, 1, &j) == CALRT_OK);
+  CHECK(calrt_job_submit(j, CALRT_ENGINE_PING) == CALRT_OK);
+  CHECK(readable(fd, 10000) && calrt_job_done(j));
+  CHECK(drain(fd) == 1 && !readable(fd, 0) && !readable(fdp, 0));
+  CHECK(calrt_job_wait(j, 0, &st) == CALRT_OK && st == CALRT_JOB_OK);
+  calrt_job_release(j);
+  /* INVALID (wrong position) on PONG: counts on PONG's fd only. */
+  int32_t bad = 7;
+  uint8_t one = 1;
+  CHECK(calrt_job_create_decode(cb, &s, &tk, &bad, &one, 1, &j) == CALRT_OK);
+  CHECK(calrt_job_submit(j, CALRT_ENGINE_PONG) == CALRT_OK);
+  CHECK(readable(fdp, 10000) && calrt_job_done(j) && drain(fdp) == 1 && !readable(fd, 0));
+  CHECK(calrt_job_wait(j, 0, &st) == CALRT_OK && st == CALRT_JOB_INVALID);
+  calrt_job_release(j);
+  /* A hung job (TIMEOUT fault) + a queued one: nothing until the reset aborts both -> 2 counts. */
+  CHECK(calrt_sim_inject_fault(dev, 1, CALRT_ENGINE_PING, CALRT_SIM_FAULT_TIMEOUT, 1, 0) == CALRT_OK);
+  CHECK(calrt_job_create_prefill(cb, s, &tk, 1, &j) == CALRT_OK);
+  CHECK(calrt_job_create_prefill(cb, s, &tk, 1, &j2) == CALRT_OK);
+  CHECK(calrt_job_submit(j, CALRT_ENGINE_PING) == CALRT_OK);
+  CHECK(calrt_job_submit(j2, CALRT_ENGINE_PING) == CALRT_OK);
+  CHECK(!readable(fd, 30) && !calrt_job_done(j));
+  CHECK(calrt_device_reset(dev, 1) == CALRT_OK);
+  CHECK(readable(fd, 10000));
+  CHECK(calrt_job_wait(j, -1, &st) == CALRT_OK && st == CALRT_JOB_ABORTED);
+  CHECK(calrt_job_wait(j2, -1, &st) == CALRT_OK && st == CALRT_JOB_ABORTED);
+  CHECK(drain(fd) == 2 && !readable(fd, 0));
+  calrt_job_release(j);
+  calrt_job_release(j2);
+  CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK);
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+  return fd;
+}
+
 int main(void) {
   calrt_device *dev = NULL, *dev2 = NULL;
   calrt_open_params op = {"sim-next", 64u << 20};
@@ -308,7 +380,10 @@ int main(void) {
   CHECK(calrt_calbin_destroy(c4) == CALRT_OK);
   CHECK(calrt_device_dram(dev, 0, &cap, &used) == CALRT_OK && used == used0);
   test_shared_kv(dev, &tm);
+  int cfd = test_completion_fd(dev, &tm);
   CHECK(calrt_device_close(dev) == CALRT_OK);
+  errno = 0;
+  CHECK(fcntl(cfd, F_GETFD) == -1 && errno == EBADF); /* closed with the device */
 
   calrt_open_params old = {"calrt-0.7.6", 64u << 20};
   CHECK(calrt_device_open(&old, &dev) == CALRT_OK);
