@@ -86,6 +86,10 @@ class FairnessConfig(_Strict):
     output_token_cost: PosFloat = 2.0
     # A tenant may hold at most this share of a batch's lanes, unless no other candidate exists.
     tenant_max_lane_share: Share = 1.0
+    # Decode lanes go to at-risk deadlines first (EDF) when the deadline is at most this far away;
+    # otherwise to the least-served tenant (VTC). Far-away deadlines must not order lanes, or the
+    # default deadline (arrival + 120 s) would make the order FCFS. ``fcfs`` ignores it.
+    deadline_urgency_ms: NonNeg = 2000
 
 
 class ProfileSelection(_Strict):

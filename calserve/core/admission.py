@@ -141,6 +141,8 @@ class _Tenant:
     # Estimated cost not yet delivered of this tenant's active requests (cost units).
     est: float = 0.0
     service: float = 0.0  # delivered cost units, never lifted (a metric)
+    # Decode-lane VTC counter: delivered / weight, lifted on return from idle (see module doc).
+    lane_vt: float = 0.0
     bucket: float = 0.0  # QPS token bucket level
     bucket_at: float | None = None  # when the bucket was last refilled
     version: int = 0  # heap entries with another version are stale
@@ -199,6 +201,8 @@ class AdmissionController:
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, tie, request id), lazy
         self._gvt = 0.0  # global virtual time: start tag of the last admitted item, monotone
         self._decisions = {o: 0 for o in Outcome}
+        # Tenants with something waiting or active. Invariant: name in _busy <=> t.waiting or t.active.
+        self._busy: set[str] = set()
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -321,6 +325,11 @@ class AdmissionController:
                                     retry_after_s=(1.0 - t.bucket) / p.qps)
             t.bucket -= 1.0
         # Accepted: queue it.
+        if t.name not in self._busy:
+            # Idle -> busy: no banked credit for decode lanes (lift to the least-served busy tenant).
+            floor = min((self._tenants[n].lane_vt for n in self._busy), default=t.lane_vt)
+            t.lane_vt = max(t.lane_vt, floor)
+            self._busy.add(t.name)
         if t.waiting == 0 and self.policy == "wfq":
             # Returning from idle (empty queue): no banked credit (spec §5.3, VTC lift).
             t.vt = max(t.vt, self._gvt - t.est / t.weight)
@@ -438,6 +447,8 @@ class AdmissionController:
         self._waiting_tokens -= item.prompt_tokens
         if self.policy == "wfq" and was_head:
             self._push(t)  # the head's cost changed: re-key
+        if not t.waiting and not t.active:
+            self._busy.discard(t.name)
         return item
 
     def expire(self, now: float) -> list[WorkItem]:
@@ -470,6 +481,7 @@ class AdmissionController:
         t = self._tenant(tenant)
         t.service += amount
         t.vt += amount / t.weight
+        t.lane_vt += amount / t.weight
         if request_id is not None and request_id in self._remaining:
             dec = min(amount, self._remaining[request_id])
             self._remaining[request_id] -= dec
@@ -491,6 +503,8 @@ class AdmissionController:
         t.est = max(0.0, t.est - rem)
         if not t.active:
             t.est = 0.0  # no float residue when nothing is in flight
+            if not t.waiting:
+                self._busy.discard(t.name)
         if self.policy == "wfq" and t.waiting:
             self._push(t)  # key went down (refund) or a capped tenant became eligible
 
@@ -510,6 +524,16 @@ class AdmissionController:
         scheduler uses after deadlines (spec §7.2)."""
         t = self._tenant(tenant)
         return max(t.effective_vt(), self._gvt) + cost / t.weight
+
+    def lane_virtual_time(self, tenant: str) -> float:
+        """The tenant's decode-lane virtual time (VTC, see module doc): lower = served less."""
+        t = self._tenants.get(tenant)
+        return 0.0 if t is None else t.lane_vt
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's configured weight (the default policy's for unknown tenants)."""
+        t = self._tenants.get(tenant)
+        return (t.policy if t is not None else self._policies.get(tenant, self._default)).weight
 
     def statistics(self) -> AdmissionStats:
         return AdmissionStats(

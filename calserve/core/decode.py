@@ -2,19 +2,31 @@
 
 All functions are pure: candidates and ``now`` in, a plain frozen :class:`DecodeBatch` out.
 
-Selection (spec §7.2): exclude cancelled / deadline-expired / generation-mismatched / full-length
-candidates (each recorded in ``skipped`` with the reason); order the rest by earliest deadline, then
-virtual finish, then request id; cap one tenant's share of lanes unless no other candidate is left;
-fill lanes in that order. Inactive lanes get ``valid=0`` and the profile's declared inactive token and
-position (spec §7.3: never assume token 0 means "nothing").
+Selection (spec §7.2 + §5.3): exclude cancelled / deadline-expired / generation-mismatched /
+full-length candidates (each recorded in ``skipped`` with the reason), then fill lanes:
+
+1. requests whose deadline is *at risk* (``deadline - now <= LaneOrder.urgency_s``), earliest
+   deadline first. Only at-risk deadlines count: with the default deadline (arrival + 120 s) plain
+   EDF would be arrival order, i.e. FCFS, and fairness would be gone;
+2. then the tenant with the least weighted delivered service (VTC virtual time, supplied by the
+   caller from the admission controller, which lifts returning tenants so idleness banks no
+   credit), each pick charging the tenant one decode token so lanes inside one batch are split by
+   weight; within a tenant, least recently served first (``virtual_finish`` = when the sequence
+   last became ready), then request id;
+3. one tenant holds at most ``tenant_max_lane_share`` of the lanes unless no other candidate is left.
+
+``LaneOrder.policy == "fcfs"`` orders by arrival only (the comparison baseline). Inactive lanes get
+``valid=0`` and the profile's declared inactive token and position (spec §7.3: never assume token 0
+means "nothing").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Collection, Iterable, Mapping
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from calserve.config import ProfileSelection
 from calserve.errors import ConfigError
@@ -23,6 +35,7 @@ __all__ = [
     "BatchProfile",
     "DecodeCandidate",
     "DecodeBatch",
+    "LaneOrder",
     "SkipReason",
     "MissingProfile",
     "build_decode_batch",
@@ -74,9 +87,40 @@ class DecodeCandidate:
     last_token: int  # the token to feed (sampled by the previous step)
     position: int  # == the sequence's committed KV length (spec §9.2)
     deadline: float | None  # absolute, caller's clock; None = none
-    virtual_finish: float  # fair-queue tag: tie-break after the deadline
+    # Order key inside one tenant: the engine passes when the sequence last became decode-ready,
+    # so the least recently served sequence of a tenant goes first (round robin). Lower = earlier.
+    virtual_finish: float
     cancelled: bool = False
     lane: int | None = None  # KV lane (KvLaneManager), carried through for the executor
+    arrival: float = 0.0  # when the request arrived (FCFS order)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneOrder:
+    """How eligible candidates are ordered (spec §5.3/§7.2); see the module docstring.
+
+    ``tenant_vt``: the tenant's weighted delivered service (cost units / weight) — a tenant
+    missing here counts as the least-served among those given (0.0). ``tenant_weight``: weights
+    (missing = 1.0). ``token_cost``: cost units of one decoded token (§5.3 ``output_token_cost``),
+    charged per pick inside the batch so one batch is already split by weight.
+    """
+
+    policy: Literal["fair", "fcfs"] = "fair"
+    urgency_s: float = 2.0
+    tenant_vt: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    tenant_weight: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    token_cost: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fair", "fcfs"):
+            raise ValueError(f"LaneOrder.policy must be 'fair' or 'fcfs', got {self.policy!r}")
+        if self.urgency_s < 0:
+            raise ValueError(f"urgency_s must be >= 0, got {self.urgency_s}")
+        if not self.token_cost > 0:
+            raise ValueError(f"token_cost must be > 0, got {self.token_cost}")
+
+
+_DEFAULT_ORDER = LaneOrder()
 
 
 class SkipReason:
@@ -128,19 +172,21 @@ def build_decode_batch(
     now: float,
     generation: int,
     tenant_max_lane_share: float = 1.0,
+    order: LaneOrder = _DEFAULT_ORDER,
 ) -> DecodeBatch:
     """Choose up to ``profile.compiled_batch`` candidates and lay out the host tensors (spec §7).
 
-    ``tenant_max_lane_share`` (0, 1]: one tenant gets at most ``max(1, floor(share * B))`` lanes while
-    other eligible candidates are waiting; leftover lanes go back to capped tenants rather than run
-    empty ("unless no other candidate exists"). Under low traffic this returns a partial batch: it
-    never waits (waiting is :func:`batching_window`'s decision).
+    Order: see the module docstring and :class:`LaneOrder`. ``tenant_max_lane_share`` (0, 1]: one
+    tenant gets at most ``max(1, floor(share * B))`` lanes while other eligible candidates are
+    waiting; leftover lanes go back to capped tenants rather than run empty ("unless no other
+    candidate exists"). Under low traffic this returns a partial batch: it never waits (waiting is
+    :func:`batching_window`'s decision). O(n log n) in the number of candidates.
     """
     if not 0.0 < tenant_max_lane_share <= 1.0:
         raise ValueError(f"tenant_max_lane_share must be in (0, 1], got {tenant_max_lane_share}")
     b = profile.compiled_batch
     skipped: list[tuple[int, str]] = []
-    eligible: list[tuple[float, float, int, DecodeCandidate]] = []
+    eligible: list[DecodeCandidate] = []
     seen: set[int] = set()
     for c in ready:
         if c.request_id in seen:
@@ -150,32 +196,68 @@ def build_decode_batch(
         if why is not None:
             skipped.append((c.request_id, why))
             continue
-        eligible.append((math.inf if c.deadline is None else c.deadline, c.virtual_finish,
-                         c.request_id, c))
-    # Earliest deadline first, then virtual finish, then request id (total order: deterministic).
-    eligible.sort(key=lambda e: e[:3])
+        eligible.append(c)
     cap = max(1, math.floor(tenant_max_lane_share * b + 1e-9))
     chosen: list[DecodeCandidate] = []
     deferred: list[DecodeCandidate] = []
     per_tenant: dict[str, int] = {}
-    rest = 0
-    for i, (_, _, _, c) in enumerate(eligible):
-        if len(chosen) == b:
-            rest = i
-            break
+
+    def take(c: DecodeCandidate) -> bool:
+        """Put ``c`` in a lane unless its tenant is at the cap (then defer it)."""
         n = per_tenant.get(c.tenant, 0)
         if n >= cap:
             deferred.append(c)
-            continue
+            return False
         per_tenant[c.tenant] = n + 1
         chosen.append(c)
+        return True
+
+    rest: list[DecodeCandidate] = []  # eligible, not considered because the lanes were full
+    if order.policy == "fcfs":
+        eligible.sort(key=lambda c: (c.arrival, c.request_id))
+        for i, c in enumerate(eligible):
+            if len(chosen) == b:
+                rest = eligible[i:]
+                break
+            take(c)
     else:
-        rest = len(eligible)
+        horizon = now + order.urgency_s
+        urgent = sorted((c for c in eligible if c.deadline is not None and c.deadline <= horizon),
+                        key=lambda c: (c.deadline, c.virtual_finish, c.request_id))
+        by_tenant: dict[str, list[DecodeCandidate]] = {}
+        for c in eligible:
+            if c.deadline is None or c.deadline > horizon:
+                by_tenant.setdefault(c.tenant, []).append(c)
+        vt = {t: order.tenant_vt.get(t, 0.0) for t in by_tenant}
+        for i, c in enumerate(urgent):
+            if len(chosen) == b:
+                rest = urgent[i:]
+                break
+            if take(c) and c.tenant in vt:
+                vt[c.tenant] += order.token_cost / order.tenant_weight.get(c.tenant, 1.0)
+        # Invariant: each tenant's list is sorted so that pop() gives its least recently served.
+        heap: list[tuple[float, str]] = []
+        for t, cs in by_tenant.items():
+            cs.sort(key=lambda c: (c.virtual_finish, c.request_id), reverse=True)
+            heap.append((vt[t], t))
+        heapq.heapify(heap)
+        while heap and len(chosen) < b:
+            v, t = heapq.heappop(heap)
+            cs = by_tenant[t]
+            if per_tenant.get(t, 0) >= cap:
+                deferred.extend(reversed(cs))
+                cs.clear()
+                continue
+            take(cs.pop())
+            if cs:
+                heapq.heappush(heap, (v + order.token_cost / order.tenant_weight.get(t, 1.0), t))
+        for _, t in sorted(heap):
+            rest.extend(reversed(by_tenant[t]))
     # No other candidate exists: over-cap candidates fill what is left, in the same order.
     while deferred and len(chosen) < b:
         chosen.append(deferred.pop(0))
     skipped.extend((c.request_id, SkipReason.TENANT_SHARE) for c in deferred)
-    skipped.extend((e[3].request_id, SkipReason.BATCH_FULL) for e in eligible[rest:])
+    skipped.extend((c.request_id, SkipReason.BATCH_FULL) for c in rest)
     lanes: list[DecodeCandidate | None] = [*chosen, *([None] * (b - len(chosen)))]
     return DecodeBatch(
         generation=generation,

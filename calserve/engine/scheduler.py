@@ -34,7 +34,13 @@ import numpy as np
 import trio
 
 from calserve.config import CalserveConfig
-from calserve.core.decode import BatchProfile, DecodeCandidate, batching_window, build_decode_batch
+from calserve.core.decode import (
+    BatchProfile,
+    DecodeCandidate,
+    LaneOrder,
+    batching_window,
+    build_decode_batch,
+)
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.model_state import ModelState
 from calserve.core.prefill import QueueClass, ServiceRoundRobin
@@ -344,13 +350,23 @@ class Scheduler:
                 request_id=s.rid, seq_id=int(s.seq_id if s.seq_id is not None else -1),
                 tenant=s.tenant, generation=gen.id, last_token=s.last_token, position=s.position,
                 deadline=s.deadline, virtual_finish=s.ready_since, cancelled=s.pending_reason is not None,
-                lane=s.lease.lane,
+                lane=s.lease.lane, arrival=s.arrival,
             )
             for s in q.decode_ready.values()
         ]
-        batch = build_decode_batch(
-            profile, cands, now, gen.id, self.cfg.scheduler.fairness.tenant_max_lane_share
-        )
+        fcfg = self.cfg.scheduler.fairness
+        if fcfg.policy == "fcfs":
+            order = LaneOrder(policy="fcfs")
+        else:
+            adm = gen.admission
+            tenants = {c.tenant for c in cands}
+            order = LaneOrder(
+                urgency_s=fcfg.deadline_urgency_ms * 1e-3,
+                tenant_vt={t: adm.lane_virtual_time(t) for t in tenants},
+                tenant_weight={t: adm.weight(t) for t in tenants},
+                token_cost=fcfg.output_token_cost,
+            )
+        batch = build_decode_batch(profile, cands, now, gen.id, fcfg.tenant_max_lane_share, order)
         for rid, why in batch.skipped:
             seq = q.decode_ready.get(rid)
             if seq is None:

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from calserve.config import ConfigError, ProfileSelection
 from calserve.core.decode import (
     BatchProfile,
+    DecodeBatch,
     DecodeCandidate,
+    LaneOrder,
     MissingProfile,
     SkipReason,
     batching_window,
@@ -52,11 +54,62 @@ def test_cancelled_expired_generation_and_length_are_skipped() -> None:
                                3: SkipReason.GENERATION, 4: SkipReason.LENGTH}
 
 
-def test_edf_then_virtual_finish_then_id() -> None:
-    ready = [cand(1, deadline=9.0, vf=1.0), cand(2, deadline=8.0, vf=5.0),
-             cand(3, deadline=9.0, vf=0.5), cand(4, deadline=9.0, vf=0.5), cand(5, deadline=20.0)]
+def ids(b: DecodeBatch) -> list[int]:
+    return [c.request_id for c in b.lanes if c]
+
+
+def test_at_risk_deadlines_first_edf_then_least_served_tenant() -> None:
+    # now=0, horizon 2 s: 2 and 3 are at risk (EDF among them), the rest go by tenant service.
+    ready = [cand(1, "a", deadline=9.0, vf=1.0), cand(2, "b", deadline=1.5, vf=5.0),
+             cand(3, "a", deadline=0.5, vf=0.5), cand(4, "b", deadline=90.0, vf=0.5),
+             cand(5, "a", deadline=20.0, vf=0.0)]
+    order = LaneOrder(urgency_s=2.0, tenant_vt={"a": 10.0, "b": 3.0})
+    b = build_decode_batch(B4, ready, now=0.0, generation=1, order=order)
+    # 3, 2 at risk; then b (3 + 2 = 5 after lane 2 < 10) -> 4; then a (least recently served) -> 5
+    assert ids(b) == [3, 2, 4, 5]
+    assert dict(b.skipped) == {1: SkipReason.BATCH_FULL}
+
+
+def test_far_deadlines_do_not_turn_the_order_into_fcfs() -> None:
+    """With default deadlines (arrival + 120 s) EDF would be FCFS: the heavy tenant that arrived
+    first would hold every lane. The least-served tenant goes first instead."""
+    heavy = [cand(i, "heavy", deadline=120.0 + i, vf=float(i)) for i in range(8)]
+    light = [cand(100 + i, "light", deadline=200.0 + i, vf=float(i)) for i in range(2)]
+    order = LaneOrder(tenant_vt={"heavy": 500.0, "light": 100.0})
+    b = build_decode_batch(B4, heavy + light, now=0.0, generation=1, order=order)
+    assert ids(b) == [100, 101, 0, 1]
+
+
+def test_equal_service_splits_lanes_by_weight() -> None:
+    ready = [cand(i, "w1", vf=float(i)) for i in range(10)]
+    ready += [cand(100 + i, "w3", vf=float(i)) for i in range(10)]
+    order = LaneOrder(tenant_vt={"w1": 0.0, "w3": 0.0}, tenant_weight={"w1": 1.0, "w3": 3.0})
+    b = build_decode_batch(BatchProfile(8, 64), ready, now=0.0, generation=1, order=order)
+    tenants = [c.tenant for c in b.lanes if c]
+    assert tenants.count("w1") == 2 and tenants.count("w3") == 6
+
+
+def test_round_robin_within_a_tenant_least_recently_served_first() -> None:
+    ready = [cand(1, vf=3.0), cand(2, vf=1.0), cand(3, vf=2.0), cand(4, vf=1.0), cand(5, vf=9.0)]
     b = build_decode_batch(B4, ready, now=0.0, generation=1)
-    assert [c.request_id for c in b.lanes if c] == [2, 3, 4, 1]
+    assert ids(b) == [2, 4, 3, 1]
+
+
+def test_fcfs_policy_is_arrival_order_at_decode() -> None:
+    ready = [DecodeCandidate(i, i, "ab"[i % 2], 1, 0, 5, deadline=1.0 + i, virtual_finish=-i,
+                             arrival=float(10 - i)) for i in range(6)]
+    order = LaneOrder(policy="fcfs", tenant_vt={"a": 1e9, "b": 0.0})
+    b = build_decode_batch(B4, ready, now=0.0, generation=1, order=order)
+    assert ids(b) == [5, 4, 3, 2]
+
+
+def test_lane_order_validates() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        LaneOrder(policy="edf")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="urgency_s"):
+        LaneOrder(urgency_s=-1.0)
+    with pytest.raises(ValueError, match="token_cost"):
+        LaneOrder(token_cost=0.0)
 
 
 def test_tenant_max_lane_share_caps_unless_no_other_candidate() -> None:
