@@ -269,11 +269,84 @@ class _EngineThread:
         self._q.put(None)
 
 
+class _CompletionFdWaiter:
+    """Waits for a job of one job engine inside trio, on the runtime's completion fd (spec §19 M1).
+
+    Why: with :class:`_EngineThread` a completion wakes a Python thread blocked in ``Job.wait``,
+    which rings a doorbell, which wakes trio — two wake-ups per step where the synchronous baseline
+    has one. Here the runtime's engine worker writes the fd itself (``Device.completion_fd``) and
+    epoll wakes the executor task directly; the result is then collected without blocking.
+
+    Protocol (never loses a wake-up, never polls): check ``result_nowait``; if not done, wait until
+    the fd is readable, drain it, check again. The runtime writes the fd only after the job reports
+    done, so a "not done" seen after a drain is always followed by a readable fd. A stale count (a
+    job of this engine waited for on a thread) costs one spurious wake-up.
+    Invariant: at most one task waits on the fd (``busy``); callers fall back to the engine thread
+    otherwise. Invariant: a job handed to :meth:`wait` is waited for until it completes or the
+    timeout passes, even if the caller is cancelled (the cancellation is re-raised afterwards).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.busy = False
+        self.wakeups = 0  # fd wake-ups (spurious ones included), for tests and statistics
+
+    def _drain(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    async def wait(self, job: Any, timeout_s: float) -> JobResult | None:
+        """The job's result, or ``None`` if it is still in flight after ``timeout_s`` (counted as a
+        runtime wait timeout, like ``Job.wait``)."""
+        assert not self.busy, "one waiter per completion fd"
+        self.busy = True
+        try:
+            r: JobResult | None = job.result_nowait()
+            if r is not None:
+                # Done already: still a schedule point (the executor loops on this), not a cancel point.
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return r
+            deadline = trio.current_time() + timeout_s
+            try:
+                return await self._until(job, deadline)
+            except trio.Cancelled:
+                with trio.CancelScope(shield=True):
+                    await self._until(job, deadline)
+                raise
+        finally:
+            self.busy = False
+
+    async def _until(self, job: Any, deadline: float) -> JobResult | None:
+        while True:
+            with trio.CancelScope(deadline=deadline):
+                await trio.lowlevel.wait_readable(self.fd)
+                self.wakeups += 1
+                self._drain()
+            r: JobResult | None = job.result_nowait()
+            if r is not None:
+                return r
+            if trio.current_time() >= deadline:
+                try:  # counts the timeout in the runtime; returns if it completed just now
+                    done: JobResult = job.wait(0.0)
+                    return done
+                except WaitTimeout:
+                    return None
+
+
 class _RuntimeCalbin:
-    def __init__(self, native: Any, threads: _Threads, engine_threads: dict[JobEngine, _EngineThread]) -> None:
+    def __init__(
+        self,
+        native: Any,
+        threads: _Threads,
+        engine_threads: dict[JobEngine, _EngineThread],
+        fd_waiters: Mapping[JobEngine, _CompletionFdWaiter] | None = None,
+    ) -> None:
         self._c = native
         self._t = threads
         self._et = engine_threads
+        self._fw: Mapping[JobEngine, _CompletionFdWaiter] = fd_waiters or {}
         self.spec: ProfileSpec = native.spec
         self.config: ModelConfig = native.config
 
@@ -347,13 +420,21 @@ class _RuntimeCalbin:
         # the device starts now instead of after a GIL hand-over to a worker thread; the blocking
         # wait runs on the engine's thread. Nothing between submit and wait can be cancelled.
         job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine)
+        return await self._wait_hot(job, engine, timeout_s)
+
+    async def _wait_hot(self, job: Any, engine: JobEngine, timeout_s: float) -> tuple[JobTicket, JobResult | None]:
+        """The first wait of a just-submitted job: on the completion fd when the runtime has one
+        (no Python thread per step), else on the engine's thread."""
+        w = self._fw.get(engine)
+        if w is not None and not w.busy:
+            return JobTicket(int(job.job_id), engine, job), await w.wait(job, timeout_s)
         return await self._et[engine].run(lambda: self._submit_wait(job, engine, timeout_s))
 
     async def submit_prefill_wait(
         self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float
     ) -> tuple[JobTicket, JobResult | None]:
         job = self._c.submit_prefill(seq_id, tokens, engine)
-        return await self._et[engine].run(lambda: self._submit_wait(job, engine, timeout_s))
+        return await self._wait_hot(job, engine, timeout_s)
 
     async def reconfigure(self) -> None:
         await self._t.run(self._c.reconfigure)
@@ -372,11 +453,26 @@ class _RuntimeCalbin:
 class RuntimeBackend:
     """The async face of the software (or vendor) CalRT. Owns the one ``Device`` of the process."""
 
-    def __init__(self, device: Any, threads: int = 4) -> None:
+    def __init__(self, device: Any, threads: int = 4, completion_fd: bool = True) -> None:
+        """``completion_fd=False`` forces the engine-thread wait even when the runtime offers
+        completion fds (the path a vendor runtime without them takes)."""
         self._dev = device
         self._t = _Threads(threads)  # control calls (sequences, reset, configure) and later waits
         self._et = {e: _EngineThread(f"calrt-{e.name.lower()}") for e in JobEngine}
         self.capabilities: RuntimeCapabilities = device.capabilities
+        # Per chip: engine -> waiter on the runtime's completion fd (empty: the runtime has none).
+        self._fw: dict[int, dict[JobEngine, _CompletionFdWaiter]] = {}
+        get_fd = getattr(device, "completion_fd", None) if completion_fd else None
+        if get_fd is not None:
+            for chip in range(int(getattr(device, "chips", 1))):
+                fds = {e: get_fd(e, chip) for e in JobEngine}
+                if all(fd is not None for fd in fds.values()):
+                    self._fw[chip] = {e: _CompletionFdWaiter(fd) for e, fd in fds.items()}
+
+    @property
+    def completion_fd_waits(self) -> bool:
+        """True when job waits happen on the runtime's completion fds (no wait thread per step)."""
+        return bool(self._fw)
 
     @classmethod
     async def open(
@@ -406,7 +502,7 @@ class RuntimeBackend:
         timing: Timing | None = None,
     ) -> BackendCalbin:
         native = await self._t.run(self._dev.load_calbin, config, weights, spec, timing)
-        return _RuntimeCalbin(native, self._t, self._et)
+        return _RuntimeCalbin(native, self._t, self._et, self._fw.get(int(getattr(native, "chip", 0))))
 
     async def reset(self) -> None:
         await self._t.run(self._dev.reset)
@@ -429,4 +525,8 @@ class RuntimeBackend:
     async def aclose(self) -> None:
         for et in self._et.values():
             et.close()
+        for waiters in self._fw.values():  # the runtime closes these fds with the device
+            for w in waiters.values():
+                trio.lowlevel.notify_closing(w.fd)
+        self._fw.clear()
         await self._t.run(self._dev.close)

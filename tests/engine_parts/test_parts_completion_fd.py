@@ -1,0 +1,187 @@
+"""Job waits on the runtime's completion fd (calserve.engine.backend._CompletionFdWaiter), spec §19 M1.
+
+Real runtime, real clock (a worker thread is involved on the runtime side, so no autojump clock). What
+must hold on the fd path as on the engine-thread path: the result comes back, a wait past its timeout
+returns None (and counts a runtime timeout) with the job still owned, a cancelled caller still waits
+for the job before the cancellation surfaces, no busy polling (one wake-up per job), PING and PONG
+both, and a runtime without the fd falls back to the engine thread."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from calserve.engine import backend as backend_mod
+from calserve.engine.backend import RuntimeBackend, _RuntimeCalbin
+from calserve.runtime import Device, FaultKind, JobEngine, JobStatus, ProfileSpec, Timing
+from calserve.runtime.reference import ModelConfig, random_weights
+
+CFG = ModelConfig(
+    vocab_size=67,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    tie_word_embeddings=False,
+)
+WEIGHTS = random_weights(CFG, seed=3)
+STEP_US = 30_000.0  # long enough that every job is waited for through the fd
+
+
+def _arr(*v: int) -> np.ndarray:
+    return np.array(v, dtype=np.int32)
+
+
+async def _open(**kw: Any) -> tuple[RuntimeBackend, _RuntimeCalbin]:
+    dev = Device.open("calrt-0.7.6", dram_bytes=1 << 28)
+    be = RuntimeBackend(dev, **kw)
+    cb = await be.load_calbin(CFG, WEIGHTS, ProfileSpec(1, 64, 4),
+                              Timing(prefill_base_us=STEP_US, decode_step_us={1: STEP_US}, pingpong_overlap=1.0))
+    assert isinstance(cb, _RuntimeCalbin)
+    return be, cb
+
+
+@pytest.fixture
+async def fd_backend() -> AsyncIterator[tuple[RuntimeBackend, _RuntimeCalbin]]:
+    be, cb = await _open()
+    try:
+        yield be, cb
+    finally:
+        await be.aclose()
+
+
+async def test_results_come_back_without_the_engine_thread(
+    fd_backend: tuple[RuntimeBackend, _RuntimeCalbin], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    be, cb = fd_backend
+    assert be.completion_fd_waits
+
+    async def no_thread(self: Any, fn: Any) -> Any:
+        raise AssertionError("the engine thread was used although the runtime has a completion fd")
+
+    monkeypatch.setattr(backend_mod._EngineThread, "run", no_thread)
+    seq = await cb.create_sequence()
+    waiter = be._fw[0][JobEngine.PING]
+    ticket, r = await cb.submit_prefill_wait(seq, _arr(1, 2, 3), JobEngine.PING, 10.0)
+    assert r is not None and r.status is JobStatus.OK and r.job_id == ticket.job_id
+    pos = 3
+    for _ in range(3):
+        tok = int(np.argmax(r.logits[0]))
+        _, r = await cb.submit_decode_wait(_arr(seq), _arr(tok), _arr(pos), np.ones(1, np.uint8),
+                                           JobEngine.PING, 10.0)
+        assert r is not None and r.status is JobStatus.OK and int(r.echo[0, 2]) == pos
+        pos += 1
+    # No busy polling: one fd wake-up per job (each job takes STEP_US, far longer than a wake-up).
+    assert waiter.wakeups == 4
+    assert not waiter.busy
+
+
+async def test_ping_and_pong_wait_concurrently(fd_backend: tuple[RuntimeBackend, _RuntimeCalbin]) -> None:
+    be, cb = fd_backend
+    seqs = [await cb.create_sequence() for _ in range(2)]
+    results: dict[JobEngine, Any] = {}
+
+    async def one(engine: JobEngine, seq: int) -> None:
+        results[engine] = (await cb.submit_prefill_wait(seq, _arr(4, 5), engine, 10.0))[1]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, JobEngine.PING, seqs[0])
+        nursery.start_soon(one, JobEngine.PONG, seqs[1])
+    assert all(r is not None and r.status is JobStatus.OK for r in results.values()) and len(results) == 2
+    assert be._fw[0][JobEngine.PING].wakeups == 1 and be._fw[0][JobEngine.PONG].wakeups == 1
+
+
+async def test_timeout_returns_none_and_job_stays_owned(fd_backend: tuple[RuntimeBackend, _RuntimeCalbin]) -> None:
+    be, cb = fd_backend
+    seq = await cb.create_sequence()
+    be.inject_fault(FaultKind.TIMEOUT, JobEngine.PING, 1)
+    with trio.fail_after(10):
+        ticket, r = await cb.submit_prefill_wait(seq, _arr(1), JobEngine.PING, 0.05)
+    assert r is None
+    assert be.counters(JobEngine.PING).timeouts == 1  # counted like a Job.wait timeout
+    await be.reset()
+    r = await cb.wait(ticket, 10.0)  # the later waits (executor after a timeout) use a thread
+    assert r is not None and r.status is JobStatus.ABORTED
+    # The stale count of that job costs the next hot-path wait one extra wake-up, nothing else.
+    seq2 = await cb.create_sequence()
+    _, r = await cb.submit_prefill_wait(seq2, _arr(2), JobEngine.PING, 10.0)
+    assert r is not None and r.status is JobStatus.OK
+
+
+async def test_cancelled_caller_waits_for_the_job_first(fd_backend: tuple[RuntimeBackend, _RuntimeCalbin]) -> None:
+    be, cb = fd_backend
+    seq = await cb.create_sequence()
+    be.inject_fault(FaultKind.TIMEOUT, JobEngine.PING, 1)
+    seen: list[str] = []
+    scope = trio.CancelScope()
+    jobs: list[Any] = []
+    orig = cb._c.submit_prefill
+
+    def capture(*a: Any) -> Any:
+        jobs.append(orig(*a))
+        return jobs[-1]
+
+    cb._c.submit_prefill = capture  # type: ignore[method-assign]
+
+    async def caller() -> None:
+        with scope:
+            try:
+                await cb.submit_prefill_wait(seq, _arr(1), JobEngine.PING, 30.0)
+            except trio.Cancelled:
+                seen.append("cancelled after done" if jobs[0].done() else "cancelled early")
+                raise
+            seen.append("returned")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert seen == []  # still waiting for the hung job: nothing abandoned
+            await be.reset()  # aborts it -> the fd fires -> the caller finishes, then re-raises
+    assert seen == ["cancelled after done"]
+    assert not be._fw[0][JobEngine.PING].busy
+
+
+async def test_fallback_without_completion_fd() -> None:
+    be, cb = await _open(completion_fd=False)
+    try:
+        assert not be.completion_fd_waits
+        seq = await cb.create_sequence()
+        _, r = await cb.submit_prefill_wait(seq, _arr(1, 2), JobEngine.PING, 10.0)
+        assert r is not None and r.status is JobStatus.OK
+    finally:
+        await be.aclose()
+
+
+class _VendorLike:
+    """A facade Device of a runtime build without the fd (the binding reports NotSupported)."""
+
+    def __init__(self, dev: Device) -> None:
+        self._d = dev
+
+    def completion_fd(self, engine: JobEngine, chip: int = 0) -> int | None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._d, name)
+
+
+async def test_runtime_without_fd_uses_the_engine_thread() -> None:
+    be = RuntimeBackend(_VendorLike(Device.open("calrt-0.7.6", dram_bytes=1 << 28)))
+    try:
+        assert not be.completion_fd_waits
+        cb = await be.load_calbin(CFG, WEIGHTS, ProfileSpec(1, 64, 4))
+        seq = await cb.create_sequence()
+        _, r = await cb.submit_prefill_wait(seq, _arr(3), JobEngine.PONG, 10.0)
+        assert r is not None and r.status is JobStatus.OK
+    finally:
+        await be.aclose()
