@@ -185,3 +185,26 @@ async def test_runtime_without_fd_uses_the_engine_thread() -> None:
         assert r is not None and r.status is JobStatus.OK
     finally:
         await be.aclose()
+
+
+async def test_serving_gc_tuning_after_model_load() -> None:
+    """RuntimeBackend.open (the serving process's own device) raises gen0 and freezes the start-up
+    heap after a model load; a backend around a caller's device leaves the process's GC alone."""
+    import gc
+
+    before = gc.get_threshold()
+    gc.unfreeze()
+    try:
+        be, cb = await _open()
+        assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+        await be.aclose()
+        be = await RuntimeBackend.open("calrt-0.7.6", dram_bytes=1 << 28)
+        try:
+            await be.load_calbin(CFG, WEIGHTS, ProfileSpec(1, 64, 4))
+            assert gc.get_threshold()[0] == backend_mod.SERVING_GC_GEN0
+            assert gc.get_freeze_count() > 0
+        finally:
+            await be.aclose()
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
