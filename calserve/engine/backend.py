@@ -3,9 +3,12 @@
 Only the executor, the model manager and recovery call a backend. Two implementations honour the same
 contract (the facade contract in :mod:`calserve.runtime.types`):
 
-- :class:`RuntimeBackend` wraps the synchronous :class:`calserve.runtime.Device` facade. Every device call
-  goes through ``trio.to_thread.run_sync`` on a :class:`trio.CapacityLimiter` owned by the backend (the
+- :class:`RuntimeBackend` wraps the synchronous :class:`calserve.runtime.Device` facade. Control calls
+  go through ``trio.to_thread.run_sync`` on a :class:`trio.CapacityLimiter` owned by the backend (the
   process-wide default limiter is shared with unrelated code, STACK.md "Threads and cancellation").
+  The hot path (submit + first wait of a job) submits inline and waits in trio on the runtime's
+  per-engine completion fd (:class:`_CompletionFdWaiter`, no Python thread per step); a runtime
+  without that fd falls back to one wait thread per engine (:class:`_EngineThread`).
 - :class:`calserve.engine.fake_device.FakeBackend` is trio-native (completions are ``trio.sleep``), for
   fake-clock tests: ``autojump_clock`` jumps while trio waits on worker threads, so the real runtime
   must never run under it.
@@ -207,7 +210,8 @@ class _Doorbell:
 
 
 class _EngineThread:
-    """One long-lived OS thread per job engine for the hot path (submit + wait).
+    """One long-lived OS thread per job engine for the hot path (submit + wait) when the runtime has
+    no completion fd (the fallback of :class:`_CompletionFdWaiter`).
 
     Why not ``trio.to_thread``: it checkpoints before the thread starts, so every other ready task
     (request actors detokenising and streaming the previous token) would run between a completion
