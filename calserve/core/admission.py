@@ -72,6 +72,8 @@ class AdmissionDecision:
     reason: str  # human-readable, names the limit that was hit
     param: str | None = None  # the request field at fault (OpenAI style), for REJECT_INVALID
     retry_after_s: float | None = None  # for REJECT_CAPACITY / REJECT_UNAVAILABLE
+    # REJECT_CAPACITY because of the tenant's own limit (QPS, waiting tokens), not the server's.
+    quota: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,9 +250,9 @@ class AdmissionController:
         heapq.heappush(self._heap, (self._key(t, head), next(self._seq), t.version, t.name))
 
     def _decide(self, outcome: Outcome, reason: str, param: str | None = None,
-                retry_after_s: float | None = None) -> AdmissionDecision:
+                retry_after_s: float | None = None, quota: bool = False) -> AdmissionDecision:
         self._decisions[outcome] += 1
-        return AdmissionDecision(outcome, reason, param, retry_after_s)
+        return AdmissionDecision(outcome, reason, param, retry_after_s, quota)
 
     def _invalid(self, item: WorkItem) -> AdmissionDecision | None:
         b = self.budget
@@ -313,7 +315,7 @@ class AdmissionController:
                 t.waiting_tokens + item.prompt_tokens > p.max_waiting_tokens):
             return self._decide(Outcome.REJECT_CAPACITY,
                                 f"tenant {t.name!r} max_waiting_tokens ({p.max_waiting_tokens}) "
-                                f"reached", retry_after_s=QUEUE_FULL_RETRY_S)
+                                f"reached", retry_after_s=QUEUE_FULL_RETRY_S, quota=True)
         if p.qps is not None:
             burst = self._burst(p)
             if t.bucket_at is not None and now > t.bucket_at:
@@ -322,7 +324,7 @@ class AdmissionController:
             if t.bucket < 1.0 - _EPS:
                 return self._decide(Outcome.REJECT_CAPACITY,
                                     f"tenant {t.name!r} qps ({p.qps}/s, burst {burst}) exceeded",
-                                    retry_after_s=(1.0 - t.bucket) / p.qps)
+                                    retry_after_s=(1.0 - t.bucket) / p.qps, quota=True)
             t.bucket -= 1.0
         # Accepted: queue it.
         if t.name not in self._busy:

@@ -116,6 +116,8 @@ class CompletionDispatcher:
             gen.kv.mark_unknown(s.lease.lane)
         if stale:
             self.stale_total += 1
+            if timed_out:  # aborted by the reset its own timeout asked for: still quarantined
+                self.recovery.quarantined_jobs_total += 1
         else:
             self.recovery.report(reason if not timed_out else "timeout", job)
         ids = [s.rid for s in seqs]

@@ -128,7 +128,7 @@ class RequestRegistry:
                 self.rejected_total["invalid"] += 1
                 raise RequestError(d.reason, param=d.param)
             if d.outcome is Outcome.REJECT_CAPACITY:
-                self.rejected_total["capacity"] += 1
+                self.rejected_total["quota" if d.quota else "capacity"] += 1
                 raise CapacityError(d.reason, retry_after=d.retry_after_s)
             if d.outcome is Outcome.REJECT_UNAVAILABLE:
                 self.rejected_total["unavailable"] += 1

@@ -52,7 +52,13 @@ if TYPE_CHECKING:
     from calserve.engine.executor import DeviceExecutor
     from calserve.engine.models import Generation, ModelManager
 
-__all__ = ["Scheduler", "GenQueues", "SchedulerStats"]
+__all__ = ["Scheduler", "GenQueues", "SchedulerStats", "STARVATION_PASSES"]
+
+# A starvation event: a decode-ready sequence passed over (lanes full or its tenant at the lane cap)
+# by this many consecutive decode batches of its generation. Counted once per streak. Fair lanes
+# keep every sequence well below it (each tenant is served in proportion, round robin inside);
+# FCFS with more sequences than lanes crosses it for every sequence that arrived late.
+STARVATION_PASSES = 32
 
 log = logging.getLogger("calserve.engine.scheduler")
 
@@ -88,6 +94,7 @@ class SchedulerStats:
     prefill_jobs_total: int
     batch_wait_s_total: float
     ticks: int
+    starvation_events_total: int = 0
 
 
 class Scheduler:
@@ -112,6 +119,7 @@ class Scheduler:
         self.batch_wait_s_total = 0.0
         self.kv_free_seconds_total = 0.0  # sequence end -> runtime confirmed its release
         self.ticks = 0
+        self.starvation_events_total = 0
         # ("admit" | "prefill" | "decode", request ids) of recent admissions and jobs, in order
         # (tests, debugging)
         self.trace: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(maxlen=20000)
@@ -371,7 +379,13 @@ class Scheduler:
             seq = q.decode_ready.get(rid)
             if seq is None:
                 continue
-            if why == "deadline":
+            if why == "batch_full" or why == "tenant_share":
+                seq.passed_over += 1
+                if seq.passed_over == STARVATION_PASSES:
+                    self.starvation_events_total += 1
+                    log.info("request %d passed over by %d decode batches", rid, STARVATION_PASSES,
+                             extra={"request_id": rid})
+            elif why == "deadline":
                 self.stop(seq, FinishReason.DEADLINE)
             elif why == "length":
                 self.stop(seq, FinishReason.LENGTH)
@@ -384,6 +398,7 @@ class Scheduler:
                 lanes.append(None)
                 continue
             seq = q.decode_ready.pop(c.request_id)
+            seq.passed_over = 0
             gen.kv.begin_update(seq.lease.lane, seq.position, 1)
             wait += now - seq.ready_since
             lanes.append(seq)
@@ -434,6 +449,7 @@ class Scheduler:
             prefill_jobs_total=self.prefill_jobs_total,
             batch_wait_s_total=self.batch_wait_s_total,
             ticks=self.ticks,
+            starvation_events_total=self.starvation_events_total,
         )
 
     def describe(self) -> dict[str, Any]:

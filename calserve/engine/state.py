@@ -89,6 +89,8 @@ class Seq:
     admitted_at: float | None = None
     first_token_at: float | None = None
     ready_since: float = 0.0  # when it last became decode-ready (batching window)
+    # Consecutive decode batches that passed this ready sequence over (starvation accounting).
+    passed_over: int = 0
     job_ids: list[int] = dataclasses.field(default_factory=list)  # recent job ids, for logs
 
     @property

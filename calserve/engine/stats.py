@@ -24,7 +24,7 @@ def build_statistics(eng: Engine) -> EngineStatistics:
     kv_reserved = kv_used = 0
     admitted = 0
     waiting_tokens = 0
-    starvation = 0
+    starvation = sched.starvation_events_total
     queue_oldest: dict[str, float] = {"decode": 0.0, "short": 0.0, "medium": 0.0, "long": 0.0}
     for gen in eng.model_manager.generations.values():
         a = gen.admission.statistics()

@@ -268,3 +268,21 @@ def test_wfq_backlogged_service_gap_is_bounded(
         if all(st_[n].waiting_requests for n in tenants):
             norm = [st_[n].service / tenants[n].weight for n in tenants]
             assert max(norm) - min(norm) <= 2 * max_cost / min(weights) + 1e-6
+
+
+def test_tenant_limits_are_quota_refusals_server_limits_are_not() -> None:
+    from calserve.core.admission import AdmissionController, CapacityBudget, Outcome, TenantPolicy, WorkItem
+
+    budget = CapacityBudget(8, 8 * 64, max_waiting_requests=2, max_waiting_prompt_tokens=1000,
+                            max_inflight_jobs=1)
+    adm = AdmissionController(budget, 64, {"q": TenantPolicy(qps=1.0, burst=1)})
+
+    def w(rid: int, tenant: str) -> WorkItem:
+        return WorkItem(rid, tenant, 4, 4, 0.0, None, 1)
+
+    assert adm.offer(w(1, "q"), 0.0, True).outcome is Outcome.QUEUE
+    d = adm.offer(w(2, "q"), 0.0, True)
+    assert d.outcome is Outcome.REJECT_CAPACITY and d.quota and "qps" in d.reason
+    assert adm.offer(w(3, "other"), 0.0, True).outcome is Outcome.QUEUE
+    d = adm.offer(w(4, "other"), 0.0, True)  # the server's queue (max 2) is full
+    assert d.outcome is Outcome.REJECT_CAPACITY and not d.quota
