@@ -38,31 +38,9 @@ def register_step_profiles(steps_us: list[int]) -> list[str]:
 KNEE_STEPS_US = [16000, 8000, 4000, 2000, 1000, 500, 250]
 
 
-def _skip_golden_if_null_compute(argv: list[str]) -> bool:
-    """With ``runtime.null_compute: true`` the device returns meaningless logits by design, so the
-    engine's load-time golden check cannot pass (calserve refuses to start). The per-token CPU
-    benchmark needs exactly that mode, so here — and only here, for null-compute configs — the golden
-    comparison is skipped. (Reported upstream: the engine should skip it itself in this mode.)"""
-    if "--config" not in argv:
-        return False
-    from calserve.config import load_config
-
-    if not load_config(argv[argv.index("--config") + 1]).runtime.null_compute:
-        return False
-    from calserve.engine import models
-
-    async def _no_golden(self: object, gen: object) -> None:
-        return None
-
-    models.ModelManager._golden = _no_golden  # type: ignore[method-assign]
-    print("bench.serve_entry: null_compute -> golden check skipped", file=sys.stderr)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     register_step_profiles(KNEE_STEPS_US)
-    _skip_golden_if_null_compute(argv)
     try:
         from calserve.api.serve import main as serve_main
     except ImportError:

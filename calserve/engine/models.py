@@ -196,7 +196,17 @@ class ModelManager:
             return gen
 
     async def _golden(self, gen: Generation) -> None:
-        """Golden check + warmup straight on the calbin before any request can see it."""
+        """Golden check + warmup straight on the calbin before any request can see it.
+
+        Skipped (and logged) with ``runtime.null_compute``: that runtime computes nothing and returns
+        pseudo-logits by design, so no golden comparison could pass; it exists for CPU benchmarks."""
+        if self.cfg.runtime.null_compute:
+            if gen.source.golden:
+                log.warning(
+                    "model %s generation %d: golden check skipped (runtime.null_compute: the "
+                    "runtime computes nothing, outputs are not the model's)", gen.alias, gen.id,
+                    extra={"model": gen.alias, "generation": gen.id})
+            return
         cb = gen.calbin
         B = gen.compiled_batch
         for prompt, per_b in gen.source.golden:
