@@ -94,7 +94,7 @@ async def test_every_family_moves_under_contention(autojump_clock: Any) -> None:
         assert hi[("calserve_waiting_prompt_tokens", ())] > 0
         assert moved("calserve_admitted_total") == 13
         assert moved("calserve_requests_finished_total", outcome="completed") == 13
-        assert moved("calserve_rejected_total", outcome="capacity") == 1
+        assert moved("calserve_rejected_total", outcome="quota") == 1  # tenant qps: a quota refusal
         # queues: prefill depth by class, and their oldest waits
         depth = {c: v for (n_, lb), v in hi.items() if n_ == "calserve_queue_depth"
                  for _, c in lb}
