@@ -19,11 +19,13 @@ from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from calserve.api.asgi import FastRoutes, fast_route
 from calserve.api.errors import ApiError, from_exception
 from calserve.api.lifecycle import EngineFactory, EngineHost
 from calserve.api.metrics import ApiMetrics
 from calserve.config import CalserveConfig, load_config
-from calserve.errors import CalserveError
+from calserve.api.protocol import EngineLike
+from calserve.errors import AuthError, CalserveError, EngineError
 
 __all__ = ["create_app", "ApiState", "CalserveApp", "ASYNCIO_REFUSAL", "get_state", "GUARDS_KEY"]
 
@@ -63,6 +65,29 @@ class ApiState:
     def config(self) -> CalserveConfig:
         assert self.host is not None
         return self.host.config
+
+    def engine(self) -> EngineLike:
+        """The running engine, or EngineError (503 ``engine_unavailable``)."""
+        host = self.host
+        eng = host.engine if host is not None else None
+        if eng is None:
+            if host is not None and host.failed.is_set():
+                raise EngineError("the engine failed and is not serving; restart the server")
+            raise EngineError("the engine is not running (starting or stopping)")
+        return eng
+
+    def tenant_of(self, authorization: str) -> str:
+        """Tenant of an ``Authorization`` header value ("" = none); AuthError (401) if unknown.
+        Without configured keys everyone is the one "default" tenant."""
+        if not self.api_keys:
+            return "default"
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthError("missing API key: send `Authorization: Bearer <key>`")
+        name = self.api_keys.get(key.strip())
+        if name is None:
+            raise AuthError("invalid API key")
+        return name
 
     def build_host(self) -> EngineHost:
         config = self._config if self._config is not None else load_config()
@@ -117,8 +142,11 @@ def _expected(exc: BaseException | None) -> bool:
 
 
 class CalserveApp(QuartTrio):
-    """QuartTrio that refuses, with a clear message, to run under an asyncio ASGI server, and logs
-    expected refusals (CalserveError) as one line instead of a traceback."""
+    """QuartTrio that refuses, with a clear message, to run under an asyncio ASGI server, logs
+    expected refusals (CalserveError) as one line instead of a traceback, and serves the two
+    generation routes itself (``fast``, :mod:`calserve.api.asgi`) in front of quart."""
+
+    fast: FastRoutes | None = None  # set by create_app
 
     def log_exception(self, exception_info: Any) -> None:
         exc = exception_info[1] if exception_info else None
@@ -131,6 +159,10 @@ class CalserveApp(QuartTrio):
         if _trio_running():
             if scope["type"] != "http":
                 await super().__call__(scope, receive, send)
+                return
+            kind = fast_route(scope) if self.fast is not None else None
+            if kind is not None:
+                await self.fast(kind, scope, receive, send)
                 return
             guards: list[Any] = []
             scope = {**scope, GUARDS_KEY: guards}
@@ -248,4 +280,5 @@ def create_app(
     from calserve.api.routes import register_routes
 
     register_routes(app, state)
+    app.fast = FastRoutes(state)
     return app

@@ -43,26 +43,10 @@ for _k in (ChatBody, CompletionBody, DetokenizeBody, TokenizeBody):
 
 
 def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a route table
-    def engine() -> EngineLike:
-        host = state.host
-        eng = host.engine if host is not None else None
-        if eng is None:
-            if host is not None and host.failed.is_set():
-                raise E.EngineError("the engine failed and is not serving; restart the server")
-            raise E.EngineError("the engine is not running (starting or stopping)")
-        return eng
+    engine = state.engine
 
     def tenant() -> str:
-        if not state.api_keys:
-            return "default"
-        auth = request.headers.get("Authorization", "")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise E.AuthError("missing API key: send `Authorization: Bearer <key>`")
-        name = state.api_keys.get(key.strip())
-        if name is None:
-            raise E.AuthError("invalid API key")
-        return name
+        return state.tenant_of(request.headers.get("Authorization", ""))
 
     async def body(kind: type[T]) -> T:
         limit = state.config.server.max_body_bytes

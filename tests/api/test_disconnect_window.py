@@ -10,7 +10,6 @@ from typing import Any
 import msgspec
 import pytest
 import trio
-from quart import Response, request
 
 from calserve.api.app import create_app, get_state
 
@@ -28,14 +27,16 @@ async def test_disconnect_before_the_body_starts_cancels(autojump_clock: Any, pa
     app = create_app(make_config(), engine_factory=fake_factory(token_delay=1.0))
     in_window = trio.Event()
 
-    @app.after_request
-    async def stall(resp: Response) -> Response:
-        # Holds the connection between "handler returned the streaming Response" and "headers
-        # sent": the window a disconnect can hit in production (the send of the headers).
-        if request.path == path:
-            in_window.set()
-            await trio.sleep(10)
-        return resp
+    def stalling(asgi_send: Any) -> Any:
+        # Holds the connection between "request accepted by the engine" and "headers sent": the
+        # window a disconnect can hit in production (the send of the headers). The generation
+        # routes are raw ASGI (calserve.api.asgi), so the window is the ASGI send itself.
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                in_window.set()
+                await trio.sleep(10)
+            await asgi_send(message)
+        return send
 
     async with app.test_app() as t:
         client = t.test_client()
@@ -44,6 +45,7 @@ async def test_disconnect_before_the_body_starts_cancels(autojump_clock: Any, pa
         eng = host.engine
         conn = client.request(path=path, method="POST",
                               headers={"content-type": "application/json"})
+        conn._asgi_send = stalling(conn._asgi_send)  # type: ignore[attr-defined]
         async with conn as c:
             await c.send(msgspec.json.encode(body))
             await c.send_complete()

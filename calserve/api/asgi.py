@@ -1,0 +1,232 @@
+"""Raw-ASGI fast path for ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+Why: under quart every streamed chunk went through quart's response machinery (request/response
+wrappers, per-chunk timeout and context handling) — about half of the server's CPU per token in
+``bench.http_floor``, and ~0.7 ms per request even for a 429. These two routes carry all the load, so
+:class:`CalserveApp` hands them to :class:`FastRoutes` straight from its ASGI ``__call__``; every
+other path, method and scope (lifespan, ``/metrics``, ``/v1/models``, a mounted ``root_path``) still
+goes to quart.
+
+Same behaviour as the quart routes (their tests run unchanged through this path):
+- request decoding (``schemas``/``convert``), error mapping (``errors.from_exception``; a genuine bug
+  is logged and answered 500 ``internal_error``), OpenAI bodies (``running``/``render``/``chunks``);
+- tenant auth (401 before the body is read), body limit (413 on Content-Length or on the bytes
+  received, whichever shows it first), ``calserve_http_responses`` counted once per response;
+- disconnect: a watcher task reads ASGI ``receive`` after the body; ``http.disconnect`` (or the
+  server cancelling the handler) cancels the handler scope and the engine request is cancelled at
+  once, shielded (``running.cancel_request``; STACK.md "Serving").
+
+Cheap refusals: everything before ``engine.submit`` is what deciding needs (auth, body, decode,
+tokenize); logprob formatters, observers and chunk encoders are built only for accepted requests.
+
+Invariant: once ``engine.submit`` returned a handle, exactly one of ``run_stream``/``run_json``
+(their ``finally``) or the ``StreamGuard`` released in our ``finally`` ends the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Final, Literal, final
+
+import msgspec
+import trio
+
+from calserve.api.convert import Prepared, prepare_chat, prepare_completion
+from calserve.api.errors import ApiError, from_exception, msgspec_error
+from calserve.api.protocol import EngineLike
+from calserve.api.render import LogprobFormatter, encode
+from calserve.api.running import StreamGuard, run_json, run_stream
+from calserve.api.schemas import ChatBody, CompletionBody
+from calserve.errors import CalserveError
+
+if TYPE_CHECKING:
+    from calserve.api.app import ApiState
+
+__all__ = ["FastRoutes", "fast_route", "FAST_ROUTES"]
+
+log = logging.getLogger("calserve.api")
+
+Kind = Literal["completion", "chat"]
+# Exact paths served here (POST only; other methods get quart's 405/OPTIONS handling).
+FAST_ROUTES: Final[dict[str, Kind]] = {
+    "/v1/completions": "completion", "/v1/chat/completions": "chat",
+}
+_COMPLETION_DEC: Final = msgspec.json.Decoder(CompletionBody)
+_CHAT_DEC: Final = msgspec.json.Decoder(ChatBody)
+_SSE_HEADERS: Final = [
+    (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_END_BODY: Final = {"type": "http.response.body", "body": b"", "more_body": False}
+
+Scope = dict[str, Any]
+Receive = Any  # ASGI receive callable
+Send = Any  # ASGI send callable
+
+
+def fast_route(scope: Scope) -> Kind | None:
+    """The route kind when ``scope`` is one of ours, else None (quart serves it)."""
+    if scope.get("method") != "POST" or scope.get("root_path"):
+        return None
+    return FAST_ROUTES.get(scope.get("path", ""))
+
+
+def _to_api_error(exc: Exception) -> ApiError:
+    """The quart app's error handlers, in one function."""
+    if isinstance(exc, (ApiError, CalserveError)):
+        return from_exception(exc)
+    log.exception("internal error: %s", exc)  # genuine bugs only (tests assert none happen)
+    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+
+async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    """After the body: the next ASGI message is ``http.disconnect`` (client gone or response
+    done). Cancels the handler at once, as quart-trio does."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def _drain(receive: Receive) -> None:
+    """After an early refusal (401/413/503 before the whole body arrived): consume the rest of the
+    request without keeping it, as quart does, so the sender is never blocked on a full queue."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
+            return
+
+
+@final
+class FastRoutes:
+    """The two generation routes as one raw ASGI handler bound to the app's :class:`ApiState` (the
+    same engine host quart's lifespan starts)."""
+
+    def __init__(self, state: ApiState) -> None:
+        self._state = state
+        self._responses: dict[int, Any] = {}  # status -> labelled counter child
+
+    def _count(self, status: int) -> None:
+        c = self._responses.get(status)
+        if c is None:
+            c = self._responses[status] = self._state.metrics.responses.labels(str(status))
+        c.inc()
+
+    async def __call__(self, kind: Kind, scope: Scope, receive: Receive, send: Send) -> None:
+        body_read = [False]
+        try:
+            got = await self._accept_body(kind, scope, receive, body_read)
+            if got is None:
+                return  # the client left while sending the body: nothing to answer
+            eng, prep = got
+        except Exception as exc:
+            await self._send_error(send, _to_api_error(exc))
+            if not body_read[0]:
+                await _drain(receive)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+            try:
+                await self._generate(eng, prep, send)
+            finally:
+                nursery.cancel_scope.cancel()  # done (or failed): stop watching
+
+    async def _accept_body(self, kind: Kind, scope: Scope, receive: Receive, body_read: list[bool]
+                           ) -> tuple[EngineLike, Prepared] | None:
+        """Auth, body (limit), decode, prepare: everything admission needs, nothing more."""
+        auth = clen = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                if auth is None:
+                    auth = value
+            elif name == b"content-length":
+                clen = value
+        state = self._state
+        tenant = state.tenant_of(auth.decode("latin-1") if auth is not None else "")
+        eng = state.engine()
+        limit = state.config.server.max_body_bytes
+        if clen is not None:
+            try:
+                declared = int(clen)
+            except ValueError:
+                declared = None
+            if declared is not None and declared > limit:
+                raise _too_large(limit)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.request":
+                chunk = msg.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise _too_large(limit)
+                    parts.append(chunk)
+                if not msg.get("more_body", False):
+                    break
+            elif msg["type"] == "http.disconnect":
+                return None
+        body_read[0] = True
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        try:
+            if kind == "completion":
+                return eng, prepare_completion(eng, _COMPLETION_DEC.decode(data), tenant)
+            return eng, prepare_chat(eng, _CHAT_DEC.decode(data), tenant)
+        except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+            raise msgspec_error(e) from None
+
+    async def _generate(self, eng: EngineLike, prep: Prepared, send: Send) -> None:
+        try:
+            handle = await eng.submit(prep.request)  # admission: 429/503 raise here
+        except Exception as exc:
+            await self._send_error(send, _to_api_error(exc))
+            return
+        # No checkpoint between submit returning and this try: the guard owns the request until
+        # run_stream's first step (or run_json) takes it over.
+        guard = StreamGuard(eng, handle)
+        try:
+            metrics = self._state.metrics
+            fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
+            if prep.stream:
+                gen = run_stream(eng, metrics, prep, handle, fmt, guard)
+                try:
+                    self._count(200)
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": _SSE_HEADERS})
+                    async for data in gen:
+                        await send({"type": "http.response.body", "body": data,
+                                    "more_body": True})
+                    await send(_END_BODY)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await gen.aclose()  # suspended at a yield: its finally cancels
+                return
+            guard.owned = True  # run_json's finally ends the request from its first step
+            try:
+                body = await run_json(eng, metrics, prep, handle, fmt)
+            except Exception as exc:  # an ErrorEvent (500/503) or a bug
+                await self._send_error(send, _to_api_error(exc))
+                return
+            await self._send_json(send, 200, encode(body), [])
+        finally:
+            await guard.release()  # no-op once owned; else cancels, shielded
+
+    async def _send_json(self, send: Send, status: int, body: bytes,
+                         extra: list[tuple[bytes, bytes]]) -> None:
+        self._count(status)
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()), *extra]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _send_error(self, send: Send, err: ApiError) -> None:
+        extra = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                 for k, v in err.headers().items()]
+        await self._send_json(send, err.status, encode(err.body()), extra)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body exceeds server.max_body_bytes ({limit})",
+                    code="request_too_large")
