@@ -1,0 +1,191 @@
+"""The raw-ASGI generation routes (calserve.api.asgi) behave exactly like the quart routes.
+
+The quart routes are still there: a scope with a ``root_path`` (a mounted app) is served by quart, so
+the same request can be sent both ways and the answers compared byte for byte (ids and timestamps
+normalised). Also: refusals before the body is read, disconnects in every phase, one response count
+per request, and nothing built for a request the engine refuses.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from calserve.api import asgi
+
+from .conftest import Harness, make_config
+
+C = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ROOT = "/mnt"  # quart serves scopes with a root_path: the reference path
+
+_IDS = re.compile(rb'"id":"(cmpl|chatcmpl)-[0-9a-f]{24}"')
+_CREATED = re.compile(rb'"created":\d+')
+
+
+def _norm(raw: bytes) -> bytes:
+    return _CREATED.sub(b'"created":0', _IDS.sub(rb'"id":"\1-x"', raw))
+
+
+async def _call(h: Harness, path: str, body: bytes, *, quart: bool,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """POST ``body`` (read while it is produced) via the fast path or via quart."""
+    conn = h.client.request(path=(ROOT + path) if quart else path, method="POST",
+                            root_path=ROOT if quart else "",
+                            headers={"content-type": "application/json", **(headers or {})})
+    raw = bytearray()
+    async with conn as c:
+        await c.send(body)
+        await c.send_complete()
+        while True:
+            try:
+                raw += await c.receive()
+            except trio.EndOfChannel:
+                break
+    assert c.status_code is not None and c.headers is not None
+    keep = {k.lower(): v for k, v in c.headers.items()
+            if k.lower() in ("content-type", "retry-after", "cache-control", "x-accel-buffering")}
+    return c.status_code, keep, bytes(raw)
+
+
+CASES: list[tuple[str, Any]] = [
+    (C, {"prompt": "hello", "max_tokens": 5}),
+    (C, {"prompt": "hello", "max_tokens": 5, "stream": True}),
+    (C, {"prompt": [104, 105], "max_tokens": 4, "stream": True, "echo": True, "seed": 3}),
+    (C, {"prompt": "hi", "max_tokens": 3, "stream": True, "logprobs": 2,
+         "stream_options": {"include_usage": True}}),
+    (C, {"prompt": "hi", "max_tokens": 3, "logprobs": 1}),
+    (C, {"prompt": "hi", "max_tokens": 6, "stop": ["q"], "stream": True}),
+    (CHAT, {"messages": [{"role": "user", "content": "hey"}], "max_tokens": 4}),
+    (CHAT, {"messages": [{"role": "user", "content": "hey"}], "max_tokens": 4, "stream": True,
+            "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}),
+    # refusals: 400 (field named), 404 model, 400 invalid JSON, 400 unsupported
+    (C, {"prompt": "hi", "max_tokens": 0}),
+    (C, {"prompt": "hi", "model": "nope"}),
+    (C, b'{"prompt": '),
+    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}),
+]
+
+
+@pytest.mark.parametrize("path,body", CASES)
+async def test_fast_path_answers_exactly_like_quart(harness_factory: Any, autojump_clock: Any,
+                                                    path: str, body: Any) -> None:
+    data = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    answers = []
+    for quart in (False, True):
+        async with harness_factory(token_delay=0.01, coalesce=True) as h:
+            status, headers, raw = await _call(h, path, data, quart=quart)
+            text = await (await h.client.get("/metrics")).get_data(as_text=True)
+            counted = re.findall(r'calserve_http_responses_total\{outcome="(\d+)"\} 1\.0', text)
+            answers.append((status, headers, _norm(raw), counted))
+            assert h.engine.active == {}
+    assert answers[0] == answers[1]
+    assert answers[0][3] == [str(answers[0][0])]  # exactly one response counted
+
+
+async def test_quota_refusal_is_the_same_429_both_ways(harness_factory: Any) -> None:
+    answers = []
+    for quart in (False, True):
+        async with harness_factory(max_running=0) as h:
+            answers.append(await _call(h, C, b'{"prompt": "x", "stream": true}', quart=quart))
+    assert answers[0] == answers[1]
+    status, headers, raw = answers[0]
+    assert status == 429 and headers["retry-after"] == "2"
+    assert msgspec.json.decode(raw)["error"]["code"] == "rate_limit_exceeded"
+
+
+async def test_refused_request_builds_no_stream_objects(harness_factory: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 429 is decided before anything per-stream is built (formatter, encoder, generator)."""
+    def boom(*a: Any, **k: Any) -> Any:
+        raise AssertionError("built for a refused request")
+
+    async with harness_factory(max_running=0) as h:
+        for name in ("LogprobFormatter", "run_stream", "run_json", "StreamGuard"):
+            monkeypatch.setattr(asgi, name, boom)
+        for stream in (True, False):
+            status, _, _ = await _call(h, C, msgspec.json.encode(
+                {"prompt": "x", "stream": stream, "logprobs": 2}), quart=False)
+            assert status == 429
+
+
+async def test_auth_is_checked_before_the_body_is_read(harness_factory: Any) -> None:
+    cfg = make_config(tenants={"a": {"api_keys": ["ka"]}}, server={"max_body_bytes": 100})
+    async with harness_factory(cfg) as h:
+        big = msgspec.json.encode({"prompt": "x" * 500})
+        for quart in (False, True):
+            status, _, raw = await _call(h, C, big, quart=quart)
+            assert status == 401, raw
+            status, _, raw = await _call(h, C, big, quart=quart,
+                                         headers={"Authorization": "Bearer ka"})
+            assert status == 413 and b"max_body_bytes (100)" in raw
+            status, _, _ = await _call(h, C, b'{"prompt": "x", "max_tokens": 2}', quart=quart,
+                                       headers={"Authorization": "Bearer ka"})
+            assert status == 200
+        assert [r.tenant for r in h.engine.submitted] == ["a", "a"]
+
+
+async def test_declared_length_over_limit_is_413_before_reading(harness_factory: Any) -> None:
+    async with harness_factory(make_config(server={"max_body_bytes": 50})) as h:
+        conn = h.client.request(path=C, method="POST", headers={
+            "content-type": "application/json", "content-length": "100000"})
+        async with conn as c:
+            # nothing sent yet: the answer cannot depend on the bytes
+            raw = await c.receive()
+            await c.send(b"x" * 10)
+            await c.send_complete()
+        assert c.status_code == 413
+        assert msgspec.json.decode(raw)["error"]["code"] == "request_too_large"
+        assert h.engine.submitted == []
+
+
+async def test_client_leaving_during_the_body_gets_nothing_submitted(
+        harness_factory: Any, autojump_clock: Any) -> None:
+    async with harness_factory() as h:
+        conn = h.client.request(path=C, method="POST",
+                                headers={"content-type": "application/json"})
+        async with conn as c:
+            await c.send(b'{"prompt": "x"')
+            await c.disconnect()
+            c._client_send.close()  # type: ignore[attr-defined]  # see test_stream._disconnect
+        await trio.sleep(0.01)
+        assert h.engine.submitted == []
+        assert c.status_code is None  # no answer to a client that left
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_cancels_json_and_stream_at_once(harness_factory: Any,
+                                                          autojump_clock: Any,
+                                                          stream: bool) -> None:
+    async with harness_factory(token_delay=1.0) as h:
+        conn = h.client.request(path=C, method="POST",
+                                headers={"content-type": "application/json"})
+        async with conn as c:
+            await c.send(msgspec.json.encode({"prompt": "x", "max_tokens": 400,
+                                              "stream": stream}))
+            await c.send_complete()
+            await trio.sleep(3.5)  # a few tokens in
+            assert len(h.engine.active) == 1
+            rid = next(iter(h.engine.active))
+            t0 = trio.current_time()
+            await c.disconnect()
+            c._client_send.close()  # type: ignore[attr-defined]
+        await trio.sleep(0.01)
+        assert rid in h.engine.cancelled_ids and h.engine.active == {}
+        assert trio.current_time() - t0 < 0.5
+        text = await (await h.client.get("/metrics")).get_data(as_text=True)
+        assert "calserve_streams_active 0.0" in text
+
+
+async def test_other_methods_and_paths_still_go_to_quart(h: Harness) -> None:
+    assert (await h.client.get(C)).status_code == 405
+    assert (await h.client.post(C + "/")).status_code == 404
+    assert asgi.fast_route({"method": "POST", "path": C, "root_path": ""}) == "completion"
+    assert asgi.fast_route({"method": "POST", "path": CHAT}) == "chat"
+    assert asgi.fast_route({"method": "GET", "path": C}) is None
+    assert asgi.fast_route({"method": "POST", "path": C, "root_path": "/x"}) is None
