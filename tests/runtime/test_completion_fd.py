@@ -102,3 +102,23 @@ def test_fd_closed_with_the_device(small_weights: dict) -> None:
         os.fstat(fd)
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_int32_rows_are_passed_without_copy_and_still_checked(device: Device, small_weights: dict) -> None:
+    """The submit hot path: int32 1-D contiguous inputs skip the conversion; the length check and
+    the runtime's own checks (vocab range) still name the field."""
+    from calserve.runtime.device import _i32
+
+    row = np.array([1, 2, 3], np.int32)
+    assert _i32("tokens", row) is row
+    with pytest.raises(InvalidArgument, match="seq_ids: expected 1 entries"):
+        _i32("seq_ids", row, 1)
+    assert _i32("tokens", [1, 2]).dtype == np.int32  # other inputs are converted as before
+    cb = device.load_calbin(SMALL, small_weights, ProfileSpec(1, 64, 2))
+    s = cb.create_sequence()
+    with pytest.raises(InvalidArgument, match="tokens"):
+        cb.submit_prefill(s, np.array([1, SMALL.vocab_size], np.int32))
+    with pytest.raises(InvalidArgument, match="positions"):
+        cb.submit_decode(np.array([s], np.int32), np.array([1], np.int32), np.array([1, 2], np.int32), [True])
+    r = cb.submit_prefill(s, row[:2].copy()).wait(10.0)
+    assert r.status is JobStatus.OK
