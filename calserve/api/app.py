@@ -160,9 +160,10 @@ class CalserveApp(QuartTrio):
             if scope["type"] != "http":
                 await super().__call__(scope, receive, send)
                 return
-            kind = fast_route(scope) if self.fast is not None else None
-            if kind is not None:
-                await self.fast(kind, scope, receive, send)
+            fast = self.fast
+            kind = fast_route(scope) if fast is not None else None
+            if kind is not None and fast is not None:
+                await fast(kind, scope, receive, send)
                 return
             guards: list[Any] = []
             scope = {**scope, GUARDS_KEY: guards}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Final
 
 import trio
@@ -181,7 +181,7 @@ async def run_json(
 async def run_stream(
     engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
     fmt: LogprobFormatter, guard: StreamGuard | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The SSE body. No nursery around a yield (STACK.md); cancellation on disconnect arrives at a
     yield as Cancelled/GeneratorExit and the ``finally`` cancels the request at once. From its
     first step (no checkpoint before the ``try``) this generator owns the request, not ``guard``."""
