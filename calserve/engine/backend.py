@@ -130,7 +130,10 @@ class DeviceBackend(Protocol):
         weights: Mapping[str, np.ndarray],
         spec: ProfileSpec,
         timing: Timing | None = None,
-    ) -> BackendCalbin: ...
+        kv_owner: BackendCalbin | None = None,
+    ) -> BackendCalbin:
+        """``kv_owner`` (``capabilities.shared_kv`` only): join that calbin's KV group."""
+        ...
 
     async def reset(self) -> None:
         """Abort every in-flight job (they complete ABORTED) and invalidate every KV sequence."""
@@ -528,8 +531,15 @@ class RuntimeBackend:
         weights: Mapping[str, np.ndarray],
         spec: ProfileSpec,
         timing: Timing | None = None,
+        kv_owner: BackendCalbin | None = None,
     ) -> BackendCalbin:
-        native = await self._t.run(self._dev.load_calbin, config, weights, spec, timing)
+        if kv_owner is None:
+            native = await self._t.run(self._dev.load_calbin, config, weights, spec, timing)
+        else:  # a member of kv_owner's shared-KV group (one KvManager, sim-next only)
+            assert isinstance(kv_owner, _RuntimeCalbin)
+            owner = kv_owner._c
+            native = await self._t.run(
+                lambda: self._dev.load_calbin(config, weights, spec, timing, kv_owner=owner))
         if self._tune_gc:
             tune_gc_for_serving()  # after a model load: what is alive now lives as long as the model
         return _RuntimeCalbin(native, self._t, self._et, self._fw.get(int(getattr(native, "chip", 0))))

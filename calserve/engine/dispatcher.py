@@ -79,7 +79,7 @@ class CompletionDispatcher:
             assert s is not None and s.seq_id is not None
             e = echo[0]
             ok = [e[0] == jid and e[1] == s.seq_id and e[2] == len(job.tokens) - 1]
-        sums = job.gen.calbin.checksum_ok(r, active)
+        sums = (job.calbin if job.calbin is not None else job.gen.calbin).checksum_ok(r, active)
         if all(ok) and all(sums):
             return None
         self.crosstalk_total += 1

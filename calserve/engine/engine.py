@@ -33,7 +33,7 @@ from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend, RuntimeBackend
 from calserve.engine.dispatcher import CompletionDispatcher
 from calserve.engine.executor import DeviceExecutor
-from calserve.engine.models import Generation, ModelManager, ModelSource, load_sources
+from calserve.engine.models import Generation, ModelManager, ModelSource, load_sources, release_members
 from calserve.engine.recovery import HealthRecovery
 from calserve.engine.registry import RequestHandle, RequestRegistry
 from calserve.engine.scheduler import Scheduler
@@ -149,7 +149,7 @@ class Engine:
             self.leaked_at_close += len(leftover)
             await gen.calbin.free_sequences(leftover)
             gen.lane_seq.clear()
-            await gen.calbin.release()
+            await release_members(gen)  # every member of its KV group
 
     # ------------------------------------------------------------------------------------------
     async def submit(self, req: GenerateRequest) -> RequestHandle:

@@ -118,7 +118,7 @@ class DeviceExecutor:
 
     async def _execute(self, job: DeviceJob) -> JobOutcome:
         gen = job.gen
-        cb = gen.calbin
+        cb = job.calbin if job.calbin is not None else gen.calbin  # the batch's profile member
         try:
             if job.epoch != self.recovery.epoch:
                 raise DeviceFaulted("the device was reset after this job was built")
@@ -162,7 +162,7 @@ class DeviceExecutor:
         return JobOutcome(result=r, timed_out=timed_out)
 
     async def _submit(self, job: DeviceJob) -> tuple[JobTicket, JobResult | None]:
-        cb = job.gen.calbin
+        cb = job.calbin if job.calbin is not None else job.gen.calbin
         if job.kind == "prefill":
             seq = job.lanes[0]
             assert seq is not None and seq.seq_id is not None

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from calserve.engine.backend import JobTicket, row_checksums
+from calserve.engine.backend import BackendCalbin, JobTicket, row_checksums
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import (
     RUNTIME_PROFILES,
@@ -90,16 +90,33 @@ class _Job:
     result: JobResult | None = None
 
 
+@dataclasses.dataclass(eq=False)
+class _KvGroup:
+    """One KvManager shared by the member calbins of a KV group (sim-next ``shared_kv``).
+
+    Invariant: ``members`` counts the group's unreleased calbins; the sequences go with the last."""
+
+    weights: Any
+    seqs: dict[int, _Seq] = dataclasses.field(default_factory=dict)
+    next_seq: int = 1
+    members: int = 0
+
+
 class FakeCalbin:
-    def __init__(self, dev: FakeBackend, config: ModelConfig, spec: ProfileSpec, timing: Timing) -> None:
+    def __init__(
+        self, dev: FakeBackend, config: ModelConfig, spec: ProfileSpec, timing: Timing,
+        group: _KvGroup | None = None,
+    ) -> None:
         self._dev = dev
         self.config = config
         self.spec = spec
         self.timing = timing
-        self._seqs: dict[int, _Seq] = {}
-        self._next_seq = 1
+        self.group = group if group is not None else _KvGroup(None)
+        self.group.members += 1
+        self._seqs: dict[int, _Seq] = self.group.seqs  # the very dict of the group
         self.released = False
         self.leaked_at_release = 0
+        self.reconfigures = 0
 
     def introspect(self) -> dict[str, Any]:
         return {
@@ -118,8 +135,8 @@ class FakeCalbin:
         await trio.lowlevel.checkpoint()
         if len(self._seqs) >= self.spec.max_sequences:
             raise OutOfSequences("no free KV sequence")
-        sid = self._next_seq
-        self._next_seq += 1
+        sid = self.group.next_seq
+        self.group.next_seq += 1
         self._seqs[sid] = _Seq()
         return sid
 
@@ -184,14 +201,17 @@ class FakeCalbin:
 
     async def reconfigure(self) -> None:
         await trio.lowlevel.checkpoint()
+        self.reconfigures += 1
         self._dev._reconfigured()
 
     async def release(self) -> None:
         await trio.lowlevel.checkpoint()
         if any(j.calbin is self for j in self._dev._inflight.values()):
             raise InvalidArgument("calbin has jobs in flight")
-        self.leaked_at_release = len(self._seqs)
-        self._seqs.clear()
+        self.group.members -= 1
+        if self.group.members == 0:  # the group's KV is freed with its last member
+            self.leaked_at_release = len(self._seqs)
+            self._seqs.clear()
         self.released = True
         self._dev._calbins.remove(self)
 
@@ -286,13 +306,34 @@ class FakeBackend:
         weights: Mapping[str, np.ndarray],
         spec: ProfileSpec,
         timing: Timing | None = None,
+        kv_owner: BackendCalbin | None = None,
     ) -> FakeCalbin:
+        """``kv_owner``: join that calbin's KV group, as the runtime does (ext/README "Shared KV")."""
         await trio.lowlevel.checkpoint()
         if spec.compiled_batch > 1 and not self.capabilities.batch_profiles:
             raise NotSupported(f"compiled_batch {spec.compiled_batch} needs the batch capability")
         if self._calbins and not self.capabilities.multi_calbin:
             raise NotSupported("a second resident calbin needs the multi-calbin capability")
-        cb = FakeCalbin(self, config, spec, timing or Timing(200.0, 5.0, {spec.compiled_batch: 1000.0}))
+        group: _KvGroup | None = None
+        if kv_owner is not None:
+            if not self.capabilities.shared_kv:
+                raise NotSupported("kv_owner: shared KV needs the shared_kv capability")
+            if not isinstance(kv_owner, FakeCalbin) or kv_owner.released or kv_owner._dev is not self:
+                raise InvalidArgument("kv_owner: must be a loaded, not released calbin of this device")
+            o = kv_owner.spec
+            for name in ("max_seq", "max_sequences", "kv_dtype"):
+                if getattr(o, name) != getattr(spec, name):
+                    raise InvalidArgument(f"kv_owner: {name} differs ({getattr(o, name)} != "
+                                          f"{getattr(spec, name)})")
+            if kv_owner.config != config:
+                raise InvalidArgument("kv_owner: model description differs")
+            if kv_owner.group.weights is not weights:
+                raise InvalidArgument("kv_owner: weights must be the very same buffers")
+            group = kv_owner.group
+        else:
+            group = _KvGroup(weights)
+        cb = FakeCalbin(self, config, spec, timing or Timing(200.0, 5.0, {spec.compiled_batch: 1000.0}),
+                        group)
         self._calbins.append(cb)
         return cb
 
@@ -305,7 +346,7 @@ class FakeBackend:
         for job in self._inflight.values():
             if job.result is None and job.complete_at > now:
                 job.result = job.calbin._finish(job, aborted=True)
-        for cb in self._calbins:
+        for cb in self._calbins:  # shared group sequences: invalidated once per member (idempotent)
             for s in cb._seqs.values():
                 s.valid = False
         for e in JobEngine:
@@ -339,7 +380,8 @@ class FakeBackend:
         self.closed = True
 
     def live_sequences(self) -> int:
-        return sum(cb.live_sequences() for cb in self._calbins)
+        groups = {id(cb.group): cb for cb in self._calbins}  # a KV group counts once
+        return sum(cb.live_sequences() for cb in groups.values())
 
     # internals -------------------------------------------------------------------------------------
     async def _submit(

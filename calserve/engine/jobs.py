@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -30,6 +30,8 @@ class DeviceJob:
     expect: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     job_id: int = -1  # runtime job id once submitted
     epoch: int = 0  # recovery epoch at submit: an ABORTED result from an older epoch is no new fault
+    # The calbin (profile member of the generation's KV group) the job runs on; None: gen.calbin.
+    calbin: Any = None
     # Derived once at construction (the hot path reads them several times per step):
     # Invariant: seqs == the non-None lanes in lane order; active == their lane indices (ascending).
     seqs: list[Seq] = dataclasses.field(init=False)

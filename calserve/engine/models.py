@@ -61,8 +61,8 @@ class Generation:
     id: int
     alias: str
     source: ModelSource
-    spec: ProfileSpec  # the serving profile
-    calbin: BackendCalbin
+    spec: ProfileSpec  # the serving profile (the largest member: capacity, model info)
+    calbin: BackendCalbin  # the KV owner: sequences, prefill, frees (the only member without a group)
     admission: Any  # AdmissionController
     kv: Any  # KvLaneManager
     state: ModelState = ModelState.UNLOADED
@@ -70,6 +70,19 @@ class Generation:
     load_seconds: float = 0.0
     # lane -> runtime sequence id of every lane holding a device sequence (recovery frees them)
     lane_seq: dict[int, int] = dataclasses.field(default_factory=dict)
+    # compiled B -> member calbin of the generation's shared-KV group (spec §8: the decode profile is
+    # chosen per tick among these). One entry (B -> ``calbin``) when the runtime has no shared KV.
+    # Invariant: every member shares ``calbin``'s KvManager; any member runs any sequence's job.
+    calbins: dict[int, BackendCalbin] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.calbins:
+            self.calbins = {self.spec.compiled_batch: self.calbin}
+
+    @property
+    def selecting(self) -> bool:
+        """True when the decode profile is chosen per tick (more than one member loaded)."""
+        return len(self.calbins) > 1
 
     @property
     def compiled_batch(self) -> int:
@@ -105,12 +118,41 @@ def make_admission(
 
 
 def serving_profile(cfg: CalserveConfig, source: ModelSource, backend: DeviceBackend) -> int:
-    """The one compiled batch this generation serves (fail fast on impossible configs, spec §15).
+    """The largest compiled batch this generation serves (see :func:`serving_profiles`)."""
+    return serving_profiles(cfg, source, backend)[-1]
 
-    Sequences live in one calbin's KvManager, so a request cannot move between profiles: the
-    instance serves one profile (``batch.instance_pool`` or the largest configured one) and fills
-    fewer lanes (valid mask) at low load."""
-    want = list(cfg.scheduler.batch.profiles)
+
+_GROUP_FIELDS = ("max_seq", "max_sequences", "kv_dtype")
+
+
+def serving_profiles(cfg: CalserveConfig, source: ModelSource, backend: DeviceBackend) -> list[int]:
+    """The compiled batches this generation loads, ascending; the first is the KV owner.
+
+    Sequences live in one KvManager, so a request cannot move between calbins unless they share it:
+    with ``capabilities.shared_kv`` (sim-next) and no ``batch.instance_pool``, every configured
+    profile joins one KV group and the decode profile is picked per tick (spec §8). Otherwise the
+    instance serves one pool (``batch.instance_pool`` or the largest configured profile) and fills
+    fewer lanes (valid mask) at low load. Fails fast on impossible configs (spec §15)."""
+    want = _checked_profiles(cfg, source, backend)
+    pool = cfg.scheduler.batch.instance_pool
+    if pool is not None:
+        if pool not in want:
+            raise ConfigError("$.scheduler.batch.instance_pool must be one of batch.profiles")
+        return [pool]
+    members = sorted(set(want))
+    if len(members) > 1 and backend.capabilities.shared_kv:
+        first = source.profiles[members[0]]
+        differ = [f"{f} (B{b})" for b in members for f in _GROUP_FIELDS
+                  if getattr(source.profiles[b], f) != getattr(first, f)]
+        if not differ:
+            return members
+        log.warning("model %s: profiles cannot share KV (%s differ): serving B%d only",
+                    source.alias, ", ".join(differ), members[-1])
+    return [members[-1]]
+
+
+def _checked_profiles(cfg: CalserveConfig, source: ModelSource, backend: DeviceBackend) -> list[int]:
+    want: list[int] = list(cfg.scheduler.batch.profiles)
     for b in want:
         if b not in source.profiles:
             raise ConfigError(
@@ -122,12 +164,7 @@ def serving_profile(cfg: CalserveConfig, source: ModelSource, backend: DeviceBac
                 f"$.scheduler.batch.profiles: B{b} needs batch profiles, which runtime "
                 f"{backend.capabilities.name} does not have"
             )
-    pool = cfg.scheduler.batch.instance_pool
-    if pool is not None:
-        if pool not in want:
-            raise ConfigError("$.scheduler.batch.instance_pool must be one of batch.profiles")
-        return pool
-    return max(want)
+    return want
 
 
 class ModelManager:
@@ -152,48 +189,77 @@ class ModelManager:
         """Spec §11 steps 4-10 for an already verified source: configure, inspect, golden, publish."""
         async with self.lifecycle:
             t0 = time.monotonic()
-            b = serving_profile(self.cfg, source, self.backend)
+            members = serving_profiles(self.cfg, source, self.backend)
+            b = members[-1]
             spec = source.profiles[b]
             gid = self._next_id
             self._next_id += 1
             adm_cfg = self.cfg.scheduler.admission
             max_sequences = min(spec.max_sequences, adm_cfg.max_sequences or spec.max_sequences)
             max_kv = adm_cfg.max_kv_tokens or max_sequences * spec.max_seq
-            calbin = await self.backend.load_calbin(
-                source.model_config, source.weights, spec, source.timing.get(b)
-            )
+            calbins = await self._load_group(source, members)
             gen = Generation(
                 id=gid,
                 alias=source.alias,
                 source=source,
                 spec=spec,
-                calbin=calbin,
+                calbin=calbins[members[0]],
                 admission=make_admission(self.cfg, max_sequences, max_kv, spec.max_seq),
                 kv=KvLaneManager(max_sequences, spec.max_seq, max_kv),
+                calbins=calbins,
             )
             gen.fire(ModelEvent.LOAD)
             gen.fire(ModelEvent.VALIDATED)
             try:
-                info = calbin.introspect()
-                if source.verify is not None:
-                    source.verify(info, b)
+                for mb, cb in calbins.items():  # introspection per member (spec §11 step 8)
+                    info = cb.introspect()
+                    if source.verify is not None:
+                        source.verify(info, mb)
                 gen.fire(ModelEvent.CONFIGURED)
                 await self._golden(gen)
                 gen.fire(ModelEvent.WARMED)
             except BaseException:
                 gen.fire(ModelEvent.FAIL)
                 with trio.CancelScope(shield=True):
-                    await calbin.release()
+                    await release_members(gen)
                 raise
             gen.created = int(time.time())
             gen.load_seconds = time.monotonic() - t0
             self.generations[gid] = gen
             self.aliases[source.alias] = gid  # publish (spec §11 step 10)
+            if gen.selecting:
+                how = "per-tick profile selection over one shared-KV group"
+            else:
+                pool = self.cfg.scheduler.batch.instance_pool
+                how = (f"instance pool B{b} (batch.instance_pool)" if pool is not None
+                       else f"instance pool B{b} (the largest configured profile)")
             log.info(
-                "model %s generation %d ready (B%d, %.2fs)", source.alias, gid, b, gen.load_seconds,
+                "model %s generation %d ready (B%s: %s, %.2fs)", source.alias, gid,
+                "/B".join(str(m) for m in members), how, gen.load_seconds,
                 extra={"model": source.alias, "generation": gid},
             )
             return gen
+
+    async def _load_group(self, source: ModelSource, members: Sequence[int]) -> dict[int, BackendCalbin]:
+        """Load ``members`` (ascending): the first alone, the others into its KV group (same weights
+        object, equal max_seq/max_sequences/kv_dtype). A failure releases what was loaded."""
+        out: dict[int, BackendCalbin] = {}
+        try:
+            for mb in members:
+                owner = out.get(members[0])
+                spec = source.profiles[mb]
+                timing = source.timing.get(mb)
+                if owner is None:
+                    out[mb] = await self.backend.load_calbin(source.model_config, source.weights, spec, timing)
+                else:
+                    out[mb] = await self.backend.load_calbin(
+                        source.model_config, source.weights, spec, timing, kv_owner=owner)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for cb in reversed(list(out.values())):
+                    await cb.release()
+            raise
+        return out
 
     async def _golden(self, gen: Generation) -> None:
         """Golden check + warmup straight on the calbin before any request can see it.
@@ -207,8 +273,10 @@ class ModelManager:
                     "runtime computes nothing, outputs are not the model's)", gen.alias, gen.id,
                     extra={"model": gen.alias, "generation": gen.id})
             return
-        cb = gen.calbin
-        B = gen.compiled_batch
+        for B, cb in gen.calbins.items():
+            await self._golden_member(gen, B, cb)
+
+    async def _golden_member(self, gen: Generation, B: int, cb: BackendCalbin) -> None:
         for prompt, per_b in gen.source.golden:
             expected = per_b.get(B)
             if not expected:
@@ -247,6 +315,13 @@ class ModelManager:
 
     def statistics(self) -> dict[str, tuple[int, str]]:
         return {a: (g, self.generations[g].state.value) for a, g in self.aliases.items()}
+
+
+async def release_members(gen: Generation) -> None:
+    """Release every member calbin of a generation (owner last; any order is valid, the group's KV
+    goes with its last member). Call with no job of the generation in flight."""
+    for cb in sorted(gen.calbins.values(), key=lambda c: c is gen.calbin):
+        await cb.release()
 
 
 async def _wait_done(cb: BackendCalbin, ticket: Any) -> Any:

@@ -166,7 +166,8 @@ class HealthRecovery:
             failed = over_budget
             if needs_reconfigure and not failed:
                 if self.cfg.scheduler.recovery.restart_on_unknown_dma:
-                    await g.calbin.reconfigure()
+                    for cb in g.calbins.values():  # after DMA_UNKNOWN each group member
+                        await cb.reconfigure()
                 else:
                     failed = True
             if g.state is ModelState.RECOVERING:

@@ -7,8 +7,9 @@ Each tick (spec §6-§9, batching note "调度循环"):
    only then return their lanes (spec §9.2: a lane is reused after the runtime confirmed release);
 3. admission: ``pop_admissible`` with the free lanes/KV tokens, reserve a lane per admitted request;
 4. while an executor is free: the service round robin (decode:short:medium:long) picks a class;
-   decode builds a batch for the serving profile (EDF, then least recently served), prefill takes the
-   oldest request of the class.
+   decode builds a batch for the tick's profile (spec §8: ``select_profile`` over the generation's
+   shared-KV group members by ready count, else its one serving profile; fair lane order), prefill
+   takes the oldest request of the class (on the group's KV owner).
 
 Continuous batching falls out of this: a sequence that finishes frees its lane in the dispatcher,
 the next tick admits a waiting request into it, and the next decode batch includes it.
@@ -40,6 +41,7 @@ from calserve.core.decode import (
     LaneOrder,
     batching_window,
     build_decode_batch,
+    select_profile,
 )
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.model_state import ModelState
@@ -110,7 +112,7 @@ class Scheduler:
         # The timer the scheduler task sleeps with (-inf while it is ticking itself). An inline
         # tick (executor, after a completion) wakes the task only when it moved the timer earlier.
         self._armed = -math.inf
-        self._profiles: dict[int, BatchProfile] = {}  # generation id -> its decode profile
+        self._profiles: dict[tuple[int, int], BatchProfile] = {}  # (generation id, B) -> profile
         # statistics
         self.batches_total: dict[int, int] = collections.Counter()
         self.lanes_active_total: dict[int, int] = collections.Counter()
@@ -313,11 +315,15 @@ class Scheduler:
                         dq.popleft()
                     if dq:
                         available.add(c)
+                B = gen.compiled_batch
                 if q.decode_ready:
                     first = next(iter(q.decode_ready.values()))
+                    if gen.selecting:  # spec §8: the profile of this tick, by ready count
+                        B = select_profile(len(q.decode_ready), now - first.ready_since, gen.calbins,
+                                           self.cfg.scheduler.batch.selection)
                     deadlines = [s.deadline for s in q.decode_ready.values() if s.deadline is not None]
                     fire, wake_at = batching_window(
-                        now, len(q.decode_ready), gen.compiled_batch, first.ready_since,
+                        now, len(q.decode_ready), B, first.ready_since,
                         min(deadlines) if deadlines else None, window_us,
                     )
                     if fire:
@@ -327,7 +333,7 @@ class Scheduler:
                 cls = self.rr.next(available)
                 if cls is None:
                     continue
-                job = self._decode_job(gen, q, now) if cls is QueueClass.DECODE else self._prefill_job(gen, q, cls, now)
+                job = self._decode_job(gen, q, now, B) if cls is QueueClass.DECODE else self._prefill_job(gen, q, cls, now)
                 if job is None:
                     continue
                 ex.start(job)
@@ -346,13 +352,14 @@ class Scheduler:
         self.trace.append(("prefill", (seq.rid,)))
         return job
 
-    def _decode_job(self, gen: Generation, q: GenQueues, now: float) -> DeviceJob | None:
-        B = gen.compiled_batch
-        profile = self._profiles.get(gen.id)
-        if profile is None:  # a generation is immutable: build its profile once
-            profile = self._profiles[gen.id] = BatchProfile(
-                B, gen.max_seq, valid_mask=gen.spec.valid_mask or B == 1,
-                inactive_writes_kv=gen.spec.inactive_writes_kv)
+    def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int) -> DeviceJob | None:
+        """A decode batch for compiled batch ``B`` (a member of ``gen.calbins``), run on that member."""
+        cb = gen.calbins[B]
+        profile = self._profiles.get((gen.id, B))
+        if profile is None:  # a generation is immutable: build each member's profile once
+            profile = self._profiles[(gen.id, B)] = BatchProfile(
+                B, gen.max_seq, valid_mask=cb.spec.valid_mask or B == 1,
+                inactive_writes_kv=cb.spec.inactive_writes_kv)
         cands = [
             DecodeCandidate(
                 request_id=s.rid, seq_id=int(s.seq_id if s.seq_id is not None else -1),
@@ -406,6 +413,7 @@ class Scheduler:
         host = np.array((batch.token_ids, batch.positions, batch.seq_ids), np.int32)
         job = DeviceJob("decode", gen, lanes, host[0], host[1], np.asarray(batch.valid_mask, np.uint8), now)
         job.seq_ids = host[2]
+        job.calbin = cb
         job.expect = [(c.seq_id, c.position) for c in batch.lanes if c is not None]
         for s in job.seqs:
             s.inflight = job
