@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible routes, decoded with msgspec.
 
-Decisions (documented in README_SECTION.md):
+Decisions (documented in README.md, "HTTP API"):
 
 - Unknown fields are ignored (as vLLM does): OpenAI clients send many optional fields (``store``,
   ``metadata``, ``service_tier``, ...). Fields we *know* and cannot honour without changing results are
