@@ -61,6 +61,21 @@ class JobTicket:
     native: Any
 
 
+def _ticket(job: Any, engine: JobEngine) -> JobTicket:
+    """The ticket of a runtime ``Job`` just submitted on ``engine``."""
+    return JobTicket(int(job.job_id), engine, job)
+
+
+def _wait_or_none(job: Any, timeout_s: float) -> JobResult | None:
+    """``Job.wait`` with the backend's timeout convention: ``None`` (not :class:`WaitTimeout`) when
+    the job is still in flight after ``timeout_s`` (the runtime counts the timeout either way)."""
+    try:
+        r: JobResult = job.wait(timeout_s)
+    except WaitTimeout:
+        return None
+    return r
+
+
 def row_checksums(logits: np.ndarray) -> np.ndarray:
     """The fake device's per-lane checksum: CRC-32 of each float32 row (cheap, in C)."""
     rows = np.ascontiguousarray(logits, dtype=np.float32)
@@ -105,12 +120,20 @@ class BackendCalbin(Protocol):
         engine: JobEngine,
         timeout_s: float,
     ) -> tuple[JobTicket, JobResult | None]:
-        """Submit + first wait in one device round trip (the hot path: one thread hop per step)."""
-        ...
+        """Submit + first wait in one device round trip (the hot path: one thread hop per step).
+
+        The body is the default for implementations that subclass this protocol explicitly (the fake
+        device: plain ``submit_decode`` then ``wait``); :class:`_RuntimeCalbin` overrides it with
+        its inline-submit hot path."""
+        t = await self.submit_decode(seq_ids, tokens, positions, valid, engine)
+        return t, await self.wait(t, timeout_s)
 
     async def submit_prefill_wait(
         self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float
-    ) -> tuple[JobTicket, JobResult | None]: ...
+    ) -> tuple[JobTicket, JobResult | None]:
+        """Submit + first wait of a prefill; default as for :meth:`submit_decode_wait`."""
+        t = await self.submit_prefill(seq_id, tokens, engine)
+        return t, await self.wait(t, timeout_s)
 
     async def reconfigure(self) -> None: ...
 
@@ -336,11 +359,8 @@ class _CompletionFdWaiter:
             if r is not None:
                 return r
             if trio.current_time() >= deadline:
-                try:  # counts the timeout in the runtime; returns if it completed just now
-                    done: JobResult = job.wait(0.0)
-                    return done
-                except WaitTimeout:
-                    return None
+                # counts the timeout in the runtime; returns the result if it completed just now
+                return _wait_or_none(job, 0.0)
 
 
 class _RuntimeCalbin:
@@ -384,7 +404,7 @@ class _RuntimeCalbin:
 
     async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> JobTicket:
         job = await self._t.run(self._c.submit_prefill, seq_id, tokens, engine)
-        return JobTicket(int(job.job_id), engine, job)
+        return _ticket(job, engine)
 
     async def submit_decode(
         self,
@@ -395,25 +415,13 @@ class _RuntimeCalbin:
         engine: JobEngine,
     ) -> JobTicket:
         job = await self._t.run(self._c.submit_decode, seq_ids, tokens, positions, valid, engine)
-        return JobTicket(int(job.job_id), engine, job)
+        return _ticket(job, engine)
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
-        def w() -> JobResult | None:
-            try:
-                r: JobResult = ticket.native.wait(timeout_s)
-                return r
-            except WaitTimeout:
-                return None
-
-        return await self._t.run(w)
+        return await self._t.run(_wait_or_none, ticket.native, timeout_s)
 
     def _submit_wait(self, job: Any, engine: JobEngine, timeout_s: float) -> tuple[JobTicket, JobResult | None]:
-        ticket = JobTicket(int(job.job_id), engine, job)
-        try:
-            r: JobResult = job.wait(timeout_s)
-        except WaitTimeout:
-            return ticket, None
-        return ticket, r
+        return _ticket(job, engine), _wait_or_none(job, timeout_s)
 
     async def submit_decode_wait(
         self,
@@ -435,7 +443,7 @@ class _RuntimeCalbin:
         (no Python thread per step), else on the engine's thread."""
         w = self._fw.get(engine)
         if w is not None and not w.busy:
-            return JobTicket(int(job.job_id), engine, job), await w.wait(job, timeout_s)
+            return _ticket(job, engine), await w.wait(job, timeout_s)
         return await self._et[engine].run(lambda: self._submit_wait(job, engine, timeout_s))
 
     async def submit_prefill_wait(

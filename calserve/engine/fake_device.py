@@ -102,7 +102,9 @@ class _KvGroup:
     members: int = 0
 
 
-class FakeCalbin:
+class FakeCalbin(BackendCalbin):
+    """Subclasses the protocol explicitly to inherit its submit-then-wait defaults."""
+
     def __init__(
         self, dev: FakeBackend, config: ModelConfig, spec: ProfileSpec, timing: Timing,
         group: _KvGroup | None = None,
@@ -181,23 +183,7 @@ class FakeCalbin:
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
         return await self._dev._wait(ticket.native, timeout_s)
 
-    async def submit_decode_wait(
-        self,
-        seq_ids: np.ndarray,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        valid: np.ndarray,
-        engine: JobEngine,
-        timeout_s: float,
-    ) -> tuple[JobTicket, JobResult | None]:
-        t = await self.submit_decode(seq_ids, tokens, positions, valid, engine)
-        return t, await self.wait(t, timeout_s)
-
-    async def submit_prefill_wait(
-        self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float
-    ) -> tuple[JobTicket, JobResult | None]:
-        t = await self.submit_prefill(seq_id, tokens, engine)
-        return t, await self.wait(t, timeout_s)
+    # submit_decode_wait / submit_prefill_wait: BackendCalbin's defaults (submit, then wait).
 
     async def reconfigure(self) -> None:
         await trio.lowlevel.checkpoint()
