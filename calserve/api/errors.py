@@ -86,34 +86,22 @@ def from_exception(exc: BaseException) -> ApiError:
     if isinstance(exc, E.UnknownModel):
         return ApiError(404, exc.message, param=exc.param or "model", code="model_not_found")
     if isinstance(exc, E.CapacityError):
-        return ApiError(
-            429,
-            exc.message,
-            type="rate_limit_error",
-            param=exc.param,
-            code="rate_limit_exceeded",
-            retry_after=exc.retry_after if exc.retry_after is not None else _DEFAULT_RETRY_S,
-        )
+        return _retryable(exc, 429, "rate_limit_error", "rate_limit_exceeded", exc.param, _DEFAULT_RETRY_S)
     if isinstance(exc, E.UnavailableError):
-        return ApiError(
-            503,
-            exc.message,
-            type="service_unavailable",
-            param=exc.param,
-            code="model_unavailable",
-            retry_after=exc.retry_after if exc.retry_after is not None else _DEFAULT_RETRY_S,
-        )
-    if isinstance(exc, E.EngineError):
-        return ApiError(
-            503,
-            exc.message,
-            type="service_unavailable",
-            code="engine_unavailable",
-            retry_after=exc.retry_after if exc.retry_after is not None else 5.0,
-        )
+        return _retryable(exc, 503, "service_unavailable", "model_unavailable", exc.param, _DEFAULT_RETRY_S)
+    if isinstance(exc, E.EngineError):  # no param: the engine as a whole is down
+        return _retryable(exc, 503, "service_unavailable", "engine_unavailable", None, 5.0)
     if isinstance(exc, E.DeviceError):
         return ApiError(500, exc.message, type="server_error", code="device_error")
     return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+
+def _retryable(
+    exc: E.CalserveError, status: int, type: str, code: str, param: str | None, default_retry_s: float
+) -> ApiError:
+    """A 429/503 that always carries Retry-After: the exception's own hint, else ``default_retry_s``."""
+    retry_after = exc.retry_after if exc.retry_after is not None else default_retry_s
+    return ApiError(status, exc.message, type=type, param=param, code=code, retry_after=retry_after)
 
 
 def msgspec_error(exc: msgspec.DecodeError | msgspec.ValidationError) -> ApiError:

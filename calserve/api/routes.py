@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -16,7 +17,7 @@ from calserve.api.convert import (
 )
 from calserve.api.errors import ApiError, msgspec_error
 from calserve.api.metrics import CONTENT_TYPE
-from calserve.api.protocol import EngineLike
+from calserve.api.protocol import EngineLike, TokenizerLike
 from calserve.api.render import LogprobFormatter
 from calserve.api.running import StreamGuard, run_json, run_stream
 from calserve.api.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
@@ -24,6 +25,8 @@ from calserve.api.schemas import ChatBody, CompletionBody, DetokenizeBody, Token
 __all__ = ["register_routes"]
 
 T = TypeVar("T")
+#: The bodies of the tokenizer routes (both name a ``model``).
+_TokBody = TypeVar("_TokBody", TokenizeBody, DetokenizeBody)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -50,13 +53,16 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
 
     async def body(kind: type[T]) -> T:
         limit = state.config.server.max_body_bytes
+
+        def too_large() -> ApiError:  # the declared length and the bytes read are both checked
+            return ApiError(413, f"request body exceeds server.max_body_bytes ({limit})",
+                            code="request_too_large")
+
         if request.content_length is not None and request.content_length > limit:
-            raise ApiError(413, f"request body exceeds server.max_body_bytes ({limit})",
-                           code="request_too_large")
+            raise too_large()
         data = await request.get_data(cache=False, as_text=False)
         if len(data) > limit:
-            raise ApiError(413, f"request body exceeds server.max_body_bytes ({limit})",
-                           code="request_too_large")
+            raise too_large()
         try:
             return _decoder(kind).decode(data)
         except msgspec.DecodeError as e:
@@ -77,19 +83,20 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
             return resp
         return await run_json(eng, state.metrics, prep, handle, fmt)
 
+    async def openai_route(kind: type[T], prepare: Callable[[EngineLike, T, str], Prepared]) -> Any:
+        """The OpenAI generation routes: tenant, body, prepare, generate (stream or JSON)."""
+        t = tenant()
+        b = await body(kind)
+        out = await generate(prepare(engine(), b, t))
+        return out if isinstance(out, Response) else json_response(out)
+
     @app.post("/v1/completions")
     async def completions() -> Any:
-        t = tenant()
-        b = await body(CompletionBody)
-        out = await generate(prepare_completion(engine(), b, t))
-        return out if isinstance(out, Response) else json_response(out)
+        return await openai_route(CompletionBody, prepare_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Any:
-        t = tenant()
-        b = await body(ChatBody)
-        out = await generate(prepare_chat(engine(), b, t))
-        return out if isinstance(out, Response) else json_response(out)
+        return await openai_route(ChatBody, prepare_chat)
 
     def model_card(info: Any) -> dict[str, Any]:
         return {
@@ -111,13 +118,17 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
         tenant()
         return json_response(model_card(resolve_model(engine(), model_id)))
 
-    @app.post("/tokenize")
-    async def tokenize() -> Response:
+    async def tokenizer_route(kind: type[_TokBody]) -> tuple[_TokBody, Any, TokenizerLike]:
+        """The tokenizer routes' common start: tenant, body, its model's info and tokenizer."""
         tenant()
-        b = await body(TokenizeBody)
+        b = await body(kind)
         eng = engine()
         info = resolve_model(eng, b.model)
-        tok = eng.tokenizer(info.alias)
+        return b, info, eng.tokenizer(info.alias)
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        b, info, tok = await tokenizer_route(TokenizeBody)
         given = [n for n in ("prompt", "content", "messages") if getattr(b, n) is not None]
         if len(given) != 1:
             raise E.RequestError("send exactly one of `prompt`, `content` or `messages`",
@@ -136,11 +147,7 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        tenant()
-        b = await body(DetokenizeBody)
-        eng = engine()
-        info = resolve_model(eng, b.model)
-        tok = eng.tokenizer(info.alias)
+        b, info, tok = await tokenizer_route(DetokenizeBody)
         vocab = info.extra.get("vocab_size", getattr(tok, "vocab_size", None))
         ids = check_token_ids(b.tokens, vocab if isinstance(vocab, int) else None, "tokens")
         try:
