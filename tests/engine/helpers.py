@@ -1,14 +1,19 @@
-"""Test helpers: an in-memory model source for the FakeBackend and a tiny tokenizer stand-in."""
+"""Test helpers: an in-memory model source for the FakeBackend, a tiny tokenizer stand-in, and the
+greedy request runners (collect / stream / greedy_concurrently) the engine tests share."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import trio
 
 from calserve.config import CalserveConfig, decode_config
+from calserve.engine.engine import Engine
 from calserve.engine.fake_device import fake_logits, history_hash
 from calserve.engine.models import ModelSource
+from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import ProfileSpec, Timing
 
@@ -54,3 +59,42 @@ def fake_greedy(prompt: Sequence[int], steps: int, vocab: int = 128) -> list[int
 def config(**sched: object) -> CalserveConfig:
     """A config with scheduler overrides given as nested dicts, e.g. batch={"profiles": [8]}."""
     return decode_config({"scheduler": sched})
+
+
+async def collect(eng: Engine, prompt: tuple[int, ...], max_tokens: int, **kw: Any) -> tuple[list[int], object]:
+    """One greedy request: its tokens and its single terminal event (``kw``: more SamplingParams)."""
+    h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)))
+    toks: list[int] = []
+    term = None
+    async for ev in h.events():
+        if isinstance(ev, TokenEvent):
+            toks.extend(ev.token_ids)
+        else:
+            assert term is None
+            term = ev
+    return toks, term
+
+
+async def stream(eng: Engine, prompt: tuple[int, ...], max_tokens: int, **kw: Any) -> tuple[list[int], FinishEvent]:
+    """:func:`collect` for a request that must finish (not error)."""
+    toks, term = await collect(eng, prompt, max_tokens, **kw)
+    assert isinstance(term, FinishEvent), term
+    return toks, term
+
+
+async def greedy_concurrently(
+    eng: Engine, prompts: Sequence[tuple[int, ...]], lengths: Sequence[int]
+) -> dict[int, list[int]]:
+    """Run request i (``prompts[i]``, exactly ``lengths[i]`` tokens, ignore_eos) concurrently for
+    every i; each must finish by LENGTH. Returns i -> its tokens."""
+    out: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        toks, fin = await stream(eng, prompts[i], lengths[i], ignore_eos=True)
+        assert fin.reason is FinishReason.LENGTH
+        out[i] = toks
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return out

@@ -19,22 +19,10 @@ import trio
 from calserve.config import decode_config
 from calserve.engine.engine import Engine
 from calserve.engine.models import ModelSource
-from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
+from calserve.engine.types import FinishReason, GenerateRequest, SamplingParams, TokenEvent
 from calserve.runtime.reference import greedy_generate
 
-
-async def stream(eng: Engine, prompt: tuple[int, ...], max_tokens: int, **kw: object) -> tuple[list[int], FinishEvent]:
-    h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)))
-    toks: list[int] = []
-    term = None
-    async for ev in h.events():
-        if isinstance(ev, TokenEvent):
-            toks.extend(ev.token_ids)
-        else:
-            assert term is None
-            term = ev
-    assert isinstance(term, FinishEvent), term
-    return toks, term
+from .helpers import greedy_concurrently, stream
 
 
 async def test_golden_tokens_stream_default_config(engine_home: Path, monkeypatch: pytest.MonkeyPatch,
@@ -75,16 +63,8 @@ async def test_16_concurrent_equal_solo(demo_source: ModelSource, profile: str, 
                          "scheduler": {"batch": {"profiles": [batch]}}})
     prompts = [tuple((7 * i + j * 13 + 5) % 500 + 3 for j in range(2 + (i * 5) % 23)) for i in range(16)]
     lengths = [4 + (i * 7) % 29 for i in range(16)]
-    out: dict[int, list[int]] = {}
     async with Engine.open(cfg, sources={"qwen3": demo_source}) as eng:
-        async def one(i: int) -> None:
-            toks, fin = await stream(eng, prompts[i], lengths[i], ignore_eos=True)
-            assert fin.reason is FinishReason.LENGTH
-            out[i] = toks
-
-        async with trio.open_nursery() as nursery:
-            for i in range(16):
-                nursery.start_soon(one, i)
+        out = await greedy_concurrently(eng, prompts, lengths)
         st = eng.statistics()
         if batch > 1:
             # really batched: decode jobs carried several lanes

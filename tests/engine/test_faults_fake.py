@@ -9,24 +9,11 @@ import trio
 
 from calserve.engine.engine import Engine
 from calserve.engine.fake_device import FakeBackend
-from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
+from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, GenerateRequest
 from calserve.errors import UnavailableError
 from calserve.runtime.types import FaultKind, JobEngine
 
-from .helpers import config, fake_greedy, fake_source
-
-
-async def collect(eng: Engine, prompt: tuple[int, ...], max_tokens: int) -> tuple[list[int], object]:
-    h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
-    toks: list[int] = []
-    term = None
-    async for ev in h.events():
-        if isinstance(ev, TokenEvent):
-            toks.extend(ev.token_ids)
-        else:
-            assert term is None
-            term = ev
-    return toks, term
+from .helpers import collect, config, fake_greedy, fake_source
 
 
 def b8_config(**extra: object) -> object:

@@ -16,31 +16,18 @@ import trio
 
 from calserve.engine.engine import Engine
 from calserve.engine.fake_device import FakeBackend, FakeCalbin
-from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
+from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason
 from calserve.runtime.types import RUNTIME_PROFILES, FaultKind, InvalidArgument, JobEngine, NotSupported, ProfileSpec
 
-from .helpers import config, fake_greedy, fake_source
+from .helpers import collect, config, fake_greedy, fake_source
 
 ALL = [1, 4, 8, 16]
-
-
-async def collect(eng: Engine, prompt: tuple[int, ...], n: int) -> tuple[list[int], object]:
-    h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
-    toks: list[int] = []
-    term = None
-    async for ev in h.events():
-        if isinstance(ev, TokenEvent):
-            toks.extend(ev.token_ids)
-        else:
-            assert term is None
-            term = ev
-    return toks, term
 
 
 async def run_many(eng: Engine, n: int, max_tokens: int, base: int = 0) -> None:
     async def one(i: int) -> None:
         prompt = (base + i + 1, 2 * i + 3, 7)
-        toks, term = await collect(eng, prompt, max_tokens)
+        toks, term = await collect(eng, prompt, max_tokens, ignore_eos=True)
         assert isinstance(term, FinishEvent) and term.reason is FinishReason.LENGTH, term
         assert toks == fake_greedy(prompt, max_tokens), f"request {i}"
 
@@ -113,7 +100,7 @@ async def test_dma_unknown_reconfigures_every_member(autojump_clock: object) -> 
         results: list[object] = []
 
         async def one(i: int) -> None:
-            results.append((await collect(eng, (i + 1, 5), 8))[1])
+            results.append((await collect(eng, (i + 1, 5), 8, ignore_eos=True))[1])
 
         async with trio.open_nursery() as nursery:
             for i in range(2):

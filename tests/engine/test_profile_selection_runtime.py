@@ -14,11 +14,10 @@ from calserve.config import decode_config
 from calserve.engine.backend import RuntimeBackend
 from calserve.engine.engine import Engine
 from calserve.engine.models import ModelSource
-from calserve.engine.types import FinishReason
 from calserve.runtime import Device
 from calserve.runtime.reference import greedy_generate
 
-from .test_e2e_runtime import stream
+from .helpers import greedy_concurrently
 
 
 async def test_16_concurrent_over_a_shared_kv_group_equal_solo(demo_source: ModelSource) -> None:
@@ -27,7 +26,6 @@ async def test_16_concurrent_over_a_shared_kv_group_equal_solo(demo_source: Mode
                                        "executor": {"max_inflight": 2}}})
     prompts = [tuple((11 * i + j * 7 + 3) % 500 + 3 for j in range(2 + (i * 3) % 13)) for i in range(16)]
     lengths = [6 + (i * 5) % 19 for i in range(16)]
-    out: dict[int, list[int]] = {}
     dev = Device.open(profile="sim-next", dram_bytes=1 << 30)
     try:
         be = RuntimeBackend(dev)
@@ -38,15 +36,7 @@ async def test_16_concurrent_over_a_shared_kv_group_equal_solo(demo_source: Mode
             natives = [cb._c for cb in gen.calbins.values()]  # type: ignore[attr-defined]
             assert all(n.kv_owner is natives[0] for n in natives[1:])
             loaded = dev.dram()[1]
-
-            async def one(i: int) -> None:
-                toks, fin = await stream(eng, prompts[i], lengths[i], ignore_eos=True)
-                assert fin.reason is FinishReason.LENGTH
-                out[i] = toks
-
-            async with trio.open_nursery() as nursery:
-                for i in range(16):
-                    nursery.start_soon(one, i)
+            out = await greedy_concurrently(eng, prompts, lengths)
             st = eng.statistics()
             assert len([b for b, n in st.batches_total.items() if n > 0]) >= 2, st.batches_total
             for b, n in st.batches_total.items():
