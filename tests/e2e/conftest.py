@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .server import ServerProcess, start_hypercorn
+from .server import ServerProcess, serving
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -30,9 +30,5 @@ def calserve_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The embedded default (no config): software runtime + demo package, alias ``qwen3``."""
-    proc = start_hypercorn(calserve_home, cwd=tmp_path_factory.mktemp("cwd"))
-    try:
-        proc.wait_ready()
+    with serving(calserve_home, tmp_path_factory.mktemp("cwd")) as proc:
         yield proc
-    finally:
-        proc.stop()

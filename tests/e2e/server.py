@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,22 @@ def start_hypercorn(home: Path, config: Path | None = None, *, trio_worker: bool
         argv += ["-k", "trio"]
     argv.append("calserve:app")
     return ServerProcess(argv, server_env(home, config), cwd)
+
+
+@contextlib.contextmanager
+def serving(home: Path, cwd: Path, config_yaml: str | None = None) -> Iterator[ServerProcess]:
+    """A ready hypercorn (trio worker) server for a fixture; always stopped on exit. ``config_yaml``
+    (if given) is written to ``cwd/calserve.yaml`` and served as the config file."""
+    config = None
+    if config_yaml is not None:
+        config = cwd / "calserve.yaml"
+        config.write_text(config_yaml)
+    proc = start_hypercorn(home, config, cwd=cwd)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
 
 
 def start_calserve_serve(home: Path, *args: str, cwd: Path) -> ServerProcess:

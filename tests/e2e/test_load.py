@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from .server import ServerProcess, scrape, start_hypercorn, total, value
+from .server import ServerProcess, scrape, serving, total, value
 
 STREAM_BODY = {"model": "qwen3", "prompt": "Write forever", "max_tokens": 1500, "stream": True,
                "ignore_eos": True}
@@ -129,20 +129,14 @@ def test_metric_families_move(server: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def small_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[ServerProcess]:
-    d = tmp_path_factory.mktemp("small")
-    cfg = d / "calserve.yaml"
-    cfg.write_text(
+    config_yaml = (
         "scheduler:\n"
         "  admission:\n"
         "    max_waiting_requests: 2\n"
         "    max_sequences: 2\n"
     )
-    proc = start_hypercorn(calserve_home, cfg, cwd=d)
-    try:
-        proc.wait_ready()
+    with serving(calserve_home, tmp_path_factory.mktemp("small"), config_yaml) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 async def test_overload_gets_429_with_retry_after(small_server: ServerProcess) -> None:

@@ -8,25 +8,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .server import ServerProcess, scrape, start_hypercorn, value
+from .server import ServerProcess, scrape, serving, value
 
 
 @pytest.fixture(scope="module")
 def tenant_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[ServerProcess]:
-    d = tmp_path_factory.mktemp("tenants")
-    cfg = d / "calserve.yaml"
-    cfg.write_text(
+    config_yaml = (
         "tenants:\n"
         "  alice: {api_keys: [key-alice], weight: 2.0}\n"
         "  bob: {api_keys: [key-bob], qps: 0.001, burst: 1}\n"
     )
-    proc = start_hypercorn(calserve_home, cfg, cwd=d)
-    try:
-        proc.wait_ready()
+    with serving(calserve_home, tmp_path_factory.mktemp("tenants"), config_yaml) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_keys_map_to_tenants_and_quota(tenant_server: ServerProcess) -> None:
