@@ -18,6 +18,7 @@ import trio
 from calserve.api import asgi
 
 from .conftest import Harness, make_config
+from .sse_util import send_and_read
 
 C = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -37,19 +38,11 @@ async def _call(h: Harness, path: str, body: bytes, *, quart: bool,
     conn = h.client.request(path=(ROOT + path) if quart else path, method="POST",
                             root_path=ROOT if quart else "",
                             headers={"content-type": "application/json", **(headers or {})})
-    raw = bytearray()
-    async with conn as c:
-        await c.send(body)
-        await c.send_complete()
-        while True:
-            try:
-                raw += await c.receive()
-            except trio.EndOfChannel:
-                break
+    c, raw = await send_and_read(conn, body)
     assert c.status_code is not None and c.headers is not None
     keep = {k.lower(): v for k, v in c.headers.items()
             if k.lower() in ("content-type", "retry-after", "cache-control", "x-accel-buffering")}
-    return c.status_code, keep, bytes(raw)
+    return c.status_code, keep, raw
 
 
 CASES: list[tuple[str, Any]] = [
