@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,12 +19,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def calserve_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from calserve.models.demo import ensure_demo_package
-
-    home = tmp_path_factory.mktemp("calserve-home")
-    ensure_demo_package(home)
-    return home
+def calserve_home(new_demo_home: Callable[[str], Path]) -> Path:
+    return new_demo_home("calserve-home")
 
 
 @pytest.fixture(scope="session")

@@ -5,22 +5,20 @@ the device when no backend is injected); pytest runs them one after the other.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from calserve.config import TrustConfig
 from calserve.engine.models import ModelSource, source_from_package
-from calserve.models.demo import ensure_demo_package
 from calserve.models.package import open_package
 from calserve.models.signing import TrustStore
 
 
 @pytest.fixture(scope="session")
-def engine_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("calserve-engine-home")
-    ensure_demo_package(home)
-    return home
+def engine_home(new_demo_home: Callable[[str], Path]) -> Path:
+    return new_demo_home("calserve-engine-home")
 
 
 @pytest.fixture(scope="session")

@@ -12,15 +12,12 @@ from typing import Any
 import pytest
 
 from calserve.config import TrustConfig
-from calserve.models.demo import ensure_demo_package
 from calserve.models.signing import TrustStore, dev_key, sign_package
 
 
 @pytest.fixture(scope="session")
-def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("calserve-home")
-    ensure_demo_package(home)
-    return home
+def demo_home(new_demo_home: Callable[[str], Path]) -> Path:
+    return new_demo_home("calserve-home")
 
 
 @pytest.fixture(scope="session")
