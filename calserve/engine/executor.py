@@ -63,6 +63,8 @@ class DeviceExecutor:
         self._send, self._recv = trio.open_memory_channel[DeviceJob](1)
         # Invariant: busy <=> a job was handed over and its completion was not dispatched yet.
         self.busy = False
+        # Invariant: current is the job handed over by start() until its completion was dispatched.
+        self.current: DeviceJob | None = None
         # Set (and dropped) when the executor becomes idle; created only when someone waits, so
         # the per-job path allocates nothing for it.
         self._idle: trio.Event | None = None
@@ -74,6 +76,7 @@ class DeviceExecutor:
         """Hand a job over (sync, never blocks: the scheduler only calls it when not busy)."""
         assert not self.busy
         self.busy = True
+        self.current = job
         job.epoch = self.recovery.epoch
         self._send.send_nowait(job)
 
@@ -85,6 +88,7 @@ class DeviceExecutor:
 
     def _set_idle(self) -> None:
         self.busy = False
+        self.current = None
         if self._idle is not None:
             self._idle.set()
             self._idle = None

@@ -47,7 +47,7 @@ class ChatCharTokenizer:
 
 def api_source(*, profiles: Sequence[int] = (1, 4, 8), max_seq: int = 256,
                max_sequences: int = 16, step_us: float = 1000.0, alias: str = "qwen3",
-               tokenizer: Any = None) -> ModelSource:
+               tokenizer: Any = None, prefill_base_us: float = 200.0) -> ModelSource:
     """An in-memory model for the FakeBackend (as ``tests/engine/helpers.fake_source``)."""
     cfg = ModelConfig(vocab_size=128, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=4)
@@ -55,7 +55,7 @@ def api_source(*, profiles: Sequence[int] = (1, 4, 8), max_seq: int = 256,
         alias=alias, model_config=cfg, weights={},
         profiles={b: ProfileSpec(b, max_seq, max_sequences) for b in profiles},
         eos_token_ids=(), tokenizer=tokenizer or ChatCharTokenizer(), sha256="0" * 64,
-        timing={b: Timing(200.0, 2.0, {b: step_us}) for b in profiles})
+        timing={b: Timing(prefill_base_us, 2.0, {b: step_us}) for b in profiles})
 
 
 class RealHarness(Harness):

@@ -17,6 +17,7 @@ from calserve.runtime.types import FaultKind, JobEngine
 
 from .conftest import make_config
 from .real_engine import Samples, labels_of, real_app, value
+from .real_engine import api_source
 from .test_recovery_metrics import wait_idle
 
 C = "/v1/completions"
@@ -51,7 +52,8 @@ def peaks(samples: list[Samples]) -> tuple[Samples, Samples]:
 
 
 async def test_every_family_moves_under_contention(autojump_clock: Any) -> None:
-    async with real_app(contention_config()) as h:
+    # Prefill jobs of 3 ms (vs 1 ms decode steps) so admitted prompts visibly queue by class.
+    async with real_app(contention_config(), sources=[api_source(prefill_base_us=3000.0)]) as h:
         before = await wait_idle(h)
         assert value(before, "calserve_model_load_seconds", alias="qwen3") > 0
         assert value(before, "calserve_model_generation", alias="qwen3") == 1
