@@ -693,17 +693,68 @@ static PyMethodDef Job_methods[] = {
 static PyGetSetDef Job_getset[] = {{"job_id", (getter)Job_get_id, NULL, "job id", NULL}, {NULL}};
 
 /* ------------------------------------------------------------------ module */
+/* Hashing under the GIL is cheaper than a GIL hand-over below this size (the whole row of a small
+ * vocabulary hashes in about a microsecond). */
+#define CHECKSUM_NOGIL_BYTES (256 * 1024)
+
 static PyObject *mod_checksum(PyObject *m, PyObject *arg) {
   Py_buffer b;
   if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS) < 0) return NULL;
   uint64_t h;
-  Py_BEGIN_ALLOW_THREADS h = calrt_checksum(b.buf, (size_t)b.len);
-  Py_END_ALLOW_THREADS PyBuffer_Release(&b);
+  if (b.len >= CHECKSUM_NOGIL_BYTES) {
+    Py_BEGIN_ALLOW_THREADS h = calrt_checksum(b.buf, (size_t)b.len);
+    Py_END_ALLOW_THREADS
+  } else {
+    h = calrt_checksum(b.buf, (size_t)b.len);
+  }
+  PyBuffer_Release(&b);
   return PyLong_FromUnsignedLongLong(h);
 }
 
+/* bad_rows(logits[rows, V] float32 C-contiguous, checksums[rows] uint64, lanes) -> list of the lanes whose
+ * row does not hash to its reported checksum: one call per job instead of one per lane. */
+static PyObject *mod_bad_rows(PyObject *m, PyObject *args) {
+  PyObject *lo, *co, *lanes;
+  if (!PyArg_ParseTuple(args, "OOO", &lo, &co, &lanes)) return NULL;
+  Py_buffer bl, bc;
+  if (PyObject_GetBuffer(lo, &bl, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0) return NULL;
+  if (PyObject_GetBuffer(co, &bc, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0) {
+    PyBuffer_Release(&bl);
+    return NULL;
+  }
+  PyObject *seq = PySequence_Fast(lanes, "lanes must be a sequence of ints");
+  PyObject *bad = seq ? PyList_New(0) : NULL;
+  Py_ssize_t rows = bc.len / 8;
+  if (bad && (bl.ndim != 2 || bl.shape[0] != rows || bc.itemsize != 8 || bl.itemsize != 4)) {
+    PyErr_SetString(PyExc_ValueError, "bad_rows: logits must be [rows, V] float32 and checksums [rows] uint64");
+    Py_CLEAR(bad);
+  }
+  if (bad) {
+    size_t row_bytes = (size_t)bl.shape[1] * 4;
+    const uint64_t *sums = (const uint64_t *)bc.buf;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+      PyObject *it = PySequence_Fast_GET_ITEM(seq, i);
+      Py_ssize_t lane = PyLong_AsSsize_t(it);
+      if (lane == -1 && PyErr_Occurred()) { Py_CLEAR(bad); break; }
+      if (lane < 0 || lane >= rows) {
+        PyErr_Format(PyExc_IndexError, "bad_rows: lane %zd not in [0, %zd)", lane, rows);
+        Py_CLEAR(bad);
+        break;
+      }
+      const char *row = (const char *)bl.buf + (size_t)lane * row_bytes;
+      if (calrt_checksum(row, row_bytes) != sums[lane] && PyList_Append(bad, it) < 0) { Py_CLEAR(bad); break; }
+    }
+  }
+  Py_XDECREF(seq);
+  PyBuffer_Release(&bl);
+  PyBuffer_Release(&bc);
+  return bad;
+}
+
 static PyMethodDef mod_methods[] = {
-    {"checksum", mod_checksum, METH_O, "FNV-1a 64 of a contiguous buffer (the device's lane checksum)."},
+    {"checksum", mod_checksum, METH_O, "calrt_checksum of a contiguous buffer (the device's lane checksum)."},
+    {"bad_rows", mod_bad_rows, METH_VARARGS, "bad_rows(logits, checksums, lanes) -> lanes whose checksum differs."},
     {NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "calserve._calrt",

@@ -19,7 +19,7 @@ Contract in brief (the full C-level contract is documented in ``ext/calrt/includ
 * ``reset`` aborts every in-flight job of the chip (each completes ``ABORTED``; ``Job.wait`` returns it)
   and invalidates every KV sequence of the chip (``sequence_valid`` -> False; the ids stay allocated
   until ``free_sequence``). Weights stay configured except after ``DMA_UNKNOWN``.
-* Every output lane echoes ``(job_id, seq_id, position)`` and a 64-bit FNV-1a checksum of its logits row
+* Every output lane echoes ``(job_id, seq_id, position)`` and a 64-bit checksum (``calrt_checksum``) of its logits row
   bytes; :func:`logits_checksum` / :func:`corrupted_lanes` let the caller detect crosstalk.
 * Shared KV (C3, ``capabilities.shared_kv``, sim-next only): ``load_calbin(..., kv_owner=cb)`` makes the
   new calbin (e.g. the B16 profile) a member of ``cb``'s KV group (e.g. the B1 profile of the same
@@ -116,7 +116,7 @@ def _binding() -> Any:
 
 
 def logits_checksum(row: np.ndarray) -> int:
-    """64-bit FNV-1a over the float32 bytes of one logits row, as the device computes it."""
+    """The device's 64-bit lane checksum (``calrt_checksum``) of one float32 logits row."""
     a = np.ascontiguousarray(row, dtype=np.float32)
     return int(_binding().checksum(a))
 
@@ -126,12 +126,9 @@ def corrupted_lanes(result: JobResult) -> list[int]:
 
     Inactive decode lanes (echo seq_id == -1) report checksum 0 and are skipped.
     """
-    bad = []
-    for lane in range(result.logits.shape[0]):
-        if int(result.echo[lane, 1]) < 0:
-            continue
-        if logits_checksum(result.logits[lane]) != int(result.checksum[lane]):
-            bad.append(lane)
+    lanes = [i for i, sid in enumerate(result.echo[:, 1].tolist()) if sid >= 0]
+    logits = np.ascontiguousarray(result.logits, dtype=np.float32)
+    bad: list[int] = _binding().bad_rows(logits, np.ascontiguousarray(result.checksum), lanes)
     return bad
 
 

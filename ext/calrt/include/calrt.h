@@ -32,8 +32,8 @@
  * the job completes CALRT_JOB_OK. Decode lanes with valid=0 never write KV. A CCU fault marks the KV of
  * every sequence of the job unknown (sequence_valid = 0) and faults the chip until reset.
  *
- * Output echo (spec §7.4): every output lane carries (job_id, seq_id, position) and the 64-bit FNV-1a
- * checksum (calrt_checksum) of its logits row bytes; invalid lanes echo (job_id, -1, -1), checksum 0
+ * Output echo (spec §7.4): every output lane carries (job_id, seq_id, position) and the 64-bit
+ * checksum (calrt_checksum: 4-way word-interleaved FNV-1a) of its logits row bytes; invalid lanes echo (job_id, -1, -1), checksum 0
  * and an all-zero logits row.
  *
  * What the vendor must still confirm (spec §20) before any of the C3 capabilities below may be described
@@ -49,7 +49,7 @@
  *   7. a pollable completion notification per job engine (calrt-sim: calrt_sim_engine_completion_fd,
  *      an eventfd incremented on every completion), so a host waits in its event loop instead of a
  *      thread blocked in calrt_job_wait (spec §19 M1: one wake-up per step instead of two);
- *   plus: the output checksum algorithm and echo layout used here (FNV-1a 64 over float32 bytes).
+ *   plus: the output checksum algorithm and echo layout used here (4-way word-interleaved FNV-1a 64 over the float32 row).
  */
 #ifndef CALRT_H
 #define CALRT_H
@@ -103,7 +103,11 @@ typedef struct calrt_job calrt_job;
 /* Returns a static, human-readable message for the last failing call on this thread ("" if none). */
 const char *calrt_last_error(void);
 
-/* FNV-1a 64-bit over `n` bytes: the checksum each output lane reports. Pure; thread-safe. */
+/* The checksum each output lane reports: FNV-1a 64 run as four interleaved chains over the little-endian
+ * 64-bit words of the row (word i feeds chain i % 4; chain k starts at the FNV offset basis ^ k), the
+ * chains folded FNV-style into one value, then the zero-padded tail bytes and the length `n`. Four
+ * independent chains over words instead of one chain over bytes: ~30x faster on a 150k-entry row, and
+ * verifying it stays off the host's per-step critical path. Pure; thread-safe. */
 uint64_t calrt_checksum(const void *data, size_t n);
 
 /* ---- device -------------------------------------------------------------------------------- */

@@ -22,14 +22,33 @@ calrt_status sim_err(calrt_status st, const char *fmt, ...) {
   return st;
 }
 
+/* 4-way interleaved FNV-1a 64 over little-endian 64-bit words (see calrt.h): four independent multiply
+ * chains instead of one per byte, so a 600 KB logits row (151,936 floats) hashes in tens of microseconds
+ * instead of ~0.7 ms. */
+static const uint64_t FNV_OFFSET = 1469598103934665603ULL, FNV_PRIME = 1099511628211ULL;
+
 uint64_t calrt_checksum(const void *data, size_t n) {
   const unsigned char *p = (const unsigned char *)data;
-  uint64_t h = 1469598103934665603ULL;
-  for (size_t i = 0; i < n; i++) {
-    h ^= p[i];
-    h *= 1099511628211ULL;
+  uint64_t h[4] = {FNV_OFFSET, FNV_OFFSET ^ 1, FNV_OFFSET ^ 2, FNV_OFFSET ^ 3};
+  size_t words = n / 8, i = 0;
+  for (; i + 4 <= words; i += 4) {
+    for (int k = 0; k < 4; k++) {
+      uint64_t w;
+      memcpy(&w, p + 8 * (i + (size_t)k), 8);
+      h[k] = (h[k] ^ w) * FNV_PRIME;
+    }
   }
-  return h;
+  for (; i < words; i++) {
+    uint64_t w;
+    memcpy(&w, p + 8 * i, 8);
+    h[i & 3] = (h[i & 3] ^ w) * FNV_PRIME;
+  }
+  uint64_t tail = 0;
+  for (size_t b = 8 * words; b < n; b++) tail |= (uint64_t)p[b] << (8 * (b - 8 * words));
+  uint64_t out = FNV_OFFSET;
+  for (int k = 0; k < 4; k++) out = (out ^ h[k]) * FNV_PRIME;
+  out = (out ^ tail) * FNV_PRIME;
+  return (out ^ (uint64_t)n) * FNV_PRIME;
 }
 
 static calrt_status check_dev(calrt_device *dev) {
