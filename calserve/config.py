@@ -65,6 +65,20 @@ class AdmissionConfig(_Strict):
     max_sequences: Pos | None = None
     max_kv_tokens: Pos | None = None
     max_inflight_jobs: Pos | None = None
+    # Extensions (overload, spec §5.2 "Queue: 保持等待 only while there is hope before the deadline"):
+    # a new request is refused (429 + Retry-After) when its *expected* queue wait (the work ahead of it:
+    # queued prefill + decode lane-steps, from the generation's modeled/observed step and prefill
+    # times; see calserve.core.wait_estimate) exceeds this SLO or its own deadline. None = the
+    # deadline only. A request is never refused by it when nothing is waiting or running.
+    max_expected_wait_ms: Pos | None = 1000
+    # Lane-holding (admitted, unfinished) sequences are capped at B x max_tpot_steps for B the largest
+    # serving profile, so every running sequence gets a token at least every max_tpot_steps decode
+    # steps. 2 = one full batch per job engine with PING/PONG (or, with one engine, the next batch
+    # prefilled while this one decodes); more sequences add TPOT, not throughput. None = max_sequences only.
+    max_tpot_steps: Pos | None = 2
+    # When set and the decode step is known (timing model or observed), overrides max_tpot_steps with
+    # max(1, floor(max_tpot_ms / step)).
+    max_tpot_ms: Pos | None = None
 
 
 class QueuesConfig(_Strict):

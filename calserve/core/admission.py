@@ -21,6 +21,16 @@ requests; the estimate shrinks as :meth:`charge` turns it into delivered service
 :meth:`release`. A tenant that arrives with an empty queue is lifted to the global virtual time, so
 idleness banks no credit. Weights and limits come from the control plane (config), never from request
 parameters.
+
+Inside a tenant the queue is split by prefill class (short/medium/long, spec §6) and the classes share
+the tenant's turns by cost with the class weights (4:2:1 by default), the same virtual-time rule one
+level down: short prompts are not stuck behind a tenant's long ones, and long ones keep their share
+(never starved). Within a class, FIFO.
+
+Overload (spec §5.2 "Queue: only while there is hope"): with a :class:`ServiceModel`, :meth:`offer`
+refuses (REJECT_CAPACITY, Retry-After = the excess) a request whose expected wait
+(:mod:`calserve.core.wait_estimate`) exceeds ``min(max_expected_wait_s, deadline - now)``, and
+:meth:`pop_admissible` holds at most ``max_running`` sequences active (TPOT bound).
 """
 
 from __future__ import annotations
@@ -33,6 +43,10 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from typing import Literal
+
+from calserve.config import QueuesConfig
+from calserve.core.prefill import QueueClass, classify, weights_from_config
+from calserve.core.wait_estimate import FlowLoad, ServiceModel, WaitEstimate, expected_wait
 
 __all__ = [
     "CapacityBudget",
@@ -120,10 +134,19 @@ class AdmissionStats:
     global_virtual_time: float
     tenants: Mapping[str, TenantStats]  # only tenants seen so far
     decisions: Mapping[Outcome, int]  # count per outcome (ADMIT counted by pop_admissible)
+    # Overload admission: the cap on active sequences (None = free lanes only), REJECT_CAPACITY
+    # decisions caused by the expected wait, and the wait estimated for the last offered request.
+    max_running: int | None = None
+    rejected_expected_wait: int = 0
+    last_expected_wait_s: float = 0.0
+    decode_ratio: float = 1.0  # observed delivered / requested decode tokens (EWMA)
 
 
 # A hint for clients when a queue/token budget is full: roughly one decode round of a busy device.
 QUEUE_FULL_RETRY_S = 1.0
+MIN_RETRY_S = 0.1  # the smallest Retry-After hint for an expected-wait refusal
+DECODE_RATIO_ALPHA = 0.05  # EWMA weight of one finished request in the observed decode ratio
+_CLASSES = (QueueClass.SHORT, QueueClass.MEDIUM, QueueClass.LONG)
 UNAVAILABLE_RETRY_S = 5.0
 _EPS = 1e-9
 
@@ -134,7 +157,16 @@ class _Tenant:
 
     name: str
     policy: TenantPolicy
-    queue: deque[WorkItem] = dataclasses.field(default_factory=deque)  # FIFO; may hold removed items
+    # FIFO per prefill class; may hold removed items (dropped lazily at the front).
+    queues: dict[QueueClass, deque[WorkItem]] = dataclasses.field(
+        default_factory=lambda: {c: deque() for c in _CLASSES})
+    flows: dict[QueueClass, FlowLoad] = dataclasses.field(
+        default_factory=lambda: {c: FlowLoad() for c in _CLASSES})  # live waiting load per class
+    load: FlowLoad = dataclasses.field(default_factory=FlowLoad)  # live waiting load, all classes
+    # Class virtual times (cost / class weight) and the tenant's class clock (the start tag of the
+    # last item taken), for the within-tenant class share (module doc).
+    cvt: dict[QueueClass, float] = dataclasses.field(default_factory=lambda: {c: 0.0 for c in _CLASSES})
+    cclock: float = 0.0
     waiting: int = 0  # live items in queue
     waiting_tokens: int = 0
     active: set[int] = dataclasses.field(default_factory=set)
@@ -174,7 +206,16 @@ class AdmissionController:
         default_policy: TenantPolicy = TenantPolicy(),
         output_token_cost: float = 2.0,
         policy: Literal["wfq", "fcfs"] = "wfq",
+        *,
+        queues: QueuesConfig | None = None,
+        service: ServiceModel | None = None,
+        max_expected_wait_s: float | None = None,
+        max_running: int | None = None,
     ) -> None:
+        """``queues``: prefill class thresholds and weights (default :class:`QueuesConfig`);
+        ``service``: how fast the device serves (None = unknown: no expected-wait refusals);
+        ``max_expected_wait_s``: the queue-wait SLO (None = deadlines only); ``max_running``: cap on
+        active sequences (None = the free lanes the caller passes)."""
         if policy not in ("wfq", "fcfs"):
             raise ValueError(f"policy must be 'wfq' or 'fcfs', got {policy!r}")
         if output_token_cost <= 0:
@@ -184,8 +225,27 @@ class AdmissionController:
         for name, p in [*tenants.items(), ("<default>", default_policy)]:
             if not p.weight > 0:
                 raise ValueError(f"tenants.{name}.weight must be > 0, got {p.weight}")
+        if max_expected_wait_s is not None and not max_expected_wait_s > 0:
+            raise ValueError(f"max_expected_wait_s must be > 0, got {max_expected_wait_s}")
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
         self.budget = budget
         self.max_seq = max_seq
+        self.queues_cfg = queues if queues is not None else QueuesConfig()
+        self._cw = weights_from_config(self.queues_cfg)
+        self.service = service if service is not None else ServiceModel(0.0, 1)
+        self.max_expected_wait_s = max_expected_wait_s
+        self.max_running = max_running
+        # Active requests: (decode length, prefill seconds not yet done) and decode tokens delivered.
+        self._run_len: dict[int, float] = {}
+        self._run_prefill: dict[int, float] = {}
+        self._decoded: dict[int, int] = {}
+        self._running_decode_len = 0.0  # Invariant: == sum(self._run_len.values())
+        self._pending_prefill_s = 0.0  # Invariant: == sum(self._run_prefill.values())
+        self._decode_ratio = 1.0
+        self._load = FlowLoad()  # all waiting requests (FCFS estimate)
+        self._rejected_wait = 0
+        self._last_wait = 0.0
         self.output_token_cost = output_token_cost
         self.policy = policy
         self._policies = dict(tenants)
@@ -227,11 +287,33 @@ class AdmissionController:
         """The fair-queue cost of a request (spec §5.3), in cost units."""
         return item.prompt_tokens + self.output_token_cost * item.max_new_tokens
 
-    def _head(self, t: _Tenant) -> WorkItem | None:
-        q = t.queue
+    def qclass(self, item: WorkItem) -> QueueClass:
+        """The prefill class of ``item`` (its sub-queue inside its tenant)."""
+        return classify(item.prompt_tokens, self.queues_cfg)
+
+    def _class_head(self, t: _Tenant, c: QueueClass) -> WorkItem | None:
+        q = t.queues[c]
         while q and q[0].request_id not in self._items:
             q.popleft()
         return q[0] if q else None
+
+    def _select(self, t: _Tenant) -> tuple[QueueClass, WorkItem] | None:
+        """The tenant's next item: among its classes' heads, the least class virtual finish
+        ``cvt[c] + cost / class_weight`` (ties: short, medium, long)."""
+        best: tuple[QueueClass, WorkItem] | None = None
+        best_key = math.inf
+        for c in _CLASSES:
+            h = self._class_head(t, c)
+            if h is None:
+                continue
+            k = t.cvt[c] + self.cost(h) / self._cw[c]
+            if best is None or k < best_key - _EPS:
+                best, best_key = (c, h), k
+        return best
+
+    def _head(self, t: _Tenant) -> WorkItem | None:
+        sel = self._select(t)
+        return sel[1] if sel is not None else None
 
     def _key(self, t: _Tenant, head: WorkItem) -> float:
         # The tenant's start tag is its own virtual time: the lift to the global virtual time happens
@@ -325,6 +407,22 @@ class AdmissionController:
                 return self._decide(Outcome.REJECT_CAPACITY,
                                     f"tenant {t.name!r} qps ({p.qps}/s, burst {burst}) exceeded",
                                     retry_after_s=(1.0 - t.bucket) / p.qps, quota=True)
+        if self.service.known:
+            limit = math.inf if self.max_expected_wait_s is None else self.max_expected_wait_s
+            if item.deadline is not None:
+                limit = min(limit, item.deadline - now)
+            est = self.expected_wait(item).seconds
+            self._last_wait = est
+            if est > limit:
+                self._rejected_wait += 1
+                return self._decide(
+                    Outcome.REJECT_CAPACITY,
+                    f"overloaded: expected queue wait {est * 1e3:.0f} ms exceeds "
+                    + (f"max_expected_wait_ms ({self.max_expected_wait_s * 1e3:.0f})"
+                       if self.max_expected_wait_s is not None and limit == self.max_expected_wait_s
+                       else "the request's deadline"),
+                    retry_after_s=max(MIN_RETRY_S, est - limit))
+        if p.qps is not None:
             t.bucket -= 1.0
         # Accepted: queue it.
         if t.name not in self._busy:
@@ -335,29 +433,50 @@ class AdmissionController:
         if t.waiting == 0 and self.policy == "wfq":
             # Returning from idle (empty queue): no banked credit (spec §5.3, VTC lift).
             t.vt = max(t.vt, self._gvt - t.est / t.weight)
+        c = self.qclass(item)
+        if t.flows[c].n == 0:
+            t.cvt[c] = max(t.cvt[c], t.cclock)  # an idle class banks no credit either
         self._items[item.request_id] = item
-        t.queue.append(item)
+        t.queues[c].append(item)
+        self._add_load(t, c, item, 1)
         t.waiting += 1
         t.waiting_tokens += item.prompt_tokens
         self._waiting_tokens += item.prompt_tokens
         if self.policy == "fcfs":
             self._fifo.append(item)
-        elif not t.in_heap:
-            self._push(t)
+        else:
+            self._push(t)  # a new class head may lower the tenant's key
         if item.deadline is not None:
             heapq.heappush(self._deadlines, (item.deadline, next(self._seq), item.request_id))
         return self._decide(Outcome.QUEUE, "queued")
 
+    def _add_load(self, t: _Tenant, c: QueueClass, item: WorkItem, sign: int) -> None:
+        args = (self.cost(item), self.service.prefill_s(item.prompt_tokens),
+                float(item.max_new_tokens - 1), sign)
+        t.flows[c].add(*args)
+        t.load.add(*args)
+        self._load.add(*args)
+
     def _take(self, item: WorkItem, t: _Tenant) -> None:
         """Move ``item`` from waiting to active (it must be the tenant's head in WFQ)."""
         del self._items[item.request_id]
+        c = self.qclass(item)
+        self._add_load(t, c, item, -1)
+        t.cclock = max(t.cclock, t.cvt[c])
+        t.cvt[c] += self.cost(item) / self._cw[c]
+        rid = item.request_id
+        self._run_len[rid] = float(item.max_new_tokens - 1)
+        self._run_prefill[rid] = self.service.prefill_s(item.prompt_tokens)
+        self._decoded[rid] = 0
+        self._running_decode_len += self._run_len[rid]
+        self._pending_prefill_s += self._run_prefill[rid]
         t.waiting -= 1
         t.waiting_tokens -= item.prompt_tokens
         self._waiting_tokens -= item.prompt_tokens
         self._gvt = max(self._gvt, t.effective_vt())
-        c = self.cost(item)
-        t.est += c
-        self._remaining[item.request_id] = c
+        cost = self.cost(item)
+        t.est += cost
+        self._remaining[item.request_id] = cost
         t.active.add(item.request_id)
         self._active[item.request_id] = t.name
         self._decisions[Outcome.ADMIT] += 1
@@ -373,9 +492,11 @@ class AdmissionController:
         Tenants at their active-sequence cap are passed over (their items stay queued). When the
         next item in fair order does not fit the free KV tokens, popping stops: skipping it for
         smaller ones would starve large requests. Call :meth:`expire` first so that no expired item
-        is admitted.
+        is admitted. At most ``max_running`` requests are active at once (TPOT bound).
         """
         out: list[WorkItem] = []
+        if self.max_running is not None:
+            free_sequences = min(free_sequences, self.max_running - len(self._active))
         if self.policy == "fcfs":
             return self._pop_fcfs(free_sequences, free_kv_tokens)
         passed: list[_Tenant] = []
@@ -385,11 +506,12 @@ class AdmissionController:
             if version != t.version:
                 heapq.heappop(self._heap)
                 continue
-            head = self._head(t)
-            if head is None:
+            sel = self._select(t)
+            if sel is None:
                 heapq.heappop(self._heap)
                 t.in_heap = False
                 continue
+            c, head = sel
             true_key = self._key(t, head)
             if true_key > key + _EPS:
                 heapq.heapreplace(self._heap, (true_key, tie, version, name))
@@ -402,7 +524,7 @@ class AdmissionController:
             if head.kv_tokens > free_kv_tokens:
                 break
             heapq.heappop(self._heap)
-            t.queue.popleft()
+            t.queues[c].popleft()
             self._take(head, t)
             out.append(head)
             free_sequences -= 1
@@ -428,7 +550,7 @@ class AdmissionController:
             if item.kv_tokens > free_kv_tokens:
                 break
             fifo.popleft()
-            t.queue.remove(item)  # FCFS is the comparison baseline: O(tenant queue) is fine
+            t.queues[self.qclass(item)].remove(item)  # FCFS is the baseline: O(queue) is fine
             self._take(item, t)
             out.append(item)
             free_sequences -= 1
@@ -442,8 +564,10 @@ class AdmissionController:
         if item is None:
             return None
         t = self._tenants[item.tenant]
-        was_head = self._head(t) is item
+        c = self.qclass(item)
+        was_head = self._class_head(t, c) is item
         del self._items[request_id]
+        self._add_load(t, c, item, -1)
         t.waiting -= 1
         t.waiting_tokens -= item.prompt_tokens
         self._waiting_tokens -= item.prompt_tokens
@@ -487,6 +611,10 @@ class AdmissionController:
         if request_id is not None and request_id in self._remaining:
             dec = min(amount, self._remaining[request_id])
             self._remaining[request_id] -= dec
+            if prefill_tokens:
+                self._pending_prefill_s -= self._run_prefill.get(request_id, 0.0)
+                self._run_prefill[request_id] = 0.0
+            self._decoded[request_id] += decode_tokens
         else:
             dec = min(amount, t.est)
         t.est = max(0.0, t.est - dec)
@@ -502,6 +630,14 @@ class AdmissionController:
         t = self._tenants[name]
         t.active.discard(request_id)
         rem = self._remaining.pop(request_id, 0.0)
+        want = self._run_len.pop(request_id)
+        self._running_decode_len -= want
+        self._pending_prefill_s -= self._run_prefill.pop(request_id)
+        got = self._decoded.pop(request_id)
+        if want > 0 and got > 0:  # prefill-only or never-served requests say nothing about lengths
+            self._decode_ratio += DECODE_RATIO_ALPHA * (min(1.0, got / want) - self._decode_ratio)
+        if not self._active:  # no float residue when nothing is in flight
+            self._running_decode_len = self._pending_prefill_s = 0.0
         t.est = max(0.0, t.est - rem)
         if not t.active:
             t.est = 0.0  # no float residue when nothing is in flight
@@ -527,6 +663,33 @@ class AdmissionController:
         t = self._tenant(tenant)
         return max(t.effective_vt(), self._gvt) + cost / t.weight
 
+    def slots(self) -> int:
+        """Lane slots a request competes for: ``min(max_sequences, max_running)``."""
+        cap = self.budget.max_sequences
+        return max(1, cap if self.max_running is None else min(cap, self.max_running))
+
+    def expected_wait(self, item: WorkItem) -> WaitEstimate:
+        """The expected wait before ``item``'s prefill would start if it were queued now
+        (:func:`calserve.core.wait_estimate.expected_wait`; FCFS: everything waiting is ahead)."""
+        c = self.qclass(item)
+        t = self._tenants.get(item.tenant)
+        weight = t.weight if t is not None else self.weight(item.tenant)
+        own: Mapping[QueueClass, FlowLoad]
+        others: list[tuple[float, FlowLoad]] = []
+        if self.policy == "fcfs":
+            own = {c: self._load}
+        else:
+            own = t.flows if t is not None else {}
+            for name in self._busy:
+                u = self._tenants[name]
+                if u is not t and u.waiting:
+                    others.append((u.weight, u.load))
+        return expected_wait(
+            self.service, slots=self.slots(), qclass=c, cost=self.cost(item), weight=weight,
+            own=own, class_weights=self._cw, others=others, running=len(self._active),
+            running_decode_len=self._running_decode_len, pending_prefill_s=self._pending_prefill_s,
+            decode_ratio=self._decode_ratio)
+
     def lane_virtual_time(self, tenant: str) -> float:
         """The tenant's decode-lane virtual time (VTC, see module doc): lower = served less."""
         t = self._tenants.get(tenant)
@@ -549,4 +712,8 @@ class AdmissionController:
                 for n, t in self._tenants.items()
             },
             decisions=dict(self._decisions),
+            max_running=self.max_running,
+            rejected_expected_wait=self._rejected_wait,
+            last_expected_wait_s=self._last_wait,
+            decode_ratio=self._decode_ratio,
         )

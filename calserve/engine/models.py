@@ -26,6 +26,7 @@ from calserve.core.model_state import fire as model_fire
 from calserve.core.admission import AdmissionController, CapacityBudget, TenantPolicy
 from calserve.core.kv import KvLaneManager
 from calserve.core.prefill import QueueClass
+from calserve.core.wait_estimate import ServiceModel, running_cap
 from calserve.engine.backend import BackendCalbin, DeviceBackend
 from calserve.errors import ConfigError, UnknownModel, ValidationError
 from calserve.runtime.reference import ModelConfig
@@ -97,9 +98,13 @@ class Generation:
 
 
 def make_admission(
-    cfg: CalserveConfig, max_sequences: int, max_kv_tokens: int, max_seq: int
+    cfg: CalserveConfig, max_sequences: int, max_kv_tokens: int, max_seq: int,
+    timing: Timing | None = None, batch: int = 1,
 ) -> AdmissionController:
+    """``timing``/``batch``: the modeled timing and compiled batch of the largest serving profile
+    (the expected-wait estimate and the running-sequence cap, ``calserve.core.wait_estimate``)."""
     a = cfg.scheduler.admission
+    service = ServiceModel.from_timing(timing, batch)
     budget = CapacityBudget(
         max_sequences=max_sequences,
         max_kv_tokens=max_kv_tokens,
@@ -113,7 +118,10 @@ def make_admission(
     }
     f = cfg.scheduler.fairness
     return AdmissionController(
-        budget, max_seq, tenants, output_token_cost=f.output_token_cost, policy=f.policy
+        budget, max_seq, tenants, output_token_cost=f.output_token_cost, policy=f.policy,
+        queues=cfg.scheduler.queues, service=service,
+        max_expected_wait_s=None if a.max_expected_wait_ms is None else a.max_expected_wait_ms / 1e3,
+        max_running=running_cap(a, batch, service.decode_step_s),
     )
 
 
@@ -204,7 +212,8 @@ class ModelManager:
                 source=source,
                 spec=spec,
                 calbin=calbins[members[0]],
-                admission=make_admission(self.cfg, max_sequences, max_kv, spec.max_seq),
+                admission=make_admission(self.cfg, max_sequences, max_kv, spec.max_seq,
+                                         source.timing.get(b), b),
                 kv=KvLaneManager(max_sequences, spec.max_seq, max_kv),
                 calbins=calbins,
             )

@@ -37,7 +37,9 @@ async def test_churn_1000_fake_clock(autojump_clock: object, batch: int, infligh
     cfg = config(
         batch={"profiles": [batch]},
         executor={"max_inflight": inflight},
-        admission={"max_waiting_requests": 600},
+        # Churn, not overload policy: keep the many concurrent sequences (no expected-wait refusals,
+        # no running cap) so every ending is exercised under time-sharing.
+        admission={"max_waiting_requests": 600, "max_expected_wait_ms": None, "max_tpot_steps": None},
     )
     src = fake_source(max_sequences=24, step_us=3000.0)
     res, eng = await run_churn(

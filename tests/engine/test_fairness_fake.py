@@ -38,7 +38,9 @@ async def heavy_and_light(policy: str) -> tuple[dict[str, int], int]:
     """heavy: 12 sequences, light: 4 sequences, B4 lanes; tokens each tenant got while both were
     backlogged (until the light tenant finished), and the starvation events."""
     be = FakeBackend("sim-next", seed=1)
-    async with Engine.open(cfg(policy), backend=be, sources={"qwen3": fake_source()}) as eng:
+    # More sequences than lanes on purpose (decode-lane fairness): no running-sequence cap.
+    c = cfg(policy, admission={"max_tpot_steps": None})
+    async with Engine.open(c, backend=be, sources={"qwen3": fake_source()}) as eng:
         got = {"heavy": 0, "light": 0}
         async with trio.open_nursery() as heavy:
             for i in range(12):
