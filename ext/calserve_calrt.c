@@ -752,8 +752,75 @@ static PyObject *mod_bad_rows(PyObject *m, PyObject *args) {
   return bad;
 }
 
+/* verify_lanes(logits[rows, V] f32, checksums[rows] u64, echo[rows, 3] i64, job_id, lanes, expect) -> list of
+ * the positions k (into `lanes`) whose lane lanes[k] does not echo (job_id, expect[k][0], expect[k][1]) or
+ * whose row does not hash to its checksum. The dispatcher's whole per-job output check in one call. */
+static PyObject *mod_verify_lanes(PyObject *m, PyObject *args) {
+  PyObject *lo, *co, *eo, *lanes, *expect;
+  long long jid;
+  if (!PyArg_ParseTuple(args, "OOOLOO", &lo, &co, &eo, &jid, &lanes, &expect)) return NULL;
+  Py_buffer bl, bc, be;
+  if (PyObject_GetBuffer(lo, &bl, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0) return NULL;
+  if (PyObject_GetBuffer(co, &bc, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0) {
+    PyBuffer_Release(&bl);
+    return NULL;
+  }
+  if (PyObject_GetBuffer(eo, &be, PyBUF_C_CONTIGUOUS | PyBUF_ND) < 0) {
+    PyBuffer_Release(&bl);
+    PyBuffer_Release(&bc);
+    return NULL;
+  }
+  PyObject *ls = PySequence_Fast(lanes, "lanes must be a sequence of ints");
+  PyObject *es = ls ? PySequence_Fast(expect, "expect must be a sequence of (seq_id, position)") : NULL;
+  PyObject *bad = es ? PyList_New(0) : NULL;
+  Py_ssize_t rows = bc.len / 8;
+  if (bad && (bl.ndim != 2 || bl.shape[0] != rows || bc.itemsize != 8 || bl.itemsize != 4 || be.ndim != 2 ||
+              be.shape[0] != rows || be.shape[1] != 3 || be.itemsize != 8)) {
+    PyErr_SetString(PyExc_ValueError, "verify_lanes: logits [rows, V] f32, checksums [rows] u64, echo [rows, 3] i64");
+    Py_CLEAR(bad);
+  }
+  if (bad && PySequence_Fast_GET_SIZE(ls) != PySequence_Fast_GET_SIZE(es)) {
+    PyErr_SetString(PyExc_ValueError, "verify_lanes: lanes and expect differ in length");
+    Py_CLEAR(bad);
+  }
+  if (bad) {
+    size_t row_bytes = (size_t)bl.shape[1] * 4;
+    const uint64_t *sums = (const uint64_t *)bc.buf;
+    const int64_t *echo = (const int64_t *)be.buf;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ls);
+    for (Py_ssize_t k = 0; k < n; k++) {
+      Py_ssize_t lane = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ls, k));
+      long long want_seq = 0, want_pos = 0;
+      PyObject *pair = PySequence_Fast_GET_ITEM(es, k);
+      if (lane == -1 && PyErr_Occurred()) { Py_CLEAR(bad); break; }
+      if (!PyArg_ParseTuple(pair, "LL", &want_seq, &want_pos)) { Py_CLEAR(bad); break; }
+      if (lane < 0 || lane >= rows) {
+        PyErr_Format(PyExc_IndexError, "verify_lanes: lane %zd not in [0, %zd)", lane, rows);
+        Py_CLEAR(bad);
+        break;
+      }
+      const int64_t *e = echo + 3 * lane;
+      const char *row = (const char *)bl.buf + (size_t)lane * row_bytes;
+      int ok = e[0] == jid && e[1] == want_seq && e[2] == want_pos && calrt_checksum(row, row_bytes) == sums[lane];
+      if (!ok) {
+        PyObject *kk = PyLong_FromSsize_t(k);
+        if (!kk || PyList_Append(bad, kk) < 0) { Py_XDECREF(kk); Py_CLEAR(bad); break; }
+        Py_DECREF(kk);
+      }
+    }
+  }
+  Py_XDECREF(es);
+  Py_XDECREF(ls);
+  PyBuffer_Release(&bl);
+  PyBuffer_Release(&bc);
+  PyBuffer_Release(&be);
+  return bad;
+}
+
 static PyMethodDef mod_methods[] = {
     {"checksum", mod_checksum, METH_O, "calrt_checksum of a contiguous buffer (the device's lane checksum)."},
+    {"verify_lanes", mod_verify_lanes, METH_VARARGS,
+     "verify_lanes(logits, checksums, echo, job_id, lanes, expect) -> indices k whose echo/checksum differ."},
     {"bad_rows", mod_bad_rows, METH_VARARGS, "bad_rows(logits, checksums, lanes) -> lanes whose checksum differs."},
     {NULL}};
 

@@ -119,20 +119,27 @@ class BackendCalbin(Protocol):
         valid: np.ndarray,
         engine: JobEngine,
         timeout_s: float,
+        after_submit: Callable[[], None] | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         """Submit + first wait in one device round trip (the hot path: one thread hop per step).
 
-        The body is the default for implementations that subclass this protocol explicitly (the fake
-        device: plain ``submit_decode`` then ``wait``); :class:`_RuntimeCalbin` overrides it with
-        its inline-submit hot path."""
+        ``after_submit`` is called once the job was accepted, before the wait (host work that
+        overlaps the device step). The body is the default for implementations that subclass this
+        protocol explicitly (the fake device: plain ``submit_decode`` then ``wait``);
+        :class:`_RuntimeCalbin` overrides it with its inline-submit hot path."""
         t = await self.submit_decode(seq_ids, tokens, positions, valid, engine)
+        if after_submit is not None:
+            after_submit()
         return t, await self.wait(t, timeout_s)
 
     async def submit_prefill_wait(
-        self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float
+        self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float,
+        after_submit: Callable[[], None] | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         """Submit + first wait of a prefill; default as for :meth:`submit_decode_wait`."""
         t = await self.submit_prefill(seq_id, tokens, engine)
+        if after_submit is not None:
+            after_submit()
         return t, await self.wait(t, timeout_s)
 
     async def reconfigure(self) -> None: ...
@@ -142,6 +149,18 @@ class BackendCalbin(Protocol):
     def checksum_ok(self, result: JobResult, lanes: Sequence[int]) -> list[bool]:
         """Per requested lane: does the runtime's checksum match the logits row received?"""
         ...
+
+    def verify_lanes(
+        self, result: JobResult, job_id: int, lanes: Sequence[int], expect: Sequence[tuple[int, int]]
+    ) -> list[int]:
+        """The indices ``k`` for which lane ``lanes[k]`` did not echo ``(job_id, *expect[k])`` or whose
+        logits row does not match its checksum (crosstalk, spec §7.4); empty when all is well.
+
+        Default in Python over :meth:`checksum_ok`; the runtime calbin does it in one C call."""
+        echo = result.echo.tolist()
+        sums = self.checksum_ok(result, lanes)
+        return [k for k, (lane, (sq, pos)) in enumerate(zip(lanes, expect, strict=True))
+                if not (sums[k] and echo[lane] == [job_id, sq, pos])]
 
 
 class DeviceBackend(Protocol):
@@ -431,11 +450,14 @@ class _RuntimeCalbin:
         valid: np.ndarray,
         engine: JobEngine,
         timeout_s: float,
+        after_submit: Callable[[], None] | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         # Submit inline: it only queues the job (DeviceBusy when the queue is full, never blocks), so
         # the device starts now instead of after a GIL hand-over to a worker thread; the blocking
         # wait runs on the engine's thread. Nothing between submit and wait can be cancelled.
         job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine)
+        if after_submit is not None:
+            after_submit()
         return await self._wait_hot(job, engine, timeout_s)
 
     async def _wait_hot(self, job: Any, engine: JobEngine, timeout_s: float) -> tuple[JobTicket, JobResult | None]:
@@ -447,9 +469,12 @@ class _RuntimeCalbin:
         return await self._et[engine].run(lambda: self._submit_wait(job, engine, timeout_s))
 
     async def submit_prefill_wait(
-        self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float
+        self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float,
+        after_submit: Callable[[], None] | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         job = self._c.submit_prefill(seq_id, tokens, engine)
+        if after_submit is not None:
+            after_submit()
         return await self._wait_hot(job, engine, timeout_s)
 
     async def reconfigure(self) -> None:
@@ -457,6 +482,15 @@ class _RuntimeCalbin:
 
     async def release(self) -> None:
         await self._t.run(self._c.release)
+
+    def verify_lanes(
+        self, result: JobResult, job_id: int, lanes: Sequence[int], expect: Sequence[tuple[int, int]]
+    ) -> list[int]:
+        from calserve.runtime.device import _binding
+
+        bad: list[int] = _binding().verify_lanes(result.logits, result.checksum, result.echo, job_id, lanes,
+                                                 expect)
+        return bad
 
     def checksum_ok(self, result: JobResult, lanes: Sequence[int]) -> list[bool]:
         bad = _bad_rows(result.logits, result.checksum, lanes)  # one C call for the whole job

@@ -111,14 +111,21 @@ class DeviceExecutor:
                     finally:
                         self._set_idle()
                     # Start the next job now, without a scheduler task hop and without yielding to
-                    # the request actors first (they run while the device computes). This inline
-                    # tick is the completion's scheduling pass: it wakes the scheduler task only if
-                    # needed.
-                    self.sched.tick_sync()
+                    # the request actors first (they run while the device computes): the same
+                    # sequences again when they are all the work there is (on this executor), else
+                    # the completion's full scheduling pass (it wakes the scheduler task only if
+                    # needed), after the deferred per-token work it may depend on.
+                    cont = self.sched.continue_decode(job)
+                    if cont is not None:
+                        self.start(cont)
+                    else:
+                        self.dispatcher.flush()
+                        self.sched.tick_sync()
                     try:
                         job = self._recv.receive_nowait()
                     except trio.WouldBlock:
                         job = None
+                        self.dispatcher.flush()
 
     async def _execute(self, job: DeviceJob) -> JobOutcome:
         gen = job.gen
@@ -170,10 +177,13 @@ class DeviceExecutor:
         if job.kind == "prefill":
             seq = job.lanes[0]
             assert seq is not None and seq.seq_id is not None
-            return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, self.wait_timeout_s)
+            return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, self.wait_timeout_s,
+                                                after_submit=self.dispatcher.flush)
         assert job.seq_ids is not None
+        # The previous completion's deferred per-token work runs once this job is on its way.
         return await cb.submit_decode_wait(
-            job.seq_ids, job.tokens, job.positions, job.valid, self.engine, self.wait_timeout_s
+            job.seq_ids, job.tokens, job.positions, job.valid, self.engine, self.wait_timeout_s,
+            after_submit=self.dispatcher.flush,
         )
 
     def statistics(self) -> ExecutorStats:

@@ -65,6 +65,7 @@ STARVATION_PASSES = 32
 log = logging.getLogger("calserve.engine.scheduler")
 
 _PREFILL_CLASSES = (QueueClass.SHORT, QueueClass.MEDIUM, QueueClass.LONG)
+_DECODE_ONLY = frozenset((QueueClass.DECODE,))
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,6 +98,7 @@ class SchedulerStats:
     batch_wait_s_total: float
     ticks: int
     starvation_events_total: int = 0
+    continuations_total: int = 0  # decode jobs built by the continuation shortcut (after_completion)
 
 
 class Scheduler:
@@ -122,6 +124,7 @@ class Scheduler:
         self.kv_free_seconds_total = 0.0  # sequence end -> runtime confirmed its release
         self.ticks = 0
         self.starvation_events_total = 0
+        self.continuations_total = 0
         # ("admit" | "prefill" | "decode", request ids) of recent admissions and jobs, in order
         # (tests, debugging)
         self.trace: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(maxlen=20000)
@@ -236,6 +239,79 @@ class Scheduler:
             self._dispatch(now)
         if self._timer < self._armed:
             self.wake()
+
+    def continue_decode(self, done: DeviceJob) -> DeviceJob | None:
+        """The next decode job for the sequences of ``done`` when they are all the work there is.
+
+        Called by an executor right after dispatching ``done``'s completion, before the full
+        :meth:`tick_sync` (spec §19 M1: the host time between a completion and the next submit is the
+        per-token overhead). When every sequence of the decode job that just came back continues and
+        nothing else competes — nothing waits for admission or prefill, no other job is in flight, one
+        generation — a full tick could only decide to run the same sequences again on the same
+        profile: they all fit, so fairness has nothing to arbitrate, and the profile is chosen by the
+        same ready count. The job is then built from the previous one (same lanes, the sampled tokens,
+        positions + 1) without the candidate/ordering machinery, for the caller to run. Otherwise
+        None, and the caller runs :meth:`tick_sync`. Same decisions either way (tested).
+        """
+        if done.kind != "decode":
+            return None
+        return self._continue_decode(done)
+
+    def _continue_decode(self, done: DeviceJob) -> DeviceJob | None:
+        gen = done.gen
+        if self.paused or gen.state is not ModelState.READY or len(self.models.generations) != 1:
+            return None
+        seqs = done.seqs
+        n = len(seqs)
+        B = len(done.lanes)
+        q = self._queues.get(gen.id)
+        if q is None or q.waiting or len(q.decode_ready) != n or len(q.holders) != n:
+            return None
+        if n < B and self.cfg.scheduler.batch.batching_window_us > 0:
+            return None  # a partial batch may be held for the window: the full tick decides
+        for ex in self.executors:
+            if ex.busy:
+                return None
+        for c in _PREFILL_CLASSES:
+            if q.prefill[c]:
+                return None
+        if gen.selecting:
+            if select_profile(n, 0.0, gen.calbins, self.cfg.scheduler.batch.selection) != B:
+                return None
+        elif B != gen.compiled_batch:
+            return None
+        now = trio.current_time()
+        if q.deadlines and q.deadlines[0][0] <= now:
+            return None  # let _expire end it
+        ready = q.decode_ready
+        for s in seqs:
+            if ready.get(s.rid) is not s or s.pending_reason is not None or s.pending_error is not None:
+                return None
+        # Decided: the same sequences in the same lanes (none was excluded, all fit).
+        # Invariant: every seq below is ACTIVE in the KV table at position == committed_len.
+        self.rr.next(_DECODE_ONLY)
+        tokens = done.tokens.tolist()  # inactive lanes keep the declared filler token/position
+        positions = done.positions.tolist()
+        expect = []
+        for i, s in zip(done.active, seqs, strict=True):
+            del ready[s.rid]
+            gen.kv.begin_update(s.lease.lane, s.position, 1)
+            tokens[i] = s.last_token
+            positions[i] = s.position
+            expect.append((s.seq_id, s.position))
+        job = DeviceJob("decode", gen, done.lanes, np.array(tokens, np.int32),
+                        np.array(positions, np.int32), done.valid, now)
+        job.seq_ids = done.seq_ids  # read-only after construction
+        job.calbin = done.calbin
+        job.expect = expect
+        for s in seqs:
+            s.inflight = job
+        self.continuations_total += 1
+        self.batches_total[B] += 1
+        self.lanes_active_total[B] += n
+        self.lanes_total[B] += B
+        self.trace.append(("decode", tuple(s.rid for s in seqs)))
+        return job
 
     def _expire(self, gen: Generation, q: GenQueues, now: float) -> None:
         for item in gen.admission.expire(now):
@@ -483,6 +559,7 @@ class Scheduler:
             batch_wait_s_total=self.batch_wait_s_total,
             ticks=self.ticks,
             starvation_events_total=self.starvation_events_total,
+            continuations_total=self.continuations_total,
         )
 
     def describe(self) -> dict[str, Any]:

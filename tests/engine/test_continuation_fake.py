@@ -1,0 +1,124 @@
+"""The decode continuation shortcut (Scheduler.continue_decode) decides what a full tick would.
+
+When the sequences of a decode job that came back are all the work there is, the executor builds the
+next job from the previous one instead of running the full scheduling pass (spec §19 M1 per-token
+overhead). These tests run the same seeded workload with the shortcut on and off (fake device, fake
+clock): same outputs, same timings, the same set of sequences in every job, and the shortcut is
+taken exactly when nothing else competes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import trio
+
+from calserve.engine.engine import Engine
+from calserve.engine.fake_device import FakeBackend
+from calserve.engine.scheduler import Scheduler
+from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
+
+from .helpers import config, fake_greedy, fake_source
+
+# (arrival offset s, prompt, max_tokens, tenant)
+Workload = Sequence[tuple[float, tuple[int, ...], int, str]]
+
+
+async def _run(
+    monkeypatch: pytest.MonkeyPatch, shortcut: bool, work: Workload, batch: int, inflight: int,
+    **sched: Any,
+) -> dict[str, Any]:
+    if not shortcut:
+        monkeypatch.setattr(Scheduler, "continue_decode", lambda self, done: None)
+    be = FakeBackend("sim-next", seed=7, jitter_s=0.0005)
+    cfg = config(batch={"profiles": [batch]}, executor={"max_inflight": inflight}, **sched)
+    out: dict[int, tuple[list[int], list[float], object]] = {}
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(profiles=(batch,))}) as eng:
+        t0 = trio.current_time()
+
+        async def one(i: int, at: float, prompt: tuple[int, ...], n: int, tenant: str) -> None:
+            await trio.sleep_until(t0 + at)
+            h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                        ignore_eos=True), tenant=tenant))
+            toks: list[int] = []
+            times: list[float] = []
+            term = None
+            async for ev in h.events():
+                if isinstance(ev, TokenEvent):
+                    toks.extend(ev.token_ids)
+                    # rounded: the second run of a test starts later on the same fake clock
+                    times.extend([round(trio.current_time() - t0, 9)] * len(ev.token_ids))
+                else:
+                    term = ev
+            out[i] = (toks, times, term)
+
+        async with trio.open_nursery() as nursery:
+            for i, (at, prompt, n, tenant) in enumerate(work):
+                nursery.start_soon(one, i, at, prompt, n, tenant)
+        jobs = [(kind, frozenset(rids)) for kind, rids in eng.scheduler.trace]
+        sched = eng.scheduler
+        return {"out": out, "jobs": jobs, "continuations": sched.continuations_total,
+                "batches": dict(sched.batches_total), "lanes": dict(sched.lanes_active_total)}
+
+
+def _check_outputs(res: dict[str, Any], work: Workload) -> None:
+    for i, (_, prompt, n, _) in enumerate(work):
+        toks, _, term = res["out"][i]
+        assert isinstance(term, FinishEvent) and term.reason is FinishReason.LENGTH
+        assert toks == fake_greedy(prompt, n)
+
+
+@pytest.mark.parametrize("batch,inflight", [(1, 1), (4, 1), (4, 2)], ids=["B1", "B4", "B4-pingpong"])
+async def test_shortcut_makes_the_same_decisions(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch, batch: int, inflight: int
+) -> None:
+    # Phases: one stream alone (shortcut), then arrivals while it runs (full ticks), two tenants,
+    # staggered finishes (shrinking set), and a late lone stream again.
+    work: Workload = [
+        (0.0, (1, 2, 3), 40, "a"),
+        (0.012, (4, 5), 25, "b"),
+        (0.013, (6,), 30, "a"),
+        (0.030, (7, 8, 9, 10), 12, "b"),
+        (0.300, (11, 12), 30, "c"),
+    ]
+    on = await _run(monkeypatch, True, work, batch, inflight)
+    monkeypatch.undo()
+    off = await _run(monkeypatch, False, work, batch, inflight)
+    _check_outputs(on, work)
+    _check_outputs(off, work)
+    assert on["continuations"] > 0 and off["continuations"] == 0
+    # the same tokens at the same (fake) times, the same sequences in every job, the same counters
+    assert {i: v[:2] for i, v in on["out"].items()} == {i: v[:2] for i, v in off["out"].items()}
+    assert on["jobs"] == off["jobs"]
+    assert (on["batches"], on["lanes"]) == (off["batches"], off["lanes"])
+
+
+async def test_shortcut_only_when_nothing_else_competes(
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # B1, two concurrent streams (20 and 30 tokens): while both run the one lane alternates between
+    # them (fair time-share), so no step may be a continuation; once the short one ended the long
+    # one is all the work there is and continues by the shortcut.
+    work: Workload = [(0.0, (1, 2), 20, "a"), (0.0, (3, 4), 30, "b")]
+    res = await _run(monkeypatch, True, work, 1, 1)
+    _check_outputs(res, work)
+    firsts = [next(iter(rids)) for kind, rids in res["jobs"] if kind == "decode"]
+    assert len(firsts) == 19 + 29  # the first token of each comes from its prefill
+    both = firsts[: 2 * 19]
+    assert all(x != y for x, y in zip(both, both[1:]))  # strict alternation while both run
+    assert set(firsts[2 * 19:]) == {firsts[-1]}
+    assert 8 <= res["continuations"] <= 10  # the survivor's ~10 lone steps (the first: a full tick)
+
+
+async def test_shortcut_respects_the_batching_window(autojump_clock: object) -> None:
+    # With a batching window a partial batch may be held for it: never shortcut a partial batch.
+    be = FakeBackend("sim-next", seed=1)
+    cfg = config(batch={"profiles": [4], "batching_window_us": 500}, executor={"max_inflight": 1})
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(profiles=(4,))}) as eng:
+        h = await eng.submit(GenerateRequest((1, 2, 3), SamplingParams(temperature=0.0, max_tokens=10,
+                                                                         ignore_eos=True)))
+        toks = [t async for ev in h.events() if isinstance(ev, TokenEvent) for t in ev.token_ids]
+        assert toks == fake_greedy((1, 2, 3), 10)
+        assert eng.scheduler.continuations_total == 0
