@@ -344,6 +344,7 @@ class Scheduler:
         self.wake()
 
     def _admit(self, gen: Generation, q: GenQueues, now: float) -> None:
+        gen.admission.observe(now)  # decode speed for the expected-wait estimate (overload)
         if not q.waiting:
             return
         st = gen.kv.statistics()
