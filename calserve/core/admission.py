@@ -140,12 +140,15 @@ class AdmissionStats:
     rejected_expected_wait: int = 0
     last_expected_wait_s: float = 0.0
     decode_ratio: float = 1.0  # observed delivered / requested decode tokens (EWMA)
+    lane_step_s: float | None = None  # observed seconds per decode lane-step at saturation
 
 
 # A hint for clients when a queue/token budget is full: roughly one decode round of a busy device.
 QUEUE_FULL_RETRY_S = 1.0
 MIN_RETRY_S = 0.1  # the smallest Retry-After hint for an expected-wait refusal
 DECODE_RATIO_ALPHA = 0.05  # EWMA weight of one finished request in the observed decode ratio
+OBSERVE_WINDOW_S = 0.05  # shortest saturated window sampled for the observed decode speed
+OBSERVE_ALPHA = 0.2  # EWMA weight of one window (time constant ~0.25 s of saturation)
 _CLASSES = (QueueClass.SHORT, QueueClass.MEDIUM, QueueClass.LONG)
 UNAVAILABLE_RETRY_S = 5.0
 _EPS = 1e-9
@@ -246,6 +249,11 @@ class AdmissionController:
         self._load = FlowLoad()  # all waiting requests (FCFS estimate)
         self._rejected_wait = 0
         self._last_wait = 0.0
+        # Observed seconds per decode lane-step while saturated (None until sampled; see observe()).
+        self._lane_step_s: float | None = None
+        self._decode_total = 0  # decode tokens charged since creation
+        self._obs_at: float | None = None  # start of the current saturated observation window
+        self._obs_tokens = 0
         self.output_token_cost = output_token_cost
         self.policy = policy
         self._policies = dict(tenants)
@@ -407,7 +415,7 @@ class AdmissionController:
                 return self._decide(Outcome.REJECT_CAPACITY,
                                     f"tenant {t.name!r} qps ({p.qps}/s, burst {burst}) exceeded",
                                     retry_after_s=(1.0 - t.bucket) / p.qps, quota=True)
-        if self.service.known:
+        if self.service.known or self._lane_step_s is not None:
             limit = math.inf if self.max_expected_wait_s is None else self.max_expected_wait_s
             if item.deadline is not None:
                 limit = min(limit, item.deadline - now)
@@ -618,6 +626,7 @@ class AdmissionController:
         else:
             dec = min(amount, t.est)
         t.est = max(0.0, t.est - dec)
+        self._decode_total += decode_tokens
         # The tenant's key can only grow here (overrun), which the lazy heap check handles.
         # Invariant: for every tenant with in_heap, its live entry's key <= its true key.
 
@@ -663,6 +672,30 @@ class AdmissionController:
         t = self._tenant(tenant)
         return max(t.effective_vt(), self._gvt) + cost / t.weight
 
+    def observe(self, now: float) -> None:
+        """Sample the decode speed (call often, e.g. every scheduler tick): seconds per decode
+        lane-step over windows of at least ``OBSERVE_WINDOW_S`` during which at least a batch of
+        sequences was active at every call; an unsaturated call restarts the window."""
+        saturated = len(self._active) >= min(self.service.batch, self.slots())
+        if not saturated or self._obs_at is None or now < self._obs_at:
+            self._obs_at = now if saturated else None
+            self._obs_tokens = self._decode_total
+            return
+        dt = now - self._obs_at
+        if dt < OBSERVE_WINDOW_S:
+            return
+        done = self._decode_total - self._obs_tokens
+        if done > 0:
+            sample = dt / done
+            self._lane_step_s = sample if self._lane_step_s is None else (
+                self._lane_step_s + OBSERVE_ALPHA * (sample - self._lane_step_s))
+        self._obs_at, self._obs_tokens = now, self._decode_total
+
+    @property
+    def lane_step_s(self) -> float | None:
+        """Observed seconds per decode lane-step at saturation (None before the first sample)."""
+        return self._lane_step_s
+
     def slots(self) -> int:
         """Lane slots a request competes for: ``min(max_sequences, max_running)``."""
         cap = self.budget.max_sequences
@@ -688,7 +721,7 @@ class AdmissionController:
             self.service, slots=self.slots(), qclass=c, cost=self.cost(item), weight=weight,
             own=own, class_weights=self._cw, others=others, running=len(self._active),
             running_decode_len=self._running_decode_len, pending_prefill_s=self._pending_prefill_s,
-            decode_ratio=self._decode_ratio)
+            decode_ratio=self._decode_ratio, lane_step_s=self._lane_step_s)
 
     def lane_virtual_time(self, tenant: str) -> float:
         """The tenant's decode-lane virtual time (VTC, see module doc): lower = served less."""
@@ -716,4 +749,5 @@ class AdmissionController:
             rejected_expected_wait=self._rejected_wait,
             last_expected_wait_s=self._last_wait,
             decode_ratio=self._decode_ratio,
+            lane_step_s=self._lane_step_s,
         )

@@ -22,6 +22,11 @@ The model (one device, its job engines serialised: ``pingpong_overlap`` 0, the c
   sequences finish at ``B_eff / (step * mean_len)`` per second (``B_eff = min(B, K)`` lane-steps per
   decode step, ``mean_len`` = mean decode length of the occupants, running and ahead), so the lane wait
   is ``excess * mean_len * step / B_eff`` (0 when a slot is free).
+- **Observed speed.** The modeled step is a floor (the software runtime's timing model; real devices and
+  a loaded host are slower), so the controller also measures seconds per delivered decode lane-step
+  over windows in which at least a batch of sequences holds lanes (saturated) and uses that (EWMA)
+  instead of ``step / B_eff`` once it has a sample. Unsaturated windows are not sampled: a quiet
+  period must not make the next burst look slow.
 - **Prefill wait.** The prefill jobs that run before its own: admitted requests not yet prefilled
   plus the prefills of the waiting requests ahead. Added to the lane wait (the device is shared).
 
@@ -151,17 +156,20 @@ def expected_wait(
     running_decode_len: float,
     pending_prefill_s: float,
     decode_ratio: float = 1.0,
+    lane_step_s: float | None = None,
 ) -> WaitEstimate:
     """The expected wait before a new request's prefill starts (module doc).
 
     ``own``: the waiting flows of the request's tenant by prefill class; ``others``: (weight, total
     waiting load) of every other tenant with requests waiting; ``running``: lane-holding sequences,
     ``running_decode_len`` their summed decode lengths, ``pending_prefill_s`` the prefill time of those
-    not yet prefilled; ``slots``: lane slots K (>= 1).
+    not yet prefilled; ``slots``: lane slots K (>= 1); ``lane_step_s``: observed seconds per decode
+    lane-step at saturation (replaces ``step / B_eff``; it includes the prefill time interleaved with
+    decode, so the estimate then counts prefill twice: on the safe side).
     """
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
-    if not model.known:
+    if not model.known and lane_step_s is None:
         return _ZERO
     same = own.get(qclass)
     # Inside the tenant: the request's class is FIFO, the other classes share by class weight.
@@ -189,8 +197,9 @@ def expected_wait(
     occupants = running + n
     excess = max(0.0, occupants + 1 - slots)
     lane = 0.0
-    if excess > 0 and model.decode_step_s > 0:
+    per_step = lane_step_s if lane_step_s is not None else model.decode_step_s / min(model.batch, slots)
+    if excess > 0 and per_step > 0:
         mean_len = decode_ratio * (running_decode_len + dec) / occupants
-        lane = excess * mean_len * model.decode_step_s / min(model.batch, slots)
+        lane = excess * mean_len * per_step
     prefill = pending_prefill_s + pre
     return WaitEstimate(lane + prefill, lane, prefill, n, slots)
