@@ -207,15 +207,16 @@ async def run_stream(
     recv_many = getattr(handle, "receive_many", None)
     events = None if recv_many is not None else handle.events()
 
-    async def next_batch() -> list[Any]:
-        """Every event already queued (one write for all of them), or [] at the end."""
-        if recv_many is not None:
-            return list(await recv_many())
+    async def next_one() -> list[Any]:
+        """Without ``receive_many``: one event at a time, or [] at the end."""
         assert events is not None
         try:
             return [await events.__anext__()]
         except StopAsyncIteration:
             return []
+
+    # Every event already queued (one write for all of them), or [] at the end.
+    next_batch = recv_many if recv_many is not None else next_one
 
     finished = False
     broken = False  # the engine's stream raised (not a client disconnect)
@@ -234,6 +235,13 @@ async def run_stream(
                 broken = True  # not ``finished``: the finally cancels the request
                 yield sse(error_body(err.message, err.type, err.param, err.code))
                 break
+            if len(batch) == 1 and not want_lps:
+                ev = batch[0]
+                if type(ev) is TokenEvent:  # the hot path: tokens, nothing else
+                    obs.tokens(len(ev.token_ids))
+                    if ev.text:
+                        yield enc.text(ev.text)
+                    continue
             if not batch:
                 finished = True  # stream ended without a terminal event: an engine bug
                 yield sse(error_body("the engine ended the request without a terminal event",

@@ -22,14 +22,7 @@ from calserve.core.request_state import RequestState, fire
 from calserve.engine.detok import IncrementalDetokenizer, StopMatcher
 from calserve.engine.state import ActorMsg, Admitted, End, Seq, Tokens
 from calserve.engine.stream import StreamWriter
-from calserve.engine.types import (
-    ErrorEvent,
-    FinishEvent,
-    FinishReason,
-    RequestTimings,
-    TokenEvent,
-    Usage,
-)
+from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, RequestTimings, Usage
 
 if TYPE_CHECKING:
     from calserve.engine.registry import RequestRegistry
@@ -37,6 +30,20 @@ if TYPE_CHECKING:
 __all__ = ["run_actor"]
 
 log = logging.getLogger("calserve.engine.actor")
+
+# The lifecycle moves of one token, memoised: ``fire`` is a pure function of (state, event), so a
+# cached legal move is exactly what replaying it gives; an illegal one is never cached (fire raises).
+_AFTER_PREFILL: dict[RequestState, RequestState] = {}
+_AFTER_DECODE: dict[RequestState, RequestState] = {}
+
+
+def _advance(state: RequestState, first: bool) -> RequestState:
+    """Replay one token's submit+done through the state table and remember the move."""
+    if first:
+        nxt = _AFTER_PREFILL[state] = fire(fire(state, E.PREFILL_SUBMIT), E.PREFILL_DONE)
+    else:
+        nxt = _AFTER_DECODE[state] = fire(fire(state, E.DECODE_SUBMIT), E.DECODE_DONE)
+    return nxt
 
 
 async def run_actor(
@@ -62,25 +69,35 @@ async def run_actor(
             e2e_s=now - seq.arrival,
         )
 
+    # Hot path (one Tokens message per token): locals instead of attribute lookups, the
+    # lifecycle replay from a transition cache, one detokenizer step, no event object.
+    receive = recv.receive
+    push_one = detok.push_one
+    put_token = writer.put_token
+    min_tokens = seq.req.sampling.min_tokens
     try:
-        async for msg in recv:
-            if isinstance(msg, Tokens):
+        while True:
+            try:
+                msg = await receive()
+            except trio.EndOfChannel:
+                return
+            if type(msg) is Tokens:
                 if stopped:
                     continue
                 completion += 1
-                if msg.first:
-                    state = fire(fire(state, E.PREFILL_SUBMIT), E.PREFILL_DONE)
-                else:
-                    state = fire(fire(state, E.DECODE_SUBMIT), E.DECODE_DONE)
+                cache = _AFTER_PREFILL if msg.first else _AFTER_DECODE
+                nxt = cache.get(state)
+                state = nxt if nxt is not None else _advance(state, msg.first)
                 if msg.hidden:
                     continue
-                text = detok.push([msg.token_id])
+                token_id = msg.token_id
+                text = push_one(token_id)
                 if stops is not None:
-                    text, hit = stops.feed(text, check=completion > seq.req.sampling.min_tokens)
+                    text, hit = stops.feed(text, check=completion > min_tokens)
                     if hit:
                         stopped = True
                         sched.stop(seq, FinishReason.STOP)
-                writer.put(TokenEvent((msg.token_id,), text, None if msg.logprob is None else (msg.logprob,)))
+                put_token(token_id, text, msg.logprob)
                 if writer.abandoned:
                     sched.stop(seq, FinishReason.CANCELLED)
             elif isinstance(msg, Admitted):

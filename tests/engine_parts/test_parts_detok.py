@@ -166,3 +166,37 @@ def test_no_stops_is_a_pass_through_and_bad_stops_are_rejected() -> None:
     assert m.feed("abc") == ("abc", False) and m.flush() == ""
     with pytest.raises(ValueError, match=r"stop\[1\]"):
         StopMatcher(["ok", ""])
+
+
+class _DecodeOnly:
+    """The same tokenizer seen only through ``decode``: forces the generic (pure Python) path."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+
+    def decode(self, ids: object, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)  # type: ignore[arg-type]
+
+
+@given(st.data())
+def test_rust_stream_path_emits_exactly_what_the_generic_path_emits(
+    tok: Tokenizer, data: st.DataObject
+) -> None:
+    """The DecodeStream fast path (HF tokenizers) is an optimisation only: token by token it
+    returns the same pieces as the two-decode algorithm, and the same flushed tail (which may hold
+    replacement characters of an unfinished UTF-8 sequence)."""
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), max_size=60))
+    fast, slow = IncrementalDetokenizer(tok), IncrementalDetokenizer(_DecodeOnly(tok))
+    assert fast._stream is not None and slow._stream is None  # both paths really run
+    for i in ids:
+        assert fast.push_one(i) == slow.push([i])
+    assert fast.flush() == slow.flush()
+    assert fast.tokens_seen == slow.tokens_seen == len(ids)
+
+
+def test_push_one_after_flush_raises_on_both_paths(tok: Tokenizer) -> None:
+    for d in (IncrementalDetokenizer(tok), IncrementalDetokenizer(_DecodeOnly(tok))):
+        d.push_one(5)
+        d.flush()
+        with pytest.raises(RuntimeError, match="after flush"):
+            d.push_one(6)

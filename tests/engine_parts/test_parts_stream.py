@@ -63,32 +63,108 @@ def test_slow_consumer_gets_every_token_in_order_and_one_terminal(
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-async def test_put_never_blocks_and_coalesces_into_last_event() -> None:
+async def test_put_never_blocks_and_coalesces_everything_pending() -> None:
     w = StreamWriter(2)
     for i in range(10):
         w.put(_tok(i))  # synchronous: no consumer at all
     w.close(_FIN)
     s = w.statistics()
-    assert (s.buffered, s.coalesced, s.closed) == (2, 8, True)
+    assert (s.buffered, s.coalesced, s.closed) == (1, 9, True)
     evs = [ev async for ev in w]
-    assert len(evs) == 3
-    assert isinstance(evs[0], TokenEvent) and evs[0].token_ids == (0,)
-    assert isinstance(evs[1], TokenEvent) and evs[1].token_ids == tuple(range(1, 10))
-    assert evs[2] is _FIN
+    assert len(evs) == 2
+    assert isinstance(evs[0], TokenEvent) and evs[0].token_ids == tuple(range(10))
+    assert evs[0].text == "".join(f"<{i}>" for i in range(10))
+    assert [lp.token_id for lp in evs[0].logprobs or ()] == list(range(10))
+    assert evs[1] is _FIN
     # Iteration is over for good.
     assert [ev async for ev in w] == []
 
 
-async def test_receive_many_returns_everything_deliverable() -> None:
+async def test_receive_many_returns_everything_deliverable_as_one_token_event() -> None:
     w = StreamWriter(4)
     w.put(_tok(1))
     w.put(_tok(2))
-    assert [e.token_ids for e in await w.receive_many() if isinstance(e, TokenEvent)] == [(1,), (2,)]
+    assert [e.token_ids for e in await w.receive_many() if isinstance(e, TokenEvent)] == [(1, 2)]
     w.put(_tok(3))
     err = ErrorEvent(message="device fault", kind="device_error")
     w.close(err)
     batch = await w.receive_many()
-    assert len(batch) == 2 and batch[-1] is err
+    assert len(batch) == 2 and isinstance(batch[0], TokenEvent) and batch[0].token_ids == (3,)
+    assert batch[-1] is err
+    assert await w.receive_many() == []
+
+
+@given(st.lists(st.tuples(st.integers(0, 999), st.text(max_size=3), st.booleans()), max_size=30),
+       st.lists(st.integers(0, 30), max_size=6))
+def test_put_token_event_carries_every_token_text_and_logprob_in_order(
+    toks: list[tuple[int, str, bool]], reads: list[int]
+) -> None:
+    """Whatever the consumer finds pending becomes ONE TokenEvent: ids, the concatenated text and
+    the logprobs (of the tokens that have one) in put order; reading at arbitrary points between
+    puts loses, duplicates or reorders nothing."""
+    async def main() -> None:
+        w = StreamWriter(1)
+        got: list[TokenEvent] = []
+        for i, (tid, text, has_lp) in enumerate(toks):
+            w.put_token(tid, text, TokenLogprob(tid, -1.0 - i) if has_lp else None)
+            if i in reads:
+                for ev in await w.receive_many():
+                    assert isinstance(ev, TokenEvent)
+                    got.append(ev)
+        w.close(_FIN)
+        rest = await w.receive_many()
+        assert rest[-1] is _FIN
+        got.extend(e for e in rest if isinstance(e, TokenEvent))
+        assert [t for e in got for t in e.token_ids] == [t for t, _, _ in toks]
+        assert "".join(e.text for e in got) == "".join(x for _, x, _ in toks)
+        lps = [(lp.token_id, lp.logprob) for e in got for lp in (e.logprobs or ())]
+        assert lps == [(t, -1.0 - i) for i, (t, _, has) in enumerate(toks) if has]
+        assert all(len(e.token_ids) >= 1 for e in got)
+        s = w.statistics()
+        assert (s.tokens_put, s.coalesced, s.events_delivered) == (len(toks), len(toks) - len(got),
+                                                                   len(got) + 1)
+
+    trio.run(main)
+
+
+async def test_consumer_cancelled_while_waiting_then_reads_again() -> None:
+    """A consumer parked in receive_many is cancellable; a put after that cancel must not touch the
+    cancelled task, and a later read gets the token."""
+    w = StreamWriter(1)
+    with trio.move_on_after(0.01) as cs:
+        await w.receive_many()
+    assert cs.cancelled_caught
+    w.put_token(5, "x")
+    batch = await w.receive_many()
+    assert len(batch) == 1 and isinstance(batch[0], TokenEvent) and batch[0].token_ids == (5,)
+
+
+async def test_two_concurrent_readers_are_a_bug() -> None:
+    w = StreamWriter(1)
+    got: list[object] = []
+
+    async def first() -> None:
+        got.extend(await w.receive_many())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(RuntimeError, match="one consumer"):
+            await w.receive_many()
+        w.close(_FIN)  # the first reader is still served
+    assert got == [_FIN]
+
+
+async def test_put_token_after_close_raises_and_after_abandon_is_dropped() -> None:
+    w = StreamWriter(1)
+    w.put_token(1, "a")
+    await w.aclose()
+    w.put_token(2, "b")  # the producer may race the disconnect: dropped, counted
+    assert w.statistics().tokens_put == 2 and w.statistics().buffered == 0
+    await w.wait_abandoned()  # already abandoned: returns at once
+    w.close(_FIN)
+    with pytest.raises(RuntimeError, match="after close"):
+        w.put_token(3, "c")
     assert await w.receive_many() == []
 
 

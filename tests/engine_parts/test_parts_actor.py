@@ -1,0 +1,164 @@
+"""The request actor's token hot path (issue 7 item 5 / issue 5 items 5-6): coalescing for a slow
+consumer keeps every guarantee — tokens, text and logprobs aligned, a stop string split across
+coalesced tokens never shown, exactly one terminal event, a disconnect cancels the request — and the
+lifecycle replay from the transition cache still refuses an illegal message sequence."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import trio
+
+from calserve.core.fsm import IllegalTransition
+from calserve.engine.actor import run_actor
+from calserve.engine.engine import Engine
+from calserve.engine.fake_device import FakeBackend
+from calserve.engine.state import ActorMsg, Admitted, End, Tokens
+from calserve.engine.stream import StreamWriter
+from calserve.engine.types import (
+    ErrorEvent,
+    Event,
+    FinishEvent,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    TokenEvent,
+)
+
+from tests.engine.helpers import CharTokenizer, config, fake_greedy, fake_source
+
+
+def _token_events(events: list[Event]) -> list[TokenEvent]:
+    return [e for e in events if isinstance(e, TokenEvent)]
+
+
+async def test_slow_consumer_coalesced_events_keep_stop_text_hidden_and_logprobs_aligned(
+    autojump_clock: object,
+) -> None:
+    prompt = (1, 2, 3)
+    ref = fake_greedy(prompt, 60)
+    ref_text = CharTokenizer().decode(ref)
+    stop = ref_text[20:23]  # three tokens: split across coalesced tokens
+    first = ref_text.find(stop)
+    async with Engine.open(config(), backend=FakeBackend("calrt-0.7.6", seed=1),
+                           sources={"qwen3": fake_source(profiles=(1,))}) as eng:
+        sp = SamplingParams(temperature=0.0, max_tokens=60, stop=(stop,), ignore_eos=True,
+                            logprobs=2)
+        h = await eng.submit(GenerateRequest(prompt, sp))
+        await trio.sleep(5.0)  # the client reads nothing while every token is produced
+        events = [ev async for ev in h.events()]
+    toks = _token_events(events)
+    # Everything produced while the consumer slept arrives as one event, then the terminal.
+    assert len(toks) == 1 and len(events) == 2
+    ids = [t for e in toks for t in e.token_ids]
+    assert ids == ref[: len(ids)] and len(ids) >= first + 1
+    for e in toks:  # logprobs aligned with their tokens inside the coalesced event
+        assert e.logprobs is not None and [lp.token_id for lp in e.logprobs] == list(e.token_ids)
+        assert all(len(lp.top) == 2 for lp in e.logprobs)
+    term = events[-1]
+    assert isinstance(term, FinishEvent) and term.reason is FinishReason.STOP
+    shown = "".join(e.text for e in toks) + term.text
+    assert shown == ref_text[:first] and stop not in shown
+    assert sum(not isinstance(e, TokenEvent) for e in events) == 1
+
+
+async def test_consumer_reading_as_tokens_arrive_gets_them_one_by_one(autojump_clock: object) -> None:
+    """No waiting on purpose: a consumer that keeps up sees each token as its own event."""
+    prompt = (4, 5)
+    async with Engine.open(config(), backend=FakeBackend("calrt-0.7.6", seed=1),
+                           sources={"qwen3": fake_source(profiles=(1,))}) as eng:
+        h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=20,
+                                                                    ignore_eos=True)))
+        events = [ev async for ev in h.events()]
+    toks = _token_events(events)
+    assert [e.token_ids for e in toks] == [(t,) for t in fake_greedy(prompt, 20)]
+    assert isinstance(events[-1], FinishEvent) and events[-1].usage.completion_tokens == 20
+
+
+async def test_disconnect_mid_stream_cancels_the_request(autojump_clock: object) -> None:
+    async with Engine.open(config(), backend=FakeBackend("calrt-0.7.6", seed=1),
+                           sources={"qwen3": fake_source(profiles=(1,))}) as eng:
+        h = await eng.submit(GenerateRequest((7,), SamplingParams(temperature=0.0, max_tokens=400,
+                                                                  ignore_eos=True)))
+        got = 0
+        while got < 3:
+            for ev in await h.receive_many():
+                assert isinstance(ev, TokenEvent)
+                got += len(ev.token_ids)
+        await h.aclose()  # the client went away
+        with trio.fail_after(1.0):  # 400 tokens would take 0.4 s of fake device time
+            while eng.statistics().requests_total.get("cancelled", 0) != 1:
+                await trio.sleep(0.001)
+        assert eng.statistics().requests_total == {"cancelled": 1}
+
+
+class _Sched:
+    def __init__(self) -> None:
+        self.stops: list[FinishReason] = []
+
+    def stop(self, seq: object, reason: FinishReason) -> None:
+        self.stops.append(reason)
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.sched = _Sched()
+        self.outcomes: list[str] = []
+
+    def done(self, seq: object, outcome: str) -> None:
+        self.outcomes.append(outcome)
+
+
+def _seq(stop: tuple[str, ...] = ()) -> types.SimpleNamespace:
+    sp = types.SimpleNamespace(stop=stop, min_tokens=0)
+    return types.SimpleNamespace(req=types.SimpleNamespace(sampling=sp), prompt=(1, 2),
+                                 arrival=0.0, admitted_at=0.0, first_token_at=0.0)
+
+
+async def _run(msgs: list[ActorMsg], stop: tuple[str, ...] = ()) -> tuple[list[Event], _Registry]:
+    send, recv = trio.open_memory_channel[ActorMsg](100)
+    w = StreamWriter(1)
+    reg = _Registry()
+    for m in msgs:
+        send.send_nowait(m)
+    await run_actor(_seq(stop), recv, w, CharTokenizer(), reg)  # type: ignore[arg-type]
+    return [ev async for ev in w], reg
+
+
+async def test_actor_replays_the_lifecycle_and_writes_one_terminal() -> None:
+    events, reg = await _run([Admitted(0.0), Tokens(10, None, True), Tokens(11, None, False),
+                              Tokens(12, None, False, hidden=True), End(FinishReason.STOP)])
+    assert [e.token_ids for e in _token_events(events)] == [(10, 11)]  # the hidden one: usage only
+    term = events[-1]
+    assert isinstance(term, FinishEvent) and term.usage.completion_tokens == 3
+    assert reg.outcomes == ["completed"]
+
+
+async def test_actor_stop_string_across_tokens_tells_the_scheduler_and_hides_the_text() -> None:
+    tok = CharTokenizer()
+    ids = tok.encode("abXYZcd")
+    msgs: list[ActorMsg] = [Admitted(0.0)]
+    msgs += [Tokens(t, None, i == 0) for i, t in enumerate(ids)]
+    events, reg = await _run([*msgs, End(FinishReason.LENGTH)], stop=("XYZ",))
+    assert "".join(e.text for e in _token_events(events)) == "ab"
+    term = events[-1]
+    assert isinstance(term, FinishEvent) and term.reason is FinishReason.STOP and term.text == ""
+    assert reg.sched.stops == [FinishReason.STOP]
+    # usage counts the tokens up to the one completing the match; later (in-flight) ones are dropped
+    assert term.usage.completion_tokens == len("abXYZ")
+
+
+async def test_actor_refuses_an_illegal_message_sequence_even_with_cached_moves() -> None:
+    # Warm the transition cache with a legal run first.
+    await _run([Admitted(0.0), Tokens(1, None, True), Tokens(2, None, False), End(FinishReason.LENGTH)])
+    # A decode token before admission is illegal: the actor raises, the stream still ends once.
+    send, recv = trio.open_memory_channel[ActorMsg](10)
+    w = StreamWriter(1)
+    reg = _Registry()
+    send.send_nowait(Tokens(1, None, False))
+    with pytest.raises(IllegalTransition):
+        await run_actor(_seq(), recv, w, CharTokenizer(), reg)  # type: ignore[arg-type]
+    events = [ev async for ev in w]
+    assert len(events) == 1 and isinstance(events[0], ErrorEvent) and events[0].kind == "shutdown"
+    assert reg.outcomes == ["shutdown"]
