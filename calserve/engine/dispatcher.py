@@ -26,10 +26,11 @@ from calserve.engine.types import ErrorEvent, FinishReason, TokenLogprob
 from calserve.runtime.types import DeviceBusy, JobResult, JobStatus
 
 if TYPE_CHECKING:
+    from calserve.engine.executor import DeviceExecutor
     from calserve.engine.recovery import HealthRecovery
     from calserve.engine.scheduler import Scheduler
 
-__all__ = ["CompletionDispatcher"]
+__all__ = ["CompletionDispatcher", "FastStep"]
 
 log = logging.getLogger("calserve.engine.dispatcher")
 
@@ -39,6 +40,37 @@ def _lane_sampling(s: Seq) -> LaneSampling:
                         step=s.generated, logprobs=sp.logprobs)
 
 
+class FastStep:
+    """A completion whose next job was decided before its bookkeeping (:meth:`fast_decode`).
+
+    ``nxt`` is the continuation to submit now (None: some sequence ends, take the general path with
+    the tokens already sampled). :meth:`finish` dispatches the completion and records the
+    continuation; idempotent, so the executor can call it both right after the submit and on
+    every way out of it."""
+
+    __slots__ = ("disp", "job", "outcome", "nxt", "sampled", "now", "finished")
+
+    def __init__(self, disp: CompletionDispatcher, job: DeviceJob, outcome: JobOutcome,
+                 nxt: DeviceJob | None, sampled: tuple[list[int], list[TokenLogprob | None]],
+                 now: float) -> None:
+        self.disp = disp
+        self.job = job
+        self.outcome = outcome
+        self.nxt = nxt
+        self.sampled = sampled
+        self.now = now  # the instant the decision was taken: the bookkeeping decides as of it too
+        self.finished = False
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.disp.complete(self.job, self.outcome, verified=True, sampled=self.sampled, now=self.now)
+        if self.nxt is not None:
+            self.disp.sched.commit_continuation(self.nxt)
+        self.disp.flush()
+
+
 class CompletionDispatcher:
     def __init__(self, sched: Scheduler, recovery: HealthRecovery) -> None:
         self.sched = sched
@@ -46,6 +78,7 @@ class CompletionDispatcher:
         self.crosstalk_total = 0
         self.stale_total = 0  # results of jobs aborted by our own reset
         self.requeued_busy = 0
+        self.fast_steps_total = 0  # decode jobs submitted before their predecessor's bookkeeping
         # Per-token work of sequences that continue decoding, done after the next job was submitted
         # (spec §19 M1: it is not needed to decide or build the next job): (seq, its Tokens message).
         # Invariant: flushed before anything else can observe the request (complete() of the next
@@ -64,7 +97,49 @@ class CompletionDispatcher:
             s.gen.admission.charge(s.tenant, decode_tokens=1, request_id=s.rid)
             s.inbox.send_nowait(msg)
 
-    def complete(self, job: DeviceJob, outcome: JobOutcome) -> None:
+    def fast_decode(self, job: DeviceJob, outcome: JobOutcome, caller: DeviceExecutor) -> FastStep | None:
+        """The next decode job, decided *before* ``job``'s completion is dispatched, or None.
+
+        Spec §19 M1 / issue 7 host-device overlap: when every sequence of the decode job that just
+        came back continues (no EOS/stop token, length, deadline, cancel) and they are all the work
+        there is (:meth:`Scheduler.can_continue`), the next job only needs the sampled tokens: it is
+        built and submitted first, and this completion's bookkeeping (KV commit, positions, messages
+        to the actors, tenant charges, the continuation's scheduling state) runs right after the
+        submit, while the device computes (:meth:`FastStep.finish`, passed as ``after_submit``).
+        Nothing can observe the state in between: there is no checkpoint from here to the submit.
+        The output is verified (echo + checksum) before any token is used; anything unusual returns
+        None and takes the general path (:meth:`complete`), with the tokens already sampled."""
+        r = outcome.result
+        if (job.kind != "decode" or r is None or r.status is not JobStatus.OK or outcome.timed_out
+                or not self.sched.can_continue(job, caller, 0)):
+            return None
+        cb = job.calbin if job.calbin is not None else job.gen.calbin
+        if cb.verify_lanes(r, job.job_id, job.active, job.expect):
+            return None  # crosstalk: complete() counts and reports it
+        seqs = job.seqs
+        sampled = self._sample(job, seqs, r.logits)
+        tokens = sampled[0]
+        now = trio.current_time()
+        eos = job.gen.source.eos_token_ids
+        for tok, s in zip(tokens, seqs, strict=True):
+            sp = s.req.sampling
+            g = s.generated + 1
+            if g > sp.min_tokens and ((tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
+                return FastStep(self, job, outcome, None, sampled, now)
+            if (g >= sp.max_tokens or s.position + 1 >= s.lease.reserved_len
+                    or (s.deadline is not None and s.deadline <= now)):
+                return FastStep(self, job, outcome, None, sampled, now)
+        nxt = self.sched.build_continuation(job, tokens, [s.position + 1 for s in seqs])
+        self.fast_steps_total += 1
+        return FastStep(self, job, outcome, nxt, sampled, now)
+
+    def complete(
+        self, job: DeviceJob, outcome: JobOutcome, verified: bool = False,
+        sampled: tuple[list[int], list[TokenLogprob | None]] | None = None, now: float | None = None,
+    ) -> None:
+        """Dispatch ``job``'s completion. ``verified``/``sampled``/``now``: :meth:`fast_decode`
+        already checked the output / drew the tokens (sampling is deterministic per request and
+        step) / decided as of that instant (deadlines are judged at the same time both ways)."""
         self.flush()
         seqs = job.seqs
         for s in seqs:
@@ -74,9 +149,12 @@ class CompletionDispatcher:
         else:
             assert outcome.result is not None
             r = outcome.result
-            reason = self._check(job, r) if r.status is JobStatus.OK else r.status.name.lower()
+            if r.status is not JobStatus.OK:
+                reason: str | None = r.status.name.lower()
+            else:
+                reason = None if verified else self._check(job, r)
             if reason is None:
-                self._ok(job, seqs, r.logits)
+                self._ok(job, seqs, r.logits, sampled, now)
             else:
                 self._failed(job, seqs, reason, outcome.timed_out)
         # No scheduler wake here: the executor runs the scheduling pass inline right after this.
@@ -140,25 +218,30 @@ class CompletionDispatcher:
         for s in seqs:
             self.sched.end(s, error=ev)
 
-    def _ok(self, job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> None:
-        gen = job.gen
-        now = trio.current_time()
-        active = job.active
-        n = len(active)
+    @staticmethod
+    def _sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> tuple[list[int], list[TokenLogprob | None]]:
         if job.kind == "prefill":
             rows = logits[:1]
-            n_new = len(job.tokens)
         else:
             # Active lanes are ascending: a contiguous prefix is a view, not a fancy-index copy.
+            active = job.active
+            n = len(active)
             rows = logits[:n] if active[-1] == n - 1 else logits[active]
-            n_new = 1
-        logprobs: list[TokenLogprob | None]
         if all(s.req.sampling.temperature == 0.0 and s.req.sampling.logprobs is None for s in seqs):
-            tokens = greedy_argmax(rows)  # what sample_batch returns for such lanes, minus its setup
-            logprobs = [None] * len(seqs)
-        else:
-            res = sample_batch(rows, [_lane_sampling(s) for s in seqs])
-            tokens, logprobs = res.tokens.tolist(), res.logprobs
+            # what sample_batch returns for such lanes, minus its setup
+            return greedy_argmax(rows), [None] * len(seqs)
+        res = sample_batch(rows, [_lane_sampling(s) for s in seqs])
+        return res.tokens.tolist(), res.logprobs
+
+    def _ok(
+        self, job: DeviceJob, seqs: list[Seq], logits: np.ndarray,
+        sampled: tuple[list[int], list[TokenLogprob | None]] | None = None, now: float | None = None,
+    ) -> None:
+        gen = job.gen
+        if now is None:
+            now = trio.current_time()
+        n_new = len(job.tokens) if job.kind == "prefill" else 1
+        tokens, logprobs = sampled if sampled is not None else self._sample(job, seqs, logits)
         eos = gen.source.eos_token_ids
         prefill = job.kind == "prefill"
         for i, s in enumerate(seqs):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -100,11 +101,29 @@ class DeviceExecutor:
             # One shielded scope per busy period (not per job): the only checkpoints inside are the
             # device waits, which must not be cancelled anyway; idle, the executor is cancellable.
             with trio.CancelScope(shield=True):
+                # The previous completion's bookkeeping when its successor was decided first
+                # (dispatcher.fast_decode): run right after that successor's submit.
+                pending: Callable[[], None] | None = None
                 while job is not None:
-                    outcome = await self._execute(job)
-                    self.jobs += 1
                     try:
-                        self.dispatcher.complete(job, outcome)
+                        outcome = await self._execute(job, pending)
+                    finally:
+                        if pending is not None:
+                            pending()  # idempotent; already done unless the submit failed
+                    self.jobs += 1
+                    fast = self.dispatcher.fast_decode(job, outcome, self) if job.kind == "decode" else None
+                    if fast is not None and fast.nxt is not None:
+                        # Submit the continuation first; this completion is dispatched right after.
+                        self.current = job = fast.nxt
+                        job.epoch = self.recovery.epoch
+                        pending = fast.finish
+                        continue
+                    pending = None
+                    try:
+                        if fast is not None:
+                            fast.finish()  # a sequence ends: dispatch with the tokens already drawn
+                        else:
+                            self.dispatcher.complete(job, outcome)
                     except BaseException:
                         self.sched.wake()
                         raise
@@ -127,7 +146,10 @@ class DeviceExecutor:
                         job = None
                         self.dispatcher.flush()
 
-    async def _execute(self, job: DeviceJob) -> JobOutcome:
+    async def _execute(self, job: DeviceJob, pending: Callable[[], None] | None = None) -> JobOutcome:
+        """Submit ``job`` and wait for it. ``pending`` runs right after the submit (and before any
+        checkpoint on a way out of it: a refused submit, a busy back-off)."""
+        after = self.dispatcher.flush if pending is None else pending
         gen = job.gen
         cb = job.calbin if job.calbin is not None else gen.calbin  # the batch's profile member
         try:
@@ -147,11 +169,12 @@ class DeviceExecutor:
                 gen.kv.begin_update(lane, seq.position, len(job.tokens))
             for attempt in range(BUSY_RETRIES + 1):
                 try:
-                    ticket, r = await self._submit(job)
+                    ticket, r = await self._submit(job, after)
                     break
                 except DeviceBusy:
                     if attempt == BUSY_RETRIES:
                         raise
+                    after()  # nothing may wait behind the back-off
                     await trio.sleep(BUSY_BACKOFF_S * (attempt + 1))
         except CalrtError as e:
             self.submit_refused += 1
@@ -172,18 +195,18 @@ class DeviceExecutor:
             r = await cb.wait(ticket, self.wait_timeout_s)
         return JobOutcome(result=r, timed_out=timed_out)
 
-    async def _submit(self, job: DeviceJob) -> tuple[JobTicket, JobResult | None]:
+    async def _submit(self, job: DeviceJob, after: Callable[[], None]) -> tuple[JobTicket, JobResult | None]:
         cb = job.calbin if job.calbin is not None else job.gen.calbin
         if job.kind == "prefill":
             seq = job.lanes[0]
             assert seq is not None and seq.seq_id is not None
             return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, self.wait_timeout_s,
-                                                after_submit=self.dispatcher.flush)
+                                                after_submit=after)
         assert job.seq_ids is not None
         # The previous completion's deferred per-token work runs once this job is on its way.
         return await cb.submit_decode_wait(
             job.seq_ids, job.tokens, job.positions, job.valid, self.engine, self.wait_timeout_s,
-            after_submit=self.dispatcher.flush,
+            after_submit=after,
         )
 
     def statistics(self) -> ExecutorStats:

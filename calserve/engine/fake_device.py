@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -152,15 +152,45 @@ class FakeCalbin(BackendCalbin):
         return self._seqs[seq_id].length
 
     # Jobs -----------------------------------------------------------------------------------------
-    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> JobTicket:
+    def _prefill_args(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> tuple[Any, ...]:
         toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
         seq = self._seqs.get(seq_id)
         pos = (seq.length if seq is not None else 0) + len(toks) - 1  # echo: last position
         dur = self.timing.prefill_base_us + self.timing.prefill_us_per_token * len(toks)
-        return await self._dev._submit(
-            self, "prefill", np.array([seq_id]), [toks], np.array([pos]), np.array([1]), engine,
-            dur * 1e-6,
-        )
+        return (self, "prefill", np.array([seq_id]), [toks], np.array([pos]), np.array([1]), engine,
+                dur * 1e-6)
+
+    def _decode_args(self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+                     engine: JobEngine) -> tuple[Any, ...]:
+        B = self.spec.compiled_batch
+        if not (len(seq_ids) == len(tokens) == len(positions) == len(valid) == B):
+            raise InvalidArgument(f"decode arrays must have length compiled_batch={B}")
+        new = [[int(tokens[i])] if valid[i] else [] for i in range(B)]
+        dur = self.timing.decode_step_us.get(B, 1000.0)
+        return (self, "decode", np.asarray(seq_ids), new, np.asarray(positions), np.asarray(valid), engine,
+                dur * 1e-6)
+
+    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> JobTicket:
+        return await self._dev._submit(*self._prefill_args(seq_id, tokens, engine))
+
+    async def submit_prefill_wait(
+        self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float,
+        after_submit: Callable[[], None] | None = None,
+    ) -> tuple[JobTicket, JobResult | None]:
+        # Like the runtime's hot path: queue without a checkpoint, then the caller's after_submit.
+        t = self._dev._submit_now(*self._prefill_args(seq_id, tokens, engine))
+        if after_submit is not None:
+            after_submit()
+        return t, await self.wait(t, timeout_s)
+
+    async def submit_decode_wait(
+        self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+        engine: JobEngine, timeout_s: float, after_submit: Callable[[], None] | None = None,
+    ) -> tuple[JobTicket, JobResult | None]:
+        t = self._dev._submit_now(*self._decode_args(seq_ids, tokens, positions, valid, engine))
+        if after_submit is not None:
+            after_submit()
+        return t, await self.wait(t, timeout_s)
 
     async def submit_decode(
         self,
@@ -170,20 +200,11 @@ class FakeCalbin(BackendCalbin):
         valid: np.ndarray,
         engine: JobEngine,
     ) -> JobTicket:
-        B = self.spec.compiled_batch
-        if not (len(seq_ids) == len(tokens) == len(positions) == len(valid) == B):
-            raise InvalidArgument(f"decode arrays must have length compiled_batch={B}")
-        new = [[int(tokens[i])] if valid[i] else [] for i in range(B)]
-        dur = self.timing.decode_step_us.get(B, 1000.0)
-        return await self._dev._submit(
-            self, "decode", np.asarray(seq_ids), new, np.asarray(positions), np.asarray(valid),
-            engine, dur * 1e-6,
-        )
+        return await self._dev._submit(*self._decode_args(seq_ids, tokens, positions, valid, engine))
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
         return await self._dev._wait(ticket.native, timeout_s)
 
-    # submit_decode_wait / submit_prefill_wait: BackendCalbin's defaults (submit, then wait).
 
     async def reconfigure(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -382,6 +403,20 @@ class FakeBackend:
         duration_s: float,
     ) -> JobTicket:
         await trio.lowlevel.checkpoint()
+        return self._submit_now(calbin, kind, seq_ids, new_tokens, positions, valid, engine, duration_s)
+
+    def _submit_now(
+        self,
+        calbin: FakeCalbin,
+        kind: str,
+        seq_ids: np.ndarray,
+        new_tokens: list[list[int]],
+        positions: np.ndarray,
+        valid: np.ndarray,
+        engine: JobEngine,
+        duration_s: float,
+    ) -> JobTicket:
+        """Queue a job without a checkpoint (the runtime's submit only queues, too)."""
         c = self._counts[engine]
         ordinal = c["submitted"] + c["busy"] + 1
         fault: FaultKind | None = None

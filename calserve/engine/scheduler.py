@@ -253,65 +253,85 @@ class Scheduler:
         positions + 1) without the candidate/ordering machinery, for the caller to run. Otherwise
         None, and the caller runs :meth:`tick_sync`. Same decisions either way (tested).
         """
-        if done.kind != "decode":
+        if done.kind != "decode" or not self.can_continue(done, None, len(done.seqs)):
             return None
-        return self._continue_decode(done)
+        ready = self._queues[done.gen.id].decode_ready
+        for s in done.seqs:
+            if ready.get(s.rid) is not s:
+                return None
+        job = self.build_continuation(done, [s.last_token for s in done.seqs],
+                                      [s.position for s in done.seqs])
+        self.commit_continuation(job)
+        return job
 
-    def _continue_decode(self, done: DeviceJob) -> DeviceJob | None:
+    def can_continue(self, done: DeviceJob, caller: DeviceExecutor | None, ready_now: int) -> bool:
+        """Whether a full tick after ``done`` could only re-run its sequences (see
+        :meth:`continue_decode`), given ``ready_now`` decode-ready sequences at this point (all of
+        ``done``'s once its completion was dispatched, none before). Every sequence of ``done`` must
+        continue (the caller checks that); ``caller`` is the executor asking, busy or not."""
         gen = done.gen
         if self.paused or gen.state is not ModelState.READY or len(self.models.generations) != 1:
-            return None
-        seqs = done.seqs
-        n = len(seqs)
+            return False
+        n = len(done.seqs)
         B = len(done.lanes)
         q = self._queues.get(gen.id)
-        if q is None or q.waiting or len(q.decode_ready) != n or len(q.holders) != n:
-            return None
+        if q is None or q.waiting or len(q.decode_ready) != ready_now or len(q.holders) != n:
+            return False
         if n < B and self.cfg.scheduler.batch.batching_window_us > 0:
-            return None  # a partial batch may be held for the window: the full tick decides
+            return False  # a partial batch may be held for the window: the full tick decides
         for ex in self.executors:
-            if ex.busy:
-                return None
+            if ex.busy and ex is not caller:
+                return False
         for c in _PREFILL_CLASSES:
             if q.prefill[c]:
-                return None
+                return False
         if gen.selecting:
             if select_profile(n, 0.0, gen.calbins, self.cfg.scheduler.batch.selection) != B:
-                return None
+                return False
         elif B != gen.compiled_batch:
-            return None
-        now = trio.current_time()
-        if q.deadlines and q.deadlines[0][0] <= now:
-            return None  # let _expire end it
-        ready = q.decode_ready
-        for s in seqs:
-            if ready.get(s.rid) is not s or s.pending_reason is not None or s.pending_error is not None:
-                return None
-        # Decided: the same sequences in the same lanes (none was excluded, all fit).
-        # Invariant: every seq below is ACTIVE in the KV table at position == committed_len.
-        self.rr.next(_DECODE_ONLY)
-        tokens = done.tokens.tolist()  # inactive lanes keep the declared filler token/position
-        positions = done.positions.tolist()
-        expect = []
-        for i, s in zip(done.active, seqs, strict=True):
-            del ready[s.rid]
-            gen.kv.begin_update(s.lease.lane, s.position, 1)
-            tokens[i] = s.last_token
-            positions[i] = s.position
-            expect.append((s.seq_id, s.position))
-        job = DeviceJob("decode", gen, done.lanes, np.array(tokens, np.int32),
-                        np.array(positions, np.int32), done.valid, now)
+            return False
+        if q.deadlines and q.deadlines[0][0] <= trio.current_time():
+            return False  # let _expire end it
+        for s in done.seqs:
+            if s.pending_reason is not None or s.pending_error is not None:
+                return False
+        return True
+
+    def build_continuation(self, done: DeviceJob, tokens: list[int], positions: list[int]) -> DeviceJob:
+        """The job that runs ``done``'s sequences again in the same lanes with ``tokens`` at
+        ``positions`` (one per sequence, in lane order). Changes no state: see
+        :meth:`commit_continuation`."""
+        toks = done.tokens.tolist()  # inactive lanes keep the declared filler token/position
+        pos = done.positions.tolist()
+        for i, t, p in zip(done.active, tokens, positions, strict=True):
+            toks[i] = t
+            pos[i] = p
+        job = DeviceJob("decode", done.gen, done.lanes, np.array(toks, np.int32),
+                        np.array(pos, np.int32), done.valid, trio.current_time())
         job.seq_ids = done.seq_ids  # read-only after construction
         job.calbin = done.calbin
-        job.expect = expect
+        job.expect = [(s.seq_id, p) for s, p in zip(done.seqs, positions, strict=True)]
+        return job
+
+    def commit_continuation(self, job: DeviceJob) -> None:
+        """The scheduling state of running ``job`` (built by :meth:`build_continuation`) once its
+        sequences are decode-ready at their new positions: what a full tick's dispatch records.
+        Invariant: every sequence is ACTIVE in the KV table at position == committed_len."""
+        gen = job.gen
+        ready = self._queues[gen.id].decode_ready
+        self.rr.next(_DECODE_ONLY)
+        seqs = job.seqs
         for s in seqs:
+            del ready[s.rid]
+            gen.kv.begin_update(s.lease.lane, s.position, 1)
             s.inflight = job
+        B = len(job.lanes)
+        n = len(seqs)
         self.continuations_total += 1
         self.batches_total[B] += 1
         self.lanes_active_total[B] += n
         self.lanes_total[B] += B
         self.trace.append(("decode", tuple(s.rid for s in seqs)))
-        return job
 
     def _expire(self, gen: Generation, q: GenQueues, now: float) -> None:
         for item in gen.admission.expire(now):

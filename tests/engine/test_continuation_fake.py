@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import trio
 
+from calserve.engine.dispatcher import CompletionDispatcher
 from calserve.engine.engine import Engine
 from calserve.engine.fake_device import FakeBackend
 from calserve.engine.scheduler import Scheduler
@@ -27,10 +28,14 @@ Workload = Sequence[tuple[float, tuple[int, ...], int, str]]
 
 
 async def _run(
-    monkeypatch: pytest.MonkeyPatch, shortcut: bool, work: Workload, batch: int, inflight: int,
+    monkeypatch: pytest.MonkeyPatch, mode: str, work: Workload, batch: int, inflight: int,
     **sched: Any,
 ) -> dict[str, Any]:
-    if not shortcut:
+    """``mode``: "fast" (next job decided before the completion's bookkeeping, the default),
+    "after" (decided after it: Scheduler.continue_decode only) or "off" (full ticks only)."""
+    if mode in ("after", "off"):
+        monkeypatch.setattr(CompletionDispatcher, "fast_decode", lambda self, job, outcome, caller: None)
+    if mode == "off":
         monkeypatch.setattr(Scheduler, "continue_decode", lambda self, done: None)
     be = FakeBackend("sim-next", seed=7, jitter_s=0.0005)
     cfg = config(batch={"profiles": [batch]}, executor={"max_inflight": inflight}, **sched)
@@ -60,6 +65,7 @@ async def _run(
         jobs = [(kind, frozenset(rids)) for kind, rids in eng.scheduler.trace]
         sched = eng.scheduler
         return {"out": out, "jobs": jobs, "continuations": sched.continuations_total,
+                "fast": eng.dispatcher.fast_steps_total,
                 "batches": dict(sched.batches_total), "lanes": dict(sched.lanes_active_total)}
 
 
@@ -70,9 +76,10 @@ def _check_outputs(res: dict[str, Any], work: Workload) -> None:
         assert toks == fake_greedy(prompt, n)
 
 
+@pytest.mark.parametrize("mode", ["fast", "after"])
 @pytest.mark.parametrize("batch,inflight", [(1, 1), (4, 1), (4, 2)], ids=["B1", "B4", "B4-pingpong"])
 async def test_shortcut_makes_the_same_decisions(
-    autojump_clock: object, monkeypatch: pytest.MonkeyPatch, batch: int, inflight: int
+    autojump_clock: object, monkeypatch: pytest.MonkeyPatch, batch: int, inflight: int, mode: str
 ) -> None:
     # Phases: one stream alone (shortcut), then arrivals while it runs (full ticks), two tenants,
     # staggered finishes (shrinking set), and a late lone stream again.
@@ -83,12 +90,13 @@ async def test_shortcut_makes_the_same_decisions(
         (0.030, (7, 8, 9, 10), 12, "b"),
         (0.300, (11, 12), 30, "c"),
     ]
-    on = await _run(monkeypatch, True, work, batch, inflight)
+    on = await _run(monkeypatch, mode, work, batch, inflight)
     monkeypatch.undo()
-    off = await _run(monkeypatch, False, work, batch, inflight)
+    off = await _run(monkeypatch, "off", work, batch, inflight)
     _check_outputs(on, work)
     _check_outputs(off, work)
     assert on["continuations"] > 0 and off["continuations"] == 0
+    assert (on["fast"] > 0) == (mode == "fast") and off["fast"] == 0
     # the same tokens at the same (fake) times, the same sequences in every job, the same counters
     assert {i: v[:2] for i, v in on["out"].items()} == {i: v[:2] for i, v in off["out"].items()}
     assert on["jobs"] == off["jobs"]
@@ -102,7 +110,7 @@ async def test_shortcut_only_when_nothing_else_competes(
     # them (fair time-share), so no step may be a continuation; once the short one ended the long
     # one is all the work there is and continues by the shortcut.
     work: Workload = [(0.0, (1, 2), 20, "a"), (0.0, (3, 4), 30, "b")]
-    res = await _run(monkeypatch, True, work, 1, 1)
+    res = await _run(monkeypatch, "fast", work, 1, 1)
     _check_outputs(res, work)
     firsts = [next(iter(rids)) for kind, rids in res["jobs"] if kind == "decode"]
     assert len(firsts) == 19 + 29  # the first token of each comes from its prefill
