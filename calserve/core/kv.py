@@ -221,6 +221,10 @@ class KvLaneManager:
         return KvLaneInfo(lane, r.state, r.request_id, r.generation, r.seq_id, r.committed_len,
                           r.reserved_len, r.pending)
 
+    def free_lanes(self) -> int:
+        """Number of Free lanes (O(1); :meth:`statistics` counts every state)."""
+        return len(self._free)
+
     def statistics(self) -> KvStats:
         counts = {s: 0 for s in KvSequenceState}
         for r in self._lanes:

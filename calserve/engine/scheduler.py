@@ -275,8 +275,10 @@ class Scheduler:
         n = len(done.seqs)
         B = len(done.lanes)
         q = self._queues.get(gen.id)
-        if q is None or q.waiting or len(q.decode_ready) != ready_now or len(q.holders) != n:
+        if q is None or len(q.decode_ready) != ready_now or len(q.holders) != n:
             return False
+        if q.waiting and gen.kv.free_lanes():
+            return False  # a waiting request might be admitted (no free lane: the tick admits none)
         if n < B and self.cfg.scheduler.batch.batching_window_us > 0:
             return False  # a partial batch may be held for the window: the full tick decides
         for ex in self.executors:

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
+from calserve.core.kv import KvLaneManager
 from calserve.engine.dispatcher import CompletionDispatcher
 from calserve.engine.engine import Engine
 from calserve.engine.fake_device import FakeBackend
@@ -29,7 +31,7 @@ Workload = Sequence[tuple[float, tuple[int, ...], int, str]]
 
 async def _run(
     monkeypatch: pytest.MonkeyPatch, mode: str, work: Workload, batch: int, inflight: int,
-    **sched: Any,
+    lanes: int = 32, **sched: Any,
 ) -> dict[str, Any]:
     """``mode``: "fast" (next job decided before the completion's bookkeeping, the default),
     "after" (decided after it: Scheduler.continue_decode only) or "off" (full ticks only)."""
@@ -40,7 +42,7 @@ async def _run(
     be = FakeBackend("sim-next", seed=7, jitter_s=0.0005)
     cfg = config(batch={"profiles": [batch]}, executor={"max_inflight": inflight}, **sched)
     out: dict[int, tuple[list[int], list[float], object]] = {}
-    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(profiles=(batch,))}) as eng:
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(profiles=(batch,), max_sequences=lanes)}) as eng:
         t0 = trio.current_time()
 
         async def one(i: int, at: float, prompt: tuple[int, ...], n: int, tenant: str) -> None:
@@ -53,8 +55,7 @@ async def _run(
             async for ev in h.events():
                 if isinstance(ev, TokenEvent):
                     toks.extend(ev.token_ids)
-                    # rounded: the second run of a test starts later on the same fake clock
-                    times.extend([round(trio.current_time() - t0, 9)] * len(ev.token_ids))
+                    times.extend([trio.current_time() - t0] * len(ev.token_ids))
                 else:
                     term = ev
             out[i] = (toks, times, term)
@@ -69,6 +70,27 @@ async def _run(
                 "batches": dict(sched.batches_total), "lanes": dict(sched.lanes_active_total)}
 
 
+def _run_fresh(monkeypatch: pytest.MonkeyPatch, mode: str, work: Workload, batch: int, inflight: int,
+               lanes: int = 32) -> dict[str, Any]:
+    """:func:`_run` in a trio run of its own with a fresh fake clock starting at 0, so that both runs
+    of a comparison see bit-identical times (a second run on the same clock would start later and
+    round its sums differently)."""
+    try:
+        return trio.run(_run, monkeypatch, mode, work, batch, inflight, lanes,
+                        clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        monkeypatch.undo()
+
+
+def _same_streams(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """The same tokens at the same times."""
+    assert a["out"].keys() == b["out"].keys()
+    for i, (toks, times, _) in a["out"].items():
+        toks2, times2, _ = b["out"][i]
+        assert toks == toks2, i
+        assert times == times2, i
+
+
 def _check_outputs(res: dict[str, Any], work: Workload) -> None:
     for i, (_, prompt, n, _) in enumerate(work):
         toks, _, term = res["out"][i]
@@ -78,8 +100,8 @@ def _check_outputs(res: dict[str, Any], work: Workload) -> None:
 
 @pytest.mark.parametrize("mode", ["fast", "after"])
 @pytest.mark.parametrize("batch,inflight", [(1, 1), (4, 1), (4, 2)], ids=["B1", "B4", "B4-pingpong"])
-async def test_shortcut_makes_the_same_decisions(
-    autojump_clock: object, monkeypatch: pytest.MonkeyPatch, batch: int, inflight: int, mode: str
+def test_shortcut_makes_the_same_decisions(
+    monkeypatch: pytest.MonkeyPatch, batch: int, inflight: int, mode: str
 ) -> None:
     # Phases: one stream alone (shortcut), then arrivals while it runs (full ticks), two tenants,
     # staggered finishes (shrinking set), and a late lone stream again.
@@ -90,17 +112,32 @@ async def test_shortcut_makes_the_same_decisions(
         (0.030, (7, 8, 9, 10), 12, "b"),
         (0.300, (11, 12), 30, "c"),
     ]
-    on = await _run(monkeypatch, mode, work, batch, inflight)
-    monkeypatch.undo()
-    off = await _run(monkeypatch, "off", work, batch, inflight)
+    on = _run_fresh(monkeypatch, mode, work, batch, inflight)
+    off = _run_fresh(monkeypatch, "off", work, batch, inflight)
     _check_outputs(on, work)
     _check_outputs(off, work)
     assert on["continuations"] > 0 and off["continuations"] == 0
     assert (on["fast"] > 0) == (mode == "fast") and off["fast"] == 0
     # the same tokens at the same (fake) times, the same sequences in every job, the same counters
-    assert {i: v[:2] for i, v in on["out"].items()} == {i: v[:2] for i, v in off["out"].items()}
+    _same_streams(on, off)
     assert on["jobs"] == off["jobs"]
     assert (on["batches"], on["lanes"]) == (off["batches"], off["lanes"])
+
+
+@pytest.mark.parametrize("mode", ["fast", "after"])
+def test_shortcut_with_requests_waiting_for_a_lane(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # Every KV lane is held (4 lanes, B4): requests waiting for admission cannot be admitted by a
+    # tick, so the running four still continue by the shortcut; each waiting one gets the first
+    # lane that frees up, exactly as with full ticks.
+    work: Workload = [(1e-4 * i, (i + 1, 2 * i + 3), 12 + 5 * i, "ab"[i % 2]) for i in range(7)]
+    on = _run_fresh(monkeypatch, mode, work, 4, 1, lanes=4)
+    off = _run_fresh(monkeypatch, "off", work, 4, 1, lanes=4)
+    monkeypatch.setattr(KvLaneManager, "free_lanes", lambda self: 1)  # as if a lane were always free
+    no_relax = _run_fresh(monkeypatch, mode, work, 4, 1, lanes=4)
+    _check_outputs(on, work)
+    assert on["continuations"] > no_relax["continuations"] > 0  # some continued while others waited
+    _same_streams(on, off)
+    assert on["jobs"] == off["jobs"]
 
 
 async def test_shortcut_only_when_nothing_else_competes(
