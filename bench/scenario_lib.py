@@ -53,6 +53,23 @@ def device_limit(batch: int, step_us: float) -> float:
     return batch * 1e6 / step_us
 
 
+def workload_limit(batch: int, step_us: float, prompt_tokens: float, output_tokens: float,
+                   prefill_base_us: float, prefill_us_per_token: float) -> float:
+    """Output tokens/s the timing model allows for a workload: each request needs its prefill on the
+    device (which serialises with decode when the PING/PONG overlap is 0) and output - 1 decode lane
+    steps (its first token comes from the prefill), B lanes per step. :func:`device_limit` is the
+    decode-only bound (no request ever starts)."""
+    device_us = (prefill_base_us + prefill_us_per_token * prompt_tokens
+                 + (output_tokens - 1) * step_us / batch)
+    return output_tokens * 1e6 / device_us
+
+
+def sat_prefill_us(step_us: float) -> tuple[float, float]:
+    """(base, per token) prefill µs of sat-4k scaled to ``step_us`` (the bench-step-* profiles)."""
+    scale = step_us / 4000.0
+    return 2000.0 * scale, 20.0 * scale
+
+
 def run_point(srv: Server | None, out: Path, *, base_url: str | None = None,
               tenants: tuple[TenantSpec, ...] | None = None, concurrency: int | None = None,
               rate: float | None = None, duration: float = 10.0, prompt: str = "32",

@@ -22,7 +22,7 @@ from bench import plots
 from bench.loadgen import RunResult
 from bench.report import report
 from bench.scenario_lib import (BENCH_OUT, calserve_config, counters_at_rest, device_limit,
-                                point_row, run_point, write_json)
+                                point_row, run_point, sat_prefill_us, workload_limit, write_json)
 from bench.serve_entry import KNEE_STEPS_US, STEP_PREFIX
 from bench.server import Server, pin_self
 from bench.workload import Lengths, TenantSpec
@@ -44,13 +44,19 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
     dur = 4.0 if quick else 8.0
     conc = [1, 4, 16, 32, 64, 128] if quick else [1, 2, 4, 8, 16, 32, 64, 128]
     limit = device_limit(16, SAT_STEP_US)
+    # The bound for this workload (16-token prompts, 256 output tokens): each request's prefill
+    # takes the device too (sat-4k: 2 ms + 20 µs/token, serialised with decode), so even a device
+    # that never idles delivers 0.965 x 4,000 tok/s. "efficiency" is measured against this bound,
+    # "efficiency_vs_decode_only" against 4,000.
+    wlimit = workload_limit(16, SAT_STEP_US, 16, 256, *sat_prefill_us(SAT_STEP_US))
     rows = []
     with Server.calserve(calserve_config(profiles=[16], timing="sat-4k"), out / "server-sat-4k") as srv:
         run_point(srv, out / "warmup", concurrency=16, duration=1.5, progress=False)
         for c in conc:
             res = run_point(srv, out / f"c{c:03d}", concurrency=c, duration=dur, output="256",
                             prompt="16")
-            rows.append(point_row(res, concurrency=c, efficiency=_steady(res) / limit))
+            rows.append(point_row(res, concurrency=c, efficiency=_steady(res) / wlimit,
+                                  efficiency_vs_decode_only=_steady(res) / limit))
         rest = counters_at_rest(srv)
     best = max(rows, key=lambda r: r["efficiency"])
     plots.sweep_plot(rows, "concurrency", out / "saturation_sweep.png", xlabel="concurrency",
@@ -58,7 +64,7 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
     knee_rows = []
     steps = KNEE_STEPS_US[:4] if quick else KNEE_STEPS_US
     for us in steps:
-        lim = device_limit(16, us)
+        lim = workload_limit(16, us, 16, 256, *sat_prefill_us(us))
         with Server.calserve(calserve_config(profiles=[16], timing=f"{STEP_PREFIX}{us}"),
                              out / f"server-step-{us}") as srv:
             run_point(srv, out / f"knee-{us}-warmup", concurrency=64, duration=1.0, progress=False)
@@ -72,13 +78,16 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
         run_point(srv, out / "inflight1-warmup", concurrency=64, duration=1.0, progress=False)
         res = run_point(srv, out / "inflight1-c064", concurrency=64, duration=dur, output="256",
                         prompt="16")
-    inflight1 = point_row(res, concurrency=64, max_inflight=1, efficiency=_steady(res) / limit)
+    inflight1 = point_row(res, concurrency=64, max_inflight=1, efficiency=_steady(res) / wlimit,
+                          efficiency_vs_decode_only=_steady(res) / limit)
     held = [r for r in knee_rows if r["efficiency"] >= 0.9]
     knee = max((r["device_limit"] for r in held), default=None)
     plots.sweep_plot(knee_rows, "device_limit", out / "knee.png",
                      xlabel="device-bound limit (tokens/s)", logx=True)
     return {
         "device_limit_tok_s": limit,
+        "workload_limit_tok_s": wlimit,
+        "efficiency_at_4k_vs_decode_only": best["efficiency_vs_decode_only"],
         "best": {"concurrency": best["concurrency"], "efficiency": best["efficiency"],
                  "steady_output_throughput": best["window_output_throughput"],
                  "run_output_throughput": best["output_throughput"]},
@@ -127,15 +136,20 @@ def batching(out: Path, quick: bool) -> dict[str, Any]:
                             prompt="32", drain=8.0)
             died = srv.exit_code
         lim = device_limit(b, SAT_STEP_US)
-        rows.append(point_row(res, name=name, batch=b, device_limit=lim,
+        # what the timing model allows for this workload (32-token prompts, 128 output tokens):
+        # every request's prefill shares the device with decode (see workload_limit)
+        wlim = workload_limit(b, SAT_STEP_US, 32, olen, *sat_prefill_us(SAT_STEP_US))
+        rows.append(point_row(res, name=name, batch=b, device_limit=lim, workload_limit=wlim,
                               series="Poisson" if adm is None else "Poisson, max_sequences=B",
-                              throughput_vs_model=_steady(res) / lim,
+                              throughput_vs_model=_steady(res) / wlim,
+                              throughput_vs_decode_only=_steady(res) / lim,
                               tpot_p99_vs_step=res.summary["tpot_ms"].get("p99", math.nan)
                               / (SAT_STEP_US / 1000), server_died_exit_code=died))
     plots.sweep_plot(rows, "batch", out / "batching.png", xlabel="compiled batch size", logx=True)
     m3 = {}
     for r in rows[-2:]:
         m3[r["name"]] = {"fill": r["batch_fill"], "throughput_vs_model": r["throughput_vs_model"],
+                         "throughput_vs_decode_only": r["throughput_vs_decode_only"],
                          "tpot_p99_vs_step": r["tpot_p99_vs_step"]}
     return {"rate_req_s": rate, "points": rows, "m3": m3,
             "m3_targets": {"fill": 0.9, "throughput_vs_model": 0.95, "tpot_p99_vs_step": 1.2}}
