@@ -125,9 +125,10 @@ class Scheduler:
         self.ticks = 0
         self.starvation_events_total = 0
         self.continuations_total = 0
-        # ("admit" | "prefill" | "decode", request ids) of recent admissions and jobs, in order
-        # (tests, debugging)
-        self.trace: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(maxlen=20000)
+        # ("admit" | "prefill" | "decode" | "released", request ids) of recent admissions and jobs,
+        # in order (tests, debugging). Invariant: bounded small — at 20,000 entries it was ~6.6 MiB
+        # of tuples in a serving process (bench soak, issue 7) kept for nothing but debugging.
+        self.trace: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(maxlen=4096)
 
     # ---------------------------------------------------------------------------------------------
     def queues(self, gen: Generation) -> GenQueues:
