@@ -253,45 +253,11 @@ def overload(out: Path, quick: bool) -> dict[str, Any]:
 
 def soak(out: Path, quick: bool, minutes: float | None = None) -> dict[str, Any]:
     """Mixed load with random disconnects for N minutes; RSS/fds over time, idle CPU afterwards,
-    gauges back to zero (spec §19 M0, scaled down)."""
-    from bench import procstat
+    gauges back to zero (spec §19 M0, scaled down), with the in-process memory probe
+    (:mod:`bench.soak_probe`: allocator split, GC pauses) next to the run."""
+    from bench.soak_probe import soak_run
     minutes = minutes if minutes is not None else (0.5 if quick else 2.0)
-    dur = minutes * 60
-    rate = 0.6 * device_limit(16, SAT_STEP_US) / 96
-    with Server.calserve(calserve_config(profiles=[1, 4, 8, 16], timing="sat-4k",
-                                         max_inflight=2), out / "server") as srv:
-        res = run_point(srv, out / "run", rate=rate, duration=dur, prompt="8:512",
-                        output="16:160", disconnect_prob=0.2, burstiness=0.5, drain=20.0,
-                        scrape_interval_s=1.0)
-        time.sleep(2.0)  # let cancelled requests drain
-        idle0 = procstat.sample(srv.pid)
-        t0 = time.monotonic()
-        time.sleep(5.0)
-        idle1 = procstat.sample(srv.pid)
-        idle_cpu = ((idle1.cpu_s - idle0.cpu_s) / (time.monotonic() - t0)
-                    if idle0 and idle1 else None)
-        rest = counters_at_rest(srv)
-        died = srv.exit_code  # None = still running (good)
-    proc = res.proc
-    plots.proc_series(proc, out / "soak_proc.png", marks=[dur])
-    # RSS slope after the first quarter (allocator warm-up): a leak shows as a steady climb.
-    late = [p for p in proc if dur * 0.25 <= p["t"] <= dur]
-    slope = ((late[-1]["rss_bytes"] - late[0]["rss_bytes"]) / 2**20 / max(1e-9, (late[-1]["t"]
-             - late[0]["t"]) / 60) if len(late) > 1 else None)
-    s = res.summary
-    return {
-        "minutes": minutes,
-        "outcomes": s["outcomes"],
-        "lost": s["sent"] - sum(s["outcomes"].values()),
-        "server_proc": s.get("server_proc"),
-        "rss_growth_after_warmup_mib_per_min": slope,
-        "server_died_exit_code": died,
-        "idle_cpu_cores_after_load": idle_cpu,
-        "idle_rss_bytes": idle1.rss_bytes if idle1 else None,
-        "idle_fds": idle1.open_fds if idle1 else None,
-        "counters_at_rest": rest,
-        "all_back_to_zero": bool(rest) and all(not v for v in rest.values()),
-    }
+    return soak_run(out, minutes)
 
 
 def http_floor(out: Path, quick: bool) -> dict[str, Any]:
