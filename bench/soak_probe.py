@@ -188,6 +188,10 @@ def probe_summary(path: Path, wall0: float, dur: float) -> dict[str, Any]:
     out["slope_after_quarter_per_min"] = {
         **{k + "_mib": round((e[k] - q[k]) / _MIB / span_min, 2) for k in keys if k in e},
         "py_kblocks": round((e["py_blocks"] - q["py_blocks"]) / 1e3 / span_min, 2)}
+    last = rows[-1]
+    if "gc_n" in last:  # every collection of the run (gen 0/1/2), start-up included
+        out["gc_pauses"] = {"n": last["gc_n"], "max_ms": last["gc_max_ms"],
+                            "total_ms": last["gc_total_ms"], "freed": last["gc_freed"]}
     deep = [r["deep"] for r in rows if "deep" in r]
     if deep:
         out["deep_last"] = deep[-1]
