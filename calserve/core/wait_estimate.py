@@ -12,23 +12,36 @@ The model (one device, its job engines serialised: ``pingpong_overlap`` 0, the c
 - **Who is ahead.** The admission queue is a hierarchical weighted fair queue: tenants by weight
   (spec §5.3), and inside a tenant, prefill classes by the class weights (short:medium:long 4:2:1 by
   default, so short prompts are preferred but long ones keep a share). Under GPS (the fluid version of
-  WFQ) a backlogged flow of share ``phi_u`` is served ``min(W_u, phi_u / phi_r * X_r)`` before the new
-  request's flow has received ``X_r`` (its own backlog plus the request). Applied twice: across the
-  classes of the request's tenant, then across tenants. Every term is non-decreasing in every
-  backlog, so the estimate is monotone in the work ahead (tested).
+  WFQ) a flow of share ``phi_u`` is served ``phi_u / phi_r * X_r`` before the new request's flow has
+  received ``X_r`` (its own backlog plus the request). Inside the tenant a busy class is assumed to
+  stay busy (its arrivals keep coming under overload and pass the request); across tenants only what
+  is waiting now counts, ``min(W_u, phi_u / phi_r * X_r)`` (a tenant's requests never jump the
+  tenant's own queue). Quantities are taken from each flow's current mix (counts, prefill and
+  decode work in proportion to cost). The estimate is monotone in the work ahead: more running
+  work, or more requests of the request's own flow (tested); adding a costlier-than-average request
+  to another partially served flow can lower its count share slightly (proportional mix).
 - **Lane wait.** The request needs one of ``K`` lane slots (``min(max_sequences, max_running)``). The
-  ``running`` sequences and the ``n_ahead`` waiting ones ahead occupy slots first, so
-  ``excess = running + n_ahead + 1 - K`` of them must finish before it gets one. In steady state
-  sequences finish at ``B_eff / (step * mean_len)`` per second (``B_eff = min(B, K)`` lane-steps per
-  decode step, ``mean_len`` = mean decode length of the occupants, running and ahead), so the lane wait
-  is ``excess * mean_len * step / B_eff`` (0 when a slot is free).
+  running sequences and the ``n_ahead`` waiting ones ahead occupy slots first, so
+  ``excess = running + n_ahead + 1 - K`` of them must finish before it gets one (0 when a slot is
+  free). While requests wait, every released slot is refilled at once, so the K occupants share the
+  ``B_eff = min(B, K)`` compiled lanes (fair decode lanes: processor sharing) and each gets a token
+  every ``K / B_eff`` steps: slot ``i`` frees when its sequence's remaining ``r_i`` steps are done,
+  at ``r_i * K * step / B_eff``, and then again every ``mean_len * K * step / B_eff`` (its refills,
+  ``mean_len`` the mean decode length of the requests ahead); the request gets the slot of the
+  ``excess``-th release of that merge. (Measured in a simulation: assuming the survivors speed up
+  after a release, as plain processor sharing would, underestimated B1 waits by ~2x; a steady
+  release rate after the running set ran out underestimated B4 by ~25 %.)
 - **Observed speed.** The modeled step is a floor (the software runtime's timing model; real devices and
   a loaded host are slower), so the controller also measures seconds per delivered decode lane-step
   over windows in which at least a batch of sequences holds lanes (saturated) and uses that (EWMA)
   instead of ``step / B_eff`` once it has a sample. Unsaturated windows are not sampled: a quiet
   period must not make the next burst look slow.
 - **Prefill wait.** The prefill jobs that run before its own: admitted requests not yet prefilled
-  plus the prefills of the waiting requests ahead. Added to the lane wait (the device is shared).
+  plus the prefills of the waiting requests ahead, each with the decode steps the service round robin
+  runs per prefill opportunity of its class (decode:short 8:4 = 2 steps). The wait is the prefill
+  time plus the larger of the lane wait and those interleaved decode steps (they are the same
+  device time; measured in the simulation: a burst admitted at once waits on the prefill queue, a
+  steady overload on the slots).
 
 The request's *own* prefill is not part of its wait: an idle server estimates 0 and never refuses.
 Decode lengths are ``max_new_tokens - 1`` (prefill returns the first token) scaled by the observed
@@ -38,8 +51,10 @@ ratio of delivered to requested decode tokens (early EOS, cancels), which starts
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from calserve.config import AdmissionConfig
 from calserve.core.prefill import QueueClass
@@ -125,7 +140,7 @@ class FlowLoad:
 
 @dataclasses.dataclass(frozen=True)
 class WaitEstimate:
-    seconds: float  # lane_wait_s + prefill_wait_s
+    seconds: float  # prefill_wait_s + max(lane_wait_s, decode steps interleaved with the prefills)
     lane_wait_s: float  # until a lane slot is free for it
     prefill_wait_s: float  # prefill jobs that run before its own
     ahead: float  # waiting requests expected to be admitted before it (fractional under GPS)
@@ -152,20 +167,24 @@ def expected_wait(
     own: Mapping[QueueClass, FlowLoad],
     class_weights: Mapping[QueueClass, int],
     others: Iterable[tuple[float, FlowLoad]],
-    running: int,
-    running_decode_len: float,
+    running_remaining: Sequence[float],
     pending_prefill_s: float,
+    pending_prefill_n: int = 0,
     decode_ratio: float = 1.0,
     lane_step_s: float | None = None,
+    own_ahead: Sequence[float] | None = None,
 ) -> WaitEstimate:
     """The expected wait before a new request's prefill starts (module doc).
 
     ``own``: the waiting flows of the request's tenant by prefill class; ``others``: (weight, total
-    waiting load) of every other tenant with requests waiting; ``running``: lane-holding sequences,
-    ``running_decode_len`` their summed decode lengths, ``pending_prefill_s`` the prefill time of those
-    not yet prefilled; ``slots``: lane slots K (>= 1); ``lane_step_s``: observed seconds per decode
-    lane-step at saturation (replaces ``step / B_eff``; it includes the prefill time interleaved with
-    decode, so the estimate then counts prefill twice: on the safe side).
+    waiting load) of every other tenant with requests waiting; ``running_remaining``: the decode steps
+    left of each lane-holding sequence, ascending (already scaled by ``decode_ratio``);
+    ``pending_prefill_s``/``pending_prefill_n``: the prefill time and count of those not yet
+    prefilled; ``slots``: lane slots K
+    (>= 1); ``lane_step_s``: observed seconds per decode lane-step at saturation (replaces
+    ``step / B_eff``; it includes the prefill time interleaved with decode, so the estimate then
+    counts prefill twice: on the safe side); ``own_ahead``: the decode lengths of the requests ahead
+    in the request's own flow, in FIFO order (None: that flow's mean length for each).
     """
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
@@ -173,33 +192,73 @@ def expected_wait(
         return _ZERO
     same = own.get(qclass)
     # Inside the tenant: the request's class is FIFO, the other classes share by class weight.
-    n = float(same.n) if same else 0.0
+    n_own = same.n if same else 0
     c_ahead = same.cost if same else 0.0
     pre = same.prefill_s if same else 0.0
-    dec = same.decode_len if same else 0.0
+    n = 0.0  # requests ahead from the other flows
+    ahead: list[tuple[float, float]] = []  # (count, mean decode length) per other flow
     x_class = c_ahead + cost
     cw = class_weights[qclass]
     for c, fl in own.items():
-        if c is qclass:
+        if c is qclass or fl.n == 0 or fl.cost <= 0:
             continue
-        f = _served(fl, class_weights[c] / cw, x_class)
+        # A backlogged class keeps its share while this request waits: under overload its queue is
+        # refilled by new arrivals, which pass a request of a class with a smaller share (measured:
+        # without this a 1,024-token prompt behind a stream of short ones waited 10x its estimate).
+        f = class_weights[c] / cw * x_class / fl.cost
         n += f * fl.n
         c_ahead += f * fl.cost
         pre += f * fl.prefill_s
-        dec += f * fl.decode_len
+        ahead.append((f * fl.n, fl.decode_len / fl.n))
     # Across tenants: by tenant weight, against everything the tenant gets up to this request.
     x_tenant = c_ahead + cost
     for w, fl in others:
         f = _served(fl, w / weight, x_tenant)
-        n += f * fl.n
-        pre += f * fl.prefill_s
-        dec += f * fl.decode_len
-    occupants = running + n
-    excess = max(0.0, occupants + 1 - slots)
+        if f > 0:
+            n += f * fl.n
+            pre += f * fl.prefill_s
+            ahead.append((f * fl.n, fl.decode_len / fl.n))
+    b_eff = min(model.batch, slots)
+    per = lane_step_s if lane_step_s is not None else model.decode_step_s / b_eff
     lane = 0.0
-    per_step = lane_step_s if lane_step_s is not None else model.decode_step_s / min(model.batch, slots)
-    if excess > 0 and per_step > 0:
-        mean_len = decode_ratio * (running_decode_len + dec) / occupants
-        lane = excess * mean_len * per_step
+    if len(running_remaining) + n + n_own + 1 > slots and per > 0:
+        if own_ahead is None:
+            mean = same.decode_len / same.n if same and same.n else 0.0
+            own_ahead = [mean] * n_own
+        lane = _slot_free_at(running_remaining, slots, max(slots, b_eff) * per,
+                             [(k, decode_ratio * m) for k, m in ahead],
+                             [decode_ratio * x for x in own_ahead])
+    # Prefill jobs ahead, each with the decode steps the round robin interleaves per opportunity of
+    # the request's class (decode:short 8:4 -> 2 steps per short prefill while anything decodes).
+    jobs = pending_prefill_n + n + n_own
+    interleaved = jobs * class_weights.get(QueueClass.DECODE, 0) / cw * per * b_eff
     prefill = pending_prefill_s + pre
-    return WaitEstimate(lane + prefill, lane, prefill, n, slots)
+    # The device runs the prefills ahead plus decode steps: those that free its slot, or those the
+    # round robin interleaves with the prefills ahead, whichever are more.
+    return WaitEstimate(prefill + max(lane, interleaved), lane, prefill, n + n_own, slots)
+
+
+def _slot_free_at(remaining: Sequence[float], slots: int, token_s: float,
+                  other: Sequence[tuple[float, float]], own_ahead: Sequence[float]) -> float:
+    """When a lane slot is free for the request (module doc): list scheduling on ``slots`` slots.
+
+    Slot ``i`` first frees when its running sequence's ``r_i`` remaining steps are done (a free slot
+    at once); every occupant gets a token every ``token_s`` seconds (the slots stay full while
+    anything waits). The requests ahead take the earliest free slot in turn, each holding it for its
+    decode length: first the other flows' shares (``other``: (count, mean length) per flow, a
+    fractional count ends in a shortened request), then the request's own flow in FIFO order; the
+    request gets the earliest slot after them.
+    # Invariant: "replace the earliest slot time t by t + L" is monotone in the sorted slot times, so
+    #   more running work, a longer or an extra request anywhere in the list never makes it earlier.
+    """
+    free = [0.0] * (slots - len(remaining)) + [r * token_s for r in remaining]
+    heapq.heapify(free)
+    lengths: list[Iterable[float]] = []
+    for count, mean in other:
+        whole = math.floor(count)
+        lengths.append(itertools.repeat(mean, whole))
+        if count > whole:
+            lengths.append((mean * (count - whole),))
+    for length in itertools.chain(*lengths, own_ahead):
+        heapq.heapreplace(free, free[0] + length * token_s)
+    return free[0]

@@ -31,8 +31,26 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
         time.sleep(0.05)
 
 
-async def test_100_streaming_clients_disconnect_mid_stream(server: ServerProcess) -> None:
+@pytest.fixture(scope="module")
+def storm_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[ServerProcess]:
+    """The default server with every request admitted and time-shared: no running cap, no queue-wait
+    SLO and a deadline far enough that the expected wait never refuses (100 concurrent 1,500-token
+    streams on B1 would otherwise mostly get 429: the estimate cannot know they hang up early)."""
+    config_yaml = (
+        "scheduler:\n"
+        "  admission:\n"
+        "    max_expected_wait_ms: null\n"
+        "    max_tpot_steps: null\n"
+        "    deadline_default_ms: 3600000\n"
+    )
+    with serving(calserve_home, tmp_path_factory.mktemp("storm"), config_yaml) as proc:
+        yield proc
+
+
+async def test_100_streaming_clients_disconnect_mid_stream(storm_server: ServerProcess) -> None:
     """Raw TCP clients (what a browser/curl does on Ctrl-C): read two chunks, then close."""
+    server = storm_server
     url = server.url
     assert server.port is not None
     before = await trio.to_thread.run_sync(scrape, url)
