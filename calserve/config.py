@@ -148,8 +148,14 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     max_body_bytes: Pos = 1 << 20
-    # Tokens buffered per stream while its client is slow; beyond it, tokens are coalesced.
+    # Token events buffered per stream while its client is slow (the StreamWriter needs 1: every
+    # pending token is coalesced into one event the consumer takes whole).
     stream_buffer_events: Pos = 64
+    # Optional minimum gap between two streamed token chunks of one stream (ms, 0 = off, the
+    # default): tokens arriving meanwhile go out as one chunk (fewer SSE events, less server CPU
+    # per token) at the cost of up to this much added inter-token latency, and of a terminal event
+    # up to this much later. The first token is never held. Like vLLM's --stream-interval.
+    stream_interval_ms: NonNeg = 0
 
 
 class RuntimeConfig(_Strict):

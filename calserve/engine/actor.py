@@ -6,14 +6,25 @@ of messages raises instead of corrupting state), detokenises incrementally, appl
 (the stop text is never emitted; the scheduler is told to end the sequence) and writes events to
 the request's :class:`StreamWriter`.
 
+The per-token work lives in :class:`_TokenStep`, the actor's own state object. With a plain trio
+memory channel as inbox the actor task runs it for every ``Tokens`` message (one task hop per
+token). With an :class:`ActorInbox` (``open_actor_inbox``) the sender runs the very same step
+synchronously when the actor is idle — parked with nothing queued — which saves that hop (~45k
+instructions per token measured in ``bench``'s micro-benchmark, about a third of the actor +
+stream + render path). Everything that touches another component (telling the scheduler to stop)
+is still done by the actor task, which the inline step wakes; order is kept because a message is
+only run inline when nothing is queued before it.
+
 Invariant: the terminal event is written exactly once — by the ``End`` message, or, if the actor is
 cancelled first (engine torn down from outside), by the ``finally`` clause with a shutdown error.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, final
 
 import trio
 
@@ -27,7 +38,7 @@ from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, Request
 if TYPE_CHECKING:
     from calserve.engine.registry import RequestRegistry
 
-__all__ = ["run_actor"]
+__all__ = ["run_actor", "ActorInbox", "open_actor_inbox"]
 
 log = logging.getLogger("calserve.engine.actor")
 
@@ -46,18 +57,148 @@ def _advance(state: RequestState, first: bool) -> RequestState:
     return nxt
 
 
+@final
+class _TokenStep:
+    """The actor's per-request state and its per-token step. Only the actor's code mutates it: the
+    actor task, or (with an :class:`ActorInbox`) the inbox on the actor's behalf while the task is
+    parked. ``stop_wanted`` is for the task: a reason the scheduler must be told (``sched.stop``)."""
+
+    __slots__ = ("state", "completion", "stopped", "stop_wanted", "_detok", "_stops", "_min_tokens",
+                 "_writer")
+
+    def __init__(self, seq: Seq, writer: StreamWriter, tokenizer: Any) -> None:
+        self.state = fire(RequestState.NEW, E.ENQUEUE)
+        self.completion = 0
+        self.stopped = False  # a stop string matched: later tokens are dropped
+        self.stop_wanted: FinishReason | None = None
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopMatcher(seq.req.sampling.stop) if seq.req.sampling.stop else None
+        self._min_tokens = seq.req.sampling.min_tokens
+        self._writer = writer
+
+    def on_tokens(self, msg: Tokens) -> bool:
+        """One token: lifecycle replay, detokenise, stop strings, write. True when the actor task
+        must run (``stop_wanted`` set). Raises IllegalTransition on a message out of order."""
+        if self.stopped:
+            return False
+        self.completion += 1
+        cache = _AFTER_PREFILL if msg.first else _AFTER_DECODE
+        nxt = cache.get(self.state)
+        self.state = nxt if nxt is not None else _advance(self.state, msg.first)
+        if msg.hidden:
+            return False
+        token_id = msg.token_id
+        text = self._detok.push_one(token_id)
+        stops = self._stops
+        wanted = False
+        if stops is not None:
+            text, hit = stops.feed(text, check=self.completion > self._min_tokens)
+            if hit:
+                self.stopped = True
+                self.stop_wanted = FinishReason.STOP
+                wanted = True
+        writer = self._writer
+        writer.put_token(token_id, text, msg.logprob)
+        if writer.abandoned and self.stop_wanted is None:
+            self.stop_wanted = FinishReason.CANCELLED
+            wanted = True
+        return wanted
+
+    def tail(self) -> str:
+        """The held-back text at the end (nothing after a stop string matched)."""
+        if self.stopped:
+            return ""
+        tail = self._detok.flush()
+        stops = self._stops
+        if stops is not None:
+            tail, hit = stops.feed(tail)
+            if not hit:
+                tail += stops.flush()
+        return tail
+
+
+class _Poke:
+    """Queued by the inline step to have the actor task act (tell the scheduler, or re-raise)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+
+_POKE: Final = _Poke()
+
+
+@final
+class ActorInbox:
+    """A request actor's inbox: ``send_nowait`` is the engine's side (the subset of
+    ``trio.MemorySendChannel`` it uses: never blocks, unbounded), ``receive`` the actor task's.
+
+    A ``Tokens`` message sent while the actor is parked with nothing queued runs the actor's
+    attached step right here (see the module docstring); anything else is queued and wakes the task.
+    Invariant: messages take effect in send order; the step never runs concurrently with the task
+    (single trio thread; the task is parked whenever the step runs inline).
+    """
+
+    __slots__ = ("_q", "_waiter", "_step")
+
+    def __init__(self) -> None:
+        self._q: collections.deque[ActorMsg | _Poke] = collections.deque()
+        self._waiter: trio.lowlevel.Task | None = None  # the actor task, parked in receive()
+        self._step: Callable[[Tokens], bool] | None = None
+
+    def attach(self, step: Callable[[Tokens], bool] | None) -> None:
+        """The actor's token step (None: detached — the actor is gone, messages just queue)."""
+        self._step = step
+
+    def send_nowait(self, msg: ActorMsg) -> None:
+        step = self._step
+        if step is not None and self._waiter is not None and not self._q and type(msg) is Tokens:
+            try:
+                if not step(msg):
+                    return
+                self._q.append(_POKE)
+            except Exception as exc:  # an actor bug: raised in the actor task, as without inlining
+                self._step = None
+                self._q.append(_Poke(exc))
+        else:
+            self._q.append(msg)
+        t = self._waiter
+        if t is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(t)
+
+    async def receive(self) -> ActorMsg | _Poke:
+        """The next queued message (cancellable while waiting)."""
+        q = self._q
+        while not q:
+            self._waiter = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._abort)
+        return q.popleft()
+
+    def _abort(self, _: Any) -> trio.lowlevel.Abort:
+        self._waiter = None  # no inline step and no reschedule once trio woke the task
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def statistics(self) -> int:
+        """Messages queued for the actor task."""
+        return len(self._q)
+
+
+def open_actor_inbox() -> tuple[ActorInbox, ActorInbox]:
+    """``(send side, receive side)`` like ``trio.open_memory_channel(math.inf)``: one object."""
+    box = ActorInbox()
+    return box, box
+
+
 async def run_actor(
     seq: Seq,
-    recv: trio.MemoryReceiveChannel[ActorMsg],
+    recv: trio.MemoryReceiveChannel[ActorMsg] | ActorInbox,
     writer: StreamWriter,
     tokenizer: Any,
     registry: RequestRegistry,
 ) -> None:
-    state = fire(RequestState.NEW, E.ENQUEUE)
-    detok = IncrementalDetokenizer(tokenizer)
-    stops = StopMatcher(seq.req.sampling.stop) if seq.req.sampling.stop else None
-    completion = 0
-    stopped = False  # a stop string matched: later tokens are dropped
+    step = _TokenStep(seq, writer, tokenizer)
     outcome = "shutdown"
     sched = registry.sched
 
@@ -69,70 +210,58 @@ async def run_actor(
             e2e_s=now - seq.arrival,
         )
 
-    # Hot path (one Tokens message per token): locals instead of attribute lookups, the
-    # lifecycle replay from a transition cache, one detokenizer step, no event object.
     receive = recv.receive
-    push_one = detok.push_one
-    put_token = writer.put_token
-    min_tokens = seq.req.sampling.min_tokens
+    on_tokens = step.on_tokens
+    inbox = recv if isinstance(recv, ActorInbox) else None
     try:
+        if inbox is not None:
+            inbox.attach(on_tokens)
         while True:
             try:
                 msg = await receive()
             except trio.EndOfChannel:
                 return
             if type(msg) is Tokens:
-                if stopped:
+                if not on_tokens(msg):
                     continue
-                completion += 1
-                cache = _AFTER_PREFILL if msg.first else _AFTER_DECODE
-                nxt = cache.get(state)
-                state = nxt if nxt is not None else _advance(state, msg.first)
-                if msg.hidden:
-                    continue
-                token_id = msg.token_id
-                text = push_one(token_id)
-                if stops is not None:
-                    text, hit = stops.feed(text, check=completion > min_tokens)
-                    if hit:
-                        stopped = True
-                        sched.stop(seq, FinishReason.STOP)
-                put_token(token_id, text, msg.logprob)
-                if writer.abandoned:
-                    sched.stop(seq, FinishReason.CANCELLED)
-            elif isinstance(msg, Admitted):
-                state = fire(state, E.ADMIT)
-            elif isinstance(msg, End):
-                usage = Usage(len(seq.prompt), completion)
+            elif type(msg) is _Poke:
                 if msg.error is not None:
-                    state = fire(state, E.FAIL)
+                    raise msg.error
+            elif isinstance(msg, Admitted):
+                step.state = fire(step.state, E.ADMIT)
+            elif isinstance(msg, End):
+                usage = Usage(len(seq.prompt), step.completion)
+                if msg.error is not None:
+                    step.state = fire(step.state, E.FAIL)
                     outcome = "failed" if msg.error.kind != "shutdown" else "shutdown"
                     writer.close(ErrorEvent(msg.error.message, msg.error.kind, usage, timings()))
                     return
-                reason = FinishReason.STOP if stopped else msg.reason
+                reason = FinishReason.STOP if step.stopped else msg.reason
                 assert reason is not None
                 if reason is FinishReason.CANCELLED:
-                    state = fire(state, E.CANCEL)
+                    step.state = fire(step.state, E.CANCEL)
                     outcome = "cancelled"
                 elif reason is FinishReason.DEADLINE:
-                    state = fire(state, E.EXPIRE)
+                    step.state = fire(step.state, E.EXPIRE)
                     outcome = "deadline"
                 else:
-                    state = fire(state, E.FINISH)
+                    step.state = fire(step.state, E.FINISH)
                     outcome = "completed"
-                if state is RequestState.FINISHING:
-                    state = fire(state, E.COMPLETE)
-                tail = ""
-                if not stopped:
-                    tail = detok.flush()
-                    if stops is not None:
-                        tail, hit = stops.feed(tail)
-                        if not hit:
-                            tail += stops.flush()
-                writer.close(FinishEvent(reason, usage, tail, timings()))
+                if step.state is RequestState.FINISHING:
+                    step.state = fire(step.state, E.COMPLETE)
+                writer.close(FinishEvent(reason, usage, step.tail(), timings()))
                 return
+            # Invariant: the scheduler hears of a stop from the actor task only, never from inside
+            # the sender's call (the dispatcher may be in the middle of that sequence's bookkeeping);
+            # sched.stop is idempotent, the first reason wins.
+            wanted = step.stop_wanted
+            if wanted is not None:
+                step.stop_wanted = None
+                sched.stop(seq, wanted)
     finally:
+        if inbox is not None:
+            inbox.attach(None)
         if not writer.closed:
-            writer.close(ErrorEvent("the engine stopped", "shutdown", Usage(len(seq.prompt), completion)))
+            writer.close(ErrorEvent("the engine stopped", "shutdown", Usage(len(seq.prompt), step.completion)))
             outcome = "shutdown"
         registry.done(seq, outcome)

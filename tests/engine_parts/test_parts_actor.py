@@ -6,12 +6,16 @@ lifecycle replay from the transition cache still refuses an illegal message sequ
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from calserve.core.fsm import IllegalTransition
-from calserve.engine.actor import run_actor
+from calserve.engine import registry as registry_mod
+from calserve.engine.actor import ActorInbox, open_actor_inbox, run_actor
 from calserve.engine.engine import Engine
 from calserve.engine.fake_device import FakeBackend
 from calserve.engine.state import ActorMsg, Admitted, End, Tokens
@@ -33,8 +37,30 @@ def _token_events(events: list[Event]) -> list[TokenEvent]:
     return [e for e in events if isinstance(e, TokenEvent)]
 
 
+class _TrioWithActorInbox:
+    """``trio`` as the registry sees it, except that its actor inboxes are :class:`ActorInbox`es
+    (the inline token step) — what ``open_actor_inbox`` in ``RequestRegistry.create`` would do."""
+
+    class _Opener:
+        def __getitem__(self, _: object) -> Any:
+            return lambda _size: open_actor_inbox()
+
+    open_memory_channel = _Opener()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(trio, name)
+
+
+@pytest.fixture(params=["channel", "inline"])
+def inbox_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run an engine test with the registry's trio memory channels, then with ActorInboxes."""
+    if request.param == "inline":
+        monkeypatch.setattr(registry_mod, "trio", _TrioWithActorInbox())
+    yield str(request.param)
+
+
 async def test_slow_consumer_coalesced_events_keep_stop_text_hidden_and_logprobs_aligned(
-    autojump_clock: object,
+    autojump_clock: object, inbox_kind: str,
 ) -> None:
     prompt = (1, 2, 3)
     ref = fake_greedy(prompt, 60)
@@ -46,6 +72,8 @@ async def test_slow_consumer_coalesced_events_keep_stop_text_hidden_and_logprobs
         sp = SamplingParams(temperature=0.0, max_tokens=60, stop=(stop,), ignore_eos=True,
                             logprobs=2)
         h = await eng.submit(GenerateRequest(prompt, sp))
+        inbox = eng.registry.live[h.request_id].inbox
+        assert isinstance(inbox, ActorInbox) == (inbox_kind == "inline")
         await trio.sleep(5.0)  # the client reads nothing while every token is produced
         events = [ev async for ev in h.events()]
     toks = _token_events(events)
@@ -63,20 +91,24 @@ async def test_slow_consumer_coalesced_events_keep_stop_text_hidden_and_logprobs
     assert sum(not isinstance(e, TokenEvent) for e in events) == 1
 
 
-async def test_consumer_reading_as_tokens_arrive_gets_them_one_by_one(autojump_clock: object) -> None:
+async def test_consumer_reading_as_tokens_arrive_gets_them_one_by_one(
+    autojump_clock: object, inbox_kind: str
+) -> None:
     """No waiting on purpose: a consumer that keeps up sees each token as its own event."""
     prompt = (4, 5)
     async with Engine.open(config(), backend=FakeBackend("calrt-0.7.6", seed=1),
                            sources={"qwen3": fake_source(profiles=(1,))}) as eng:
         h = await eng.submit(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=20,
                                                                     ignore_eos=True)))
+        inbox = eng.registry.live[h.request_id].inbox
+        assert isinstance(inbox, ActorInbox) == (inbox_kind == "inline")
         events = [ev async for ev in h.events()]
     toks = _token_events(events)
     assert [e.token_ids for e in toks] == [(t,) for t in fake_greedy(prompt, 20)]
     assert isinstance(events[-1], FinishEvent) and events[-1].usage.completion_tokens == 20
 
 
-async def test_disconnect_mid_stream_cancels_the_request(autojump_clock: object) -> None:
+async def test_disconnect_mid_stream_cancels_the_request(autojump_clock: object, inbox_kind: str) -> None:
     async with Engine.open(config(), backend=FakeBackend("calrt-0.7.6", seed=1),
                            sources={"qwen3": fake_source(profiles=(1,))}) as eng:
         h = await eng.submit(GenerateRequest((7,), SamplingParams(temperature=0.0, max_tokens=400,
@@ -116,31 +148,47 @@ def _seq(stop: tuple[str, ...] = ()) -> types.SimpleNamespace:
                                  arrival=0.0, admitted_at=0.0, first_token_at=0.0)
 
 
-async def _run(msgs: list[ActorMsg], stop: tuple[str, ...] = ()) -> tuple[list[Event], _Registry]:
-    send, recv = trio.open_memory_channel[ActorMsg](100)
+async def _run(msgs: list[ActorMsg], stop: tuple[str, ...] = (), *, inline: bool = False
+               ) -> tuple[list[Event], _Registry]:
+    """Run an actor over ``msgs``. ``inline``: an ActorInbox, the messages sent one by one while
+    the actor task is parked (the inline step runs them), with a checkpoint after each."""
     w = StreamWriter(1)
     reg = _Registry()
-    for m in msgs:
-        send.send_nowait(m)
-    await run_actor(_seq(stop), recv, w, CharTokenizer(), reg)  # type: ignore[arg-type]
+    if not inline:
+        send, recv = trio.open_memory_channel[ActorMsg](100)
+        for m in msgs:
+            send.send_nowait(m)
+        await run_actor(_seq(stop), recv, w, CharTokenizer(), reg)  # type: ignore[arg-type]
+        return [ev async for ev in w], reg
+    box, rbox = open_actor_inbox()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_actor, _seq(stop), rbox, w, CharTokenizer(), reg)
+        for m in msgs:
+            await trio.testing.wait_all_tasks_blocked()
+            box.send_nowait(m)
     return [ev async for ev in w], reg
 
 
-async def test_actor_replays_the_lifecycle_and_writes_one_terminal() -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["channel", "inline"])
+async def test_actor_replays_the_lifecycle_and_writes_one_terminal(inline: bool) -> None:
     events, reg = await _run([Admitted(0.0), Tokens(10, None, True), Tokens(11, None, False),
-                              Tokens(12, None, False, hidden=True), End(FinishReason.STOP)])
+                              Tokens(12, None, False, hidden=True), End(FinishReason.STOP)],
+                             inline=inline)
     assert [e.token_ids for e in _token_events(events)] == [(10, 11)]  # the hidden one: usage only
     term = events[-1]
     assert isinstance(term, FinishEvent) and term.usage.completion_tokens == 3
     assert reg.outcomes == ["completed"]
 
 
-async def test_actor_stop_string_across_tokens_tells_the_scheduler_and_hides_the_text() -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["channel", "inline"])
+async def test_actor_stop_string_across_tokens_tells_the_scheduler_and_hides_the_text(
+    inline: bool,
+) -> None:
     tok = CharTokenizer()
     ids = tok.encode("abXYZcd")
     msgs: list[ActorMsg] = [Admitted(0.0)]
     msgs += [Tokens(t, None, i == 0) for i, t in enumerate(ids)]
-    events, reg = await _run([*msgs, End(FinishReason.LENGTH)], stop=("XYZ",))
+    events, reg = await _run([*msgs, End(FinishReason.LENGTH)], stop=("XYZ",), inline=inline)
     assert "".join(e.text for e in _token_events(events)) == "ab"
     term = events[-1]
     assert isinstance(term, FinishEvent) and term.reason is FinishReason.STOP and term.text == ""
@@ -162,3 +210,43 @@ async def test_actor_refuses_an_illegal_message_sequence_even_with_cached_moves(
     events = [ev async for ev in w]
     assert len(events) == 1 and isinstance(events[0], ErrorEvent) and events[0].kind == "shutdown"
     assert reg.outcomes == ["shutdown"]
+
+
+async def test_inline_step_runs_in_the_senders_call_and_the_task_tells_the_scheduler() -> None:
+    """With an ActorInbox the token is written during send_nowait (no task hop); a stop string
+    match is told to the scheduler by the actor task afterwards, never from inside send_nowait."""
+    tok = CharTokenizer()
+    box, rbox = open_actor_inbox()
+    w = StreamWriter(1)
+    reg = _Registry()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_actor, _seq(("cd",)), rbox, w, tok, reg)
+        await trio.testing.wait_all_tasks_blocked()
+        box.send_nowait(Admitted(0.0))  # queued: not a token
+        await trio.testing.wait_all_tasks_blocked()
+        box.send_nowait(Tokens(tok.encode("a")[0], None, True))
+        assert w.statistics().tokens_put == 1 and box.statistics() == 0  # done inline
+        box.send_nowait(Tokens(tok.encode("c")[0], None, False))
+        box.send_nowait(Tokens(tok.encode("d")[0], None, False))  # completes the stop string
+        assert reg.sched.stops == []  # not from inside the sender's call
+        await trio.testing.wait_all_tasks_blocked()
+        assert reg.sched.stops == [FinishReason.STOP]
+        box.send_nowait(End(FinishReason.LENGTH))
+    events = [ev async for ev in w]
+    assert "".join(e.text for e in _token_events(events)) == "a"
+    assert isinstance(events[-1], FinishEvent) and events[-1].reason is FinishReason.STOP
+
+
+async def test_inline_step_error_is_raised_by_the_actor_task() -> None:
+    box, rbox = open_actor_inbox()
+    w = StreamWriter(1)
+    reg = _Registry()
+    with pytest.RaisesGroup(IllegalTransition):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_actor, _seq(), rbox, w, CharTokenizer(), reg)
+            await trio.testing.wait_all_tasks_blocked()
+            box.send_nowait(Tokens(1, None, False))  # before admission: illegal, not raised here
+    events = [ev async for ev in w]
+    assert len(events) == 1 and isinstance(events[0], ErrorEvent) and reg.outcomes == ["shutdown"]
+    box.send_nowait(Tokens(2, None, False))  # the actor is gone: queued, nothing runs
+    assert box.statistics() == 1
