@@ -36,7 +36,6 @@ refuses (REJECT_CAPACITY, Retry-After = the excess) a request whose expected wai
 from __future__ import annotations
 
 import dataclasses
-import enum
 import heapq
 import itertools
 import math
@@ -45,7 +44,17 @@ from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from calserve.config import QueuesConfig
+from calserve.core.admission_types import (
+    AdmissionDecision,
+    AdmissionStats,
+    CapacityBudget,
+    Outcome,
+    TenantPolicy,
+    TenantStats,
+    WorkItem,
+)
 from calserve.core.prefill import QueueClass, classify, weights_from_config
+from calserve.core.service_tracker import ServiceTracker
 from calserve.core.wait_estimate import FlowLoad, ServiceModel, WaitEstimate, expected_wait
 
 __all__ = [
@@ -60,96 +69,10 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class CapacityBudget:
-    """Spec §5.1. Built from the package's capacity plan and ``scheduler.admission`` overrides."""
-
-    max_sequences: int  # concurrent KV sequences (lanes)
-    max_kv_tokens: int  # KV tokens over all sequences
-    max_waiting_requests: int  # queued requests (all tenants)
-    max_waiting_prompt_tokens: int  # prompt tokens of queued requests (all tenants)
-    max_inflight_jobs: int  # jobs on the device at once (executor.max_inflight)
-
-
-class Outcome(enum.Enum):
-    ADMIT = "admit"  # handed out by pop_admissible: go to PrefillReady
-    QUEUE = "queue"  # waiting in the fair queue
-    REJECT_INVALID = "reject_invalid"  # can never fit (api: 400)
-    REJECT_CAPACITY = "reject_capacity"  # full right now (api: 429)
-    REJECT_UNAVAILABLE = "reject_unavailable"  # model draining/recovering/failed (api: 503)
-    DEADLINE = "deadline"  # deadline passed before admission
-
-
-@dataclasses.dataclass(frozen=True)
-class AdmissionDecision:
-    outcome: Outcome
-    reason: str  # human-readable, names the limit that was hit
-    param: str | None = None  # the request field at fault (OpenAI style), for REJECT_INVALID
-    retry_after_s: float | None = None  # for REJECT_CAPACITY / REJECT_UNAVAILABLE
-    # REJECT_CAPACITY because of the tenant's own limit (QPS, waiting tokens), not the server's.
-    quota: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class TenantPolicy:
-    """Control-plane limits of one tenant (``tenants.<name>`` in config)."""
-
-    weight: float = 1.0
-    max_active_sequences: int | None = None  # None = unlimited
-    max_waiting_tokens: int | None = None  # prompt tokens queued for this tenant; None = unlimited
-    qps: float | None = None  # token-bucket refill rate (requests/s); None = unlimited
-    burst: int | None = None  # bucket size; None = max(1, ceil(qps))
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkItem:
-    request_id: int
-    tenant: str
-    prompt_tokens: int
-    max_new_tokens: int
-    arrival: float  # caller's clock, seconds
-    deadline: float | None  # absolute, caller's clock; None = no deadline
-    generation: int  # the model generation the request is pinned to
-
-    @property
-    def kv_tokens(self) -> int:
-        """KV tokens this request may need: what admission reserves."""
-        return self.prompt_tokens + self.max_new_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class TenantStats:
-    waiting_requests: int
-    waiting_tokens: int  # prompt tokens queued
-    active_sequences: int
-    service: float  # delivered cost units (prefill tokens x1 + decode tokens x output_token_cost)
-    virtual_time: float  # the tenant's effective virtual time (delivered + active estimate) / weight
-
-
-@dataclasses.dataclass(frozen=True)
-class AdmissionStats:
-    waiting_requests: int
-    waiting_prompt_tokens: int
-    active_sequences: int
-    global_virtual_time: float
-    tenants: Mapping[str, TenantStats]  # only tenants seen so far
-    decisions: Mapping[Outcome, int]  # count per outcome (ADMIT counted by pop_admissible)
-    # Overload admission: the cap on active sequences (None = free lanes only), REJECT_CAPACITY
-    # decisions caused by the expected wait, and the wait estimated for the last offered request.
-    max_running: int | None = None
-    rejected_expected_wait: int = 0
-    last_expected_wait_s: float = 0.0
-    decode_ratio: float = 1.0  # observed delivered / requested decode tokens (EWMA)
-    lane_step_s: float | None = None  # observed seconds per decode lane-step at saturation
-
-
 # A hint for clients when a queue/token budget is full: roughly one decode round of a busy device.
 QUEUE_FULL_RETRY_S = 1.0
 MIN_RETRY_S = 0.1  # the smallest Retry-After hint for an expected-wait refusal
-DECODE_RATIO_ALPHA = 0.05  # EWMA weight of one finished request in the observed decode ratio
 RECENT_CLASS_S = 1.0  # a class offered within this counts as busy for the other classes' estimate
-OBSERVE_WINDOW_S = 0.05  # shortest saturated window sampled for the observed decode speed
-OBSERVE_ALPHA = 0.2  # EWMA weight of one window (time constant ~0.25 s of saturation)
 _CLASSES = (QueueClass.SHORT, QueueClass.MEDIUM, QueueClass.LONG)
 UNAVAILABLE_RETRY_S = 5.0
 _EPS = 1e-9
@@ -243,21 +166,10 @@ class AdmissionController:
         self.service = service if service is not None else ServiceModel(0.0, 1)
         self.max_expected_wait_s = max_expected_wait_s
         self.max_running = max_running
-        # Active requests: decode length, prefill seconds not yet done, decode tokens delivered.
-        self._run_len: dict[int, float] = {}
-        self._run_prefill: dict[int, float] = {}
-        self._decoded: dict[int, int] = {}
-        self._pending_prefill_s = 0.0  # Invariant: == sum(self._run_prefill.values())
-        self._unprefilled: set[int] = set()  # active requests whose prefill has not completed
-        self._decode_ratio = 1.0
+        self._svc = ServiceTracker(self.service)  # what the active requests still need; speed
         self._load = FlowLoad()  # all waiting requests (FCFS estimate)
         self._rejected_wait = 0
         self._last_wait = 0.0
-        # Observed seconds per decode lane-step while saturated (None until sampled; see observe()).
-        self._lane_step_s: float | None = None
-        self._decode_total = 0  # decode tokens charged since creation
-        self._obs_at: float | None = None  # start of the current saturated observation window
-        self._obs_tokens = 0
         self.output_token_cost = output_token_cost
         self.policy = policy
         self._policies = dict(tenants)
@@ -421,7 +333,7 @@ class AdmissionController:
                                     retry_after_s=(1.0 - t.bucket) / p.qps, quota=True)
         t.last_seen[self.qclass(item)] = (now, self.cost(item), self.service.prefill_s(item.prompt_tokens),
                                           float(item.max_new_tokens - 1))
-        if self.service.known or self._lane_step_s is not None:
+        if self.service.known or self._svc.lane_step_s is not None:
             limit = math.inf if self.max_expected_wait_s is None else self.max_expected_wait_s
             if item.deadline is not None:
                 limit = min(limit, item.deadline - now)
@@ -478,12 +390,7 @@ class AdmissionController:
         self._add_load(t, c, item, -1)
         t.cclock = max(t.cclock, t.cvt[c])
         t.cvt[c] += self.cost(item) / self._cw[c]
-        rid = item.request_id
-        self._run_len[rid] = float(item.max_new_tokens - 1)
-        self._run_prefill[rid] = self.service.prefill_s(item.prompt_tokens)
-        self._decoded[rid] = 0
-        self._pending_prefill_s += self._run_prefill[rid]
-        self._unprefilled.add(rid)
+        self._svc.admit(item.request_id, item.prompt_tokens, item.max_new_tokens)
         t.waiting -= 1
         t.waiting_tokens -= item.prompt_tokens
         self._waiting_tokens -= item.prompt_tokens
@@ -625,15 +532,10 @@ class AdmissionController:
         if request_id is not None and request_id in self._remaining:
             dec = min(amount, self._remaining[request_id])
             self._remaining[request_id] -= dec
-            if prefill_tokens:
-                self._pending_prefill_s -= self._run_prefill.get(request_id, 0.0)
-                self._unprefilled.discard(request_id)
-                self._run_prefill[request_id] = 0.0
-            self._decoded[request_id] += decode_tokens
         else:
             dec = min(amount, t.est)
         t.est = max(0.0, t.est - dec)
-        self._decode_total += decode_tokens
+        self._svc.served(-1 if request_id is None else request_id, prefill_tokens > 0, decode_tokens)
         # The tenant's key can only grow here (overrun), which the lazy heap check handles.
         # Invariant: for every tenant with in_heap, its live entry's key <= its true key.
 
@@ -646,14 +548,7 @@ class AdmissionController:
         t = self._tenants[name]
         t.active.discard(request_id)
         rem = self._remaining.pop(request_id, 0.0)
-        want = self._run_len.pop(request_id)
-        self._pending_prefill_s -= self._run_prefill.pop(request_id)
-        self._unprefilled.discard(request_id)
-        got = self._decoded.pop(request_id)
-        if want > 0 and got > 0:  # prefill-only or never-served requests say nothing about lengths
-            self._decode_ratio += DECODE_RATIO_ALPHA * (min(1.0, got / want) - self._decode_ratio)
-        if not self._active:  # no float residue when nothing is in flight
-            self._pending_prefill_s = 0.0
+        self._svc.release(request_id)
         t.est = max(0.0, t.est - rem)
         if not t.active:
             t.est = 0.0  # no float residue when nothing is in flight
@@ -680,28 +575,14 @@ class AdmissionController:
         return max(t.effective_vt(), self._gvt) + cost / t.weight
 
     def observe(self, now: float) -> None:
-        """Sample the decode speed (call often, e.g. every scheduler tick): seconds per decode
-        lane-step over windows of at least ``OBSERVE_WINDOW_S`` during which at least a batch of
-        sequences was active at every call; an unsaturated call restarts the window."""
-        saturated = len(self._active) >= min(self.service.batch, self.slots())
-        if not saturated or self._obs_at is None or now < self._obs_at:
-            self._obs_at = now if saturated else None
-            self._obs_tokens = self._decode_total
-            return
-        dt = now - self._obs_at
-        if dt < OBSERVE_WINDOW_S:
-            return
-        done = self._decode_total - self._obs_tokens
-        if done > 0:
-            sample = dt / done
-            self._lane_step_s = sample if self._lane_step_s is None else (
-                self._lane_step_s + OBSERVE_ALPHA * (sample - self._lane_step_s))
-        self._obs_at, self._obs_tokens = now, self._decode_total
+        """Sample the decode speed (call every scheduler tick; see :class:`ServiceTracker`):
+        saturated while at least a batch's worth of requests is active."""
+        self._svc.observe(now, len(self._active) >= min(self.service.batch, self.slots()))
 
     @property
     def lane_step_s(self) -> float | None:
         """Observed seconds per decode lane-step at saturation (None before the first sample)."""
-        return self._lane_step_s
+        return self._svc.lane_step_s
 
     def slots(self) -> int:
         """Lane slots a request competes for: ``min(max_sequences, max_running)``."""
@@ -742,10 +623,10 @@ class AdmissionController:
         return expected_wait(
             self.service, slots=self.slots(), qclass=c, cost=self.cost(item), weight=weight,
             own=own, class_weights=self._cw, others=others,
-            running_remaining=sorted(self._decode_ratio * max(0.0, n - self._decoded[rid])
-                                     for rid, n in self._run_len.items()),
-            pending_prefill_s=self._pending_prefill_s, pending_prefill_n=len(self._unprefilled),
-            decode_ratio=self._decode_ratio, lane_step_s=self._lane_step_s,
+            running_remaining=self._svc.running_remaining(),
+            pending_prefill_s=self._svc.pending_prefill_s,
+            pending_prefill_n=self._svc.pending_prefill_n,
+            decode_ratio=self._svc.decode_ratio, lane_step_s=self._svc.lane_step_s,
             own_ahead=[float(w.max_new_tokens - 1) for w in fifo if w.request_id in self._items])
 
     def lane_virtual_time(self, tenant: str) -> float:
@@ -773,6 +654,6 @@ class AdmissionController:
             max_running=self.max_running,
             rejected_expected_wait=self._rejected_wait,
             last_expected_wait_s=self._last_wait,
-            decode_ratio=self._decode_ratio,
-            lane_step_s=self._lane_step_s,
+            decode_ratio=self._svc.decode_ratio,
+            lane_step_s=self._svc.lane_step_s,
         )
