@@ -116,6 +116,13 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
 def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
     dur = 4.0 if quick else 8.0
     cfg = calserve_config(profiles=[1, 4, 8, 16], timing="none", null_compute=True)
+    from calserve.config import AdmissionConfig
+    fields = set(AdmissionConfig.__struct_fields__)
+    # Every one of the 64 streams must stream (a 429 costs CPU but streams no token): no
+    # expected-wait refusal, no running cap, where this calserve has those admission extensions.
+    adm = {k: None for k in ("max_expected_wait_ms", "max_tpot_steps") if k in fields}
+    if adm:
+        cfg["scheduler"]["admission"] = adm
     if stream_interval_ms:  # an informative what-if only: the target is judged with it off
         cfg["server"] = {"stream_interval_ms": stream_interval_ms}
     with Server.calserve(cfg, out / "server-calserve") as srv:

@@ -1,0 +1,156 @@
+"""Micro-benchmark of the per-token serving path inside one process, without HTTP or device.
+
+``python -m bench.token_path [--inbox channel|inline] [--steps 256] [--reps 5]``
+
+A dispatcher-like producer delivers one ``Tokens`` message per stream per decode step (64 streams,
+B16 batches, a checkpoint after each batch, like the executor), each to a real request actor
+(:func:`calserve.engine.actor.run_actor`) whose :class:`~calserve.engine.stream.StreamWriter` is read
+by the real SSE body generator (:func:`calserve.api.running.run_stream`, with metrics) and a fake
+ASGI ``send`` (one checkpoint, as hypercorn's socket write). Token ids are random ids of the demo
+tokenizer (like null compute). Prints server CPU µs per token (process time, producer loop
+subtracted; min over ``--reps``).
+
+On a shared 2-core machine wall/CPU times are noisy; instruction counts are not. Under valgrind the
+difference between two step counts is the instructions per token of this path, e.g.::
+
+    for s in 64 128; do valgrind --tool=callgrind --callgrind-out-file=/dev/null \\
+        python -m bench.token_path --steps $s --reps 1 2>&1 | grep Collected; done
+    # (Ir(128) - Ir(64)) / (64 * 64) = instructions per token
+
+``--inbox inline`` uses :func:`calserve.engine.actor.open_actor_inbox` (the actor's token step runs
+in the sender's call) instead of a trio memory channel: what the registry hook would give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import trio
+import trio.testing
+
+__all__ = ["main"]
+
+STREAMS, BATCH = 64, 16
+
+
+def _tokenizer() -> Any:
+    import tokenizers
+
+    from calserve.models.demo import demo_tokenizer_json
+    from calserve.models.tokenizer import Tokenizer
+
+    return Tokenizer(tokenizers.Tokenizer.from_str(demo_tokenizer_json()), eos_token_ids=[0])
+
+
+async def _run(tok: Any, steps: int, inline: bool) -> float:
+    from calserve.api.convert import Prepared
+    from calserve.api.metrics import ApiMetrics
+    from calserve.api.render import LogprobFormatter
+    from calserve.api.running import run_stream
+    from calserve.engine.actor import open_actor_inbox, run_actor
+    from calserve.engine.state import Admitted, End, Tokens
+    from calserve.engine.stream import StreamWriter
+    from calserve.engine.types import FinishReason, GenerateRequest
+
+    metrics = ApiMetrics(lambda: None)
+    prep = Prepared(kind="completion", alias="qwen3", request=GenerateRequest((1,)), stream=True,
+                    include_usage=False, echo_text="", logprobs=None)
+    vocab = tok.backend.get_vocab_size(with_added_tokens=True)
+
+    class Sched:
+        def stop(self, seq: object, reason: object) -> None:
+            pass
+
+    class Registry:
+        sched = Sched()
+
+        def done(self, seq: object, outcome: str) -> None:
+            pass
+
+    class Handle:
+        request_id = 1
+
+        def __init__(self, w: StreamWriter) -> None:
+            self.receive_many = w.receive_many
+            self._w = w
+
+        async def aclose(self) -> None:
+            await self._w.aclose()
+
+    class Engine:
+        def cancel(self, rid: int) -> None:
+            pass
+
+    async def consume(w: StreamWriter) -> None:
+        gen = run_stream(Engine(), metrics, prep, Handle(w), LogprobFormatter(tok))  # type: ignore[arg-type]
+        async for data in gen:
+            _ = {"type": "http.response.body", "body": data, "more_body": True}
+            await trio.lowlevel.checkpoint()  # the socket write
+
+    rng = random.Random(0)
+    async with trio.open_nursery() as nursery:
+        inboxes: list[Any] = []
+        for _ in range(STREAMS):
+            send, recv = open_actor_inbox() if inline else trio.open_memory_channel[Any](float("inf"))
+            w = StreamWriter(1)
+            sp = types.SimpleNamespace(stop=(), min_tokens=0)
+            seq = types.SimpleNamespace(req=types.SimpleNamespace(sampling=sp), prompt=[1] * 16,
+                                        arrival=0.0, admitted_at=0.0, first_token_at=0.0)
+            nursery.start_soon(run_actor, seq, recv, w, tok, Registry())
+            nursery.start_soon(consume, w)
+            send.send_nowait(Admitted(0.0))
+            inboxes.append(send)
+        await trio.testing.wait_all_tasks_blocked()
+        t0 = time.process_time()
+        for step in range(steps):
+            for b in range(STREAMS // BATCH):
+                for i in range(b * BATCH, (b + 1) * BATCH):
+                    inboxes[i].send_nowait(Tokens(rng.randrange(10, vocab), None, step == 0))
+                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.checkpoint()
+        for s in inboxes:
+            s.send_nowait(End(FinishReason.LENGTH))
+        await trio.testing.wait_all_tasks_blocked()
+        return time.process_time() - t0
+
+
+async def _producer_only(steps: int, vocab: int) -> float:
+    from calserve.engine.state import Tokens
+
+    rng = random.Random(0)
+    t0 = time.process_time()
+    for step in range(steps):
+        for _ in range(STREAMS // BATCH):
+            for _ in range(BATCH):
+                Tokens(rng.randrange(10, vocab), None, step == 0)
+            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint()
+    return time.process_time() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.token_path", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--inbox", choices=("channel", "inline"), default="channel")
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args(argv)
+    tok = _tokenizer()
+    vocab = tok.backend.get_vocab_size(with_added_tokens=True)
+    best = float("inf")
+    for _ in range(a.reps):
+        dt = trio.run(_run, tok, a.steps, a.inbox == "inline")
+        base = trio.run(_producer_only, a.steps, vocab)
+        best = min(best, (dt - base) / (STREAMS * a.steps) * 1e6)
+    print(f"{Path(__file__).stem} inbox={a.inbox}: {best:.2f} µs CPU per token "
+          f"(actor + StreamWriter + run_stream + metrics; {STREAMS} streams, B{BATCH})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
