@@ -101,7 +101,7 @@ async def _run(tok: Any, steps: int, inline: bool) -> float:
             sp = types.SimpleNamespace(stop=(), min_tokens=0)
             seq = types.SimpleNamespace(req=types.SimpleNamespace(sampling=sp), prompt=[1] * 16,
                                         arrival=0.0, admitted_at=0.0, first_token_at=0.0)
-            nursery.start_soon(run_actor, seq, recv, w, tok, Registry())
+            nursery.start_soon(run_actor, seq, recv, w, tok, Registry())  # type: ignore[arg-type]
             nursery.start_soon(consume, w)
             send.send_nowait(Admitted(0.0))
             inboxes.append(send)
