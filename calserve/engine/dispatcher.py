@@ -110,26 +110,27 @@ class CompletionDispatcher:
         The output is verified (echo + checksum) before any token is used; anything unusual returns
         None and takes the general path (:meth:`complete`), with the tokens already sampled."""
         r = outcome.result
-        if (job.kind != "decode" or r is None or r.status is not JobStatus.OK or outcome.timed_out
+        if (r is None or r.status is not JobStatus.OK or outcome.timed_out
                 or not self.sched.can_continue(job, caller, 0)):
             return None
         cb = job.calbin if job.calbin is not None else job.gen.calbin
-        if cb.verify_lanes(r, job.job_id, job.active, job.expect):
+        if cb.verify_lanes(r, job.job_id, job.active, self._expect(job)):
             return None  # crosstalk: complete() counts and reports it
         seqs = job.seqs
         sampled = self._sample(job, seqs, r.logits)
         tokens = sampled[0]
         now = trio.current_time()
         eos = job.gen.source.eos_token_ids
+        n_new = len(job.tokens) if job.kind == "prefill" else 1
         for tok, s in zip(tokens, seqs, strict=True):
             sp = s.req.sampling
             g = s.generated + 1
             if g > sp.min_tokens and ((tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
                 return FastStep(self, job, outcome, None, sampled, now)
-            if (g >= sp.max_tokens or s.position + 1 >= s.lease.reserved_len
+            if (g >= sp.max_tokens or s.position + n_new >= s.lease.reserved_len
                     or (s.deadline is not None and s.deadline <= now)):
                 return FastStep(self, job, outcome, None, sampled, now)
-        nxt = self.sched.build_continuation(job, tokens, [s.position + 1 for s in seqs])
+        nxt = self.sched.build_continuation(job, tokens, [s.position + n_new for s in seqs])
         self.fast_steps_total += 1
         return FastStep(self, job, outcome, nxt, sampled, now)
 
@@ -160,16 +161,19 @@ class CompletionDispatcher:
         # No scheduler wake here: the executor runs the scheduling pass inline right after this.
 
     # ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _expect(job: DeviceJob) -> list[tuple[int, int]]:
+        """(seq_id, position) each active lane must echo: for a prefill, its last prompt position."""
+        if job.kind == "decode":
+            return job.expect
+        s = job.lanes[0]
+        assert s is not None and s.seq_id is not None
+        return [(s.seq_id, s.position + len(job.tokens) - 1)]
+
     def _check(self, job: DeviceJob, r: JobResult) -> str | None:
         """None when every active lane's echo and checksum match; else "crosstalk"."""
-        if job.kind == "decode":
-            expect = job.expect
-        else:
-            s = job.lanes[0]
-            assert s is not None and s.seq_id is not None
-            expect = [(s.seq_id, len(job.tokens) - 1)]
         cb = job.calbin if job.calbin is not None else job.gen.calbin
-        bad = cb.verify_lanes(r, job.job_id, job.active, expect)
+        bad = cb.verify_lanes(r, job.job_id, job.active, self._expect(job))
         if not bad:
             return None
         self.crosstalk_total += 1

@@ -111,7 +111,7 @@ class DeviceExecutor:
                         if pending is not None:
                             pending()  # idempotent; already done unless the submit failed
                     self.jobs += 1
-                    fast = self.dispatcher.fast_decode(job, outcome, self) if job.kind == "decode" else None
+                    fast = self.dispatcher.fast_decode(job, outcome, self)
                     if fast is not None and fast.nxt is not None:
                         # Submit the continuation first; this completion is dispatched right after.
                         self.current = job = fast.nxt

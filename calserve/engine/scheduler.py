@@ -211,11 +211,15 @@ class Scheduler:
 
     async def tick(self) -> None:
         self.ticks += 1
+        # Decide first, then free the ended requests' runtime sequences: freeing is a device round
+        # trip (a thread hop), and admission/dispatch into the lanes already free need not wait for
+        # it (closed loop: the next request arrived as the previous one ended). _flush_releases
+        # wakes the task again, so lanes it returns are used by the next pass.
+        self.tick_sync()
         for gen in list(self.models.generations.values()):
             q = self.queues(gen)
             if q.releases:
                 await self._flush_releases(gen, q)
-        self.tick_sync()
 
     def tick_sync(self) -> None:
         """The synchronous part of a tick: expire, admit, dispatch. Executors call it right after a
@@ -266,20 +270,23 @@ class Scheduler:
         return job
 
     def can_continue(self, done: DeviceJob, caller: DeviceExecutor | None, ready_now: int) -> bool:
-        """Whether a full tick after ``done`` could only re-run its sequences (see
-        :meth:`continue_decode`), given ``ready_now`` decode-ready sequences at this point (all of
-        ``done``'s once its completion was dispatched, none before). Every sequence of ``done`` must
-        continue (the caller checks that); ``caller`` is the executor asking, busy or not."""
+        """Whether a full tick after ``done`` could only run its sequences next, as one decode batch
+        (see :meth:`continue_decode`; after a prefill: its one sequence's first decode step), given
+        ``ready_now`` decode-ready sequences at this point (all of ``done``'s once its completion was
+        dispatched, none before). Every sequence of ``done`` must continue (the caller checks that);
+        ``caller`` is the executor asking, busy or not."""
         gen = done.gen
         if self.paused or gen.state is not ModelState.READY or len(self.models.generations) != 1:
             return False
         n = len(done.seqs)
-        B = len(done.lanes)
         q = self._queues.get(gen.id)
         if q is None or len(q.decode_ready) != ready_now or len(q.holders) != n:
             return False
         if q.waiting and gen.kv.free_lanes():
             return False  # a waiting request might be admitted (no free lane: the tick admits none)
+        B = self._next_profile(done)
+        if B is None:
+            return False
         if n < B and self.cfg.scheduler.batch.batching_window_us > 0:
             return False  # a partial batch may be held for the window: the full tick decides
         for ex in self.executors:
@@ -288,11 +295,6 @@ class Scheduler:
         for c in _PREFILL_CLASSES:
             if q.prefill[c]:
                 return False
-        if gen.selecting:
-            if select_profile(n, 0.0, gen.calbins, self.cfg.scheduler.batch.selection) != B:
-                return False
-        elif B != gen.compiled_batch:
-            return False
         if q.deadlines and q.deadlines[0][0] <= trio.current_time():
             return False  # let _expire end it
         for s in done.seqs:
@@ -300,10 +302,26 @@ class Scheduler:
                 return False
         return True
 
+    def _next_profile(self, done: DeviceJob) -> int | None:
+        """The compiled batch a full tick would pick for ``done``'s sequences alone (None: not the
+        profile ``done`` runs on, for a decode job)."""
+        gen = done.gen
+        n = len(done.seqs)
+        if gen.selecting:
+            B = select_profile(n, 0.0, gen.calbins, self.cfg.scheduler.batch.selection)
+        else:
+            B = gen.compiled_batch
+        if done.kind == "decode" and B != len(done.lanes):
+            return None
+        return B
+
     def build_continuation(self, done: DeviceJob, tokens: list[int], positions: list[int]) -> DeviceJob:
         """The job that runs ``done``'s sequences again in the same lanes with ``tokens`` at
-        ``positions`` (one per sequence, in lane order). Changes no state: see
-        :meth:`commit_continuation`."""
+        ``positions`` (one per sequence, in lane order); after a prefill, its sequence's first decode
+        step in lane 0 of the profile :meth:`_next_profile` picks (what the batch builder lays out
+        for one candidate). Changes no state: see :meth:`commit_continuation`."""
+        if done.kind == "prefill":
+            return self._first_decode_job(done, tokens[0], positions[0])
         toks = done.tokens.tolist()  # inactive lanes keep the declared filler token/position
         pos = done.positions.tolist()
         for i, t, p in zip(done.active, tokens, positions, strict=True):
@@ -314,6 +332,34 @@ class Scheduler:
         job.seq_ids = done.seq_ids  # read-only after construction
         job.calbin = done.calbin
         job.expect = [(s.seq_id, p) for s, p in zip(done.seqs, positions, strict=True)]
+        return job
+
+    def _profile(self, gen: Generation, B: int) -> BatchProfile:
+        profile = self._profiles.get((gen.id, B))
+        if profile is None:  # a generation is immutable: build each member's profile once
+            cb = gen.calbins[B]
+            profile = self._profiles[(gen.id, B)] = BatchProfile(
+                B, gen.max_seq, valid_mask=cb.spec.valid_mask or B == 1,
+                inactive_writes_kv=cb.spec.inactive_writes_kv)
+        return profile
+
+    def _first_decode_job(self, done: DeviceJob, token: int, position: int) -> DeviceJob:
+        gen = done.gen
+        B = self._next_profile(done)
+        assert B is not None
+        profile = self._profile(gen, B)
+        seq = done.seqs[0]
+        sid = int(seq.seq_id if seq.seq_id is not None else -1)
+        host = np.array(([token] + [profile.inactive_token_id] * (B - 1),
+                         [position] + [profile.inactive_position] * (B - 1),
+                         [sid] + [-1] * (B - 1)), np.int32)
+        valid = np.zeros(B, np.uint8)
+        valid[0] = 1
+        lanes: list[Seq | None] = [seq, *([None] * (B - 1))]
+        job = DeviceJob("decode", gen, lanes, host[0], host[1], valid, trio.current_time())
+        job.seq_ids = host[2]
+        job.calbin = gen.calbins[B]
+        job.expect = [(sid, position)]
         return job
 
     def commit_continuation(self, job: DeviceJob) -> None:
@@ -480,11 +526,7 @@ class Scheduler:
     def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int) -> DeviceJob | None:
         """A decode batch for compiled batch ``B`` (a member of ``gen.calbins``), run on that member."""
         cb = gen.calbins[B]
-        profile = self._profiles.get((gen.id, B))
-        if profile is None:  # a generation is immutable: build each member's profile once
-            profile = self._profiles[(gen.id, B)] = BatchProfile(
-                B, gen.max_seq, valid_mask=cb.spec.valid_mask or B == 1,
-                inactive_writes_kv=cb.spec.inactive_writes_kv)
+        profile = self._profile(gen, B)
         cands = [
             DecodeCandidate(
                 request_id=s.rid, seq_id=int(s.seq_id if s.seq_id is not None else -1),
