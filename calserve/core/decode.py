@@ -26,7 +26,7 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Collection, Iterable, Mapping
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 from calserve.config import ProfileSelection
 from calserve.errors import ConfigError
@@ -78,8 +78,10 @@ class BatchProfile:
             raise ValueError(f"inactive_position {self.inactive_position} outside 0..max_seq-1")
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeCandidate:
+class DecodeCandidate(NamedTuple):
+    """One decode-ready sequence as the batch builder sees it. (A NamedTuple: the engine builds one
+    per ready sequence per decode batch, ~3x cheaper than a frozen dataclass.)"""
+
     request_id: int
     seq_id: int  # runtime KV sequence id
     tenant: str

@@ -527,13 +527,12 @@ class Scheduler:
         """A decode batch for compiled batch ``B`` (a member of ``gen.calbins``), run on that member."""
         cb = gen.calbins[B]
         profile = self._profile(gen, B)
-        cands = [
-            DecodeCandidate(
-                request_id=s.rid, seq_id=int(s.seq_id if s.seq_id is not None else -1),
-                tenant=s.tenant, generation=gen.id, last_token=s.last_token, position=s.position,
-                deadline=s.deadline, virtual_finish=s.ready_since, cancelled=s.pending_reason is not None,
-                lane=s.lease.lane, arrival=s.arrival,
-            )
+        gid = gen.id
+        cands = [  # positional (request_id, seq_id, tenant, generation, last_token, position, deadline,
+            # virtual_finish, cancelled, lane, arrival): one per ready sequence per batch
+            DecodeCandidate(s.rid, -1 if s.seq_id is None else s.seq_id, s.tenant, gid, s.last_token,
+                            s.position, s.deadline, s.ready_since, s.pending_reason is not None,
+                            s.lease.lane, s.arrival)
             for s in q.decode_ready.values()
         ]
         fcfg = self.cfg.scheduler.fairness
