@@ -68,9 +68,12 @@ class AdmissionConfig(_Strict):
     # Extensions (overload, spec §5.2 "Queue: 保持等待 only while there is hope before the deadline"):
     # a new request is refused (429 + Retry-After) when its *expected* queue wait (the work ahead of it:
     # queued prefill + decode lane-steps, from the generation's modeled/observed step and prefill
-    # times; see calserve.core.wait_estimate) exceeds this SLO or its own deadline. None = the
-    # deadline only. A request is never refused by it when nothing is waiting or running.
-    max_expected_wait_ms: Pos | None = 1000
+    # times; see calserve.core.wait_estimate) exceeds its own deadline or this queue-wait SLO. None
+    # (default) = the deadline only, as the spec says; set it (e.g. 1000) where TTFT matters more
+    # than admitting everything (interactive serving; bench `overload`). Clients should honour
+    # Retry-After: one that retries at once turns refusals into a request storm. A request is never
+    # refused by it when nothing is waiting or running.
+    max_expected_wait_ms: Pos | None = None
     # Lane-holding (admitted, unfinished) sequences are capped at B x max_tpot_steps for B the largest
     # serving profile, so every running sequence gets a token at least every max_tpot_steps decode
     # steps. 2 = one full batch per job engine with PING/PONG (or, with one engine, the next batch
