@@ -155,8 +155,12 @@ class Engine:
     async def submit(self, req: GenerateRequest) -> RequestHandle:
         """Accept a request or raise (RequestError / UnknownModel / CapacityError /
         UnavailableError / EngineError) — decided synchronously at admission."""
-        await trio.lowlevel.checkpoint()
-        return self.registry.create(req)
+        # Create first (admission and, when a lane and an executor are free, the prefill dispatch
+        # happen right here), then yield without a cancellation point: a request that was accepted
+        # always reaches its caller, which owns its handle.
+        handle = self.registry.create(req)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return handle
 
     def cancel(self, request_id: int | str) -> None:
         """Idempotent; unknown or finished ids are ignored (ids may come back as strings)."""

@@ -141,10 +141,13 @@ class Scheduler:
         self._wake.set()
 
     def enqueue(self, seq: Seq) -> None:
-        """A request the admission controller queued."""
+        """A request the admission controller queued: run the scheduling pass now, in the caller's
+        task (spec §19 M1: no scheduler-task hop between a request's arrival and its admission and
+        prefill dispatch; the pass is synchronous, so it cannot interleave with another one). The
+        task is woken only if the pass moved its timer earlier, like after a completion."""
         seq.queued = True
         self.queues(seq.gen).waiting[seq.rid] = seq
-        self.wake()
+        self.tick_sync()
 
     def stop(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None) -> None:
         """End a request early (cancel, stop string, deadline, shutdown). Idempotent (spec §4).

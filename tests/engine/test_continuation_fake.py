@@ -152,7 +152,9 @@ async def test_shortcut_only_when_nothing_else_competes(
     firsts = [next(iter(rids)) for kind, rids in res["jobs"] if kind == "decode"]
     assert len(firsts) == 19 + 29  # the first token of each comes from its prefill
     both = firsts[: 2 * 19]
-    assert all(x != y for x, y in zip(both, both[1:]))  # strict alternation while both run
+    # fair time-share while both run (by tenant service: at most two steps in a row for one)
+    assert not any(x == y == z for x, y, z in zip(both, both[1:], both[2:]))
+    assert sum(x != y for x, y in zip(both, both[1:])) >= 2 * 19 - 4
     assert set(firsts[2 * 19:]) == {firsts[-1]}
     assert 8 <= res["continuations"] <= 10  # the survivor's ~10 lone steps (the first: a full tick)
 
