@@ -11,7 +11,11 @@ import dataclasses
 import os
 from pathlib import Path
 
-__all__ = ["ProcSample", "sample", "children"]
+__all__ = ["ProcSample", "sample", "children", "threads_cpu_s", "SIM_DEVICE_THREADS"]
+
+#: Name prefix of the software CalRT's engine worker threads (the simulated NPU's compute): their CPU
+#: is the device's, which a real accelerator would not take from the host.
+SIM_DEVICE_THREADS = "calrt-sim-"
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -37,6 +41,21 @@ def sample(pid: int) -> ProcSample | None:
     rest = stat[stat.rindex(")") + 2 :].split()
     utime, stime, threads = int(rest[11]), int(rest[12]), int(rest[17])
     return ProcSample((utime + stime) / _TICK, int(statm[1]) * _PAGE, fds, threads)
+
+
+def threads_cpu_s(pid: int, prefix: str) -> float:
+    """CPU seconds (utime + stime) of the threads of ``pid`` whose name starts with ``prefix``."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if name.startswith(prefix):
+            rest = stat[stat.rindex(")") + 2 :].split()
+            total += int(rest[11]) + int(rest[12])
+    return total / _TICK
 
 
 def children(pid: int) -> list[int]:

@@ -1,6 +1,7 @@
 /* engine.c — jobs, the PING/PONG engines (one worker thread + FIFO queue each), submit/wait, the
  * timing model and completion. Lock order: chip->mu, then dev->mu, then job->mu. */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -376,7 +377,12 @@ int sim_engines_start(sim_chip *ch) {
     sim_cond_init(&e->cond);
     atomic_init(&e->timeouts, 0);
     e->completion_fd = -1;
-    if (pthread_create(&e->thread, NULL, worker, e) != 0) {
+    if (pthread_create(&e->thread, NULL, worker, e) == 0) {
+      /* Named so a host can tell the simulated device's CPU from its own (bench/procstat.py). */
+      char name[16];
+      snprintf(name, sizeof name, "calrt-sim-%s%u", i ? "pong" : "ping", (unsigned)ch->index % 10u);
+      pthread_setname_np(e->thread, name);
+    } else {
       if (i == 1) {
         pthread_mutex_lock(&ch->mu);
         ch->stop = 1;
