@@ -145,3 +145,19 @@ def test_null_compute_is_deterministic_and_needs_no_weights() -> None:
         assert r.status is JobStatus.OK and cb.committed_len(a) == 4
         with pytest.raises(NotSupported):
             cb.read_kv(a)
+
+
+def test_freed_sequence_is_scrubbed_before_reuse(device: Device, small_weights: dict) -> None:
+    """A free scrubs every position ever written (committed, dropped by RemoveTokensAtEnd, or past
+    the committed length by a job), and only those: the next owner of the slot reads zeros."""
+    cb = device.load_calbin(SMALL, small_weights, ProfileSpec(1, 32, 1))
+    a = cb.create_sequence()
+    assert cb.submit_prefill(a, list(range(12))).wait(30).status is JobStatus.OK
+    cb.remove_tokens_at_end(a, 5)  # positions 7..11 stay written but uncommitted
+    kv = cb.read_kv(a)
+    assert np.count_nonzero(kv[:, :, :, 7:12]) and not np.count_nonzero(kv[:, :, :, 12:])
+    cb.free_sequence(a)
+    b = cb.create_sequence()  # the only slot: the same buffer
+    assert b == a and not np.count_nonzero(cb.read_kv(b))
+    assert cb.submit_prefill(b, [3, 4]).wait(30).status is JobStatus.OK
+    assert np.count_nonzero(cb.read_kv(b)[:, :, :, :2]) and not np.count_nonzero(cb.read_kv(b)[:, :, :, 2:])

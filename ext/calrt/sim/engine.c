@@ -253,6 +253,12 @@ static int validate_at_execution(calrt_job *j) {
       return 0;
     }
   }
+  for (int32_t l = 0; l < j->lanes; l++) { /* the job may write up to here (even if it then faults) */
+    if (!j->valid[l]) continue;
+    sim_seq *s = &cb->seqs[j->seq_ids[l]];
+    int32_t end = (j->kind == JOB_PREFILL ? j->positions[0] : j->positions[l]) + j->n_tok;
+    if (end > s->hwm) s->hwm = end;
+  }
   return 1;
 }
 

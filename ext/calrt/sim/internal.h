@@ -23,6 +23,9 @@ typedef struct sim_seq {
   int busy;  /* a running job is writing it */
   int users; /* queued + running jobs naming it */
   int32_t len;
+  /* Invariant: no KV byte at a position >= hwm was written since the last free (jobs raise it before
+   * they run), so a free scrubs positions [0, hwm) only. */
+  int32_t hwm;
   void *kv; /* [layers][2][kv_heads][max_seq][head_dim] of float or uint16 */
 } sim_seq;
 

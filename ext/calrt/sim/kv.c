@@ -110,8 +110,15 @@ calrt_status calrt_kv_free_sequence(calrt_calbin *cb, int32_t seq_id) {
     pthread_mutex_unlock(&cb->chip->mu);
     return sim_err(CALRT_E_IN_USE, "seq_id: %d is used by %d job(s) in flight", seq_id, s->users);
   }
-  /* Keep the KV buffer for reuse but scrub it so no stale bytes leak into the next owner. */
-  if (s->kv) memset(s->kv, 0, (size_t)cb->kv_seq_bytes);
+  /* Keep the KV buffer for reuse but scrub it so no stale bytes leak into the next owner: only the
+   * positions ever written ([0, hwm) of each layer/kind/head block), so freeing a short sequence
+   * neither costs nor touches (RSS) the whole max_seq buffer. */
+  if (s->kv && s->hwm > 0) {
+    size_t es = cb->p.kv_dtype == CALRT_KV_BF16 ? 2 : 4, D = (size_t)cb->m.head_dim;
+    size_t S = (size_t)cb->p.max_seq, blocks = 2 * (size_t)cb->m.num_hidden_layers * (size_t)cb->m.num_key_value_heads;
+    for (size_t b = 0; b < blocks; b++) memset((char *)s->kv + b * S * D * es, 0, (size_t)s->hwm * D * es);
+  }
+  s->hwm = 0;
   s->allocated = 0;
   s->valid = 0;
   s->len = 0;
@@ -148,15 +155,22 @@ static calrt_status lock_mutable(calrt_calbin *cb, int32_t seq_id, sim_seq **out
   return st;
 }
 
-calrt_status calrt_kv_remove_tokens_at_end(calrt_calbin *cb, int32_t seq_id, int32_t n) {
-  sim_seq *s = NULL;
-  calrt_status st = lock_mutable(cb, seq_id, &s);
+/* lock_mutable plus 0 <= n <= committed_len (the ops that drop n tokens). */
+static calrt_status lock_droppable(calrt_calbin *cb, int32_t seq_id, int32_t n, sim_seq **out) {
+  calrt_status st = lock_mutable(cb, seq_id, out);
   if (st) return st;
-  if (n < 0 || n > s->len) {
-    int32_t len = s->len;
+  if (n < 0 || n > (*out)->len) {
+    int32_t len = (*out)->len;
     pthread_mutex_unlock(&cb->chip->mu);
     return sim_err(CALRT_E_INVALID_ARGUMENT, "n: %d not in [0, committed_len=%d]", n, len);
   }
+  return CALRT_OK;
+}
+
+calrt_status calrt_kv_remove_tokens_at_end(calrt_calbin *cb, int32_t seq_id, int32_t n) {
+  sim_seq *s = NULL;
+  calrt_status st = lock_droppable(cb, seq_id, n, &s);
+  if (st) return st;
   s->len -= n;
   pthread_mutex_unlock(&cb->chip->mu);
   return CALRT_OK;
@@ -164,13 +178,8 @@ calrt_status calrt_kv_remove_tokens_at_end(calrt_calbin *cb, int32_t seq_id, int
 
 calrt_status calrt_kv_do_shift(calrt_calbin *cb, int32_t seq_id, int32_t n) {
   sim_seq *s = NULL;
-  calrt_status st = lock_mutable(cb, seq_id, &s);
+  calrt_status st = lock_droppable(cb, seq_id, n, &s);
   if (st) return st;
-  if (n < 0 || n > s->len) {
-    int32_t len = s->len;
-    pthread_mutex_unlock(&cb->chip->mu);
-    return sim_err(CALRT_E_INVALID_ARGUMENT, "n: %d not in [0, committed_len=%d]", n, len);
-  }
   if (s->kv && n > 0) {
     size_t es = cb->p.kv_dtype == CALRT_KV_BF16 ? 2 : 4;
     size_t row = (size_t)cb->m.head_dim * es, plane = row * (size_t)cb->p.max_seq;
