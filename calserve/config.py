@@ -76,9 +76,11 @@ class AdmissionConfig(_Strict):
     max_expected_wait_ms: Pos | None = None
     # Lane-holding (admitted, unfinished) sequences are capped at B x max_tpot_steps for B the largest
     # serving profile, so every running sequence gets a token at least every max_tpot_steps decode
-    # steps. 2 = one full batch per job engine with PING/PONG (or, with one engine, the next batch
-    # prefilled while this one decodes); more sequences add TPOT, not throughput. None = max_sequences only.
-    max_tpot_steps: Pos | None = 2
+    # steps. 3 = one full batch per job engine with PING/PONG plus one more ready while the host turns
+    # the last one around (sampling, streaming), so the device never waits for the host; beyond that
+    # more sequences add TPOT, not throughput (and at B1 under overload every one crawls).
+    # None = max_sequences only (time-share every admitted sequence).
+    max_tpot_steps: Pos | None = 3
     # When set and the decode step is known (timing model or observed), overrides max_tpot_steps with
     # max(1, floor(max_tpot_ms / step)).
     max_tpot_ms: Pos | None = None

@@ -50,10 +50,10 @@ def test_service_model_from_timing_and_running_cap() -> None:
     assert ServiceModel.from_timing(None, 4).known is False
     assert ServiceModel.from_timing(Timing(0.0, 0.0, {16: 4000.0}), 8).decode_step_s == 0.004
     cfg = AdmissionConfig()
-    assert running_cap(cfg, 16, 0.004) == 32  # default max_tpot_steps 2
+    assert running_cap(cfg, 16, 0.004) == 48  # default max_tpot_steps 3
     assert running_cap(AdmissionConfig(max_tpot_ms=50), 1, 0.004) == 12
     assert running_cap(AdmissionConfig(max_tpot_ms=3), 16, 0.004) == 16  # never below one batch
-    assert running_cap(AdmissionConfig(max_tpot_ms=50), 4, 0.0) == 8  # step unknown: steps rule
+    assert running_cap(AdmissionConfig(max_tpot_ms=50), 4, 0.0) == 12  # step unknown: steps rule
     assert running_cap(AdmissionConfig(max_tpot_steps=None), 4, 0.004) is None
     with pytest.raises(ValueError, match="batch"):
         ServiceModel(0.004, 0)
