@@ -65,6 +65,9 @@ class LoadSpec:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     progress: bool = True
+    # Closed loop: a worker whose request was refused (429/503) waits the server's Retry-After, at
+    # most this long, before its next request, as a well-behaved client does (0 = resend at once).
+    max_retry_after_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.duration_s is None and self.num_requests is None and not self.trace:
@@ -210,11 +213,17 @@ class _Run:
             now = trio.current_time() - self.t0
             p = dataclasses.replace(p, index=self.sent, at=now)
             self.sent += 1
-            await self.one(p, rng.random())
+            retry_after = await self.one(p, rng.random())
+            if retry_after and self.spec.max_retry_after_s > 0:
+                # (the worker stops at its next plan once the sending window is over)
+                await trio.sleep(min(retry_after, self.spec.max_retry_after_s))
 
     # ---- one request ----------------------------------------------------------------------------
-    async def one(self, p: PlannedRequest, u: float) -> None:
+    async def one(self, p: PlannedRequest, u: float) -> float | None:
+        """Send one planned request and record its outcome; the Retry-After seconds of a refusal
+        (429/503, 1 s when the server gave none), else None."""
         s = self.spec
+        retry_after: float | None = None
         rec = Record(index=p.index, tenant=p.tenant, planned=round(p.at, 6), prompt_tokens=p.prompt_len)
         tenant = next(t for t in s.tenants if t.name == p.tenant)
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
@@ -238,6 +247,8 @@ class _Run:
                 if resp.status != 200:
                     raw = await resp.read_all()
                     rec.outcome = "rejected" if resp.status in (429, 503) else "failed"
+                    if rec.outcome == "rejected":
+                        retry_after = _retry_after(resp.headers)
                     rec.error = _error_message(raw) or f"HTTP {resp.status}"
                 elif s.stream:
                     await self._read_stream(resp, rec, start, cut)
@@ -263,6 +274,7 @@ class _Run:
             if conn is not None:  # reused only if its body was read to the end (conn.reusable)
                 with trio.CancelScope(shield=True):
                     await self.pool.release(conn)
+        return retry_after
 
     async def _read_stream(self, resp: Any, rec: Record, start: float, cut: int) -> None:
         got_done = False
@@ -361,6 +373,14 @@ def _msg(err: Any) -> str:
     if isinstance(err, dict):
         return str(err.get("message") or err)[:300]
     return str(err)[:300]
+
+
+def _retry_after(headers: dict[str, str]) -> float:
+    """Seconds a refused client should wait: the Retry-After header (delta-seconds), else 1 s."""
+    try:
+        return max(0.0, float(headers.get("retry-after", "1")))
+    except ValueError:  # an HTTP-date: not worth parsing for a bench client
+        return 1.0
 
 
 def _error_message(raw: bytes) -> str | None:
@@ -505,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--disconnect-prob", type=float, default=0.0)
+    ap.add_argument("--max-retry-after", type=float, default=1.0,
+                    help="closed loop: after a 429/503 a worker waits Retry-After, at most this many "
+                         "seconds (0: resend at once)")
     ap.add_argument("--scrape-interval", type=float, default=0.5, help="0 = do not scrape /metrics")
     ap.add_argument("--server-pid", type=int, help="sample this PID's CPU/RSS/fds from /proc")
     ap.add_argument("--slo-ttft-ms", type=float)
@@ -536,6 +559,7 @@ def spec_from_args(a: argparse.Namespace) -> LoadSpec:
         prompt_mode=a.prompt_mode, vocab=(int(lo), int(hi)), trace=trace,
         request_timeout_s=a.request_timeout, drain_timeout_s=a.drain_timeout,
         disconnect_prob=a.disconnect_prob, scrape_interval_s=a.scrape_interval or None,
+        max_retry_after_s=a.max_retry_after,
         server_pid=a.server_pid, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
         progress=not a.no_progress,
     )

@@ -226,7 +226,11 @@ def overload(out: Path, quick: bool) -> dict[str, Any]:
     olen = 64
     rate = 3 * sat / olen
     dur = 6.0 if quick else 15.0
-    with Server.calserve(calserve_config(profiles=[16], timing="sat-4k"), out / "server") as srv:
+    # An interactive deployment's queue-wait SLO (admission.max_expected_wait_ms, off by default):
+    # refuse at once (429 + Retry-After) what would wait longer than 1 s instead of queueing it.
+    adm = {"max_expected_wait_ms": 1000}
+    with Server.calserve(calserve_config(profiles=[16], timing="sat-4k", admission=adm),
+                         out / "server") as srv:
         res = run_point(srv, out / "run", rate=rate, duration=dur, prompt="0.8*16,0.2*1024",
                         output=str(olen), drain=20.0, request_timeout_s=60.0)
         time.sleep(1.0)
@@ -238,6 +242,7 @@ def overload(out: Path, quick: bool) -> dict[str, Any]:
     from bench.summary import latency_stats
     s = res.summary
     return {
+        "admission": adm,
         "saturation_throughput_used": sat,
         "rate_req_s": rate,
         "outcomes": s["outcomes"],

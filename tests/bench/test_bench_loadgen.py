@@ -206,3 +206,20 @@ def test_lengths_parse() -> None:
     with pytest.raises(ValueError, match="prompt"):
         Lengths.parse("x", "prompt")
 
+
+
+async def test_closed_loop_honours_retry_after(nursery: trio.Nursery) -> None:
+    """A refused closed-loop worker waits the server's Retry-After (capped) before its next request,
+    as a well-behaved client does; with the cap at 0 it resends at once (a 429 storm)."""
+    app, url = await _server(nursery, max_inflight=0)  # refuses everything, Retry-After: 1
+
+    async def sent(cap: float) -> int:
+        spec = LoadSpec(base_url=url, tenants=(TenantSpec("c", None, concurrency=2),), duration_s=1.0,
+                        progress=False, scrape_interval_s=None, max_retry_after_s=cap)
+        res = await run_load(spec)
+        assert res.summary["outcomes"]["rejected"] == len(res.records)
+        return len(res.records)
+
+    polite = await sent(0.25)
+    assert 2 <= polite <= 2 * (1.0 / 0.25 + 2)
+    assert await sent(0.0) > 4 * polite
