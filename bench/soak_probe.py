@@ -191,6 +191,7 @@ def probe_summary(path: Path, wall0: float, dur: float) -> dict[str, Any]:
     last = rows[-1]
     if "gc_n" in last:  # every collection of the run (gen 0/1/2), start-up included
         out["gc_pauses"] = {"n": last["gc_n"], "max_ms": last["gc_max_ms"],
+                            "cpu_max_ms": last.get("gc_cpu_max_ms"),
                             "total_ms": last["gc_total_ms"], "freed": last["gc_freed"]}
     deep = [r["deep"] for r in rows if "deep" in r]
     if deep:
