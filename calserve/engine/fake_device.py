@@ -391,19 +391,10 @@ class FakeBackend:
         return sum(cb.live_sequences() for cb in groups.values())
 
     # internals -------------------------------------------------------------------------------------
-    async def _submit(
-        self,
-        calbin: FakeCalbin,
-        kind: str,
-        seq_ids: np.ndarray,
-        new_tokens: list[list[int]],
-        positions: np.ndarray,
-        valid: np.ndarray,
-        engine: JobEngine,
-        duration_s: float,
-    ) -> JobTicket:
+    async def _submit(self, *args: Any) -> JobTicket:
+        """:meth:`_submit_now` after a checkpoint (the plain async submit path)."""
         await trio.lowlevel.checkpoint()
-        return self._submit_now(calbin, kind, seq_ids, new_tokens, positions, valid, engine, duration_s)
+        return self._submit_now(*args)
 
     def _submit_now(
         self,
