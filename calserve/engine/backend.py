@@ -405,22 +405,20 @@ class _RuntimeCalbin:
         # Inline, like submit: creating a KV sequence is KvManager bookkeeping on the host (the KV
         # memory was reserved at configure), microseconds, never a device round trip, while a worker
         # thread hop costs ~0.2 ms on the TTFT path (spec §19 M1). Freeing scrubs the sequence's KV
-        # and stays on a worker thread. (A vendor runtime whose create blocks: see ext/README.md.)
+        # is inline too (free_sequences). (A vendor runtime whose create blocks: see ext/README.md.)
         return int(self._c.create_sequence())
 
     async def free_sequences(self, seq_ids: Sequence[int]) -> None:
-        ids = list(seq_ids)
-        if not ids:
-            return
-
-        def free_all() -> None:
-            for s in ids:
-                try:
-                    self._c.free_sequence(s)
-                except Exception:  # already invalidated by a reset: nothing to free
-                    pass
-
-        await self._t.run(free_all)
+        # Inline, like create: KvManager bookkeeping plus a scrub of the positions the sequence ever
+        # wrote (microseconds for a typical request; at most its max_seq block). A worker-thread hop
+        # here ran concurrently with the next request's first decode steps and widened their
+        # latency tail through GIL hand-overs (spec §19 M1 P99). See ext/README.md, vendor question 8.
+        for s in seq_ids:
+            try:
+                self._c.free_sequence(s)
+            except Exception:  # already invalidated by a reset: nothing to free
+                pass
+        await trio.lowlevel.checkpoint()
 
     async def committed_len(self, seq_id: int) -> int:
         return int(await self._t.run(self._c.committed_len, seq_id))
