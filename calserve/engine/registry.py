@@ -16,7 +16,7 @@ import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -25,9 +25,9 @@ from calserve.config import CalserveConfig
 from calserve.core.admission import Outcome, WorkItem
 from calserve.core.model_state import accepts_requests
 from calserve.core.prefill import classify
-from calserve.engine.actor import run_actor
+from calserve.engine.actor import open_actor_inbox, run_actor
 from calserve.engine.sampler import resolve_seed
-from calserve.engine.state import ActorMsg, Seq
+from calserve.engine.state import Seq
 from calserve.engine.stream import StreamWriter
 from calserve.engine.types import Event, FinishReason, GenerateRequest
 from calserve.errors import CapacityError, EngineError, RequestError, UnavailableError
@@ -37,6 +37,11 @@ if TYPE_CHECKING:
     from calserve.engine.scheduler import Scheduler
 
 __all__ = ["RequestRegistry", "RequestHandle"]
+
+
+#: Opens a request actor's inbox, ``(send side, receive side)``: an :class:`ActorInbox` (tests swap
+#: in a plain trio memory channel to run the actor task for every message).
+open_inbox: Callable[[], tuple[Any, Any]] = open_actor_inbox
 
 log = logging.getLogger("calserve.engine.registry")
 
@@ -134,7 +139,9 @@ class RequestRegistry:
                 raise UnavailableError(d.reason, retry_after=d.retry_after_s)
             self.rejected_total["deadline"] += 1
             raise RequestError(d.reason, param="deadline")
-        send, recv = trio.open_memory_channel[ActorMsg](math.inf)
+        # The actor's inbox runs a Tokens message's step inline when the actor is idle (one task hop
+        # less per token, on the per-token latency path: spec §19 M1), else queues it.
+        send, recv = open_inbox()
         seq = Seq(
             rid=rid, req=req, gen=gen, arrival=now, deadline=deadline,
             seed=resolve_seed(req.sampling.seed), prompt=prompt,

@@ -14,10 +14,9 @@ Ownership (who may write what) is the point of this module:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
-import trio
 
 from calserve.engine.types import ErrorEvent, FinishReason, GenerateRequest, TokenLogprob
 
@@ -58,6 +57,13 @@ class End:
 ActorMsg = Admitted | Tokens | End
 
 
+class Inbox(Protocol):
+    """The engine's side of a request actor's inbox (``actor.ActorInbox``, or a trio memory send
+    channel): never blocks, unbounded."""
+
+    def send_nowait(self, msg: ActorMsg) -> None: ...
+
+
 @dataclasses.dataclass(eq=False)
 class Seq:
     rid: int
@@ -68,7 +74,7 @@ class Seq:
     seed: int
     prompt: np.ndarray  # int32 prompt tokens
     qclass: Any  # core QueueClass
-    inbox: trio.MemorySendChannel[ActorMsg]
+    inbox: Inbox
     # --- scheduler side -------------------------------------------------------------------------
     queued: bool = False  # in the admission controller's queue
     admitted: bool = False  # popped by admission: counts as active for its tenant until released

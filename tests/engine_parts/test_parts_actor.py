@@ -5,6 +5,7 @@ lifecycle replay from the transition cache still refuses an illegal message sequ
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -37,25 +38,13 @@ def _token_events(events: list[Event]) -> list[TokenEvent]:
     return [e for e in events if isinstance(e, TokenEvent)]
 
 
-class _TrioWithActorInbox:
-    """``trio`` as the registry sees it, except that its actor inboxes are :class:`ActorInbox`es
-    (the inline token step) — what ``open_actor_inbox`` in ``RequestRegistry.create`` would do."""
-
-    class _Opener:
-        def __getitem__(self, _: object) -> Any:
-            return lambda _size: open_actor_inbox()
-
-    open_memory_channel = _Opener()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(trio, name)
-
-
 @pytest.fixture(params=["channel", "inline"])
 def inbox_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Run an engine test with the registry's trio memory channels, then with ActorInboxes."""
-    if request.param == "inline":
-        monkeypatch.setattr(registry_mod, "trio", _TrioWithActorInbox())
+    """Run an engine test with ActorInboxes (the registry's default: the inline token step), then
+    with plain trio memory channels (the actor task runs every message)."""
+    if request.param == "channel":
+        monkeypatch.setattr(registry_mod, "open_inbox",
+                            lambda: trio.open_memory_channel[ActorMsg](math.inf))
     yield str(request.param)
 
 
