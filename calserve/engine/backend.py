@@ -495,17 +495,12 @@ class _RuntimeCalbin:
         return bad
 
     def checksum_ok(self, result: JobResult, lanes: Sequence[int]) -> list[bool]:
-        bad = _bad_rows(result.logits, result.checksum, lanes)  # one C call for the whole job
+        from calserve.runtime.device import _binding
+
+        bad: list[int] = _binding().bad_rows(result.logits, result.checksum, lanes)  # one C call
         if not bad:
             return [True] * len(lanes)
         return [lane not in bad for lane in lanes]
-
-
-def _bad_rows(logits: np.ndarray, checksums: np.ndarray, lanes: Sequence[int]) -> list[int]:
-    from calserve.runtime.device import _binding
-
-    bad: list[int] = _binding().bad_rows(logits, checksums, lanes)
-    return bad
 
 
 #: gen0 threshold of a serving process (CPython's default is 700): see :func:`tune_gc_for_serving`.

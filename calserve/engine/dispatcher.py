@@ -13,6 +13,7 @@ fails (spec §7.4: no lane-level isolation is promised) and recovery is told.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,6 +39,23 @@ def _lane_sampling(s: Seq) -> LaneSampling:
     sp = s.req.sampling
     return LaneSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=s.seed,
                         step=s.generated, logprobs=sp.logprobs)
+
+
+def _ends(s: Seq, tok: int, generated: int, position: int, now: float,
+          eos: Collection[int]) -> FinishReason | None:
+    """Why ``s`` ends with ``tok`` as its ``generated``-th token and ``position`` committed, or None.
+
+    The one finish rule of a completed step: the general path (after the bookkeeping) and the fast
+    path (before it, with the values the bookkeeping will set) must agree, or a continuation would
+    be built for a sequence the bookkeeping ends."""
+    sp = s.req.sampling
+    if generated > sp.min_tokens and ((tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
+        return FinishReason.STOP
+    if generated >= sp.max_tokens or position >= s.lease.reserved_len:
+        return FinishReason.LENGTH
+    if s.deadline is not None and s.deadline <= now:
+        return FinishReason.DEADLINE
+    return None
 
 
 class FastStep:
@@ -113,8 +131,7 @@ class CompletionDispatcher:
         if (r is None or r.status is not JobStatus.OK or outcome.timed_out
                 or not self.sched.can_continue(job, caller, 0)):
             return None
-        cb = job.calbin if job.calbin is not None else job.gen.calbin
-        if cb.verify_lanes(r, job.job_id, job.active, self._expect(job)):
+        if job.calbin.verify_lanes(r, job.job_id, job.active, self._expect(job)):
             return None  # crosstalk: complete() counts and reports it
         seqs = job.seqs
         sampled = self._sample(job, seqs, r.logits)
@@ -123,12 +140,7 @@ class CompletionDispatcher:
         eos = job.gen.source.eos_token_ids
         n_new = len(job.tokens) if job.kind == "prefill" else 1
         for tok, s in zip(tokens, seqs, strict=True):
-            sp = s.req.sampling
-            g = s.generated + 1
-            if g > sp.min_tokens and ((tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
-                return FastStep(self, job, outcome, None, sampled, now)
-            if (g >= sp.max_tokens or s.position + n_new >= s.lease.reserved_len
-                    or (s.deadline is not None and s.deadline <= now)):
+            if _ends(s, tok, s.generated + 1, s.position + n_new, now, eos) is not None:
                 return FastStep(self, job, outcome, None, sampled, now)
         nxt = self.sched.build_continuation(job, tokens, [s.position + n_new for s in seqs])
         self.fast_steps_total += 1
@@ -172,8 +184,7 @@ class CompletionDispatcher:
 
     def _check(self, job: DeviceJob, r: JobResult) -> str | None:
         """None when every active lane's echo and checksum match; else "crosstalk"."""
-        cb = job.calbin if job.calbin is not None else job.gen.calbin
-        bad = cb.verify_lanes(r, job.job_id, job.active, self._expect(job))
+        bad = job.calbin.verify_lanes(r, job.job_id, job.active, self._expect(job))
         if not bad:
             return None
         self.crosstalk_total += 1
@@ -256,22 +267,14 @@ class CompletionDispatcher:
                 self.sched.end(s, s.pending_reason, s.pending_error)  # output dropped (drained)
                 continue
             tok = tokens[i]
-            sp = s.req.sampling
             first = s.generated == 0
             s.generated += 1
             s.last_token = tok
             if first:
                 s.first_token_at = now
-            reason: FinishReason | None = None
-            hidden = False
-            if s.generated > sp.min_tokens:
-                if (tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids:
-                    reason, hidden = FinishReason.STOP, True
-            if reason is None and (s.generated >= sp.max_tokens or s.position >= s.lease.reserved_len):
-                reason = FinishReason.LENGTH
-            msg = Tokens(tok, logprobs[i], first, hidden)
-            if reason is None and s.deadline is not None and s.deadline <= now:
-                reason = FinishReason.DEADLINE
+            reason = _ends(s, tok, s.generated, s.position, now, eos)
+            # the EOS / stop token itself is not shown to the client
+            msg = Tokens(tok, logprobs[i], first, reason is FinishReason.STOP)
             if reason is None and not prefill:
                 self._deferred.append((s, msg))  # continues: charged and delivered after the next submit
                 self.sched.set_ready(s, now)

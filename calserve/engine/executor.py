@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from calserve.core.kv_state import KvSequenceState
-from calserve.engine.backend import JobTicket
+from calserve.engine.backend import BackendCalbin, JobTicket
 from calserve.engine.jobs import DeviceJob, JobOutcome
 from calserve.runtime.types import CalrtError, DeviceBusy, DeviceFaulted, JobEngine, JobResult
 
@@ -151,7 +151,7 @@ class DeviceExecutor:
         checkpoint on a way out of it: a refused submit, a busy back-off)."""
         after = self.dispatcher.flush if pending is None else pending
         gen = job.gen
-        cb = job.calbin if job.calbin is not None else gen.calbin  # the batch's profile member
+        cb: BackendCalbin = job.calbin  # the batch's profile member
         try:
             if job.epoch != self.recovery.epoch:
                 raise DeviceFaulted("the device was reset after this job was built")
@@ -196,7 +196,7 @@ class DeviceExecutor:
         return JobOutcome(result=r, timed_out=timed_out)
 
     async def _submit(self, job: DeviceJob, after: Callable[[], None]) -> tuple[JobTicket, JobResult | None]:
-        cb = job.calbin if job.calbin is not None else job.gen.calbin
+        cb: BackendCalbin = job.calbin
         if job.kind == "prefill":
             seq = job.lanes[0]
             assert seq is not None and seq.seq_id is not None

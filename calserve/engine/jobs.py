@@ -30,7 +30,8 @@ class DeviceJob:
     expect: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     job_id: int = -1  # runtime job id once submitted
     epoch: int = 0  # recovery epoch at submit: an ABORTED result from an older epoch is no new fault
-    # The calbin (profile member of the generation's KV group) the job runs on; None: gen.calbin.
+    # The calbin (profile member of the generation's KV group) the job runs on; left None at
+    # construction, it is the generation's KV owner (prefills, single-profile generations).
     calbin: Any = None
     # Derived once at construction (the hot path reads them several times per step):
     # Invariant: seqs == the non-None lanes in lane order; active == their lane indices (ascending).
@@ -40,6 +41,8 @@ class DeviceJob:
     def __post_init__(self) -> None:
         self.active = [i for i, s in enumerate(self.lanes) if s is not None]
         self.seqs = [s for s in self.lanes if s is not None]
+        if self.calbin is None:
+            self.calbin = self.gen.calbin
 
 
 class JobOutcome(NamedTuple):

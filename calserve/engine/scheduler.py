@@ -29,6 +29,7 @@ import dataclasses
 import heapq
 import logging
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -331,10 +332,9 @@ class Scheduler:
             toks[i] = t
             pos[i] = p
         job = DeviceJob("decode", done.gen, done.lanes, np.array(toks, np.int32),
-                        np.array(pos, np.int32), done.valid, trio.current_time())
-        job.seq_ids = done.seq_ids  # read-only after construction
-        job.calbin = done.calbin
-        job.expect = [(s.seq_id, p) for s, p in zip(done.seqs, positions, strict=True)]
+                        np.array(pos, np.int32), done.valid, trio.current_time(),
+                        seq_ids=done.seq_ids, calbin=done.calbin)  # read-only after construction
+        job.expect = [(sid, p) for (sid, _), p in zip(done.expect, positions, strict=True)]
         return job
 
     def _profile(self, gen: Generation, B: int) -> BatchProfile:
@@ -352,18 +352,33 @@ class Scheduler:
         assert B is not None
         profile = self._profile(gen, B)
         seq = done.seqs[0]
-        sid = int(seq.seq_id if seq.seq_id is not None else -1)
-        host = np.array(([token] + [profile.inactive_token_id] * (B - 1),
-                         [position] + [profile.inactive_position] * (B - 1),
-                         [sid] + [-1] * (B - 1)), np.int32)
-        valid = np.zeros(B, np.uint8)
-        valid[0] = 1
-        lanes: list[Seq | None] = [seq, *([None] * (B - 1))]
-        job = DeviceJob("decode", gen, lanes, host[0], host[1], valid, trio.current_time())
-        job.seq_ids = host[2]
-        job.calbin = gen.calbins[B]
-        job.expect = [(sid, position)]
+        sid = -1 if seq.seq_id is None else seq.seq_id
+        fill = B - 1
+        return self._decode_device_job(
+            gen, B, [seq, *([None] * fill)], [token] + [profile.inactive_token_id] * fill,
+            [position] + [profile.inactive_position] * fill, [1] + [0] * fill, [sid] + [-1] * fill,
+            trio.current_time())
+
+    def _decode_device_job(
+        self, gen: Generation, B: int, lanes: list[Seq | None], token_ids: Sequence[int],
+        positions: Sequence[int], valid: Sequence[int], seq_ids: Sequence[int], created: float,
+    ) -> DeviceJob:
+        """A decode job over ``B`` lanes (inactive ones: None, with the profile's filler token and
+        position) on the generation's member for ``B``; changes no scheduling state."""
+        # One int32 [3, B] array, its rows (contiguous views) are the job's tensors.
+        host = np.array((token_ids, positions, seq_ids), np.int32)
+        job = DeviceJob("decode", gen, lanes, host[0], host[1], np.asarray(valid, np.uint8), created,
+                        seq_ids=host[2], calbin=gen.calbins[B])
+        job.expect = [(seq_ids[i], positions[i]) for i in job.active]
         return job
+
+    def _record_decode(self, job: DeviceJob) -> None:
+        """Statistics and trace of a decode job that was handed to an executor."""
+        B = len(job.lanes)
+        self.batches_total[B] += 1
+        self.lanes_active_total[B] += len(job.seqs)
+        self.lanes_total[B] += B
+        self.trace.append(("decode", tuple(s.rid for s in job.seqs)))
 
     def commit_continuation(self, job: DeviceJob) -> None:
         """The scheduling state of running ``job`` (built by :meth:`build_continuation`) once its
@@ -372,18 +387,12 @@ class Scheduler:
         gen = job.gen
         ready = self._queues[gen.id].decode_ready
         self.rr.next(_DECODE_ONLY)
-        seqs = job.seqs
-        for s in seqs:
+        for s in job.seqs:
             del ready[s.rid]
             gen.kv.begin_update(s.lease.lane, s.position, 1)
             s.inflight = job
-        B = len(job.lanes)
-        n = len(seqs)
         self.continuations_total += 1
-        self.batches_total[B] += 1
-        self.lanes_active_total[B] += n
-        self.lanes_total[B] += B
-        self.trace.append(("decode", tuple(s.rid for s in seqs)))
+        self._record_decode(job)
 
     def _expire(self, gen: Generation, q: GenQueues, now: float) -> None:
         for item in gen.admission.expire(now):
@@ -528,7 +537,6 @@ class Scheduler:
 
     def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int) -> DeviceJob | None:
         """A decode batch for compiled batch ``B`` (a member of ``gen.calbins``), run on that member."""
-        cb = gen.calbins[B]
         profile = self._profile(gen, B)
         gid = gen.id
         cands = [  # positional (request_id, seq_id, tenant, generation, last_token, position, deadline,
@@ -578,19 +586,12 @@ class Scheduler:
             gen.kv.begin_update(seq.lease.lane, seq.position, 1)
             wait += now - seq.ready_since
             lanes.append(seq)
-        # One int32 [3, B] array, its rows (contiguous views) are the job's tensors.
-        host = np.array((batch.token_ids, batch.positions, batch.seq_ids), np.int32)
-        job = DeviceJob("decode", gen, lanes, host[0], host[1], np.asarray(batch.valid_mask, np.uint8), now)
-        job.seq_ids = host[2]
-        job.calbin = cb
-        job.expect = [(c.seq_id, c.position) for c in batch.lanes if c is not None]
+        job = self._decode_device_job(gen, B, lanes, batch.token_ids, batch.positions, batch.valid_mask,
+                                      batch.seq_ids, now)
         for s in job.seqs:
             s.inflight = job
-        self.batches_total[B] += 1
-        self.lanes_active_total[B] += batch.active
-        self.lanes_total[B] += B
         self.batch_wait_s_total += wait
-        self.trace.append(("decode", tuple(s.rid for s in job.seqs)))
+        self._record_decode(job)
         return job
 
     # ---------------------------------------------------------------------------------------------
