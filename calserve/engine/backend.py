@@ -87,6 +87,9 @@ class BackendCalbin(Protocol):
 
     spec: ProfileSpec
     config: ModelConfig
+    # True when freeing a sequence is host bookkeeping that never blocks (free_sequences_now works):
+    # the scheduler then returns an ended request's lane inside the pass that admits the next one.
+    frees_inline: bool = False
 
     def introspect(self) -> dict[str, Any]: ...
 
@@ -95,6 +98,10 @@ class BackendCalbin(Protocol):
     async def free_sequences(self, seq_ids: Sequence[int]) -> None:
         """Free several sequences in one device round trip; ids already invalid are skipped."""
         ...
+
+    def free_sequences_now(self, seq_ids: Sequence[int]) -> None:
+        """:meth:`free_sequences` without a checkpoint; only when :attr:`frees_inline`."""
+        raise NotImplementedError
 
     async def committed_len(self, seq_id: int) -> int: ...
 
@@ -408,7 +415,13 @@ class _RuntimeCalbin:
         # is inline too (free_sequences). (A vendor runtime whose create blocks: see ext/README.md.)
         return int(self._c.create_sequence())
 
+    frees_inline = True
+
     async def free_sequences(self, seq_ids: Sequence[int]) -> None:
+        self.free_sequences_now(seq_ids)
+        await trio.lowlevel.checkpoint()
+
+    def free_sequences_now(self, seq_ids: Sequence[int]) -> None:
         # Inline, like create: KvManager bookkeeping plus a scrub of the positions the sequence ever
         # wrote (microseconds for a typical request; at most its max_seq block). A worker-thread hop
         # here ran concurrently with the next request's first decode steps and widened their
@@ -418,7 +431,6 @@ class _RuntimeCalbin:
                 self._c.free_sequence(s)
             except Exception:  # already invalidated by a reset: nothing to free
                 pass
-        await trio.lowlevel.checkpoint()
 
     async def committed_len(self, seq_id: int) -> int:
         return int(await self._t.run(self._c.committed_len, seq_id))

@@ -142,8 +142,15 @@ class FakeCalbin(BackendCalbin):
         self._seqs[sid] = _Seq()
         return sid
 
+    @property
+    def frees_inline(self) -> bool:  # type: ignore[override]
+        return self._dev.frees_inline
+
     async def free_sequences(self, seq_ids: Sequence[int]) -> None:
         await trio.lowlevel.checkpoint()
+        self.free_sequences_now(seq_ids)
+
+    def free_sequences_now(self, seq_ids: Sequence[int]) -> None:
         for s in seq_ids:
             self._seqs.pop(int(s), None)
 
@@ -273,7 +280,8 @@ class FakeCalbin(BackendCalbin):
 
 
 class FakeBackend:
-    """Trio-native fake device. ``jitter_s`` adds a seeded uniform delay to every job."""
+    """Trio-native fake device. ``jitter_s`` adds a seeded uniform delay to every job;
+    ``frees_inline``: see :attr:`BackendCalbin.frees_inline`."""
 
     def __init__(
         self,
@@ -283,6 +291,7 @@ class FakeBackend:
         jitter_s: float = 0.0,
         queue_depth: int = 2,
         dram_bytes: int = 32 << 30,
+        frees_inline: bool = False,
     ) -> None:
         self.capabilities = (
             RUNTIME_PROFILES[capabilities] if isinstance(capabilities, str) else capabilities
@@ -291,6 +300,9 @@ class FakeBackend:
         self._jitter = jitter_s
         self._queue_depth = queue_depth
         self._dram = dram_bytes
+        # As the software runtime: sequences are freed inside the scheduling pass (default: through
+        # the scheduler task, the path of a runtime whose free is a device round trip).
+        self.frees_inline = frees_inline
         self._calbins: list[FakeCalbin] = []
         self._inflight: dict[int, _Job] = {}
         self._engine_free_at = {JobEngine.PING: 0.0, JobEngine.PONG: 0.0}

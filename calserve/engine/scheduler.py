@@ -236,6 +236,8 @@ class Scheduler:
         for gen in list(self.models.generations.values()):
             q = self.queues(gen)
             self._expire(gen, q, now)
+            if q.releases and gen.calbin.frees_inline and not self.paused:
+                self._release_now(gen, q)
             if gen.state is ModelState.READY and not self.paused:
                 self._admit(gen, q, now)
             d = gen.admission.next_deadline()
@@ -412,6 +414,19 @@ class Scheduler:
         # being cancelled (else they would stay Releasing forever).
         with trio.CancelScope(shield=True):
             await gen.calbin.free_sequences([sid for _, sid, _, _ in batch])
+        self._confirm_released(gen, batch)
+        self.wake()
+
+    def _release_now(self, gen: Generation, q: GenQueues) -> None:
+        """The ended requests' sequences freed inside this pass (a runtime whose free is host
+        bookkeeping): their lanes are free for this pass's admission. Without it, a full lane table
+        (``admission.max_sequences`` = the running set) admitted the next request only after a
+        scheduler-task round trip, ~1.6 ms of an idle lane at every turnover (bench batching)."""
+        batch, q.releases = q.releases, []
+        gen.calbin.free_sequences_now([sid for _, sid, _, _ in batch])
+        self._confirm_released(gen, batch)
+
+    def _confirm_released(self, gen: Generation, batch: list[tuple[int, int, int, float]]) -> None:
         now = trio.current_time()
         for lane, sid, rid, ended_at in batch:
             info = gen.kv.info(lane)
@@ -422,7 +437,6 @@ class Scheduler:
                 self.trace.append(("released", (rid,)))
             if gen.lane_seq.get(lane) == sid:
                 del gen.lane_seq[lane]
-        self.wake()
 
     def _admit(self, gen: Generation, q: GenQueues, now: float) -> None:
         gen.admission.observe(now)  # decode speed for the expected-wait estimate (overload)

@@ -228,3 +228,44 @@ async def test_batching_window_timer_set_by_the_inline_tick_fires(autojump_clock
         assert isinstance(ev[-1], FinishEvent) and ev[-1].reason is FinishReason.LENGTH
         # 4 decode steps, each waiting out the 20 ms window first (then ~1 ms of device time)
         assert 0.08 <= trio.current_time() - t0 < 0.1
+
+
+@pytest.mark.parametrize("inline", [True, False])
+async def test_full_lane_table_turnover(autojump_clock: object, inline: bool) -> None:
+    """With every lane taken (``max_sequences`` = the running set), a request that ends frees its
+    lane and the next waiting request is admitted and prefilled in the same scheduling pass when the
+    runtime frees inline; otherwise through the scheduler task. Either way its tokens are exact and
+    every lane comes back."""
+    be = FakeBackend("calrt-0.7.6", seed=1, frees_inline=inline)
+    cfg = config(admission={"max_sequences": 1})
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(profiles=(1,))}) as eng:
+        sched = eng.scheduler
+        first = await eng.submit(GenerateRequest((3, 4), greedy({"max_tokens": 4})))
+        second = await eng.submit(GenerateRequest((5, 6), greedy({"max_tokens": 3})))
+        ticks: dict[str, int] = {}
+        orig_admit = sched._admit
+
+        def admit(gen: object, q: object, now: float) -> None:
+            before = len(q.waiting)  # type: ignore[attr-defined]
+            orig_admit(gen, q, now)  # type: ignore[arg-type]
+            if before and not q.waiting:  # type: ignore[attr-defined]
+                ticks["admitted_at_task_tick"] = sched.ticks
+
+        sched._admit = admit  # type: ignore[method-assign]
+        ticks_at_end: list[int] = []
+        events: list[Event] = []
+        async for ev in first.events():
+            events.append(ev)
+        ticks_at_end.append(sched.ticks)
+        assert tokens(events) == fake_greedy((3, 4), 4)
+        assert tokens(await drain(second)) == fake_greedy((5, 6), 3)
+        released = [i for i, (k, r) in enumerate(sched.trace) if k == "released" and r == (first.request_id,)]
+        admitted = [i for i, (k, r) in enumerate(sched.trace) if k == "admit" and r == (second.request_id,)]
+        assert released and admitted and released[0] < admitted[0]
+        if inline:
+            # admitted by the executor's pass right after the completion, before the task woke
+            assert ticks["admitted_at_task_tick"] <= ticks_at_end[0]
+            assert sched.trace[admitted[0] - 1] == ("released", (first.request_id,))
+        await trio.sleep(0.05)
+        st = eng.statistics()
+        assert st.kv_tokens_reserved == 0

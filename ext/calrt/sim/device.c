@@ -181,8 +181,10 @@ static void reset_chip(calrt_device *dev, sim_chip *ch) {
     if (ch->dma_unknown && cb->configured) cb->needs_reconfigure = 1;
   }
   pthread_mutex_unlock(&dev->mu);
-  for (int e = 0; e < 2; e++)
+  for (int e = 0; e < 2; e++) {
     for (int i = 0; i < SIM_MAX_FAULTS; i++) ch->engines[e].faults[i].armed = 0;
+    ch->engines[e].free_at_us = 0; /* an aborted job's modeled end must not delay the next one */
+  }
   ch->faulted = 0;
   ch->dma_unknown = 0;
   ch->shared_free_at_us = 0;

@@ -5,6 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <unistd.h>
 
 #include "internal.h"
@@ -171,6 +174,7 @@ calrt_status calrt_job_submit(calrt_job *job, calrt_engine engine) {
   atomic_fetch_add(&job->refs, 1); /* the engine's reference */
   job->engine = (int)engine;
   job->state = JOB_QUEUED;
+  job->submit_us = sim_now_us();
   pthread_mutex_lock(&job->mu);
   job->submitted = 1;
   pthread_mutex_unlock(&job->mu);
@@ -310,7 +314,8 @@ static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, doubl
 }
 
 /* Run queue[0] (chip->mu held; released during compute and modeled time). Returns its status. */
-static calrt_job_status run(sim_engine *e, calrt_job *j, double start) {
+static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io) {
+  double start = *start_io;
   sim_chip *ch = e->chip;
   calrt_calbin *cb = j->cb;
   if (atomic_load(&j->abort)) return CALRT_JOB_ABORTED;
@@ -327,12 +332,19 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double start) {
   for (int32_t l = 0; l < j->lanes; l++)
     j->checksum[l] = j->valid[l] ? calrt_checksum(j->logits + (size_t)l * V, V * sizeof(float)) : 0;
   pthread_mutex_lock(&ch->mu);
-  /* Timing model: the shared part of the job ((1 - overlap) of it) serialises with the other engine. */
+  /* Timing model: the shared part of the job ((1 - overlap) of it) serialises with the other engine.
+   * The modeled device starts a job when it is submitted (or when the engine's previous job ends),
+   * not when this worker thread got a CPU: on a busy host the thread's wake-up latency would
+   * otherwise be added to every job as if it were device time. */
   double d = sim_modeled_us(cb, j), end = start;
   if (d > 0) {
-    double s = start > ch->shared_free_at_us ? start : ch->shared_free_at_us;
+    double t0 = j->submit_us > e->free_at_us ? j->submit_us : e->free_at_us;
+    if (t0 > start) t0 = start;
+    double s = t0 > ch->shared_free_at_us ? t0 : ch->shared_free_at_us;
     ch->shared_free_at_us = s + (1.0 - cb->t.pingpong_overlap) * d;
     end = s + d;
+    e->free_at_us = end;
+    *start_io = t0; /* device_us counts from the modeled start */
   }
   if (cb->dev->jitter_us > 0) end += (double)(sim_rng_next(&ch->rng) % (uint64_t)(cb->dev->jitter_us + 1));
   struct timespec ts;
@@ -361,6 +373,12 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double start) {
 static void *worker(void *arg) {
   sim_engine *e = arg;
   sim_chip *ch = e->chip;
+#if defined(__linux__) && defined(PR_SET_TIMERSLACK)
+  /* The modeled time ends on a timed wait: Linux's default 50 us timer slack would let every job
+   * run ~50 us past its modeled end (a simulation artefact, not device time). 1 ns: as exact as
+   * the kernel's timers allow. */
+  prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
+#endif
   pthread_mutex_lock(&ch->mu);
   for (;;) {
     while (!ch->stop && e->n_queued == 0) pthread_cond_wait(&e->cond, &ch->mu);
@@ -368,7 +386,7 @@ static void *worker(void *arg) {
     calrt_job *j = e->queue[0];
     j->state = JOB_RUNNING;
     double start = sim_now_us();
-    calrt_job_status st = run(e, j, start);
+    calrt_job_status st = run(e, j, &start);
     complete(e, j, st, start);
   }
   pthread_mutex_unlock(&ch->mu);

@@ -58,6 +58,7 @@ typedef struct sim_engine {
   pthread_cond_t cond; /* work available */
   struct calrt_job *queue[CALRT_QUEUE_DEPTH]; /* FIFO; queue[0] runs first */
   int n_queued;
+  double free_at_us; /* modeled end of the engine's last job (chip->mu) */
   calrt_counters counters;
   atomic_ullong timeouts; /* atomic: counted by waiters without the chip lock */
   /* Completion eventfd (calrt_sim_engine_completion_fd), -1 until first asked for. Guarded by chip->mu
@@ -132,6 +133,7 @@ struct calrt_job {
   int64_t *echo;
   uint64_t *checksum;
   double device_us;
+  double submit_us; /* when calrt_submit queued it (chip->mu) */
   int engine;
   job_state state; /* chip->mu before completion; then job->mu */
   atomic_int abort;
