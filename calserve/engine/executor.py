@@ -133,12 +133,11 @@ class DeviceExecutor:
                     # the request actors first (they run while the device computes): the same
                     # sequences again when they are all the work there is (on this executor), else
                     # the completion's full scheduling pass (it wakes the scheduler task only if
-                    # needed), after the deferred per-token work it may depend on.
+                    # needed). The deferred token messages go out after the next submit.
                     cont = self.sched.continue_decode(job)
                     if cont is not None:
                         self.start(cont)
                     else:
-                        self.dispatcher.flush()
                         self.sched.tick_sync()
                     try:
                         job = self._recv.receive_nowait()

@@ -192,6 +192,9 @@ class Scheduler:
                         q.releases.append((lane, info.seq_id, seq.rid, trio.current_time()))
         if error is None and reason is None:
             reason = FinishReason.STOP
+        if seq.deferred is not None:  # its last token message first (dispatcher.flush)
+            msg, seq.deferred = seq.deferred, None
+            seq.inbox.send_nowait(msg)
         seq.inbox.send_nowait(End(reason, error) if error is None else End(None, error))
         self.wake()
 

@@ -97,6 +97,9 @@ class Seq:
     ready_since: float = 0.0  # when it last became decode-ready (batching window)
     # Consecutive decode batches that passed this ready sequence over (starvation accounting).
     passed_over: int = 0
+    # A token message held back until the next job was submitted (dispatcher._deferred); whoever
+    # sends this request anything else first delivers it (Scheduler.end), so messages keep order.
+    deferred: Any = None
     job_ids: list[int] = dataclasses.field(default_factory=list)  # recent job ids, for logs
 
     @property
