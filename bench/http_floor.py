@@ -5,7 +5,13 @@
 1. calserve (``runtime.null_compute: true``, timing ``none``: the device costs nothing, so what is left
    is the serving layer) under hypercorn's trio worker, 64 concurrent streams, pinned to core 0;
 2. the bare ASGI app of :mod:`bench.floor_app` under the same hypercorn trio worker, streaming
-   pre-encoded chunks of the same size as calserve's (one ``send`` per event), same load.
+   pre-encoded chunks of the same size as calserve's events had under this load (one ``send`` per
+   event), same load.
+
+calserve runs twice: with its defaults (the serving thread is saturated here, so streams group the
+tokens produced within ``server.stream_busy_interval_ms`` into one event: calserve/api/pacing.py)
+and with grouping off (``stream_busy_interval_ms: 0``: one event per token); each is compared with
+the floor at its own event size.
 
 Server CPU comes from ``/proc/PID/stat`` (utime + stime of the serving process) over the load window;
 divided by the content events the client received it gives CPU µs per streamed event (and per token,
@@ -68,6 +74,7 @@ def _measure(srv: Server, out: Path, dur: float) -> dict[str, Any]:
     assert before and after, "server process vanished"
     events = sum(len(r.token_times) for r in res.records)
     tokens = sum(r.output_tokens if r.outcome == "ok" else len(r.token_times) for r in res.records)
+    content_bytes = sum(r.content_bytes for r in res.records)
     cpu = after.cpu_s - before.cpu_s
     # The software CalRT's engine threads are the simulated NPU (null compute still allocates,
     # completes and checksums every job): a real device would not take that from the host, so it is
@@ -78,7 +85,8 @@ def _measure(srv: Server, out: Path, dur: float) -> dict[str, Any]:
             "us_per_token": cpu / max(1, tokens) * 1e6,
             "device_threads_cpu_s": dev,
             "us_per_token_host_only": (cpu - dev) / max(1, tokens) * 1e6,
-            "events_per_s": events / wall, "outcomes": res.summary["outcomes"]}
+            "events_per_s": events / wall, "tokens_per_event": tokens / max(1, events),
+            "event_bytes": content_bytes / max(1, events), "outcomes": res.summary["outcomes"]}
 
 
 def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
@@ -121,40 +129,59 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
     return str(target) if target.exists() else None
 
 
+def _floor(out: Path, size: int, dur: float) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "bench.floor_app", "--port", "{port}", "--chunk-bytes", str(size)]
+    with Server.start(argv, out / f"server-floor-{size}", ready_path="/health") as fsrv:
+        res = _measure(fsrv, out / f"floor-{size}", dur)
+        res["probe_event_bytes"] = probe_event_size(fsrv.url)
+    return res
+
+
 def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
+    """calserve with its defaults (adaptive grouping: several tokens per event while the serving
+    thread is saturated, which it is here) and with grouping off (one event per token), each against
+    the floor streaming events of the size calserve's had under this load."""
     dur = 4.0 if quick else 8.0
     cfg = calserve_config(profiles=[1, 4, 8, 16], timing="none", null_compute=True)
-    from calserve.config import AdmissionConfig
+    from calserve.config import AdmissionConfig, ServerConfig
     fields = set(AdmissionConfig.__struct_fields__)
     # Every one of the 64 streams must stream (a 429 costs CPU but streams no token): no
     # expected-wait refusal, no running cap, where this calserve has those admission extensions.
     adm = {k: None for k in ("max_expected_wait_ms", "max_tpot_steps") if k in fields}
     if adm:
         cfg["scheduler"]["admission"] = adm
-    if stream_interval_ms:  # an informative what-if only: the target is judged with it off
-        cfg["server"] = {"stream_interval_ms": stream_interval_ms}
-    with Server.calserve(cfg, out / "server-calserve") as srv:
-        size = probe_event_size(srv.url)
-        cal = _measure(srv, out / "calserve", dur)
-    floor_argv = [sys.executable, "-m", "bench.floor_app", "--port", "{port}", "--chunk-bytes",
-                  str(size)]
-    with Server.start(floor_argv, out / "server-floor", ready_path="/health") as fsrv:
-        floor_size = probe_event_size(fsrv.url)
-        flo = _measure(fsrv, out / "floor", dur)
+    variants: dict[str, dict[str, Any]] = {"calserve": {}}
+    if "stream_busy_interval_ms" in ServerConfig.__struct_fields__:
+        variants["calserve_ungrouped"] = {"stream_busy_interval_ms": 0}
+    if stream_interval_ms:  # what-if: a fixed interval
+        variants[f"calserve_interval_{stream_interval_ms}ms"] = {"stream_interval_ms": stream_interval_ms}
+    doc: dict[str, Any] = {"concurrency": CONCURRENCY, "variants": {}}
+    floors: dict[int, dict[str, Any]] = {}
+    for name, server in variants.items():
+        vcfg = {**cfg, "server": server} if server else cfg
+        with Server.calserve(vcfg, out / f"server-{name}") as srv:
+            cal = _measure(srv, out / name, dur)
+        size = max(64, round(cal["event_bytes"]))
+        if size not in floors:
+            floors[size] = _floor(out, size, dur)
+        flo = floors[size]
+        doc["variants"][name] = {
+            "server": server, "calserve": cal, "floor_event_bytes": size,
+            "floor_us_per_event": flo["us_per_event"],
+            "ratio_per_event": cal["us_per_event"] / flo["us_per_event"],
+            "ratio_per_token": cal["us_per_token"] / flo["us_per_token"],
+            "ratio_per_token_host_only": cal["us_per_token_host_only"] / flo["us_per_token"]}
+    doc["floors"] = {str(k): v for k, v in floors.items()}
     try:
         prof = _profile(cfg, out, min(dur, 5.0))
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # a profile is a bonus
         prof = f"profiling failed: {e}"[:300]
-    ratio = cal["us_per_event"] / flo["us_per_event"] if flo["us_per_event"] else None
-    doc = {"concurrency": CONCURRENCY, "stream_interval_ms": stream_interval_ms,
-           "event_bytes_calserve": size, "event_bytes_floor": floor_size,
-           "calserve": cal, "floor": flo, "ratio_per_event": ratio,
-           "ratio_per_token": cal["us_per_token"] / flo["us_per_token"] if flo["us_per_token"]
-           else None,
-           "ratio_per_token_host_only": cal["us_per_token_host_only"] / flo["us_per_token"]
-           if flo["us_per_token"] else None,
-           "target_ratio": 1.25, "profile": prof or
-           "none saved: install py-spy or `pip install pyinstrument` to get one"}
+    head = doc["variants"]["calserve"]
+    doc.update({"calserve": head["calserve"], "floor": floors[head["floor_event_bytes"]],
+                "ratio_per_event": head["ratio_per_event"], "ratio_per_token": head["ratio_per_token"],
+                "ratio_per_token_host_only": head["ratio_per_token_host_only"],
+                "target_ratio": 1.25, "profile": prof or
+                "none saved: install py-spy or `pip install pyinstrument` to get one"})
     return doc
 
 
@@ -164,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=BENCH_OUT / "http-floor")
     ap.add_argument("--stream-interval-ms", type=int, default=0,
-                    help="run calserve with server.stream_interval_ms (default 0 = off, the "
-                         "configuration the target is judged on): how much CPU per token "
-                         "grouping tokens into fewer SSE events would save")
+                    help="also run calserve with a fixed server.stream_interval_ms (what-if)")
     a = ap.parse_args(argv)
     pin_self(1)
     doc = run(a.out, a.quick, a.stream_interval_ms)

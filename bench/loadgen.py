@@ -320,6 +320,7 @@ class _Run:
                 if rec.ttft is None:
                     rec.ttft = rel
                 rec.token_times.append(rel)
+                rec.content_bytes += len(data) + 8  # b"data: " ... b"\n\n"
                 self.tokens_seen += 1
         if 0 <= cut <= len(rec.token_times):
             rec.outcome = "disconnected"

@@ -42,6 +42,8 @@ class Record(msgspec.Struct, kw_only=True):
     output_tokens: int = 0
     prompt_tokens: int = 0
     finish_reason: str | None = None
+    # Bytes of the content events on the wire (``data: ...\n\n``), for event-size comparisons.
+    content_bytes: int = 0
 
     @property
     def tpot(self) -> float | None:

@@ -15,6 +15,7 @@ from typing import Any, Final, final
 
 import msgspec
 import trio
+from prometheus_client import Gauge
 from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -23,6 +24,7 @@ from calserve.api.asgi import FastRoutes, fast_route
 from calserve.api.errors import ApiError, from_exception
 from calserve.api.lifecycle import EngineFactory, EngineHost
 from calserve.api.metrics import ApiMetrics
+from calserve.api.pacing import StreamPacer
 from calserve.config import CalserveConfig, load_config
 from calserve.api.protocol import EngineLike
 from calserve.errors import AuthError, CalserveError, EngineError
@@ -53,6 +55,14 @@ class ApiState:
         self.metrics = ApiMetrics(self._stats)
         self.api_keys: dict[str, str] = {}  # key -> tenant; empty = one "default" tenant
         self.startup_error: BaseException | None = None  # why before_serving failed, if it did
+        self._pacer: StreamPacer | None = None
+        reg = self.metrics.registry
+        Gauge("calserve_stream_grouping", "1 while streams group tokens per chunk because the "
+              "serving thread is saturated (server.stream_busy_interval_ms)",
+              registry=reg).set_function(lambda: float(self._pacer is not None and self._pacer.engaged))
+        Gauge("calserve_serving_thread_busy_ratio", "CPU/wall of the serving thread over the last "
+              "pacing window (measured while streams write)",
+              registry=reg).set_function(lambda: self._pacer.busy_fraction if self._pacer else 0.0)
 
     @property
     def needs_thread(self) -> bool:
@@ -65,6 +75,14 @@ class ApiState:
     def config(self) -> CalserveConfig:
         assert self.host is not None
         return self.host.config
+
+    @property
+    def pacer(self) -> StreamPacer:
+        """The streams' hold interval, shared by all of them (one serving thread, one load)."""
+        p = self._pacer
+        if p is None:
+            p = self._pacer = StreamPacer.from_config(self.config.server)
+        return p
 
     def engine(self) -> EngineLike:
         """The running engine, or EngineError (503 ``engine_unavailable``)."""

@@ -190,8 +190,7 @@ class FastRoutes:
             metrics = self._state.metrics
             fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
             if prep.stream:
-                interval_s = self._state.config.server.stream_interval_ms / 1000.0
-                gen = run_stream(eng, metrics, prep, handle, fmt, guard, interval_s=interval_s)
+                gen = run_stream(eng, metrics, prep, handle, fmt, guard, pacer=self._state.pacer)
                 try:
                     self._count(200)
                     await send({"type": "http.response.start", "status": 200,

@@ -77,8 +77,7 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
             guards = request.scope.get(GUARDS_KEY)
             if isinstance(guards, list):  # released by CalserveApp when the connection ends
                 guards.append(guard)
-            sse_body = run_stream(eng, state.metrics, prep, handle, fmt, guard,
-                              interval_s=state.config.server.stream_interval_ms / 1000.0)
+            sse_body = run_stream(eng, state.metrics, prep, handle, fmt, guard, pacer=state.pacer)
             resp = Response(sse_body, status=200,
                             content_type="text/event-stream", headers=_SSE_HEADERS)
             resp.timeout = None

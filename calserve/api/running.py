@@ -18,6 +18,7 @@ from calserve.api.chunks import ChunkEncoder
 from calserve.api.convert import Prepared
 from calserve.api.errors import ApiError, error_body, from_exception
 from calserve.api.metrics import ApiMetrics
+from calserve.api.pacing import StreamPacer
 from calserve.api.protocol import EngineLike, HandleLike
 from calserve.api.render import (
     DONE, LogprobFormatter, finish_reason, merge_completion_logprobs, new_id, now_s, sse,
@@ -181,14 +182,18 @@ async def run_json(
 async def run_stream(
     engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
     fmt: LogprobFormatter, guard: StreamGuard | None = None, *, interval_s: float = 0.0,
+    pacer: StreamPacer | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body. No nursery around a yield (STACK.md); cancellation on disconnect arrives at a
     yield as Cancelled/GeneratorExit and the ``finally`` cancels the request at once. From its
     first step (no checkpoint before the ``try``) this generator owns the request, not ``guard``.
 
-    ``interval_s`` (config ``server.stream_interval_ms``, default 0 = off): after a token chunk is
-    written, the next read waits until that much time has passed, so the tokens produced meanwhile
-    go out as one chunk. Off, nothing ever waits on purpose: every read takes whatever is queued."""
+    After a token chunk is written, the next read waits until the hold interval has passed, so the
+    tokens produced meanwhile go out as one chunk: ``pacer.interval()`` (the server's
+    :class:`~calserve.api.pacing.StreamPacer`: fixed ``server.stream_interval_ms``, or adaptive to
+    the server's CPU load), else the fixed ``interval_s``. At 0 nothing ever waits on purpose:
+    every read takes whatever is queued. The first token is never held."""
+    paced = pacer.interval if pacer is not None else (lambda: interval_s)
     if guard is not None:
         if guard.owned:  # released already: the connection ended before the body started
             return
@@ -230,10 +235,11 @@ async def run_stream(
             yield enc.chunk("", None, None, role=True)
         if prep.echo_text:
             yield enc.text(prep.echo_text)
-        hold_until = 0.0  # with interval_s: no read before this (0: the first token is never held)
+        hold_until = 0.0  # no read before this (0: the first token is never held)
         while not finished:
-            if interval_s and hold_until:
+            if hold_until:
                 await trio.sleep_until(hold_until)
+                hold_until = 0.0
             try:
                 batch = await next_batch()
             except Exception as exc:  # an engine bug: still one terminal event for the client
@@ -248,8 +254,9 @@ async def run_stream(
                     obs.tokens(len(ev.token_ids))
                     if ev.text:
                         yield enc.text(ev.text)
-                        if interval_s:
-                            hold_until = trio.current_time() + interval_s
+                        hold = paced()
+                        if hold:
+                            hold_until = trio.current_time() + hold
                     continue
             if not batch:
                 finished = True  # stream ended without a terminal event: an engine bug
@@ -289,8 +296,10 @@ async def run_stream(
                     out += sse(error_body(err.message, err.type, err.param, err.code))
             if out:
                 yield out  # coalesced: one write per batch of queued events
-                if interval_s:
-                    hold_until = trio.current_time() + interval_s
+                if not finished:
+                    hold = paced()
+                    if hold:
+                        hold_until = trio.current_time() + hold
     finally:
         metrics.streams_active.dec()
         if not finished and not broken:

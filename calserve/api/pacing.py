@@ -1,0 +1,93 @@
+"""How long a stream holds its next chunk: fixed, or adaptive to the server's own CPU load.
+
+Each SSE event costs the server a fixed amount of CPU in the HTTP stack (one hypercorn send: ~30 µs
+on the bench machine) on top of the per-token work. While the server's thread has CPU to spare that
+cost buys the lowest inter-token latency, so every token goes out at once. When the thread is
+saturated (the device is faster than the host can stream, e.g. a small model at high concurrency),
+one send per token takes CPU from every other stream and from the engine: the token rate of the
+whole server drops. Then grouping the tokens a stream produced within a short interval into one
+event is the better trade — the idea of TCP autocorking (coalesce small writes while the link is
+busy, send at once when it is idle), applied to SSE.
+
+:class:`StreamPacer` measures the serving thread's busy fraction (its CPU time over wall time, in
+windows of ``window_s``) lazily, on the streams' own calls, and answers the hold interval:
+
+- ``server.stream_interval_ms`` > 0: that interval, always (like vLLM's ``--stream-interval``, in
+  time rather than tokens);
+- else ``server.stream_busy_interval_ms`` (default 20 ms; 0 = never) while the thread is busy:
+  engaged when a window's busy fraction reaches ``server.stream_busy_fraction`` (0.9), released
+  when one falls below 0.7 of it (hysteresis: coalescing lowers the load it reacts to).
+
+The first token of a stream is never held (TTFT is unchanged); a held chunk never waits past the
+interval; the terminal event goes out with the tokens held before it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Final, final
+
+__all__ = ["StreamPacer", "RELEASE_RATIO"]
+
+RELEASE_RATIO: Final = 0.7  # released below this share of the engage threshold
+
+
+@final
+class StreamPacer:
+    """Answers the current hold interval (s) for a stream's next chunk. Call from the trio thread
+    (the busy fraction is that thread's)."""
+
+    __slots__ = ("fixed_s", "busy_s", "engage", "release", "window_s", "_clock", "_cpu", "_t0",
+                 "_c0", "_engaged", "busy_fraction", "engagements")
+
+    def __init__(self, fixed_s: float = 0.0, busy_s: float = 0.0, busy_fraction: float = 0.9, *,
+                 window_s: float = 0.1, clock: Callable[[], float] = time.monotonic,
+                 cpu: Callable[[], float] = time.thread_time) -> None:
+        if fixed_s < 0 or busy_s < 0 or not 0.0 < busy_fraction <= 1.0 or window_s <= 0:
+            raise ValueError("intervals must be >= 0, busy_fraction in (0, 1], window > 0")
+        self.fixed_s = fixed_s
+        self.busy_s = busy_s
+        self.engage = busy_fraction
+        self.release = busy_fraction * RELEASE_RATIO
+        self.window_s = window_s
+        self._clock = clock
+        self._cpu = cpu
+        self._t0 = clock()
+        self._c0 = cpu()
+        self._engaged = False
+        self.busy_fraction = 0.0  # of the last complete window
+        self.engagements = 0  # times coalescing switched on (metrics, tests)
+
+    @classmethod
+    def from_config(cls, server: object) -> StreamPacer:
+        """From a ``ServerConfig`` (``stream_interval_ms``, ``stream_busy_interval_ms``,
+        ``stream_busy_fraction``)."""
+        return cls(getattr(server, "stream_interval_ms", 0) / 1000.0,
+                   getattr(server, "stream_busy_interval_ms", 0) / 1000.0,
+                   getattr(server, "stream_busy_fraction", 0.9))
+
+    @property
+    def engaged(self) -> bool:
+        return self._engaged
+
+    def interval(self) -> float:
+        """The hold interval for the chunk just written: 0 = the next read takes whatever is queued."""
+        if self.fixed_s:
+            return self.fixed_s
+        if not self.busy_s:
+            return 0.0
+        now = self._clock()
+        dt = now - self._t0
+        if dt >= self.window_s:
+            cpu = self._cpu()
+            busy = (cpu - self._c0) / dt
+            self._t0, self._c0 = now, cpu
+            self.busy_fraction = busy
+            if self._engaged:
+                if busy < self.release:
+                    self._engaged = False
+            elif busy >= self.engage:
+                self._engaged = True
+                self.engagements += 1
+        return self.busy_s if self._engaged else 0.0

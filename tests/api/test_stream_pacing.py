@@ -1,0 +1,133 @@
+"""Adaptive stream grouping (calserve/api/pacing.py): streams hold their next chunk only while the
+serving thread is saturated; fixed ``server.stream_interval_ms`` overrides it; the first token is
+never held and nothing is lost either way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from calserve.api.app import get_state
+from calserve.api.pacing import RELEASE_RATIO, StreamPacer
+
+from .conftest import make_config
+from .sse_util import parse_sse, stream_post
+from .test_stream_chunks import C, chunk_texts, gen_text
+
+
+class FakeTimes:
+    """A wall clock and a thread CPU clock the test drives."""
+
+    def __init__(self) -> None:
+        self.wall = 0.0
+        self.cpu = 0.0
+
+    def run(self, dt: float, busy: float) -> None:
+        self.wall += dt
+        self.cpu += dt * busy
+
+
+def pacer(t: FakeTimes, **kw: Any) -> StreamPacer:
+    kw.setdefault("busy_s", 0.02)
+    return StreamPacer(clock=lambda: t.wall, cpu=lambda: t.cpu, **kw)
+
+
+def test_engages_when_saturated_and_releases_with_hysteresis() -> None:
+    t = FakeTimes()
+    p = pacer(t, busy_fraction=0.9)
+    t.run(0.05, 1.0)
+    assert p.interval() == 0.0  # the window (100 ms) is not over yet
+    t.run(0.05, 1.0)
+    assert p.interval() == 0.02 and p.engaged and p.engagements == 1
+    t.run(0.1, 0.7)  # below the engage threshold, above the release one (0.63): stays
+    assert p.interval() == 0.02
+    t.run(0.1, 0.6)
+    assert p.interval() == 0.0 and not p.engaged
+    t.run(0.1, 0.85)  # below the engage threshold: stays off
+    assert p.interval() == 0.0
+    t.run(1.0, 0.95)
+    assert p.interval() == 0.02 and p.engagements == 2
+
+
+def test_idle_gap_releases_on_the_next_call() -> None:
+    t = FakeTimes()
+    p = pacer(t)
+    t.run(0.2, 1.0)
+    assert p.interval() == 0.02
+    t.run(0.1, 1.0)
+    t.run(5.0, 0.0)  # no stream called for 5 s: one long window, mostly idle
+    assert p.interval() == 0.0
+
+
+def test_fixed_interval_and_off() -> None:
+    t = FakeTimes()
+    fixed = pacer(t, fixed_s=0.05)
+    off = pacer(t, busy_s=0.0)
+    t.run(1.0, 1.0)
+    assert fixed.interval() == 0.05 and off.interval() == 0.0
+    t.run(1.0, 0.0)
+    assert fixed.interval() == 0.05 and off.interval() == 0.0
+    with pytest.raises(ValueError):
+        StreamPacer(busy_fraction=0.0)
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 0.5), st.floats(0.0, 1.0)), max_size=60),
+       st.floats(0.05, 1.0))
+def test_hysteresis_property(steps: list[tuple[float, float]], threshold: float) -> None:
+    """The interval is 0 or the busy interval; it switches on only after a window at or above the
+    threshold and off only after one below RELEASE_RATIO of it."""
+    t = FakeTimes()
+    p = pacer(t, busy_fraction=threshold)
+    was = False
+    for dt, busy in steps:
+        t.run(dt, busy)
+        iv = p.interval()
+        assert iv in (0.0, 0.02)
+        now_on = iv == 0.02
+        if now_on != was:  # a window closed and crossed the band
+            if now_on:
+                assert p.busy_fraction >= threshold
+            else:
+                assert p.busy_fraction < threshold * RELEASE_RATIO
+        was = now_on
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["saturated", "idle"])
+async def test_streams_group_tokens_only_while_saturated(
+    harness_factory: Any, autojump_clock: Any, busy: bool
+) -> None:
+    n = 40  # the fake engine makes one token per 10 ms (trio time)
+    cfg = make_config(server={"stream_busy_interval_ms": 50})
+    async with harness_factory(cfg, token_delay=0.01, coalesce=True) as h:
+        t = FakeTimes()
+        state = get_state(h.app)
+        # The pacer's clocks are real ones in production; here every call is one more window.
+        p = state._pacer = StreamPacer(0.0, 0.05, 0.9, window_s=1e-9,
+                                       clock=lambda: t.wall, cpu=lambda: t.cpu)
+
+        def tick_clock() -> float:
+            t.run(0.1, 1.0 if busy else 0.1)
+            return t.wall
+
+        p._clock = tick_clock  # type: ignore[assignment]
+        status, raw = await stream_post(h.client, C, {"prompt": "slow", "max_tokens": n,
+                                                      "stream": True})
+        text = await (await h.client.get("/metrics")).get_data(as_text=True)
+        assert f"calserve_stream_grouping {1.0 if busy else 0.0}" in text
+    assert status == 200
+    events = parse_sse(raw)
+    assert events[-1] == "[DONE]"
+    finishes = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finishes) == 1 and finishes[0] is events[-2]
+    texts = chunk_texts(events[:-2], False)
+    assert "".join(x or "" for x in texts) + (chunk_texts([events[-2]], False)[0] or "") \
+        == gen_text("slow", n)
+    if busy:
+        assert len(texts[0] or "") == 1  # the first token is never held
+        assert max(len(x or "") for x in texts) >= 4  # ~5 tokens per 50 ms chunk
+        assert len(texts) <= n // 4
+    else:
+        assert [len(x or "") for x in texts] == [1] * n
