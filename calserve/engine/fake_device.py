@@ -281,7 +281,8 @@ class FakeCalbin(BackendCalbin):
 
 class FakeBackend:
     """Trio-native fake device. ``jitter_s`` adds a seeded uniform delay to every job;
-    ``frees_inline``: see :attr:`BackendCalbin.frees_inline`."""
+    ``frees_inline``: see :attr:`BackendCalbin.frees_inline`; ``shared_time``: PING and PONG share
+    the device's time per the calbin's ``pingpong_overlap``, as calrt-sim."""
 
     def __init__(
         self,
@@ -292,6 +293,7 @@ class FakeBackend:
         queue_depth: int = 2,
         dram_bytes: int = 32 << 30,
         frees_inline: bool = False,
+        shared_time: bool = False,
     ) -> None:
         self.capabilities = (
             RUNTIME_PROFILES[capabilities] if isinstance(capabilities, str) else capabilities
@@ -303,6 +305,10 @@ class FakeBackend:
         # As the software runtime: sequences are freed inside the scheduling pass (default: through
         # the scheduler task, the path of a runtime whose free is a device round trip).
         self.frees_inline = frees_inline
+        # As calrt-sim: the (1 - pingpong_overlap) share of a job's time serialises with the other
+        # engine's (default: the two engines never wait for each other).
+        self._shared_time = shared_time
+        self._shared_free_at = 0.0
         self._calbins: list[FakeCalbin] = []
         self._inflight: dict[int, _Job] = {}
         self._engine_free_at = {JobEngine.PING: 0.0, JobEngine.PONG: 0.0}
@@ -370,6 +376,7 @@ class FakeBackend:
                 s.valid = False
         for e in JobEngine:
             self._engine_free_at[e] = now
+        self._shared_free_at = now
         ev, self._reset_event = self._reset_event, trio.Event()
         ev.set()
 
@@ -436,6 +443,9 @@ class FakeBackend:
             raise DeviceBusy(f"{engine.name} queue full")
         now = trio.current_time()
         start = max(now, self._engine_free_at[engine])
+        if self._shared_time:
+            start = max(start, self._shared_free_at)
+            self._shared_free_at = start + (1.0 - calbin.timing.pingpong_overlap) * duration_s
         end = start + duration_s + (self._rng.random() * self._jitter if self._jitter else 0.0)
         self._engine_free_at[engine] = end
         job = _Job(

@@ -86,6 +86,13 @@ class Generation:
         return len(self.calbins) > 1
 
     @property
+    def engines_serialise(self) -> bool:
+        """Whether PING and PONG jobs of this model share the device's time (the package's timing
+        figures say ``pingpong_overlap`` 0, or give none: spec §12, in-flight 2 does not prove
+        overlap). Then a decode batch held back while a prefill runs loses no device time."""
+        return all(t.pingpong_overlap == 0.0 for t in self.source.timing.values())
+
+    @property
     def compiled_batch(self) -> int:
         return self.spec.compiled_batch
 

@@ -9,11 +9,13 @@ batch for the one step it takes the running job to hand its sequences back (engi
 
 from __future__ import annotations
 
+import dataclasses
+
 import trio
 
 from calserve.engine.engine import Engine
 from calserve.engine.fake_device import FakeBackend
-from calserve.engine.types import FinishEvent, FinishReason
+from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
 
 from .helpers import collect, config, fake_greedy, fake_source
 
@@ -45,3 +47,48 @@ async def test_pingpong_keeps_a_set_that_fits_one_batch_together(autojump_clock:
 async def test_pingpong_still_overlaps_when_the_set_exceeds_a_batch(autojump_clock: object) -> None:
     fill, batches = await _run(max_inflight=2, n=8, steps=40)
     assert fill > 0.9, (fill, batches)
+
+
+async def _turnover(overlap: float) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
+    """Three long requests fill three of four lanes; a fourth arrives while they decode."""
+    src = fake_source(profiles=(4,))
+    # a prefill lasts three decode steps
+    src.timing[4] = dataclasses.replace(src.timing[4], pingpong_overlap=overlap, prefill_base_us=3000.0)
+    be = FakeBackend("sim-next", seed=3, shared_time=True)
+    cfg = config(batch={"profiles": [4]}, executor={"max_inflight": 2},
+                 admission={"max_sequences": 4})
+    async with Engine.open(cfg, backend=be, sources={"qwen3": src}) as eng:
+        late = -1
+
+        async def one(i: int, steps: int) -> None:
+            nonlocal late
+            prompt = (i + 1, 2 * i + 3, 7)
+            if i == 3:
+                await trio.sleep(0.0205)  # mid-step, while the three decode
+            h = await eng.submit(GenerateRequest(prompt, SamplingParams(
+                temperature=0.0, max_tokens=steps, ignore_eos=True)))
+            if i == 3:
+                late = h.request_id
+            toks = [t async for ev in h.events() if isinstance(ev, TokenEvent) for t in ev.token_ids]
+            assert toks == fake_greedy(prompt, steps)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, i, 60)
+            nursery.start_soon(one, 3, 20)
+        return list(eng.scheduler.trace), late
+
+
+async def test_partial_batch_waits_for_the_prefill_that_fills_it(autojump_clock: object) -> None:
+    """Engines that share the device's time (overlap 0): while the new request's prefill is queued
+    or running, no 3-lane decode job is dispatched; its first decode step runs with the other
+    three. With overlapping engines the three keep decoding during the prefill."""
+    for overlap, held in ((0.0, True), (1.0, False)):
+        trace, late = await _turnover(overlap)
+        start = trace.index(("prefill", (late,)))
+        joined = next(i for i, (k, rids) in enumerate(trace) if k == "decode" and late in rids)
+        between = [rids for k, rids in trace[start:joined] if k == "decode"]
+        if held:
+            assert between == [], trace[start - 2:joined + 1]
+        else:
+            assert between, trace[start - 2:joined + 1]
