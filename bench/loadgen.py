@@ -68,6 +68,9 @@ class LoadSpec:
     # Closed loop: a worker whose request was refused (429/503) waits the server's Retry-After, at
     # most this long, before its next request, as a well-behaved client does (0 = resend at once).
     max_retry_after_s: float = 1.0
+    # Start of the steady window (s; None: min(1, 0.2 x duration)): where throughput, TPOT and fill
+    # "at saturation" are read. Slow arrival rates need longer to fill the server's lanes.
+    steady_start_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.duration_s is None and self.num_requests is None and not self.trace:
@@ -432,10 +435,15 @@ async def run_load(spec: LoadSpec) -> RunResult:
     if run.proc:
         extra["server_proc"] = _proc_summary(run.proc)
     duration = (end if end is not None else trio.current_time()) - run.t0
+    window = None
+    if spec.duration_s:
+        w0 = spec.steady_start_s if spec.steady_start_s is not None else min(1.0, 0.2 * spec.duration_s)
+        window = (min(w0, spec.duration_s), spec.duration_s)
     summary = summarize(run.records, duration=duration, slo_ttft_ms=spec.slo_ttft_ms,
-                        slo_tpot_ms=spec.slo_tpot_ms, extra=extra,
-                        window=(min(1.0, 0.2 * spec.duration_s), spec.duration_s)
-                        if spec.duration_s else None)
+                        slo_tpot_ms=spec.slo_tpot_ms, extra=extra, window=window)
+    if window is not None:
+        wf = [v for t, v in series["batch_fill"] if window[0] <= t <= window[1]]
+        summary["window"]["batch_fill"] = sum(wf) / len(wf) if wf else None
     return RunResult(run.records, summary, scraper.samples, run.proc)
 
 
@@ -526,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--disconnect-prob", type=float, default=0.0)
+    ap.add_argument("--steady-start", type=float, default=None,
+                    help="start of the steady window in s (default min(1, 0.2 x duration))")
     ap.add_argument("--max-retry-after", type=float, default=1.0,
                     help="closed loop: after a 429/503 a worker waits Retry-After, at most this many "
                          "seconds (0: resend at once)")
@@ -560,7 +570,7 @@ def spec_from_args(a: argparse.Namespace) -> LoadSpec:
         prompt_mode=a.prompt_mode, vocab=(int(lo), int(hi)), trace=trace,
         request_timeout_s=a.request_timeout, drain_timeout_s=a.drain_timeout,
         disconnect_prob=a.disconnect_prob, scrape_interval_s=a.scrape_interval or None,
-        max_retry_after_s=a.max_retry_after,
+        max_retry_after_s=a.max_retry_after, steady_start_s=a.steady_start,
         server_pid=a.server_pid, slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms,
         progress=not a.no_progress,
     )

@@ -190,8 +190,12 @@ def summarize(
         for r in records:
             w = _tokens_per_event(r)
             tok += sum(w for t in r.token_times if w0 <= r.start + t < w1)
+        # TPOT of the requests sent inside the window: steady state, without the ramp-up's
+        # requests (which queue behind each other's prefills while the server fills up)
+        steady_tpots = [t for r in records if w0 <= r.start < w1 and (t := r.tpot) is not None]
         summary["window"] = {"start_s": w0, "end_s": w1, "output_tokens": tok,
-                             "output_throughput": tok / max(1e-9, w1 - w0)}
+                             "output_throughput": tok / max(1e-9, w1 - w0),
+                             "tpot_ms": latency_stats(steady_tpots)}
     if extra:
         summary.update(extra)
     return summary

@@ -90,6 +90,14 @@ async def test_open_and_closed_loop_accounting(nursery: trio.Nursery) -> None:
     delivered = sum(t["output_tokens_delivered"] for t in s["tenants"].values())
     assert math.isclose(total, delivered, rel_tol=1e-6)
     assert s["window"]["end_s"] == 2.0 and 0 < s["window"]["output_tokens"] <= delivered
+    assert s["window"]["batch_fill"] is not None and 0 < s["window"]["batch_fill"] <= 1
+    # steady TPOT: the requests sent inside the window, a subset of all
+    wt, at = s["window"]["tpot_ms"], s["tpot_ms"]
+    sent_in = [r for r in recs if s["window"]["start_s"] <= r.start < 2.0 and r.tpot is not None]
+    assert wt["count"] == len(sent_in) and 0 < wt["count"] <= at["count"]
+    assert wt["min"] <= wt["p50"] <= wt["p99"] <= wt["max"] and at["min"] <= wt["min"]
+    # content bytes: every content event carries at least a "data: {}\n\n"
+    assert all(r.content_bytes >= 10 * len(r.token_times) for r in recs)
 
 
 async def test_request_count_bound_nonstreaming_and_seed(nursery: trio.Nursery, tmp_path: Path) -> None:
