@@ -162,7 +162,7 @@ class ServerConfig(_Strict):
     # up to this much later. The first token is never held. Like vLLM's --stream-interval.
     stream_interval_ms: NonNeg = 0
     # Adaptive grouping (calserve/api/pacing.py), when stream_interval_ms is 0: while the serving
-    # thread is saturated (a 100 ms window's CPU/wall >= stream_busy_fraction; released below 0.7
+    # thread is saturated (a 100 ms window's (run + wait-for-CPU)/wall >= stream_busy_fraction; released below 0.7
     # of it), streams hold chunks this long (ms; 0 = never): one SSE send per token costs every
     # stream throughput exactly when the host, not the device, is the bottleneck.
     stream_busy_interval_ms: NonNeg = 20

@@ -60,8 +60,8 @@ class ApiState:
         Gauge("calserve_stream_grouping", "1 while streams group tokens per chunk because the "
               "serving thread is saturated (server.stream_busy_interval_ms)",
               registry=reg).set_function(lambda: float(self._pacer is not None and self._pacer.engaged))
-        Gauge("calserve_serving_thread_busy_ratio", "CPU/wall of the serving thread over the last "
-              "pacing window (measured while streams write)",
+        Gauge("calserve_serving_thread_busy_ratio", "(run + runnable-waiting)/wall of the serving "
+              "thread over the last pacing window (measured while streams write)",
               registry=reg).set_function(lambda: self._pacer.busy_fraction if self._pacer else 0.0)
 
     @property

@@ -4,6 +4,8 @@ never held and nothing is lost either way."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -11,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from calserve.api.app import get_state
-from calserve.api.pacing import RELEASE_RATIO, StreamPacer
+from calserve.api.pacing import RELEASE_RATIO, StreamPacer, thread_demand_s
 
 from .conftest import make_config
 from .sse_util import parse_sse, stream_post
@@ -131,3 +133,19 @@ async def test_streams_group_tokens_only_while_saturated(
         assert len(texts) <= n // 4
     else:
         assert [len(x or "") for x in texts] == [1] * n
+
+
+def test_thread_demand_counts_this_threads_run_time() -> None:
+    """The default busy clock: run (+ runnable wait) time of the calling thread, monotonic, and it
+    advances by at least the CPU the thread burns."""
+    a = thread_demand_s()
+    c0 = time.thread_time()
+    x = 0
+    while time.thread_time() - c0 < 0.02:
+        x += 1
+    b = thread_demand_s()
+    assert b - a >= 0.015
+    t = threading.Thread(target=lambda: time.sleep(0.05))
+    t.start()
+    t.join()  # another thread sleeping does not count for this one
+    assert thread_demand_s() - b < 0.04
