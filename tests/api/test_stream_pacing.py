@@ -149,3 +149,43 @@ def test_thread_demand_counts_this_threads_run_time() -> None:
     t.start()
     t.join()  # another thread sleeping does not count for this one
     assert thread_demand_s() - b < 0.04
+
+
+async def test_disconnect_while_a_chunk_is_held_cancels_at_once(
+    harness_factory: Any, autojump_clock: Any
+) -> None:
+    """A stream holding its next chunk (grouping engaged, a long interval) is asleep, not at a
+    yield: a client that goes away then still cancels its request at once, and nothing is left."""
+    import msgspec
+    import trio
+
+    from .test_stream import _disconnect
+
+    cfg = make_config(server={"stream_busy_interval_ms": 5000})
+    async with harness_factory(cfg, token_delay=0.01) as h:
+        t = FakeTimes()
+        get_state(h.app)._pacer = StreamPacer(0.0, 5.0, 0.9, window_s=1e-9,
+                                              clock=lambda: t.wall, cpu=lambda: t.cpu)
+
+        def busy_clock() -> float:
+            t.run(0.1, 1.0)
+            return t.wall
+
+        get_state(h.app)._pacer._clock = busy_clock  # type: ignore[assignment]
+        conn = h.client.request(path=C, method="POST", headers={"content-type": "application/json"})
+        async with conn as c:
+            await c.send(msgspec.json.encode({"prompt": "x", "max_tokens": 400, "stream": True}))
+            await c.send_complete()
+            got = b""
+            while b"text" not in got:
+                got += await c.receive()
+            await trio.sleep(0.5)  # the first chunk went out; the stream now holds for 5 s
+            assert len(h.engine.active) == 1
+            rid = next(iter(h.engine.active))
+            t0 = trio.current_time()
+            await _disconnect(c)
+        await trio.sleep(0.01)
+        assert rid in h.engine.cancelled_ids and h.engine.active == {}
+        assert trio.current_time() - t0 < 0.5  # not when the hold ends
+        text = await (await h.client.get("/metrics")).get_data(as_text=True)
+        assert "calserve_streams_active 0.0" in text
