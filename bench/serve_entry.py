@@ -35,7 +35,7 @@ def register_step_profiles(steps_us: list[int]) -> list[str]:
     return names
 
 
-KNEE_STEPS_US = [16000, 8000, 4000, 2000, 1000, 500, 250]
+KNEE_STEPS_US = [16000, 8000, 4000, 2000, 1500, 1250, 1000, 500, 250]
 
 
 def main(argv: list[str] | None = None) -> int:
