@@ -32,7 +32,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Final, final
+from typing import TYPE_CHECKING, Final, final
+
+if TYPE_CHECKING:
+    from calserve.config import ServerConfig
 
 __all__ = ["StreamPacer", "RELEASE_RATIO", "thread_demand_s"]
 
@@ -83,12 +86,9 @@ class StreamPacer:
         self.engagements = 0  # times coalescing switched on (metrics, tests)
 
     @classmethod
-    def from_config(cls, server: object) -> StreamPacer:
-        """From a ``ServerConfig`` (``stream_interval_ms``, ``stream_busy_interval_ms``,
-        ``stream_busy_fraction``)."""
-        return cls(getattr(server, "stream_interval_ms", 0) / 1000.0,
-                   getattr(server, "stream_busy_interval_ms", 0) / 1000.0,
-                   getattr(server, "stream_busy_fraction", 0.9))
+    def from_config(cls, server: ServerConfig) -> StreamPacer:
+        return cls(server.stream_interval_ms / 1000.0, server.stream_busy_interval_ms / 1000.0,
+                   server.stream_busy_fraction)
 
     @property
     def engaged(self) -> bool:

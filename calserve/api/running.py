@@ -181,8 +181,7 @@ async def run_json(
 
 async def run_stream(
     engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
-    fmt: LogprobFormatter, guard: StreamGuard | None = None, *, interval_s: float = 0.0,
-    pacer: StreamPacer | None = None,
+    fmt: LogprobFormatter, guard: StreamGuard | None = None, *, pacer: StreamPacer | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body. No nursery around a yield (STACK.md); cancellation on disconnect arrives at a
     yield as Cancelled/GeneratorExit and the ``finally`` cancels the request at once. From its
@@ -191,9 +190,13 @@ async def run_stream(
     After a token chunk is written, the next read waits until the hold interval has passed, so the
     tokens produced meanwhile go out as one chunk: ``pacer.interval()`` (the server's
     :class:`~calserve.api.pacing.StreamPacer`: fixed ``server.stream_interval_ms``, or adaptive to
-    the server's CPU load), else the fixed ``interval_s``. At 0 nothing ever waits on purpose:
-    every read takes whatever is queued. The first token is never held."""
-    paced = pacer.interval if pacer is not None else (lambda: interval_s)
+    the server's CPU load; no pacer: 0). At 0 nothing ever waits on purpose: every read takes
+    whatever is queued. The first token is never held."""
+
+    def held_until() -> float:
+        """When the read after the chunk just written may happen (0: at once)."""
+        hold = pacer.interval() if pacer is not None else 0.0
+        return trio.current_time() + hold if hold else 0.0
     if guard is not None:
         if guard.owned:  # released already: the connection ended before the body started
             return
@@ -254,9 +257,7 @@ async def run_stream(
                     obs.tokens(len(ev.token_ids))
                     if ev.text:
                         yield enc.text(ev.text)
-                        hold = paced()
-                        if hold:
-                            hold_until = trio.current_time() + hold
+                        hold_until = held_until()
                     continue
             if not batch:
                 finished = True  # stream ended without a terminal event: an engine bug
@@ -297,9 +298,7 @@ async def run_stream(
             if out:
                 yield out  # coalesced: one write per batch of queued events
                 if not finished:
-                    hold = paced()
-                    if hold:
-                        hold_until = trio.current_time() + hold
+                    hold_until = held_until()
     finally:
         metrics.streams_active.dec()
         if not finished and not broken:

@@ -470,13 +470,15 @@ class _RuntimeCalbin:
         # the device starts now instead of after a GIL hand-over to a worker thread; the blocking
         # wait runs on the engine's thread. Nothing between submit and wait can be cancelled.
         job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine)
+        return await self._wait_hot(job, engine, timeout_s, after_submit)
+
+    async def _wait_hot(self, job: Any, engine: JobEngine, timeout_s: float,
+                        after_submit: Callable[[], None] | None) -> tuple[JobTicket, JobResult | None]:
+        """The caller's ``after_submit``, then the first wait of the just-submitted job: on the
+        completion fd when the runtime has one (no Python thread per step), else on the engine's
+        thread."""
         if after_submit is not None:
             after_submit()
-        return await self._wait_hot(job, engine, timeout_s)
-
-    async def _wait_hot(self, job: Any, engine: JobEngine, timeout_s: float) -> tuple[JobTicket, JobResult | None]:
-        """The first wait of a just-submitted job: on the completion fd when the runtime has one
-        (no Python thread per step), else on the engine's thread."""
         w = self._fw.get(engine)
         if w is not None and not w.busy:
             return _ticket(job, engine), await w.wait(job, timeout_s)
@@ -487,9 +489,7 @@ class _RuntimeCalbin:
         after_submit: Callable[[], None] | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         job = self._c.submit_prefill(seq_id, tokens, engine)
-        if after_submit is not None:
-            after_submit()
-        return await self._wait_hot(job, engine, timeout_s)
+        return await self._wait_hot(job, engine, timeout_s, after_submit)
 
     async def reconfigure(self) -> None:
         await self._t.run(self._c.reconfigure)

@@ -279,13 +279,12 @@ class CompletionDispatcher:
             reason = _ends(s, tok, s.generated, s.position, now, eos)
             # the EOS / stop token itself is not shown to the client
             msg = Tokens(tok, logprobs[i], first, reason is FinishReason.STOP)
+            self._charge(s, prefill, n_new)
             if reason is None and not prefill:
-                s.gen.admission.charge(s.tenant, decode_tokens=1, request_id=s.rid)
                 s.deferred = msg  # continues: delivered after the next submit (see flush)
                 self._deferred.append(s)
                 self.sched.set_ready(s, now)
                 continue
-            self._charge(s, prefill, n_new)
             s.inbox.send_nowait(msg)
             if reason is not None:
                 self.sched.end(s, reason)

@@ -184,17 +184,21 @@ class FakeCalbin(BackendCalbin):
         self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float,
         after_submit: Callable[[], None] | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
-        # Like the runtime's hot path: queue without a checkpoint, then the caller's after_submit.
-        t = self._dev._submit_now(*self._prefill_args(seq_id, tokens, engine))
-        if after_submit is not None:
-            after_submit()
-        return t, await self.wait(t, timeout_s)
+        return await self._submit_now_wait(self._prefill_args(seq_id, tokens, engine), timeout_s,
+                                           after_submit)
 
     async def submit_decode_wait(
         self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
         engine: JobEngine, timeout_s: float, after_submit: Callable[[], None] | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
-        t = self._dev._submit_now(*self._decode_args(seq_ids, tokens, positions, valid, engine))
+        return await self._submit_now_wait(self._decode_args(seq_ids, tokens, positions, valid, engine),
+                                           timeout_s, after_submit)
+
+    async def _submit_now_wait(self, args: tuple[Any, ...], timeout_s: float,
+                               after_submit: Callable[[], None] | None) -> tuple[JobTicket, JobResult | None]:
+        """Like the runtime's hot path: queue without a checkpoint, the caller's ``after_submit``,
+        then the wait."""
+        t = self._dev._submit_now(*args)
         if after_submit is not None:
             after_submit()
         return t, await self.wait(t, timeout_s)

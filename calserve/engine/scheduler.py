@@ -501,11 +501,10 @@ class Scheduler:
                     fire, wake_at = batching_window(
                         now, len(q.decode_ready), B, first.ready_since, earliest, window_us,
                     )
-                    if fire and self._hold_partial_decode(gen, len(q.decode_ready), now, earliest):
-                        fire, wake_at = False, None  # the running job's completion wakes us
-                    if fire and self._prefill_first(gen, q, len(q.decode_ready), B, available, now,
-                                                    earliest):
-                        fire, wake_at = False, None  # the prefill's completion wakes us
+                    ready = len(q.decode_ready)
+                    if fire and (self._hold_partial_decode(gen, ready, now, earliest)
+                                 or self._prefill_first(gen, q, ready, B, available, now, earliest)):
+                        fire, wake_at = False, None  # the decode or prefill job's completion wakes us
                     if fire:
                         available.add(QueueClass.DECODE)
                     elif wake_at is not None:
@@ -535,13 +534,22 @@ class Scheduler:
         """
         if len(self.executors) < 2:
             return False
-        on_device = 0
-        for ex in self.executors:
-            job = ex.current
-            if job is not None and job.kind == "decode" and job.gen is gen:
-                on_device += len(job.seqs)
+        on_device = self._on_device(gen, "decode")
         if not on_device or ready + on_device > max(gen.calbins):
             return False
+        return self._may_hold(now, earliest)
+
+    def _on_device(self, gen: Generation, kind: str) -> int:
+        """Sequences of ``gen`` in the ``kind`` jobs the executors hold now (a prefill has one)."""
+        n = 0
+        for ex in self.executors:
+            job = ex.current
+            if job is not None and job.kind == kind and job.gen is gen:
+                n += len(job.seqs)
+        return n
+
+    def _may_hold(self, now: float, earliest: float | None) -> bool:
+        """A decode batch may be held back unless its earliest deadline is within the urgency."""
         urgency = self.cfg.scheduler.fairness.deadline_urgency_ms * 1e-3
         return earliest is None or earliest - now > urgency
 
@@ -558,18 +566,10 @@ class Scheduler:
         while nothing is prefilling or queued to prefill (then the batching window decides)."""
         if ready >= B or not gen.engines_serialise:
             return False
-        on_device = 0
-        for ex in self.executors:
-            job = ex.current
-            if job is not None and job.kind == "prefill" and job.gen is gen:
-                on_device += 1
-        queued = sum(len(q.prefill[c]) for c in prefills)
-        if not on_device and not queued:
+        coming = self._on_device(gen, "prefill") + sum(len(q.prefill[c]) for c in prefills)
+        if not coming or ready + coming > B:
             return False
-        if ready + on_device + queued > B:
-            return False
-        urgency = self.cfg.scheduler.fairness.deadline_urgency_ms * 1e-3
-        return earliest is None or earliest - now > urgency
+        return self._may_hold(now, earliest)
 
     def _prefill_job(self, gen: Generation, q: GenQueues, cls: QueueClass, now: float) -> DeviceJob:
         seq = q.prefill[cls].popleft()

@@ -31,21 +31,24 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
         time.sleep(0.05)
 
 
+def _admission_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory, name: str,
+                      **admission: object) -> Iterator[ServerProcess]:
+    """A served calserve whose ``scheduler.admission`` section holds ``admission``."""
+    config_yaml = "scheduler:\n  admission:\n" + "".join(
+        f"    {k}: {v}\n" for k, v in admission.items())
+    with serving(calserve_home, tmp_path_factory.mktemp(name), config_yaml) as proc:
+        yield proc
+
+
 @pytest.fixture(scope="module")
 def storm_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[ServerProcess]:
     """The default server with every request admitted and time-shared: no running cap, no queue-wait
     SLO and a deadline far enough that the expected wait never refuses (100 concurrent 1,500-token
     streams on B1 would otherwise mostly get 429: the estimate cannot know they hang up early)."""
-    config_yaml = (
-        "scheduler:\n"
-        "  admission:\n"
-        "    max_expected_wait_ms: null\n"
-        "    max_tpot_steps: null\n"
-        "    deadline_default_ms: 3600000\n"
-    )
-    with serving(calserve_home, tmp_path_factory.mktemp("storm"), config_yaml) as proc:
-        yield proc
+    yield from _admission_server(calserve_home, tmp_path_factory, "storm",
+                                 max_expected_wait_ms="null", max_tpot_steps="null",
+                                 deadline_default_ms=3600000)
 
 
 async def test_100_streaming_clients_disconnect_mid_stream(storm_server: ServerProcess) -> None:
@@ -147,14 +150,8 @@ def test_metric_families_move(server: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def small_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[ServerProcess]:
-    config_yaml = (
-        "scheduler:\n"
-        "  admission:\n"
-        "    max_waiting_requests: 2\n"
-        "    max_sequences: 2\n"
-    )
-    with serving(calserve_home, tmp_path_factory.mktemp("small"), config_yaml) as proc:
-        yield proc
+    yield from _admission_server(calserve_home, tmp_path_factory, "small",
+                                 max_waiting_requests=2, max_sequences=2)
 
 
 async def test_overload_gets_429_with_retry_after(small_server: ServerProcess) -> None:
