@@ -15,7 +15,14 @@ from typing import Any, Literal
 
 from calserve import errors as E
 from calserve.api.protocol import EngineLike, TokenizerLike
-from calserve.api.schemas import ChatBody, ChatMessage, CompletionBody, _Sampling
+from calserve.api.schemas import (
+    MAX_STOP_CHARS,
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    SamplingFields,
+)
+from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 
 __all__ = ["Prepared", "resolve_model", "prepare_completion", "prepare_chat", "chat_messages"]
@@ -45,7 +52,7 @@ def resolve_model(engine: EngineLike, name: str | None) -> ModelInfo:
     raise E.UnknownModel(f"The model `{alias}` does not exist (served: {known})", param="model")
 
 
-def _reject_unsupported(body: _Sampling) -> None:
+def _reject_unsupported(body: SamplingFields) -> None:
     def bad(param: str, why: str) -> E.UnsupportedParameter:
         return E.UnsupportedParameter(f"`{param}` is not supported: {why}", param=param)
 
@@ -72,15 +79,19 @@ def _reject_unsupported(body: _Sampling) -> None:
         raise bad("response_format", "only {\"type\": \"text\"} is supported")
 
 
-def _stop(body: _Sampling) -> tuple[str, ...]:
+def _stop(body: SamplingFields) -> tuple[str, ...]:
     stop = body.stop
     if stop is None:
         return ()
     items = [stop] if isinstance(stop, str) else list(stop)
     if len(items) > MAX_STOP_STRINGS:
         raise E.RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
-    if any(s == "" for s in items):
-        raise E.RequestError("stop strings must not be empty", param="stop")
+    for i, s in enumerate(items):
+        if s == "":
+            raise E.RequestError("stop strings must not be empty", param="stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise E.RequestError(f"a stop string has at most {MAX_STOP_CHARS} characters",
+                                 param="stop" if isinstance(stop, str) else f"stop[{i}]")
     return tuple(items)
 
 
@@ -104,8 +115,8 @@ def check_token_ids(ids: Sequence[Any], vocab: int | None, param: str) -> tuple[
 
 
 def _sampling(
-    body: _Sampling, *, prompt_len: int, max_seq: int, max_tokens: int | None,
-    default_max: int, logprobs: int | None, prompt_param: str,
+    body: SamplingFields, *, prompt_len: int, max_seq: int, max_tokens: int | None,
+    default_max: int, logprobs: int | None, prompt_param: str, vocab: int | None,
 ) -> SamplingParams:
     if prompt_len >= max_seq:
         raise E.RequestError(
@@ -129,21 +140,26 @@ def _sampling(
             f"`min_tokens` ({min_tokens}) must be <= the maximum tokens ({mt})", param="min_tokens"
         )
     top_k = body.top_k or 0
+    if top_k < 0 or (vocab is not None and top_k >= vocab):
+        top_k = 0  # a k that keeps the whole vocabulary is no cut-off
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0  # greedy: dividing by a subnormal temperature overflows
     return SamplingParams(
-        temperature=1.0 if body.temperature is None else float(body.temperature),
+        temperature=temperature,
         top_p=1.0 if body.top_p is None else float(body.top_p),
-        top_k=0 if top_k < 0 else top_k,
+        top_k=top_k,
         seed=body.seed,
         max_tokens=mt,
         min_tokens=min_tokens,
         ignore_eos=bool(body.ignore_eos),
         stop=_stop(body),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
+        stop_token_ids=frozenset(check_token_ids(body.stop_token_ids or (), vocab, "stop_token_ids")),
         logprobs=logprobs,
     )
 
 
-def _stream_flags(body: _Sampling) -> tuple[bool, bool]:
+def _stream_flags(body: SamplingFields) -> tuple[bool, bool]:
     stream = bool(body.stream)
     usage = bool(body.stream_options and body.stream_options.include_usage)
     if body.stream_options is not None and not stream:
@@ -187,6 +203,7 @@ def prepare_completion(
     sampling = _sampling(
         body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=body.max_tokens,
         default_max=16, logprobs=body.logprobs, prompt_param="prompt",
+        vocab=_vocab_size(tok, info),
     )
     req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
                           user=body.user)
@@ -255,6 +272,7 @@ def prepare_chat(engine: EngineLike, body: ChatBody, tenant: str) -> Prepared:
     sampling = _sampling(
         body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=mt,
         default_max=info.max_seq, logprobs=k, prompt_param="messages",
+        vocab=_vocab_size(tok, info),
     )
     req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
                           user=body.user)

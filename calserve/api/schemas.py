@@ -19,6 +19,7 @@ import msgspec
 
 __all__ = [
     "StreamOptions",
+    "SamplingFields",
     "CompletionBody",
     "ChatMessage",
     "ChatBody",
@@ -27,20 +28,36 @@ __all__ = [
     "param_from_msgspec",
 ]
 
+# Every field is bounded here to what each layer below can represent and afford (issue 12): Python
+# ints become numpy int64 / C int32 values, so no integer field admits more than INT32_MAX (token
+# ids, counts, top_k) or the int64 range (seed); floats are finite by their range; strings and lists
+# have a length cap. ``convert.py`` checks what depends on the model (vocabulary, context length).
+INT32_MAX = 2**31 - 1
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids entries (checked per token as a set lookup)
+MAX_STOP_CHARS = 256  # characters of one stop string (the matcher holds back this much text)
+MAX_USER_CHARS = 1024  # the `user` label (logged)
+
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, msgspec.Meta(ge=-1)]
-PosInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+# -1/0 = off; a k at or above the vocabulary is off too (convert.py)
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]
+PosInt = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 LogprobsK = Annotated[int, msgspec.Meta(ge=0, le=20)]
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# n / best_of: only 1 is served (convert.py says why); the bound keeps the message about that
+Count = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=10.0)]
+StopTokenIds = Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+User = Annotated[str, msgspec.Meta(max_length=MAX_USER_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat."""
 
     model: str | None = None
@@ -49,19 +66,19 @@ class _Sampling(msgspec.Struct, kw_only=True):
     top_k: TopK | None = None  # vLLM extension; -1 and 0 mean off
     seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt] | None = None  # vLLM extension
+    stop_token_ids: StopTokenIds | None = None  # vLLM extension
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: User | None = None
     ignore_eos: bool | None = None  # vLLM / llama.cpp benchmark extension
     min_tokens: NonNegInt | None = None  # vLLM extension
     # Known but not supported when they would change results (checked in convert.py):
-    n: int | None = None
-    best_of: int | None = None
+    n: Count | None = None
+    best_of: Count | None = None
     logit_bias: dict[str, Any] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     response_format: Any = None
     tools: Any = None
     functions: Any = None
@@ -69,7 +86,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     function_call: Any = None
 
 
-class CompletionBody(_Sampling, kw_only=True):
+class CompletionBody(SamplingFields, kw_only=True):
     prompt: str | list[Any]
     max_tokens: PosInt | None = None
     logprobs: LogprobsK | None = None
@@ -90,7 +107,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
-class ChatBody(_Sampling, kw_only=True):
+class ChatBody(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: PosInt | None = None
     max_completion_tokens: PosInt | None = None

@@ -58,6 +58,29 @@ def _ends(s: Seq, tok: int, generated: int, position: int, now: float,
     return None
 
 
+#: The token of a lane whose sampling raised (:func:`_sample_each`): the request fails alone.
+SAMPLE_FAILED = -1
+
+
+def _sample_each(rows: np.ndarray, lanes: list[LaneSampling], rids: list[int]
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Sample lane by lane after a batch raised: lanes that raise again get
+    :data:`SAMPLE_FAILED` (their requests end with an error), the others their token."""
+    tokens: list[int] = []
+    lps: list[TokenLogprob | None] = []
+    for i, ln in enumerate(lanes):
+        try:
+            r = sample_batch(rows[i:i + 1], [ln])
+        except Exception:
+            log.exception("sampling failed for request %d", rids[i], extra={"request_id": rids[i]})
+            tokens.append(SAMPLE_FAILED)
+            lps.append(None)
+            continue
+        tokens.append(int(r.tokens[0]))
+        lps.append(r.logprobs[0])
+    return tokens, lps
+
+
 class FastStep:
     """A completion whose next job was decided before its bookkeeping (:meth:`fast_decode`).
 
@@ -144,7 +167,8 @@ class CompletionDispatcher:
         eos = job.gen.source.eos_token_ids
         n_new = len(job.tokens) if job.kind == "prefill" else 1
         for tok, s in zip(tokens, seqs, strict=True):
-            if _ends(s, tok, s.generated + 1, s.position + n_new, now, eos) is not None:
+            if tok == SAMPLE_FAILED or _ends(s, tok, s.generated + 1, s.position + n_new, now,
+                                             eos) is not None:
                 return FastStep(self, job, outcome, None, sampled, now)
         nxt = self.sched.build_continuation(job, tokens, [s.position + n_new for s in seqs])
         self.fast_steps_total += 1
@@ -249,7 +273,11 @@ class CompletionDispatcher:
         if all(s.req.sampling.temperature == 0.0 and s.req.sampling.logprobs is None for s in seqs):
             # what sample_batch returns for such lanes, minus its setup
             return greedy_argmax(rows), [None] * len(seqs)
-        res = sample_batch(rows, [_lane_sampling(s) for s in seqs])
+        lanes = [_lane_sampling(s) for s in seqs]
+        try:
+            res = sample_batch(rows, lanes)
+        except Exception:  # defence in depth: one lane's failure must not stop the engine
+            return _sample_each(rows, lanes, [s.rid for s in seqs])
         return res.tokens.tolist(), res.logprobs
 
     def _ok(
@@ -271,6 +299,10 @@ class CompletionDispatcher:
                 self.sched.end(s, s.pending_reason, s.pending_error)  # output dropped (drained)
                 continue
             tok = tokens[i]
+            if tok == SAMPLE_FAILED:
+                self._charge(s, prefill, n_new)
+                self.sched.end(s, error=ErrorEvent("sampling failed for this request", "internal"))
+                continue
             first = s.generated == 0
             s.generated += 1
             s.last_token = tok

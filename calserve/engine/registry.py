@@ -71,21 +71,36 @@ class RequestHandle:
         await self._writer.aclose()
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _validate(req: GenerateRequest, vocab: int) -> None:
+    """The engine's own bounds (defence in depth behind the HTTP schema: in-process callers reach
+    the sampler and the runtime through here too, and no value may overflow numpy or C)."""
     sp = req.sampling
     if not req.prompt_tokens:
         raise RequestError("the prompt is empty", param="prompt")
-    toks = np.asarray(req.prompt_tokens)
+    try:
+        toks = np.asarray(req.prompt_tokens)
+    except (OverflowError, ValueError, TypeError):
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab})",
+                           param="prompt") from None
     if toks.dtype.kind not in "iu" or int(toks.min()) < 0 or int(toks.max()) >= vocab:
         raise RequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
     if not (math.isfinite(sp.temperature) and sp.temperature >= 0):
         raise RequestError("temperature must be >= 0", param="temperature")
     if not 0 < sp.top_p <= 1:
         raise RequestError("top_p must be in (0, 1]", param="top_p")
-    if sp.top_k < 0:
-        raise RequestError("top_k must be >= 0", param="top_k")
-    if sp.max_tokens < 1:
+    if not 0 <= sp.top_k <= _INT32_MAX:
+        raise RequestError(f"top_k must be in [0, {_INT32_MAX}]", param="top_k")
+    if sp.seed is not None and not -(2**63) <= sp.seed < 2**63:
+        raise RequestError("seed must be a signed 64-bit integer", param="seed")
+    if not 1 <= sp.max_tokens <= _INT32_MAX:
         raise RequestError("max_tokens must be >= 1", param="max_tokens")
+    for t in sp.stop_token_ids:
+        if not (isinstance(t, int) and 0 <= t < vocab):
+            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab})",
+                               param="stop_token_ids")
     if sp.min_tokens < 0 or sp.min_tokens > sp.max_tokens:
         raise RequestError("min_tokens must be in [0, max_tokens]", param="min_tokens")
     if sp.logprobs is not None and not 0 <= sp.logprobs <= 20:

@@ -34,6 +34,8 @@ __all__ = ["LaneSampling", "SampleResult", "sample_batch", "greedy_argmax", "res
 
 _MASK64: Final = (1 << 64) - 1
 _process_rng = np.random.default_rng()
+#: Temperatures below this sample greedily.
+MIN_TEMPERATURE: Final = 1e-5
 _F32: Final = np.dtype(np.float32)
 
 
@@ -328,7 +330,9 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
         raise ValueError(f"logits row {i} (lane {i}) is NaN or has no finite value")
 
     temps = np.array([ln.temperature for ln in lanes], dtype=np.float64)
-    greedy = temps == 0.0
+    # A temperature this small is greedy (as vLLM's epsilon): dividing the logits by a subnormal
+    # overflows to inf (issue 12); convert.py maps such values to 0 before they get here.
+    greedy = temps < MIN_TEMPERATURE
     if greedy.any():
         g = np.flatnonzero(greedy)
         tokens[g] = np.argmax(x[g], axis=1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Collection
 from typing import Any
 
 __all__ = [
@@ -49,7 +50,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop strings are ignored before this many tokens
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # stop strings; the stop text is not emitted
-    stop_token_ids: tuple[int, ...] = ()
+    # checked once per sampled token: convert.py passes a frozenset (a lookup whatever its length)
+    stop_token_ids: Collection[int] = ()
     logprobs: int | None = None  # None = no logprobs; k >= 0 = chosen token's + top-k alternatives
 
 
