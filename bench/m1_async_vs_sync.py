@@ -38,8 +38,8 @@ import numpy as np
 import trio
 
 from calserve.config import CalserveConfig, decode_config
-from calserve.engine.baseline import BaselineRecord, BaselineRequest, SyncBaseline
-from calserve.engine.models import ModelSource, load_sources
+from bench.sync_baseline import BaselineRecord, BaselineRequest, SyncBaseline
+from calserve.models.source import ModelSource, load_sources
 from calserve.engine.types import FinishEvent, GenerateRequest, SamplingParams, TokenEvent
 
 P50_TARGET = 0.03

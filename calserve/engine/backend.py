@@ -9,7 +9,7 @@ contract (the facade contract in :mod:`calserve.runtime.types`):
   The hot path (submit + first wait of a job) submits inline and waits in trio on the runtime's
   per-engine completion fd (:class:`_CompletionFdWaiter`, no Python thread per step); a runtime
   without that fd falls back to one wait thread per engine (:class:`_EngineThread`).
-- :class:`calserve.engine.fake_device.FakeBackend` is trio-native (completions are ``trio.sleep``), for
+- :class:`calserve.testing.fake_device.FakeBackend` is trio-native (completions are ``trio.sleep``), for
   fake-clock tests: ``autojump_clock`` jumps while trio waits on worker threads, so the real runtime
   must never run under it.
 

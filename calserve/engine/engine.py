@@ -33,7 +33,8 @@ from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend, RuntimeBackend
 from calserve.engine.dispatcher import CompletionDispatcher
 from calserve.engine.executor import DeviceExecutor
-from calserve.engine.models import Generation, ModelManager, ModelSource, load_sources, release_members
+from calserve.engine.generations import Generation, ModelManager, release_members
+from calserve.models.source import ModelSource, load_sources
 from calserve.engine.recovery import HealthRecovery
 from calserve.engine.registry import RequestHandle, RequestRegistry
 from calserve.engine.scheduler import Scheduler

@@ -10,7 +10,7 @@ import numpy as np
 from calserve.runtime.types import JobResult
 
 if TYPE_CHECKING:
-    from calserve.engine.models import Generation
+    from calserve.engine.generations import Generation
     from calserve.engine.state import Seq
 
 __all__ = ["DeviceJob", "JobOutcome"]

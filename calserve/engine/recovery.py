@@ -37,7 +37,7 @@ from calserve.engine.types import ErrorEvent
 if TYPE_CHECKING:
     from calserve.engine.executor import DeviceExecutor
     from calserve.engine.jobs import DeviceJob
-    from calserve.engine.models import ModelManager
+    from calserve.engine.generations import ModelManager
     from calserve.engine.scheduler import Scheduler
 
 __all__ = ["HealthRecovery", "RecoveryStats"]

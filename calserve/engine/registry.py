@@ -33,7 +33,7 @@ from calserve.engine.types import Event, FinishReason, GenerateRequest
 from calserve.errors import CapacityError, EngineError, RequestError, UnavailableError
 
 if TYPE_CHECKING:
-    from calserve.engine.models import ModelManager
+    from calserve.engine.generations import ModelManager
     from calserve.engine.scheduler import Scheduler
 
 __all__ = ["RequestRegistry", "RequestHandle"]

@@ -53,7 +53,7 @@ from calserve.engine.types import ErrorEvent, FinishReason
 
 if TYPE_CHECKING:
     from calserve.engine.executor import DeviceExecutor
-    from calserve.engine.models import Generation, ModelManager
+    from calserve.engine.generations import Generation, ModelManager
 
 __all__ = ["Scheduler", "GenQueues", "SchedulerStats", "STARVATION_PASSES"]
 

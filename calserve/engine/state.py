@@ -22,7 +22,7 @@ from calserve.engine.types import ErrorEvent, FinishReason, GenerateRequest, Tok
 
 if TYPE_CHECKING:
     from calserve.engine.jobs import DeviceJob
-    from calserve.engine.models import Generation
+    from calserve.engine.generations import Generation
 
 __all__ = ["Seq", "Admitted", "Tokens", "End", "ActorMsg"]
 

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from calserve.api.app import CalserveApp, create_app, get_state
 from calserve.config import CalserveConfig
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend
-from calserve.engine.models import ModelSource
+from calserve.testing.fake_device import FakeBackend
+from calserve.models.source import ModelSource
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import ProfileSpec, Timing
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from calserve.config import TrustConfig
-from calserve.engine.models import ModelSource, source_from_package
+from calserve.models.source import ModelSource, source_from_package
 from calserve.models.package import open_package
 from calserve.models.signing import TrustStore
 

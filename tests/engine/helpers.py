@@ -11,8 +11,8 @@ import trio
 
 from calserve.config import CalserveConfig, decode_config
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import fake_logits, history_hash
-from calserve.engine.models import ModelSource
+from calserve.testing.fake_device import fake_logits, history_hash
+from calserve.models.source import ModelSource
 from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import ProfileSpec, Timing

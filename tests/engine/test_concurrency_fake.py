@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend
+from calserve.testing.fake_device import FakeBackend
 from calserve.runtime.types import JobEngine
 
 from .churn import run_churn

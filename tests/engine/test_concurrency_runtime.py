@@ -8,7 +8,7 @@ import functools
 
 from calserve.config import decode_config
 from calserve.engine.engine import Engine
-from calserve.engine.models import ModelSource
+from calserve.models.source import ModelSource
 from calserve.runtime.reference import greedy_generate
 
 from .churn import run_churn

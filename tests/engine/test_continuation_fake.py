@@ -19,7 +19,7 @@ import trio.testing
 from calserve.core.kv import KvLaneManager
 from calserve.engine.dispatcher import CompletionDispatcher
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend
+from calserve.testing.fake_device import FakeBackend
 from calserve.engine.scheduler import Scheduler
 from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
 

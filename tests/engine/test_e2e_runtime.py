@@ -18,7 +18,7 @@ import trio
 
 from calserve.config import decode_config
 from calserve.engine.engine import Engine
-from calserve.engine.models import ModelSource
+from calserve.models.source import ModelSource
 from calserve.engine.types import FinishReason, GenerateRequest, SamplingParams, TokenEvent
 from calserve.runtime.reference import greedy_generate
 

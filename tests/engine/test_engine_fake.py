@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend, fake_logits, history_hash
+from calserve.testing.fake_device import FakeBackend, fake_logits, history_hash
 from calserve.engine.types import (
     ErrorEvent,
     Event,

@@ -8,7 +8,7 @@ import trio
 
 from calserve.config import decode_config
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend
+from calserve.testing.fake_device import FakeBackend
 from calserve.engine.types import FinishEvent, GenerateRequest, SamplingParams, TokenEvent
 from calserve.errors import CapacityError
 from calserve.runtime.types import FaultKind, JobEngine

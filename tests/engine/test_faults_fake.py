@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend
+from calserve.testing.fake_device import FakeBackend
 from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, GenerateRequest
 from calserve.errors import UnavailableError
 from calserve.runtime.types import FaultKind, JobEngine

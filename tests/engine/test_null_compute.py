@@ -10,8 +10,8 @@ import pytest
 
 from calserve.config import decode_config
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend
-from calserve.engine.models import ModelSource
+from calserve.testing.fake_device import FakeBackend
+from calserve.models.source import ModelSource
 from calserve.engine.types import FinishEvent, GenerateRequest, SamplingParams
 from calserve.errors import ValidationError
 
@@ -41,7 +41,7 @@ async def test_wrong_golden_refuses_to_load_with_real_compute(autojump_clock: ob
 
 async def test_null_compute_skips_golden_and_logs(autojump_clock: object,
                                                  caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="calserve.engine.models"):
+    with caplog.at_level(logging.WARNING, logger="calserve.engine.generations"):
         async with Engine.open(cfg(True), backend=FakeBackend("sim-next"),
                                sources={"qwen3": wrong_golden()}) as eng:
             h = await eng.submit(GenerateRequest((1, 2, 3), SamplingParams(max_tokens=3)))

@@ -14,7 +14,7 @@ import dataclasses
 import trio
 
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend
+from calserve.testing.fake_device import FakeBackend
 from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
 
 from .helpers import collect, config, fake_greedy, fake_source

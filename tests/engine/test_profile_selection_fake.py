@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend, FakeCalbin
+from calserve.testing.fake_device import FakeBackend, FakeCalbin
 from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason
 from calserve.runtime.types import RUNTIME_PROFILES, FaultKind, InvalidArgument, JobEngine, NotSupported, ProfileSpec
 

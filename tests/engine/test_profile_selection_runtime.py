@@ -13,7 +13,7 @@ import trio
 from calserve.config import decode_config
 from calserve.engine.backend import RuntimeBackend
 from calserve.engine.engine import Engine
-from calserve.engine.models import ModelSource
+from calserve.models.source import ModelSource
 from calserve.runtime import Device
 from calserve.runtime.reference import greedy_generate
 

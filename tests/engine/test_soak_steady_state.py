@@ -14,7 +14,7 @@ import sys
 import trio
 
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend
+from calserve.testing.fake_device import FakeBackend
 from calserve.engine.types import FinishReason, GenerateRequest, SamplingParams
 
 from .helpers import config, fake_source

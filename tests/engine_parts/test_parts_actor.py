@@ -18,7 +18,7 @@ from calserve.core.fsm import IllegalTransition
 from calserve.engine import registry as registry_mod
 from calserve.engine.actor import ActorInbox, open_actor_inbox, run_actor
 from calserve.engine.engine import Engine
-from calserve.engine.fake_device import FakeBackend
+from calserve.testing.fake_device import FakeBackend
 from calserve.engine.state import ActorMsg, Admitted, End, Tokens
 from calserve.engine.stream import StreamWriter
 from calserve.engine.types import (

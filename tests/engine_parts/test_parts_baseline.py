@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-from calserve.engine.baseline import BaselineRequest, SyncBaseline, run_baseline
+from bench.sync_baseline import BaselineRequest, SyncBaseline, run_baseline
 from calserve.engine.sampler import LaneSampling, sample_batch
 from calserve.engine.types import FinishReason, SamplingParams
 from calserve.runtime.reference import ModelConfig, ReferenceModel, greedy_generate, random_weights

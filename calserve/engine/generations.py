@@ -6,7 +6,7 @@ path carries its generation. Hot replacement/unload/rollback come later; the sha
 (``ModelManager.generations`` keyed by id, ``aliases`` alias -> id, one lifecycle lock).
 
 A :class:`ModelSource` is what a verified package (or a test) provides; :func:`source_from_package`
-builds one from :mod:`calserve.models`.
+builds one from a verified package (:mod:`calserve.models.source`).
 """
 
 from __future__ import annotations
@@ -25,34 +25,16 @@ from calserve.core.model_state import ModelEvent, ModelState
 from calserve.core.model_state import fire as model_fire
 from calserve.core.admission import AdmissionController, CapacityBudget, TenantPolicy
 from calserve.core.kv import KvLaneManager
-from calserve.core.prefill import QueueClass
 from calserve.core.wait_estimate import ServiceModel, running_cap
 from calserve.engine.backend import BackendCalbin, DeviceBackend
+from calserve.models.source import ModelSource
 from calserve.errors import ConfigError, UnknownModel, ValidationError
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import JobEngine, JobStatus, ProfileSpec, Timing
 
-__all__ = ["ModelSource", "Generation", "ModelManager", "source_from_package"]
+__all__ = ["Generation", "ModelManager", "release_members"]
 
-log = logging.getLogger("calserve.engine.models")
-
-
-@dataclasses.dataclass
-class ModelSource:
-    """Everything the engine needs from a (verified) model package."""
-
-    alias: str
-    model_config: ModelConfig
-    weights: Mapping[str, np.ndarray]
-    profiles: Mapping[int, ProfileSpec]  # compiled B -> spec
-    eos_token_ids: tuple[int, ...]
-    tokenizer: Any  # has decode(ids, skip_special_tokens=True) / encode(text)
-    sha256: str = ""
-    timing: Mapping[int, Timing] = dataclasses.field(default_factory=dict)  # per compiled B
-    tiers: Mapping[int, str] = dataclasses.field(default_factory=dict)
-    # (prompt tokens, {compiled B: expected greedy tokens}) checked after configure (spec §11 step 9)
-    golden: Sequence[tuple[Sequence[int], Mapping[int, Sequence[int]]]] = ()
-    verify: Any = None  # callable(info: dict, compiled_batch) raising on introspection mismatch
+log = logging.getLogger("calserve.engine.generations")
 
 
 @dataclasses.dataclass(eq=False)
@@ -346,63 +328,3 @@ async def _wait_done(cb: BackendCalbin, ticket: Any) -> Any:
             r = await cb.wait(ticket, 30.0)
             if r is not None:
                 return r
-
-
-def queue_class(prompt_tokens: int, cfg: CalserveConfig) -> QueueClass:
-    q = cfg.scheduler.queues
-    if prompt_tokens <= q.short_prefill_max_tokens:
-        return QueueClass.SHORT
-    if prompt_tokens <= q.medium_prefill_max_tokens:
-        return QueueClass.MEDIUM
-    return QueueClass.LONG
-
-
-def source_from_package(pkg: Any, alias: str, timing_name: str | None = None) -> ModelSource:
-    """Build a :class:`ModelSource` from a :class:`calserve.models.package.VerifiedPackage`."""
-    from calserve.models.validate import compare_introspection
-
-    m = pkg.manifest
-    profiles = {b: m.profile_spec(b) for b in m.compiled_batches}
-    timing: dict[int, Timing] = {}
-    for b in profiles:
-        timing[b] = m.timing_for(b)
-    if timing_name is not None:
-        from calserve.models.timing import timing_profile
-
-        timing = {b: timing_profile(timing_name) for b in profiles}
-    golden_cases: list[tuple[Sequence[int], Mapping[int, Sequence[int]]]] = []
-    for case in pkg.golden().cases:
-        golden_cases.append((list(case.prompt), {int(b): list(t) for b, t in case.expected.items()}))
-    tok = pkg.tokenizer()
-    return ModelSource(
-        alias=alias,
-        model_config=m.model_config(),
-        weights=pkg.weights(),
-        profiles=profiles,
-        eos_token_ids=tuple(m.special_tokens.eos_token_ids),
-        tokenizer=tok,
-        sha256=pkg.sha256,
-        timing=timing,
-        tiers={p.compiled_batch: p.tier for p in m.profiles},
-        golden=golden_cases,
-        verify=lambda info, b: compare_introspection(m, b, info),
-    )
-
-
-def load_sources(cfg: CalserveConfig) -> dict[str, ModelSource]:
-    """Spec §11 steps 1-3 for every configured model (blocking file I/O: call from a thread).
-
-    ``package: null`` means the built-in demo package, built on first use."""
-    from calserve.config import calserve_home
-    from calserve.models.demo import ensure_demo_package
-    from calserve.models.package import open_package
-    from calserve.models.signing import TrustStore
-
-    trust = TrustStore.from_config(cfg.trust)
-    root = cfg.trust.model_root or str(calserve_home() / "models")
-    out: dict[str, ModelSource] = {}
-    for alias, entry in cfg.models.items():
-        path = entry.package if entry.package is not None else str(ensure_demo_package())
-        pkg = open_package(path, trust, root)
-        out[alias] = source_from_package(pkg, alias, entry.timing)
-    return out
