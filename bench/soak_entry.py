@@ -17,7 +17,7 @@ the top object-type count deltas since the previous deep sample (``gc.get_object
 with ``SOAK_GARBAGE=1``, a full collection under ``gc.DEBUG_SAVEALL`` whose
 garbage is counted by type (what the raised threshold was keeping; this collects, so it changes the
 policy under test), and when ``SOAK_TRACEMALLOC=1`` (slows the server ~2×, diagnosis only) — the top tracemalloc line
-deltas. ``SOAK_TRACE_MAXLEN=N`` caps the scheduler's debugging trace at N entries.
+deltas. (The debugging trace's size is the config key ``server.trace_events``.)
 ``SOAK_GC`` picks the collector policy under test:
 
 - ``serving`` (default): whatever calserve does (:func:`calserve.engine.backend.tune_gc_for_serving`);
@@ -231,25 +231,8 @@ def _apply_gc_policy(policy: str) -> float:
     return 0.0
 
 
-def _cap_scheduler_trace(maxlen: int) -> None:
-    """Variant ``trace:N``: the scheduler's debugging trace deque holds at most N entries."""
-    import collections as _c
-
-    from calserve.engine import scheduler
-
-    init = scheduler.Scheduler.__init__
-
-    def patched(self: Any, *a: Any, **kw: Any) -> None:
-        init(self, *a, **kw)
-        self.trace = _c.deque(self.trace, maxlen=maxlen)
-
-    scheduler.Scheduler.__init__ = patched  # type: ignore[method-assign]
-
-
 def main(argv: list[str] | None = None) -> int:
     collect_s = _apply_gc_policy(os.environ.get("SOAK_GC", "serving"))
-    if os.environ.get("SOAK_TRACE_MAXLEN"):
-        _cap_scheduler_trace(int(os.environ["SOAK_TRACE_MAXLEN"]))
     path = os.environ.get("SOAK_PROBE")
     if os.environ.get("SOAK_TRACEMALLOC") == "1":
         import tracemalloc

@@ -11,7 +11,8 @@ allocator or GC-threshold growth, run the variants on the same load and compare 
 - ``collect:S``: the serving policy plus a full ``gc.collect()`` every S seconds from the probe;
 - ``garbage``: the serving policy, plus every 15 s a full collection whose garbage is counted by
   type (``gc.DEBUG_SAVEALL``): names the cycles the raised threshold lets pile up;
-- ``trace:N``: the serving policy with the scheduler's debugging trace capped at N entries;
+- ``trace:N``: the serving policy with the engine's debugging trace capped at N entries
+  (``server.trace_events``);
 - ``maxseq:N``: the serving policy with ``scheduler.admission.max_sequences = N`` (caps how many
   runtime KV sequences are ever live at once, so it caps the KV high-water mark).
 
@@ -66,12 +67,12 @@ def serve_probed(config: dict[str, Any], run_dir: Path, *, gc_policy: str = "ser
         yield srv
 
 
-def _variant(name: str) -> tuple[str, dict[str, Any] | None, dict[str, str]]:
-    """(gc policy, admission overrides, extra server env) of a variant name."""
+def _variant(name: str) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:
+    """(gc policy, admission overrides, ``server`` config overrides) of a variant name."""
     if name == "garbage":
         return "serving", None, {}
     if name.startswith("trace:"):
-        return "serving", None, {"SOAK_TRACE_MAXLEN": name.split(":", 1)[1]}
+        return "serving", None, {"trace_events": int(name.split(":", 1)[1])}
     if name.startswith("maxseq:"):
         return "serving", {"max_sequences": int(name.split(":", 1)[1])}, {}
     return name, None, {}
@@ -84,13 +85,15 @@ def soak_run(out: Path, minutes: float, *, variant: str = "serving", deep_s: flo
     probe's allocator split (spec §19 M0, scaled down)."""
     dur = minutes * 60
     rate = 0.6 * device_limit(16, SOAK_STEP_US) / 96
-    gc_policy, admission, env = _variant(variant)
+    gc_policy, admission, server = _variant(variant)
     cfg = calserve_config(profiles=[1, 4, 8, 16], timing="sat-4k", max_inflight=2,
                           admission=admission)
+    if server:
+        cfg.setdefault("server", {}).update(server)
     garbage = variant == "garbage"
     with serve_probed(cfg, out / "server", gc_policy=gc_policy,
                       deep_s=deep_s or (15.0 if garbage else 0.0), tracemalloc=tracemalloc,
-                      garbage=garbage, env=env) as srv:
+                      garbage=garbage) as srv:
         wall0 = time.time()
         res = run_point(srv, out / "run", rate=rate, duration=dur, prompt="8:512",
                         output="16:160", disconnect_prob=0.2, burstiness=0.5, drain=20.0,

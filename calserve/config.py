@@ -167,6 +167,9 @@ class ServerConfig(_Strict):
     # stream throughput exactly when the host, not the device, is the bottleneck.
     stream_busy_interval_ms: NonNeg = 20
     stream_busy_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
+    # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.
+    trace_events: NonNeg = 4096
 
 
 class RuntimeConfig(_Strict):

@@ -1,17 +1,19 @@
-"""RequestActor: one trio task per request, the only writer of the request's lifecycle state.
+"""RequestActor: one trio task per request; it renders the engine core's messages as its stream.
 
-It consumes its inbox (messages from the scheduler/dispatcher, :mod:`calserve.engine.state`),
-replays the request lifecycle through :func:`calserve.core.request_state.fire` (an illegal sequence
-of messages raises instead of corrupting state), detokenises incrementally, applies stop strings
-(the stop text is never emitted; the scheduler is told to end the sequence) and writes events to
-the request's :class:`StreamWriter`.
+It consumes its inbox (messages from the engine core, :mod:`calserve.engine.state`), checks their
+order against the request lifecycle table (:func:`calserve.core.request_state.fire`: an illegal
+sequence of messages raises instead of corrupting a stream; the lifecycle decisions read is the
+core's, :mod:`calserve.engine.requests`), detokenises incrementally, applies stop strings (the stop
+text is never emitted; the engine is told to end the sequence) and writes events to the request's
+:class:`StreamWriter`. It is the one place that turns a client's cancel (an abandoned stream) into
+``EngineCore.abort`` (through :class:`ActorSink`).
 
 The per-token work lives in :class:`_TokenStep`, the actor's own state object. With a plain trio
 memory channel as inbox the actor task runs it for every ``Tokens`` message (one task hop per
 token). With an :class:`ActorInbox` (``open_actor_inbox``) the sender runs the very same step
 synchronously when the actor is idle — parked with nothing queued — which saves that hop (~45k
 instructions per token measured in ``bench``'s micro-benchmark, about a third of the actor +
-stream + render path). Everything that touches another component (telling the scheduler to stop)
+stream + render path). Everything that touches another component (telling the engine to stop)
 is still done by the actor task, which the inline step wakes; order is kept because a message is
 only run inline when nothing is queued before it.
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import Any, Final, Protocol, final
 
 import trio
 
@@ -35,10 +37,16 @@ from calserve.engine.state import ActorMsg, Admitted, End, Seq, Tokens
 from calserve.engine.stream import StreamWriter
 from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, RequestTimings, Usage
 
-if TYPE_CHECKING:
-    from calserve.engine.registry import RequestRegistry
+__all__ = ["run_actor", "ActorInbox", "open_actor_inbox", "ActorSink"]
 
-__all__ = ["run_actor", "ActorInbox", "open_actor_inbox"]
+
+class ActorSink(Protocol):
+    """What an actor tells the engine (the registry): the only way a client's cancel, a stop string
+    or an abandoned stream reaches the engine core."""
+
+    def stop(self, seq: Seq, reason: FinishReason) -> None: ...
+
+    def done(self, seq: Seq, outcome: str) -> None: ...
 
 log = logging.getLogger("calserve.engine.actor")
 
@@ -61,7 +69,7 @@ def _advance(state: RequestState, first: bool) -> RequestState:
 class _TokenStep:
     """The actor's per-request state and its per-token step. Only the actor's code mutates it: the
     actor task, or (with an :class:`ActorInbox`) the inbox on the actor's behalf while the task is
-    parked. ``stop_wanted`` is for the task: a reason the scheduler must be told (``sched.stop``)."""
+    parked. ``stop_wanted`` is for the task: a reason the engine must be told (``sink.stop``)."""
 
     __slots__ = ("state", "completion", "stopped", "stop_wanted", "_detok", "_stops", "_min_tokens",
                  "_writer")
@@ -118,7 +126,7 @@ class _TokenStep:
 
 
 class _Poke:
-    """Queued by the inline step to have the actor task act (tell the scheduler, or re-raise)."""
+    """Queued by the inline step to have the actor task act (tell the engine, or re-raise)."""
 
     __slots__ = ("error",)
 
@@ -196,11 +204,10 @@ async def run_actor(
     recv: trio.MemoryReceiveChannel[ActorMsg] | ActorInbox,
     writer: StreamWriter,
     tokenizer: Any,
-    registry: RequestRegistry,
+    registry: ActorSink,
 ) -> None:
     step = _TokenStep(seq, writer, tokenizer)
     outcome = "shutdown"
-    sched = registry.sched
 
     def timings() -> RequestTimings:
         now = trio.current_time()
@@ -251,13 +258,13 @@ async def run_actor(
                     step.state = fire(step.state, E.COMPLETE)
                 writer.close(FinishEvent(reason, usage, step.tail(), timings()))
                 return
-            # Invariant: the scheduler hears of a stop from the actor task only, never from inside
-            # the sender's call (the dispatcher may be in the middle of that sequence's bookkeeping);
-            # sched.stop is idempotent, the first reason wins.
+            # Invariant: the engine hears of a stop from the actor task only, never from inside
+            # the sender's call (the core may be in the middle of that sequence's bookkeeping);
+            # stop is idempotent, the first reason wins.
             wanted = step.stop_wanted
             if wanted is not None:
                 step.stop_wanted = None
-                sched.stop(seq, wanted)
+                registry.stop(seq, wanted)
     finally:
         if inbox is not None:
             inbox.attach(None)

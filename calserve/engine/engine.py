@@ -8,8 +8,10 @@
             ...
         engine.cancel(handle.request_id)              # idempotent
 
-Supervision (ARCHITECTURE.md): one nursery holds the recovery task, one executor per enabled job
-engine, the scheduler and the request actors, all started with ``nursery.start``. A crash in any of
+Supervision: one nursery holds the recovery task, one executor per enabled job engine, the
+scheduler task and the request actors, all started with ``nursery.start``. The scheduling state is
+the :class:`~calserve.engine.core.EngineCore`'s; the tasks are its shells
+(:class:`~calserve.engine.driver.CoreDriver`). A crash in any of
 them cancels the nursery; :attr:`failed` is set whenever the engine cannot serve any more (crash,
 or every generation Failed after recovery gave up), so the HTTP layer drops readiness and
 ``calserve serve`` exits non-zero.
@@ -31,15 +33,12 @@ import trio
 from calserve.config import CalserveConfig
 from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend, RuntimeBackend
-from calserve.engine.dispatcher import CompletionDispatcher
-from calserve.engine.executor import DeviceExecutor
+from calserve.engine.driver import CoreDriver
 from calserve.engine.generations import Generation, ModelManager, release_members
-from calserve.models.source import ModelSource, load_sources
-from calserve.engine.recovery import HealthRecovery
 from calserve.engine.registry import RequestHandle, RequestRegistry
-from calserve.engine.scheduler import Scheduler
-from calserve.engine.stats import build_statistics
+from calserve.engine.stats import StatisticsSources, build_statistics
 from calserve.engine.types import EngineStatistics, GenerateRequest, ModelInfo, ProfileInfo
+from calserve.models.source import ModelSource, load_sources
 from calserve.runtime.types import JobEngine
 
 __all__ = ["Engine", "RequestHandle"]
@@ -48,32 +47,31 @@ log = logging.getLogger("calserve.engine")
 
 
 class Engine:
-    """Use :meth:`open`; the constructor only wires parts together."""
+    """Use :meth:`open`; the constructor only builds the parts (each gets what it needs at
+    construction: nothing is wired afterwards)."""
 
-    def __init__(self, cfg: CalserveConfig, backend: DeviceBackend) -> None:
+    def __init__(self, cfg: CalserveConfig, backend: DeviceBackend, nursery: trio.Nursery) -> None:
         self.cfg = cfg
         self.backend = backend
         self.model_manager = ModelManager(cfg, backend)
-        self.scheduler = Scheduler(cfg, self.model_manager)
-        self.recovery = HealthRecovery(cfg, backend, self.model_manager, self.scheduler)
-        self.dispatcher = CompletionDispatcher(self.scheduler, self.recovery)
-        self.registry = RequestRegistry(cfg, self.model_manager, self.scheduler)
         ex_cfg = cfg.scheduler.executor
         engines = [JobEngine.PING]
         if ex_cfg.max_inflight == 2 and not ex_cfg.fixed_engine and backend.capabilities.pingpong:
             engines.append(JobEngine.PONG)
-        self.executors = [
-            DeviceExecutor(e, self.scheduler, self.dispatcher, self.recovery, ex_cfg.wait_timeout_ms / 1000)
-            for e in engines
-        ]
-        self.scheduler.executors = self.executors
-        self.recovery.executors = self.executors
+        self.driver = CoreDriver(cfg, backend, self.model_manager, engines)
+        self.core = self.driver.core
+        self.registry = RequestRegistry(cfg, self.model_manager, self.core, self.driver, nursery)
+        self._nursery = nursery
         # Set when the engine can no longer serve (crash, or every model Failed).
-        self.failed = self.recovery.failed
-        self._nursery: trio.Nursery | None = None
+        self.failed = self.driver.recovery.failed
         self.leaked_at_close = 0
         # the last snapshot, taken after the drain and before the device is closed
         self.final_statistics: EngineStatistics | None = None
+
+    @property
+    def executors(self) -> list[Any]:
+        """The executor shells, PING first (statistics, tests)."""
+        return list(self.driver.executors.values())
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -95,22 +93,21 @@ class Engine:
                 r.profile, r.dram_bytes, r.null_compute, r.completion_jitter_us, r.seed
             )
         try:
-            eng = cls(cfg, backend)
             srcs = dict(sources) if sources is not None else await trio.to_thread.run_sync(
                 load_sources, cfg
             )
             async with trio.open_nursery() as nursery:
-                eng._nursery = nursery
+                eng = cls(cfg, backend, nursery)
                 try:
                     for alias in cfg.models:
                         if alias not in srcs:
                             raise KeyError(f"no model source for alias {alias!r}")
                         await eng.model_manager.load(srcs[alias])
-                    await nursery.start(eng.recovery.run)
+                    await nursery.start(eng.driver.recovery.run)
                     for ex in eng.executors:
                         await nursery.start(ex.run)
-                    await nursery.start(eng.scheduler.run)
-                    eng.registry.nursery = nursery
+                    await nursery.start(eng.driver.run)
+                    eng.registry.running = True
                     yield eng
                     await eng._drain()
                 except BaseException:
@@ -128,28 +125,23 @@ class Engine:
 
     async def _drain(self) -> None:
         """Graceful part of shutdown: terminal events for all, submitted jobs drained."""
-        self.registry.closing = True
-        self.scheduler.shutdown_requests()
+        self.registry.shutdown()
         await self.registry.wait_empty()
-        for ex in self.executors:
-            await ex.wait_idle()
+        await self.driver.wait_idle()
 
     async def _release_all(self) -> None:
         """Return every lane (confirming releases) and every calbin to the device.
 
         ``leaked_at_close`` counts runtime sequences still bound to a lane of a request that never
         ended (only after a crash/outside cancellation); a clean shutdown leaves it 0."""
-        for ex in self.executors:
-            await ex.wait_idle()
+        await self.driver.wait_idle()
         for gen in self.model_manager.generations.values():
-            q = self.scheduler.queues(gen)
-            await self.scheduler._flush_releases(gen, q)
-        self.final_statistics = build_statistics(self)
+            await self.driver.free_released(gen)
+        self.final_statistics = self.statistics()
         for gen in self.model_manager.generations.values():
-            leftover = sorted(set(gen.lane_seq.values()))
+            leftover = self.core.leftover_sequences(gen)
             self.leaked_at_close += len(leftover)
             await gen.calbin.free_sequences(leftover)
-            gen.lane_seq.clear()
             await release_members(gen)  # every member of its KV group
 
     # ------------------------------------------------------------------------------------------
@@ -186,7 +178,7 @@ class Engine:
         return self.model_manager.resolve(alias).source.tokenizer
 
     def ready(self, alias: str | None = None) -> bool:
-        if self.failed.is_set() or self.registry.closing or self.registry.nursery is None:
+        if self.failed.is_set() or self.registry.closing or not self.registry.running:
             return False
         try:
             return self.model_manager.resolve(alias).state is ModelState.READY
@@ -209,4 +201,12 @@ class Engine:
         return out
 
     def statistics(self) -> EngineStatistics:
-        return build_statistics(self)
+        return build_statistics(StatisticsSources(
+            core=self.core.statistics(trio.current_time()),
+            recovery=self.driver.recovery.statistics(),
+            generations=list(self.model_manager.generations.values()),
+            models=self.model_manager.statistics(),
+            counters={e.name.lower(): self.backend.counters(e) for e in self.driver.executors},
+            requests_total=dict(self.registry.requests_total),
+            rejected_total=dict(self.registry.rejected_total),
+        ))

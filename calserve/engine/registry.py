@@ -2,11 +2,11 @@
 
 ``create`` validates and offers the request to its generation's admission controller synchronously,
 so the HTTP layer gets its 400/404/429/503 at once (as an exception from ``calserve.errors``); an
-accepted request gets an id, a :class:`StreamWriter`, an inbox and an actor task, and is handed to
-the scheduler. ``cancel``/``finish`` are idempotent and forward to the scheduler, which ends the
-request now or when its in-flight job drains. Completions are delivered by the
-:class:`~calserve.engine.dispatcher.CompletionDispatcher` (the registry's ``on_prefill_complete`` /
-``on_decode_complete`` of the spec, done per batch).
+accepted request gets an id, a :class:`StreamWriter`, an inbox and an actor task, and is added to
+the engine core (``EngineCore.add``: admission and the prefill dispatch run in that call).
+``cancel``/``stop`` are idempotent and call ``EngineCore.abort``, which ends the request now or
+when its in-flight job drains. Completions are handled by the core (the spec's
+``on_prefill_complete`` / ``on_decode_complete``, done per batch).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from calserve.engine.types import Event, FinishReason, GenerateRequest
 from calserve.errors import CapacityError, EngineError, RequestError, UnavailableError
 
 if TYPE_CHECKING:
+    from calserve.engine.core import EngineCore
     from calserve.engine.generations import ModelManager
-    from calserve.engine.scheduler import Scheduler
+    from calserve.engine.shell import Shell
 
 __all__ = ["RequestRegistry", "RequestHandle"]
 
@@ -112,11 +113,14 @@ def _validate(req: GenerateRequest, vocab: int) -> None:
 
 
 class RequestRegistry:
-    def __init__(self, cfg: CalserveConfig, models: ModelManager, sched: Scheduler) -> None:
+    def __init__(self, cfg: CalserveConfig, models: ModelManager, core: EngineCore, shell: Shell,
+                 nursery: trio.Nursery) -> None:
         self.cfg = cfg
         self.models = models
-        self.sched = sched
-        self.nursery: trio.Nursery | None = None
+        self.core = core
+        self.shell = shell
+        self.nursery = nursery  # the engine's: request actors are its children
+        self.running = False  # the engine's tasks are up (set by the engine once started)
         self.closing = False
         self._ids = itertools.count(1)
         self.live: dict[int, Seq] = {}
@@ -126,7 +130,7 @@ class RequestRegistry:
         self.rejected_total: collections.Counter[str] = collections.Counter()
 
     def create(self, req: GenerateRequest) -> RequestHandle:
-        if self.nursery is None or self.closing:
+        if not self.running or self.closing:
             raise EngineError("the engine is not running")
         gen = self.models.resolve(req.model)
         try:
@@ -166,19 +170,25 @@ class RequestRegistry:
         self.live[rid] = seq
         self._empty = trio.Event()
         self.nursery.start_soon(run_actor, seq, recv, writer, gen.source.tokenizer, self, name=f"request-{rid}")
-        self.sched.enqueue(seq)
+        self.shell.apply(self.core.add(seq, now))
         log.debug("request %d accepted (tenant %s, gen %d)", rid, req.tenant, gen.id,
                   extra={"request_id": rid, "generation": gen.id})
         return RequestHandle(rid, writer, self)
 
     def cancel(self, request_id: int) -> None:
         """Idempotent; unknown or finished ids are ignored."""
-        self.finish(request_id, FinishReason.CANCELLED)
-
-    def finish(self, request_id: int, reason: FinishReason) -> None:
         seq = self.live.get(request_id)
         if seq is not None:
-            self.sched.stop(seq, reason)
+            self.stop(seq, FinishReason.CANCELLED)
+
+    def stop(self, seq: Seq, reason: FinishReason) -> None:
+        """End ``seq`` early (the actor's stop string or abandoned stream, a cancel); idempotent."""
+        self.shell.apply(self.core.abort(seq, reason, trio.current_time()))
+
+    def shutdown(self) -> None:
+        """No new requests; every live one ends with a shutdown error (on the device: when it drains)."""
+        self.closing = True
+        self.shell.apply(self.core.shutdown(trio.current_time()))
 
     def done(self, seq: Seq, outcome: str) -> None:
         """Called once by the actor after it wrote the terminal event."""

@@ -1,14 +1,17 @@
-"""Plain records shared by the engine's tasks: one :class:`Seq` per accepted request, actor messages.
+"""Plain records of the engine: one :class:`Seq` per accepted request, the device jobs, the actor
+messages and what :class:`~calserve.engine.core.EngineCore` hands its shells (:class:`CoreOutput`).
 
 Ownership (who may write what) is the point of this module:
 
-- :class:`Seq` scheduling fields (lease, seq_id, position, inflight, ...) are written only from the
-  scheduler side (scheduler tick, dispatcher, recovery), all of which run in the one trio thread
-  and mutate synchronously between checkpoints.
-- The request lifecycle (:class:`calserve.core.request_state.RequestState`) is written only by the
-  request's actor (:mod:`calserve.engine.actor`), which replays the lifecycle from the messages
-  below; per-token Ready/Running toggles stay in ``Seq.inflight`` so the hot path never waits for a
-  task hop (spec §4 actor rule, issue 5 item 4).
+- Every :class:`Seq` scheduling field (lease, seq_id, position, inflight, ...) and every
+  :class:`DeviceJob` field after construction is written only by the engine core
+  (:mod:`calserve.engine.core` and the job builder it owns); the shells (executors, recovery,
+  registry, actors) read what they need and change state only through the core's methods.
+- The request lifecycle that decisions read is the core's: ``Seq.queued`` / ``admitted`` /
+  ``inflight`` / ``pending_*`` / ``ended`` (spec §4: Waiting, Ready/Running, a pending ending
+  while a job drains, ended once). The request actor renders the core's messages as a stream and
+  keeps the request-level replay (:mod:`calserve.core.request_state`) only to reject messages out
+  of order (an illegal sequence raises instead of corrupting a stream).
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 
 from calserve.engine.types import ErrorEvent, FinishReason, GenerateRequest, TokenLogprob
+from calserve.runtime.types import JobEngine, JobResult
 
 if TYPE_CHECKING:
-    from calserve.engine.jobs import DeviceJob
     from calserve.engine.generations import Generation
 
-__all__ = ["Seq", "Admitted", "Tokens", "End", "ActorMsg"]
+__all__ = ["Seq", "Admitted", "Tokens", "End", "ActorMsg", "DeviceJob", "JobOutcome", "CoreOutput",
+           "Fault", "Release"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +101,8 @@ class Seq:
     ready_since: float = 0.0  # when it last became decode-ready (batching window)
     # Consecutive decode batches that passed this ready sequence over (starvation accounting).
     passed_over: int = 0
-    # A token message held back until the next job was submitted (dispatcher._deferred); whoever
-    # sends this request anything else first delivers it (Scheduler.end), so messages keep order.
+    # A token message held back until the next job was submitted (EngineCore.flush); whoever
+    # sends this request anything else first delivers it (EngineCore end), so messages keep order.
     deferred: Any = None
     job_ids: list[int] = dataclasses.field(default_factory=list)  # recent job ids, for logs
 
@@ -109,3 +113,82 @@ class Seq:
     @property
     def max_new(self) -> int:
         return self.req.sampling.max_tokens
+
+
+@dataclasses.dataclass(eq=False)
+class DeviceJob:
+    """One prefill or one decode batch: what the core hands an executor."""
+
+    kind: str  # "prefill" | "decode"
+    gen: Generation
+    lanes: list[Seq | None]  # per compiled lane (prefill: one lane)
+    tokens: np.ndarray  # prefill: the prompt; decode: input token per lane
+    positions: np.ndarray  # decode: committed length per lane
+    valid: np.ndarray  # decode: uint8 valid mask
+    created_at: float  # scheduler time the job was built (batch wait accounting)
+    seq_ids: np.ndarray | None = None  # decode: runtime sequence per lane, -1 inactive
+    # decode: (seq_id, position) the device must echo for each active lane, as Python ints
+    expect: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    job_id: int = -1  # runtime job id once submitted
+    epoch: int = 0  # recovery epoch at hand-over: an ABORTED result from an older epoch is no new fault
+    # The calbin (profile member of the generation's KV group) the job runs on; left None at
+    # construction, it is the generation's KV owner (prefills, single-profile generations).
+    calbin: Any = None
+    # Derived once at construction (the hot path reads them several times per step):
+    # Invariant: seqs == the non-None lanes in lane order; active == their lane indices (ascending).
+    seqs: list[Seq] = dataclasses.field(init=False)
+    active: list[int] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.active = [i for i, s in enumerate(self.lanes) if s is not None]
+        self.seqs = [s for s in self.lanes if s is not None]
+        if self.calbin is None:
+            self.calbin = self.gen.calbin
+
+
+class JobOutcome(NamedTuple):
+    """How a job ended. Exactly one of ``result`` / ``submit_error`` is set. (A NamedTuple: one is
+    built per job on the hot path.)"""
+
+    result: JobResult | None = None
+    submit_error: BaseException | None = None  # refused at submit: nothing reached the device
+    timed_out: bool = False  # the wait passed its timeout once (a fault was reported)
+
+
+class Fault(NamedTuple):
+    """A job that ended in a device fault of the current epoch: recovery must reset the device."""
+
+    reason: str  # "timeout" | "crosstalk" | "ccu_fault" | "dma_unknown" | ... (lower-case status)
+    job: DeviceJob
+
+
+class Release(NamedTuple):
+    """An ended request's runtime sequence the shell must free, then confirm to the core
+    (``EngineCore.confirm_released``): spec §9.2, a lane is reused only after the runtime freed it."""
+
+    lane: int
+    seq_id: int
+    request_id: int
+    ended_at: float
+
+
+@dataclasses.dataclass(eq=False)
+class CoreOutput:
+    """What one call into the core asks of its shells, in the order they must act.
+
+    Actor messages are not in here: the core delivers them into each request's inbox (a
+    non-blocking sink handed in with the request, :class:`Inbox`) in order as it decides them,
+    except the continuing sequences' token messages, which wait for :meth:`EngineCore.flush`
+    after the next submit (spec §19 M1)."""
+
+    # jobs to hand to the executor of each job engine, in decision order
+    jobs: list[tuple[JobEngine, DeviceJob]] = dataclasses.field(default_factory=list)
+    # faults of the current epoch, for the recovery task (one reset covers several)
+    faults: list[Fault] = dataclasses.field(default_factory=list)
+    # generations with ended sequences whose free is a device round trip (the shell frees them on
+    # a worker thread, then confirms); inline-free runtimes are freed inside the pass
+    release_gens: list[Generation] = dataclasses.field(default_factory=list)
+    # the scheduler task must run a pass now (something ended, recovery finished, ...)
+    wake: bool = False
+    # the earliest instant a pass must run again (deadline, batching window), inf if none
+    timer: float = float("inf")

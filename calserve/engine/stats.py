@@ -1,35 +1,47 @@
-"""Build the frozen :class:`EngineStatistics` snapshot from the ``statistics()`` of the parts."""
+"""Build the frozen :class:`EngineStatistics` snapshot from the ``statistics()`` of the parts.
+
+It reads only statistics objects (the core's, recovery's, each generation's admission controller
+and KV lane manager, the runtime's per-engine counters), never the parts' internals.
+"""
 
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
-import trio
-
+from calserve.core.admission import Outcome
+from calserve.engine.core_stats import CoreStatistics
+from calserve.engine.recovery import RecoveryStats
 from calserve.engine.types import EngineStatistics, ExecutorEngineStats, TenantStats
 
 if TYPE_CHECKING:
-    from calserve.engine.engine import Engine
+    from calserve.engine.generations import Generation
 
-__all__ = ["build_statistics"]
+__all__ = ["build_statistics", "StatisticsSources"]
 
 
-def build_statistics(eng: Engine) -> EngineStatistics:
-    sched = eng.scheduler.statistics()
-    rec = eng.recovery.statistics()
-    now = trio.current_time()
+@dataclasses.dataclass(frozen=True)
+class StatisticsSources:
+    core: CoreStatistics
+    recovery: RecoveryStats
+    generations: list[Generation]
+    models: dict[str, tuple[int, str]]  # ModelManager.statistics()
+    counters: dict[str, Any]  # engine name -> the runtime's EngineCounters
+    requests_total: dict[str, int]
+    rejected_total: dict[str, int]
+
+
+def build_statistics(src: StatisticsSources) -> EngineStatistics:
+    core = src.core
+    rec = src.recovery
     tenants: dict[str, TenantStats] = {}
     kv_states: collections.Counter[str] = collections.Counter()
     kv_reserved = kv_used = 0
     admitted = 0
     waiting_tokens = 0
-    starvation = sched.starvation_events_total
-    queue_oldest: dict[str, float] = {"decode": 0.0, "short": 0.0, "medium": 0.0, "long": 0.0}
-    for gen in eng.model_manager.generations.values():
+    for gen in src.generations:
         a = gen.admission.statistics()
-        from calserve.core.admission import Outcome
-
         admitted += a.decisions.get(Outcome.ADMIT, 0)
         waiting_tokens += a.waiting_prompt_tokens
         for name, t in a.tenants.items():
@@ -41,53 +53,40 @@ def build_statistics(eng: Engine) -> EngineStatistics:
             kv_states[state] += n
         kv_reserved += k.tokens_reserved
         kv_used += k.tokens_committed
-        q = eng.scheduler.queues(gen)
-        if q.decode_ready:
-            oldest = min(s.ready_since for s in q.decode_ready.values())
-            queue_oldest["decode"] = max(queue_oldest["decode"], now - oldest)
-        for c, dq in q.prefill.items():
-            live = [s for s in dq if not s.ended and s.inflight is None]
-            if live and live[0].admitted_at is not None:
-                queue_oldest[c.value] = max(queue_oldest[c.value], now - live[0].admitted_at)
-    depth = {"decode": sched.decode_ready, **sched.prefill_ready}
-    executors: dict[str, ExecutorEngineStats] = {}
-    for ex in eng.executors:
-        cnt = eng.backend.counters(ex.engine)
-        executors[ex.engine.name.lower()] = ExecutorEngineStats(
-            cnt.submitted, cnt.completed, cnt.failed, cnt.busy, cnt.timeouts, cnt.inflight
-        )
-    reg = eng.registry
-    running = sched.holders
-    current_b = max((g.compiled_batch for g in eng.model_manager.generations.values()), default=1)
+    depth = {"decode": core.decode_ready, **core.prefill_ready}
+    executors = {
+        name: ExecutorEngineStats(c.submitted, c.completed, c.failed, c.busy, c.timeouts, c.inflight)
+        for name, c in src.counters.items()
+    }
+    current_b = max((g.compiled_batch for g in src.generations), default=1)
     return EngineStatistics(
-        requests_running=running,
-        requests_waiting=sched.waiting,
-        requests_total=dict(reg.requests_total),
+        requests_running=core.holders,
+        requests_waiting=core.waiting,
+        requests_total=src.requests_total,
         admitted_total=admitted,
-        rejected_total=dict(reg.rejected_total),
+        rejected_total=src.rejected_total,
         waiting_prompt_tokens=waiting_tokens,
         tenants=tenants,
-        starvation_events_total=starvation,
+        starvation_events_total=core.starvation_events_total,
         queue_depth=depth,
-        queue_oldest_wait_s=queue_oldest,
-        batches_total=sched.batches_total,
-        lanes_active_total=sched.lanes_active_total,
-        lanes_total=sched.lanes_total,
+        queue_oldest_wait_s=core.queue_oldest_wait_s,
+        batches_total=core.batches_total,
+        lanes_active_total=core.lanes_active_total,
+        lanes_total=core.lanes_total,
         current_compiled_batch=current_b,
-        batch_wait_s_total=sched.batch_wait_s_total,
-        prefill_jobs_total=sched.prefill_jobs_total,
+        batch_wait_s_total=core.batch_wait_s_total,
+        prefill_jobs_total=core.prefill_jobs_total,
         kv_sequences=dict(kv_states),
         kv_tokens_reserved=kv_reserved,
         kv_tokens_used=kv_used,
-        kv_free_seconds_total=eng.scheduler.kv_free_seconds_total,
-        executor_inflight_jobs=sched.inflight_jobs,
+        kv_free_seconds_total=core.kv_free_seconds_total,
+        executor_inflight_jobs=core.inflight_jobs,
         executor=executors,
-        models=eng.model_manager.statistics(),
-        model_load_seconds={g.alias: g.load_seconds for g in eng.model_manager.generations.values()},
+        models=src.models,
+        model_load_seconds={g.alias: g.load_seconds for g in src.generations},
         faults_total=rec.faults_total,
         resets_total=rec.resets_total,
-        quarantined_jobs_total=rec.quarantined_jobs_total,
+        quarantined_jobs_total=core.quarantined_jobs_total,
         quarantined_kv_total=rec.quarantined_kv_total,
         recovery_seconds_total=rec.recovery_seconds_total,
     )
-

@@ -17,7 +17,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import calserve.engine.dispatcher as dispatcher_mod
+import calserve.engine.completion as completion_mod
 from calserve.engine.sampler import sample_batch
 
 from .conftest import make_config
@@ -147,7 +147,7 @@ async def test_a_sampler_failure_fails_that_request_alone(monkeypatch: pytest.Mo
             raise OverflowError("injected")
         return sample_batch(rows, lanes)
 
-    monkeypatch.setattr(dispatcher_mod, "sample_batch", flaky)
+    monkeypatch.setattr(completion_mod, "sample_batch", flaky)
     async with real_app(make_config()) as h:
         before = await greedy_text(h)
         results: dict[str, Any] = {}

@@ -20,13 +20,13 @@ def assert_nothing_leaked(eng: Engine, be: FakeBackend) -> None:
         assert (k.free, k.tokens_reserved, k.tokens_committed) == (k.num_lanes, 0, 0), k
         gen.kv.check_invariants()
         assert gen.calbin.leaked_at_release == 0  # type: ignore[attr-defined]
-        q = eng.scheduler.queues(gen)
+        q = eng.core.requests.queues(gen)
         assert not q.holders and not q.waiting and not q.decode_ready and not q.releases
         assert gen.admission.statistics().active_sequences == 0
         assert gen.admission.statistics().waiting_requests == 0
     for e in JobEngine:
         assert be.counters(e).inflight == 0
-    assert not any(ex.busy for ex in eng.executors)
+    assert eng.core.inflight_jobs() == 0
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,10 @@ import trio
 import trio.testing
 
 from calserve.core.kv import KvLaneManager
-from calserve.engine.dispatcher import CompletionDispatcher
+from calserve.engine.core import EngineCore
+from calserve.engine.planner import Planner
 from calserve.engine.engine import Engine
 from calserve.testing.fake_device import FakeBackend
-from calserve.engine.scheduler import Scheduler
 from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
 
 from .helpers import config, fake_greedy, fake_source
@@ -34,11 +34,11 @@ async def _run(
     lanes: int = 32, **sched: Any,
 ) -> dict[str, Any]:
     """``mode``: "fast" (next job decided before the completion's bookkeeping, the default),
-    "after" (decided after it: Scheduler.continue_decode only) or "off" (full ticks only)."""
+    "after" (decided after it: the core's continuation after a completion only) or "off" (full ticks only)."""
     if mode in ("after", "off"):
-        monkeypatch.setattr(CompletionDispatcher, "fast_decode", lambda self, job, outcome, caller: None)
+        monkeypatch.setattr(EngineCore, "fast_decode", lambda self, engine, job, outcome, now: None)
     if mode == "off":
-        monkeypatch.setattr(Scheduler, "continue_decode", lambda self, done: None)
+        monkeypatch.setattr(Planner, "continue_decode", lambda self, done, now: None)
     be = FakeBackend("sim-next", seed=7, jitter_s=0.0005)
     cfg = config(batch={"profiles": [batch]}, executor={"max_inflight": inflight}, **sched)
     out: dict[int, tuple[list[int], list[float], object]] = {}
@@ -64,10 +64,10 @@ async def _run(
             for i, (at, prompt, n, tenant) in enumerate(work):
                 nursery.start_soon(one, i, at, prompt, n, tenant)
         await trio.sleep(0.05)  # the last requests' sequences are freed after their terminal events
-        jobs = [(kind, frozenset(rids)) for kind, rids in eng.scheduler.trace]
-        sched = eng.scheduler
+        jobs = [(kind, frozenset(rids)) for kind, rids in eng.core.requests.trace]
+        sched = eng.core.statistics(trio.current_time())
         return {"out": out, "jobs": jobs, "continuations": sched.continuations_total,
-                "fast": eng.dispatcher.fast_steps_total,
+                "fast": sched.fast_steps_total,
                 "batches": dict(sched.batches_total), "lanes": dict(sched.lanes_active_total)}
 
 
@@ -169,4 +169,4 @@ async def test_shortcut_respects_the_batching_window(autojump_clock: object) -> 
                                                                          ignore_eos=True)))
         toks = [t async for ev in h.events() if isinstance(ev, TokenEvent) for t in ev.token_ids]
         assert toks == fake_greedy((1, 2, 3), 10)
-        assert eng.scheduler.continuations_total == 0
+        assert eng.core.statistics(trio.current_time()).continuations_total == 0

@@ -111,7 +111,7 @@ async def test_short_request_finishes_first_and_its_lane_is_reused(demo_source: 
         # release of the short request's sequence (a lane is reused only after that, spec §9.2),
         # while the long ones kept decoding; its prefill then came within the decode:short = 8:4
         # round robin (at most 2 decode picks before it)
-        trace = list(eng.scheduler.trace)
+        trace = list(eng.core.requests.trace)
         released_short = trace.index(("released", (rid["short"],)))
         admit_waiter = trace.index(("admit", (rid["waiter"],)))
         assert admit_waiter == released_short + 1

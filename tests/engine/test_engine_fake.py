@@ -4,6 +4,7 @@ stop conditions (§ issue item 6), submit-time refusals, PING/PONG, deadlines, s
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import trio
@@ -239,33 +240,34 @@ async def test_full_lane_table_turnover(autojump_clock: object, inline: bool) ->
     be = FakeBackend("calrt-0.7.6", seed=1, frees_inline=inline)
     cfg = config(admission={"max_sequences": 1})
     async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(profiles=(1,))}) as eng:
-        sched = eng.scheduler
+        core = eng.core
         first = await eng.submit(GenerateRequest((3, 4), greedy({"max_tokens": 4})))
         second = await eng.submit(GenerateRequest((5, 6), greedy({"max_tokens": 3})))
         ticks: dict[str, int] = {}
-        orig_admit = sched._admit
+        orig_admit = core.requests.admit
 
-        def admit(gen: object, q: object, now: float) -> None:
-            before = len(q.waiting)  # type: ignore[attr-defined]
-            orig_admit(gen, q, now)  # type: ignore[arg-type]
-            if before and not q.waiting:  # type: ignore[attr-defined]
-                ticks["admitted_at_task_tick"] = sched.ticks
+        def admit(gen: Any, now: float) -> None:
+            q = core.requests.queues(gen)
+            before = len(q.waiting)
+            orig_admit(gen, now)
+            if before and not q.waiting:
+                ticks["admitted_at_task_tick"] = core.stats.passes
 
-        sched._admit = admit  # type: ignore[method-assign]
+        core.requests.admit = admit  # type: ignore[method-assign]
         ticks_at_end: list[int] = []
         events: list[Event] = []
         async for ev in first.events():
             events.append(ev)
-        ticks_at_end.append(sched.ticks)
+        ticks_at_end.append(core.stats.passes)
         assert tokens(events) == fake_greedy((3, 4), 4)
         assert tokens(await drain(second)) == fake_greedy((5, 6), 3)
-        released = [i for i, (k, r) in enumerate(sched.trace) if k == "released" and r == (first.request_id,)]
-        admitted = [i for i, (k, r) in enumerate(sched.trace) if k == "admit" and r == (second.request_id,)]
+        released = [i for i, (k, r) in enumerate(core.requests.trace) if k == "released" and r == (first.request_id,)]
+        admitted = [i for i, (k, r) in enumerate(core.requests.trace) if k == "admit" and r == (second.request_id,)]
         assert released and admitted and released[0] < admitted[0]
         if inline:
             # admitted by the executor's pass right after the completion, before the task woke
             assert ticks["admitted_at_task_tick"] <= ticks_at_end[0]
-            assert sched.trace[admitted[0] - 1] == ("released", (first.request_id,))
+            assert core.requests.trace[admitted[0] - 1] == ("released", (first.request_id,))
         await trio.sleep(0.05)
         st = eng.statistics()
         assert st.kv_tokens_reserved == 0

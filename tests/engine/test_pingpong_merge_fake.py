@@ -76,7 +76,7 @@ async def _turnover(overlap: float) -> tuple[list[tuple[str, tuple[int, ...]]], 
             for i in range(3):
                 nursery.start_soon(one, i, 60)
             nursery.start_soon(one, 3, 20)
-        return list(eng.scheduler.trace), late
+        return list(eng.core.requests.trace), late
 
 
 async def test_partial_batch_waits_for_the_prefill_that_fills_it(autojump_clock: object) -> None:

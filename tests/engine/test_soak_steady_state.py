@@ -67,7 +67,7 @@ async def test_python_memory_is_flat_after_warmup(autojump_clock: object) -> Non
             assert ends.get("cancelled", 0) > 0 and ends.get("length", 0) > 0, ends
             assert eng.registry.live == {}
             blocks.append(_live_blocks())
-        trace = eng.scheduler.trace
+        trace = eng.core.requests.trace
     print("live pymalloc blocks after each wave:", blocks)
     # After the warm-up waves nothing accumulates: the last two waves end no higher than waves 3-4
     # did (measured: a few hundred blocks, up to ~1,800 in one sample, of free-list/cache noise;

@@ -123,9 +123,14 @@ class _Sched:
 
 
 class _Registry:
+    """The actor's sink (``ActorSink``): records stops (``sched.stops``) and outcomes."""
+
     def __init__(self) -> None:
         self.sched = _Sched()
         self.outcomes: list[str] = []
+
+    def stop(self, seq: object, reason: FinishReason) -> None:
+        self.sched.stop(seq, reason)
 
     def done(self, seq: object, outcome: str) -> None:
         self.outcomes.append(outcome)

@@ -1,0 +1,190 @@
+"""JobBuilder: the device jobs the engine core decided to run, built from its sequences (no trio).
+
+Spec §8: a decode batch is laid out for one compiled profile (``core.decode.build_decode_batch``
+with the fair lane order); a prefill runs one request's prompt; the continuation (the same
+sequences again, positions + 1) is built from the previous job without the candidate machinery.
+Building a job changes no scheduling state except where a method says so (``decode_job`` takes the
+chosen sequences out of the ready set and opens their KV transactions); the core records the rest.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from calserve.config import CalserveConfig
+from calserve.core.decode import (
+    BatchProfile,
+    DecodeCandidate,
+    LaneOrder,
+    build_decode_batch,
+    select_profile,
+)
+from calserve.engine.state import DeviceJob, Seq
+
+if TYPE_CHECKING:
+    from calserve.engine.generations import Generation
+
+__all__ = ["JobBuilder", "BatchStats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchStats:
+    batches_total: dict[int, int]  # decode jobs by compiled batch
+    lanes_active_total: dict[int, int]  # active lanes of those jobs
+    lanes_total: dict[int, int]  # compiled lanes of those jobs
+    prefill_jobs_total: int
+    batch_wait_s_total: float  # summed time sequences waited in the ready set before a batch
+    continuations_total: int  # decode jobs built by the continuation shortcut
+
+
+class JobBuilder:
+    def __init__(self, cfg: CalserveConfig) -> None:
+        self.cfg = cfg
+        self._profiles: dict[tuple[int, int], BatchProfile] = {}  # (generation id, B) -> profile
+        self.batches_total: dict[int, int] = collections.Counter()
+        self.lanes_active_total: dict[int, int] = collections.Counter()
+        self.lanes_total: dict[int, int] = collections.Counter()
+        self.prefill_jobs_total = 0
+        self.batch_wait_s_total = 0.0
+        self.continuations_total = 0
+
+    def profile(self, gen: Generation, B: int) -> BatchProfile:
+        profile = self._profiles.get((gen.id, B))
+        if profile is None:  # a generation is immutable: build each member's profile once
+            cb = gen.calbins[B]
+            profile = self._profiles[(gen.id, B)] = BatchProfile(
+                B, gen.max_seq, valid_mask=cb.spec.valid_mask or B == 1,
+                inactive_writes_kv=cb.spec.inactive_writes_kv)
+        return profile
+
+    def forget(self, gen: Generation) -> None:
+        """A generation is gone: drop its cached profiles."""
+        for key in [k for k in self._profiles if k[0] == gen.id]:
+            del self._profiles[key]
+
+    def prefill_job(self, gen: Generation, seq: Seq, now: float) -> DeviceJob:
+        self.prefill_jobs_total += 1
+        return DeviceJob("prefill", gen, [seq], seq.prompt, np.zeros(1, np.int32),
+                         np.ones(1, np.uint8), now)
+
+    def decode_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int
+                     ) -> tuple[DeviceJob | None, list[tuple[int, str]]]:
+        """A decode batch for compiled batch ``B`` over the ready set (fair lane order), and the
+        ready sequences it skipped with why (``batch_full``, ``tenant_share``, ``deadline``,
+        ``length``) for the core to act on. The chosen sequences leave ``ready`` and their KV
+        transaction opens."""
+        profile = self.profile(gen, B)
+        gid = gen.id
+        cands = [  # positional (request_id, seq_id, tenant, generation, last_token, position, deadline,
+            # virtual_finish, cancelled, lane, arrival): one per ready sequence per batch
+            DecodeCandidate(s.rid, -1 if s.seq_id is None else s.seq_id, s.tenant, gid, s.last_token,
+                            s.position, s.deadline, s.ready_since, s.pending_reason is not None,
+                            s.lease.lane, s.arrival)
+            for s in ready.values()
+        ]
+        fcfg = self.cfg.scheduler.fairness
+        if fcfg.policy == "fcfs":
+            order = LaneOrder(policy="fcfs")
+        else:
+            adm = gen.admission
+            tenants = {c.tenant for c in cands}
+            order = LaneOrder(
+                urgency_s=fcfg.deadline_urgency_ms * 1e-3,
+                tenant_vt={t: adm.lane_virtual_time(t) for t in tenants},
+                tenant_weight={t: adm.weight(t) for t in tenants},
+                token_cost=fcfg.output_token_cost,
+            )
+        batch = build_decode_batch(profile, cands, now, gen.id, fcfg.tenant_max_lane_share, order)
+        if batch.empty:
+            return None, list(batch.skipped)
+        lanes: list[Seq | None] = []
+        wait = 0.0
+        for c in batch.lanes:
+            if c is None:
+                lanes.append(None)
+                continue
+            seq = ready.pop(c.request_id)
+            seq.passed_over = 0
+            gen.kv.begin_update(seq.lease.lane, seq.position, 1)
+            wait += now - seq.ready_since
+            lanes.append(seq)
+        job = self._decode_job(gen, B, lanes, batch.token_ids, batch.positions, batch.valid_mask,
+                               batch.seq_ids, now)
+        self.batch_wait_s_total += wait
+        self.record_decode(job)
+        return job, list(batch.skipped)
+
+    def next_profile(self, done: DeviceJob) -> int | None:
+        """The compiled batch a full pass would pick for ``done``'s sequences alone (None: not the
+        profile ``done`` runs on, for a decode job)."""
+        gen = done.gen
+        n = len(done.seqs)
+        if gen.selecting:
+            B = select_profile(n, 0.0, gen.calbins, self.cfg.scheduler.batch.selection)
+        else:
+            B = gen.compiled_batch
+        if done.kind == "decode" and B != len(done.lanes):
+            return None
+        return B
+
+    def continuation(self, done: DeviceJob, tokens: list[int], positions: list[int], now: float
+                     ) -> DeviceJob:
+        """The job that runs ``done``'s sequences again in the same lanes with ``tokens`` at
+        ``positions`` (one per sequence, in lane order); after a prefill, its sequence's first decode
+        step in lane 0 of the profile :meth:`next_profile` picks (what the batch builder lays out
+        for one candidate). Changes no state: the core commits it."""
+        if done.kind == "prefill":
+            return self._first_decode_job(done, tokens[0], positions[0], now)
+        toks = done.tokens.tolist()  # inactive lanes keep the declared filler token/position
+        pos = done.positions.tolist()
+        for i, t, p in zip(done.active, tokens, positions, strict=True):
+            toks[i] = t
+            pos[i] = p
+        job = DeviceJob("decode", done.gen, done.lanes, np.array(toks, np.int32),
+                        np.array(pos, np.int32), done.valid, now,
+                        seq_ids=done.seq_ids, calbin=done.calbin)  # read-only after construction
+        job.expect = [(sid, p) for (sid, _), p in zip(done.expect, positions, strict=True)]
+        return job
+
+    def _first_decode_job(self, done: DeviceJob, token: int, position: int, now: float) -> DeviceJob:
+        gen = done.gen
+        B = self.next_profile(done)
+        assert B is not None
+        profile = self.profile(gen, B)
+        seq = done.seqs[0]
+        sid = -1 if seq.seq_id is None else seq.seq_id
+        fill = B - 1
+        return self._decode_job(
+            gen, B, [seq, *([None] * fill)], [token] + [profile.inactive_token_id] * fill,
+            [position] + [profile.inactive_position] * fill, [1] + [0] * fill, [sid] + [-1] * fill,
+            now)
+
+    def _decode_job(
+        self, gen: Generation, B: int, lanes: list[Seq | None], token_ids: Sequence[int],
+        positions: Sequence[int], valid: Sequence[int], seq_ids: Sequence[int], created: float,
+    ) -> DeviceJob:
+        """A decode job over ``B`` lanes (inactive ones: None, with the profile's filler token and
+        position) on the generation's member for ``B``; changes no scheduling state."""
+        # One int32 [3, B] array, its rows (contiguous views) are the job's tensors.
+        host = np.array((token_ids, positions, seq_ids), np.int32)
+        job = DeviceJob("decode", gen, lanes, host[0], host[1], np.asarray(valid, np.uint8), created,
+                        seq_ids=host[2], calbin=gen.calbins[B])
+        job.expect = [(seq_ids[i], positions[i]) for i in job.active]
+        return job
+
+    def record_decode(self, job: DeviceJob) -> None:
+        """Statistics of a decode job that was handed to an executor."""
+        B = len(job.lanes)
+        self.batches_total[B] += 1
+        self.lanes_active_total[B] += len(job.seqs)
+        self.lanes_total[B] += B
+
+    def statistics(self) -> BatchStats:
+        return BatchStats(dict(self.batches_total), dict(self.lanes_active_total),
+                          dict(self.lanes_total), self.prefill_jobs_total, self.batch_wait_s_total,
+                          self.continuations_total)

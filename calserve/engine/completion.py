@@ -1,0 +1,95 @@
+"""The pure rules of a completed step: what each lane must echo, sampling, and the finish rule.
+
+Used by :class:`~calserve.engine.core.EngineCore` on both completion paths (the general one and
+the fast continuation, which decides before the bookkeeping): they must agree, so they share these.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+import numpy as np
+
+from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch
+from calserve.engine.state import DeviceJob, Seq
+from calserve.engine.types import FinishReason, TokenLogprob
+
+__all__ = ["SAMPLE_FAILED", "ends", "expect", "sample"]
+
+log = logging.getLogger("calserve.engine.completion")
+
+#: The token of a lane whose sampling raised: the request fails alone (issue 12, defence in depth).
+SAMPLE_FAILED = -1
+
+Sampled = tuple[list[int], list[TokenLogprob | None]]
+
+
+def ends(s: Seq, tok: int, generated: int, position: int, now: float,
+         eos: Collection[int]) -> FinishReason | None:
+    """Why ``s`` ends with ``tok`` as its ``generated``-th token and ``position`` committed, or None.
+
+    The one finish rule of a completed step: the general path (after the bookkeeping) and the fast
+    path (before it, with the values the bookkeeping will set) must agree, or a continuation would
+    be built for a sequence the bookkeeping ends."""
+    sp = s.req.sampling
+    if generated > sp.min_tokens and ((tok in eos and not sp.ignore_eos) or tok in sp.stop_token_ids):
+        return FinishReason.STOP
+    if generated >= sp.max_tokens or position >= s.lease.reserved_len:
+        return FinishReason.LENGTH
+    if s.deadline is not None and s.deadline <= now:
+        return FinishReason.DEADLINE
+    return None
+
+
+def expect(job: DeviceJob) -> list[tuple[int, int]]:
+    """(seq_id, position) each active lane must echo: for a prefill, its last prompt position."""
+    if job.kind == "decode":
+        return job.expect
+    s = job.lanes[0]
+    assert s is not None and s.seq_id is not None
+    return [(s.seq_id, s.position + len(job.tokens) - 1)]
+
+
+def _lane_sampling(s: Seq) -> LaneSampling:
+    sp = s.req.sampling
+    return LaneSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=s.seed,
+                        step=s.generated, logprobs=sp.logprobs)
+
+
+def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
+    """One token (and its logprobs when asked) per sequence of ``job``, from its logits rows."""
+    if job.kind == "prefill":
+        rows = logits[:1]
+    else:
+        # Active lanes are ascending: a contiguous prefix is a view, not a fancy-index copy.
+        active = job.active
+        n = len(active)
+        rows = logits[:n] if active[-1] == n - 1 else logits[active]
+    if all(s.req.sampling.temperature == 0.0 and s.req.sampling.logprobs is None for s in seqs):
+        # what sample_batch returns for such lanes, minus its setup
+        return greedy_argmax(rows), [None] * len(seqs)
+    lanes = [_lane_sampling(s) for s in seqs]
+    try:
+        res = sample_batch(rows, lanes)
+    except Exception:  # defence in depth: one lane's failure must not stop the engine
+        return _sample_each(rows, lanes, [s.rid for s in seqs])
+    return res.tokens.tolist(), res.logprobs
+
+
+def _sample_each(rows: np.ndarray, lanes: list[LaneSampling], rids: list[int]) -> Sampled:
+    """Sample lane by lane after a batch raised: lanes that raise again get
+    :data:`SAMPLE_FAILED` (their requests end with an error), the others their token."""
+    tokens: list[int] = []
+    lps: list[TokenLogprob | None] = []
+    for i, ln in enumerate(lanes):
+        try:
+            r = sample_batch(rows[i:i + 1], [ln])
+        except Exception:
+            log.exception("sampling failed for request %d", rids[i], extra={"request_id": rids[i]})
+            tokens.append(SAMPLE_FAILED)
+            lps.append(None)
+            continue
+        tokens.append(int(r.tokens[0]))
+        lps.append(r.logprobs[0])
+    return tokens, lps

@@ -1,0 +1,89 @@
+"""The engine core's plain records: its counters, the frozen statistics snapshot, a fast step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from calserve.engine.completion import Sampled
+from calserve.engine.state import CoreOutput, DeviceJob, JobOutcome, Seq
+from calserve.runtime.types import JobEngine
+
+__all__ = ["CoreState", "CoreStats", "CoreStatistics", "FastStep"]
+
+
+@dataclasses.dataclass(eq=False)
+class CoreState:
+    """The engine core's own mutable state, shared by its parts (planner, step handler)."""
+
+    # Invariant: slots[e] is the job handed to engine e's executor until its completion was handed
+    # back (on_completion; the fast path's successor takes the slot at once).
+    slots: dict[JobEngine, DeviceJob | None]
+    paused: bool = False  # recovery in progress: no new jobs
+    # Invariant: epoch counts device resets; a job remembers the epoch it was handed over in.
+    epoch: int = 0
+    # what the current call into the core asks of its shells (EngineCore._take hands it out)
+    out: CoreOutput = dataclasses.field(default_factory=CoreOutput)
+    # Sequences that continue decoding whose token message (``Seq.deferred``) goes out after the
+    # next job was submitted: the actor's per-token step is not needed to decide or build the next
+    # job (spec §19 M1). Tenant charges are not deferred with it (fair order needs them).
+    # Invariant: a deferred message reaches its actor before any other message to it (the request
+    # table's end() delivers it first), and no later than the shell's flush after the next submit.
+    deferred: list[Seq] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class CoreStats:
+    """The core's own counters (the job builder and the request table keep theirs)."""
+
+    passes: int = 0
+    starvation_events_total: int = 0
+    crosstalk_total: int = 0
+    stale_total: int = 0  # results of jobs aborted by our own reset
+    requeued_busy: int = 0
+    fast_steps_total: int = 0  # decode jobs submitted before their predecessor's bookkeeping
+    quarantined_jobs_total: int = 0  # jobs whose KV state a fault left unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreStatistics:
+    waiting: int  # requests in admission queues
+    prefill_ready: dict[str, int]  # admitted, waiting for their prefill, by class
+    decode_ready: int
+    holders: int  # admitted, not ended
+    inflight_jobs: int
+    queue_oldest_wait_s: dict[str, float]  # decode/short/medium/long
+    batches_total: dict[int, int]
+    lanes_active_total: dict[int, int]
+    lanes_total: dict[int, int]
+    prefill_jobs_total: int
+    batch_wait_s_total: float
+    continuations_total: int
+    kv_free_seconds_total: float
+    passes: int
+    starvation_events_total: int
+    crosstalk_total: int
+    stale_total: int
+    requeued_busy: int
+    fast_steps_total: int
+    quarantined_jobs_total: int
+    epoch: int
+
+
+class FastStep:
+    """A completion whose next job was decided before its bookkeeping (``EngineCore.fast_decode``).
+
+    ``nxt`` is the continuation to submit now (None: some sequence ends; hand the step to
+    ``EngineCore.on_completion`` with the tokens already sampled). ``EngineCore.finish_fast`` does
+    the bookkeeping once ``nxt`` was submitted (idempotent: ``finished``)."""
+
+    __slots__ = ("engine", "job", "outcome", "nxt", "sampled", "now", "finished")
+
+    def __init__(self, engine: JobEngine, job: DeviceJob, outcome: JobOutcome,
+                 nxt: DeviceJob | None, sampled: Sampled, now: float) -> None:
+        self.engine = engine
+        self.job = job
+        self.outcome = outcome
+        self.nxt = nxt
+        self.sampled = sampled
+        self.now = now  # the instant the decision was taken: the bookkeeping decides as of it too
+        self.finished = False

@@ -1,0 +1,250 @@
+"""Planner: the engine core's dispatch decisions (spec §6-§9), on the core's shared state.
+
+Which job each free job engine runs next: the service round robin (decode:short:medium:long)
+over the classes that have work, the decode profile of the pass (spec §8), the holds that keep a
+partial decode batch back (PING/PONG merge, prefill first on a device whose engines share its
+time), and the continuation shortcut (the same sequences again when they are all the work there
+is). Owned by :class:`~calserve.engine.core.EngineCore`; no trio, no clock (``now`` is passed).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from calserve.config import CalserveConfig
+from calserve.core.decode import batching_window, select_profile
+from calserve.core.model_state import ModelState
+from calserve.core.prefill import QueueClass, ServiceRoundRobin
+from calserve.engine.batches import JobBuilder
+from calserve.engine.core_stats import CoreState, CoreStats
+from calserve.engine.requests import PREFILL_CLASSES, GenQueues, RequestTable
+from calserve.engine.state import DeviceJob
+from calserve.engine.types import FinishReason
+from calserve.runtime.types import JobEngine
+
+if TYPE_CHECKING:
+    from calserve.engine.generations import Generation, ModelManager
+
+__all__ = ["Planner", "STARVATION_PASSES"]
+
+# A starvation event: a decode-ready sequence passed over (lanes full or its tenant at the lane cap)
+# by this many consecutive decode batches of its generation. Counted once per streak.
+STARVATION_PASSES = 32
+
+log = logging.getLogger("calserve.engine.planner")
+
+_DECODE_ONLY = frozenset((QueueClass.DECODE,))
+
+
+class Planner:
+    def __init__(self, cfg: CalserveConfig, models: ModelManager, requests: RequestTable,
+                 builder: JobBuilder, st: CoreState, stats: CoreStats) -> None:
+        self.cfg = cfg
+        self.models = models
+        self.requests = requests
+        self.builder = builder
+        self.st = st
+        self.stats = stats
+        self.rr = ServiceRoundRobin.from_config(cfg.scheduler.queues)
+
+    def _free_engine(self) -> JobEngine | None:
+        for e, job in self.st.slots.items():
+            if job is None:
+                return e
+        return None
+
+    def hand_over(self, engine: JobEngine, job: DeviceJob) -> None:
+        self.st.slots[engine] = job
+        job.epoch = self.st.epoch
+        self.st.out.jobs.append((engine, job))
+
+    def dispatch(self, now: float) -> None:
+        window_us = self.cfg.scheduler.batch.batching_window_us
+        out = self.st.out
+        while True:
+            engine = self._free_engine()
+            if engine is None:
+                return
+            progressed = False
+            for gen in list(self.models.generations.values()):
+                if gen.state is not ModelState.READY:
+                    continue
+                q = self.requests.queues(gen)
+                available: set[QueueClass] = set()
+                for c in PREFILL_CLASSES:
+                    dq = q.prefill[c]
+                    while dq and (dq[0].ended or dq[0].inflight is not None):
+                        dq.popleft()
+                    if dq:
+                        available.add(c)
+                B = gen.compiled_batch
+                if q.decode_ready:
+                    first = next(iter(q.decode_ready.values()))
+                    if gen.selecting:  # spec §8: the profile of this pass, by ready count
+                        B = select_profile(len(q.decode_ready), now - first.ready_since, gen.calbins,
+                                           self.cfg.scheduler.batch.selection)
+                    deadlines = [s.deadline for s in q.decode_ready.values() if s.deadline is not None]
+                    earliest = min(deadlines) if deadlines else None
+                    fire, wake_at = batching_window(
+                        now, len(q.decode_ready), B, first.ready_since, earliest, window_us,
+                    )
+                    ready = len(q.decode_ready)
+                    if fire and (self._hold_partial_decode(gen, ready, now, earliest)
+                                 or self._prefill_first(gen, q, ready, B, available, now, earliest)):
+                        fire, wake_at = False, None  # the decode or prefill job's completion wakes us
+                    if fire:
+                        available.add(QueueClass.DECODE)
+                    elif wake_at is not None:
+                        out.timer = min(out.timer, wake_at)
+                cls = self.rr.next(available)
+                if cls is None:
+                    continue
+                job = (self._decode_job(gen, q, now, B) if cls is QueueClass.DECODE
+                       else self._prefill_job(gen, q, cls, now))
+                if job is None:
+                    continue
+                self.hand_over(engine, job)
+                progressed = True
+                break
+            if not progressed:
+                return
+
+    def _on_device(self, gen: Generation, kind: str) -> int:
+        """Sequences of ``gen`` in the ``kind`` jobs the engines hold now (a prefill has one)."""
+        n = 0
+        for job in self.st.slots.values():
+            if job is not None and job.kind == kind and job.gen is gen:
+                n += len(job.seqs)
+        return n
+
+    def _may_hold(self, now: float, earliest: float | None) -> bool:
+        """A decode batch may be held back unless its earliest deadline is within the urgency."""
+        urgency = self.cfg.scheduler.fairness.deadline_urgency_ms * 1e-3
+        return earliest is None or earliest - now > urgency
+
+    def _hold_partial_decode(self, gen: Generation, ready: int, now: float, earliest: float | None) -> bool:
+        """Whether to keep a partial decode batch back while the other engine runs a decode job of
+        the same generation whose sequences would fit in this batch too.
+
+        With PING/PONG, sending ``ready`` < B sequences to the free engine splits the running set in
+        two half-full jobs that then alternate for good; on a device that serialises its engines
+        every sequence gets a token every two steps (measured: fill 0.5, TPOT 2x the step, bench
+        saturation at c=16). Holding for at most one step lets the halves merge. Never held when the
+        largest profile could not take both, or when a deadline is at risk."""
+        if len(self.st.slots) < 2:
+            return False
+        on_device = self._on_device(gen, "decode")
+        if not on_device or ready + on_device > max(gen.calbins):
+            return False
+        return self._may_hold(now, earliest)
+
+    def _prefill_first(self, gen: Generation, q: GenQueues, ready: int, B: int,
+                       prefills: set[QueueClass], now: float, earliest: float | None) -> bool:
+        """Whether to keep a partial decode batch back for the prefills that will fill it.
+
+        When the device serialises its two engines (:attr:`Generation.engines_serialise`), a decode
+        job and a prefill cost the same device time in either order, so running the prefill first
+        loses the running sequences nothing and the decode batch that follows carries the new
+        sequence too — one lane more per prefill. Only for prefills whose sequences fit in this
+        batch, never when a deadline is at risk, never while nothing is prefilling or queued."""
+        if ready >= B or not gen.engines_serialise:
+            return False
+        coming = self._on_device(gen, "prefill") + sum(len(q.prefill[c]) for c in prefills)
+        if not coming or ready + coming > B:
+            return False
+        return self._may_hold(now, earliest)
+
+    def _prefill_job(self, gen: Generation, q: GenQueues, cls: QueueClass, now: float) -> DeviceJob:
+        seq = q.prefill[cls].popleft()
+        job = self.builder.prefill_job(gen, seq, now)
+        seq.inflight = job
+        self.requests.trace.append(("prefill", (seq.rid,)))
+        return job
+
+    def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int) -> DeviceJob | None:
+        job, skipped = self.builder.decode_batch(gen, q.decode_ready, now, B)
+        for rid, why in skipped:
+            seq = q.decode_ready.get(rid)
+            if seq is None:
+                continue
+            if why == "batch_full" or why == "tenant_share":
+                seq.passed_over += 1
+                if seq.passed_over == STARVATION_PASSES:
+                    self.stats.starvation_events_total += 1
+                    log.info("request %d passed over by %d decode batches", rid, STARVATION_PASSES,
+                             extra={"request_id": rid})
+            elif why == "deadline":
+                self.requests.stop(seq, FinishReason.DEADLINE, now=now)
+            elif why == "length":
+                self.requests.stop(seq, FinishReason.LENGTH, now=now)
+        if job is None:
+            return None
+        for s in job.seqs:
+            s.inflight = job
+        self.requests.trace.append(("decode", tuple(s.rid for s in job.seqs)))
+        return job
+
+    def can_continue(self, done: DeviceJob, engine: JobEngine | None, ready_now: int, now: float) -> bool:
+        """Whether a full pass after ``done`` could only run its sequences next, as one decode batch
+        (after a prefill: its one sequence's first decode step), given ``ready_now`` decode-ready
+        sequences at this point (all of ``done``'s once its completion was dispatched, none
+        before): nothing waits for admission or prefill, no other job is in flight, one generation.
+        A full pass could then only pick the same sequences on the same profile (they all fit, so
+        fairness has nothing to arbitrate). Same decisions either way (tested)."""
+        gen = done.gen
+        if self.st.paused or gen.state is not ModelState.READY or len(self.models.generations) != 1:
+            return False
+        n = len(done.seqs)
+        q = self.requests.queues(gen)
+        if len(q.decode_ready) != ready_now or len(q.holders) != n:
+            return False
+        if q.waiting and gen.kv.free_lanes():
+            return False  # a waiting request might be admitted (no free lane: the pass admits none)
+        B = self.builder.next_profile(done)
+        if B is None:
+            return False
+        if n < B and self.cfg.scheduler.batch.batching_window_us > 0:
+            return False  # a partial batch may be held for the window: the full pass decides
+        for e, job in self.st.slots.items():
+            if job is not None and e is not engine:
+                return False
+        for c in PREFILL_CLASSES:
+            if q.prefill[c]:
+                return False
+        if q.deadlines and q.deadlines[0][0] <= now:
+            return False  # let expire() end it
+        for s in done.seqs:
+            if s.pending_reason is not None or s.pending_error is not None:
+                return False
+        return True
+
+    def continue_decode(self, done: DeviceJob, now: float) -> DeviceJob | None:
+        """After ``done``'s completion: the next decode job for its sequences when they are all the
+        work there is (see :meth:`_can_continue`), built from the previous one; else None."""
+        if done.kind != "decode" or not self.can_continue(done, None, len(done.seqs), now):
+            return None
+        ready = self.requests.queues(done.gen).decode_ready
+        for s in done.seqs:
+            if ready.get(s.rid) is not s:
+                return None
+        job = self.builder.continuation(done, [s.last_token for s in done.seqs],
+                                        [s.position for s in done.seqs], now)
+        self.commit_continuation(job)
+        return job
+
+    def commit_continuation(self, job: DeviceJob) -> None:
+        """What a full pass records when it runs ``job``: its sequences leave the ready set at their
+        new positions. Invariant: every sequence is ACTIVE in the KV table at position ==
+        committed_len."""
+        gen = job.gen
+        ready = self.requests.queues(gen).decode_ready
+        self.rr.next(_DECODE_ONLY)
+        for s in job.seqs:
+            del ready[s.rid]
+            gen.kv.begin_update(s.lease.lane, s.position, 1)
+            s.inflight = job
+        self.builder.continuations_total += 1
+        self.builder.record_decode(job)
+        self.requests.trace.append(("decode", tuple(s.rid for s in job.seqs)))
+

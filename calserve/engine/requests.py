@@ -1,0 +1,222 @@
+"""RequestTable: the request lifecycle the engine core decides with (spec §4), and its one writer.
+
+A :class:`Seq` moves Waiting (``queued``: in its generation's admission queue) -> admitted with a
+KV lane (``lease``; in a prefill queue, then decode-ready or ``inflight``) -> ended (``ended``,
+exactly once, with one ``End`` message after every other message of the request). An ending
+decided while a job of the request is on the device is ``pending_*`` and applied when the job
+drains (cancel is idempotent: the first reason wins). Every move of those fields is a method here;
+the engine core (:mod:`calserve.engine.core`) calls them, nothing else writes them.
+
+Invariant (spec §9.2): a lane whose runtime sequence exists is reused only after the runtime
+confirmed the free (``Release`` -> :meth:`RequestTable.confirm_released`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from typing import TYPE_CHECKING
+
+from calserve.core.kv_state import KvSequenceState
+from calserve.core.prefill import QueueClass
+from calserve.engine.state import Admitted, End, Release, Seq
+from calserve.engine.types import ErrorEvent, FinishReason
+
+if TYPE_CHECKING:
+    from calserve.engine.generations import Generation
+
+__all__ = ["RequestTable", "GenQueues", "PREFILL_CLASSES"]
+
+PREFILL_CLASSES = (QueueClass.SHORT, QueueClass.MEDIUM, QueueClass.LONG)
+
+
+@dataclasses.dataclass(eq=False)
+class GenQueues:
+    """The core's per-generation view of its requests."""
+
+    waiting: dict[int, Seq] = dataclasses.field(default_factory=dict)  # in the admission queue
+    prefill: dict[QueueClass, collections.deque[Seq]] = dataclasses.field(
+        default_factory=lambda: {c: collections.deque() for c in PREFILL_CLASSES}
+    )
+    # decode-ready, in the order they became ready (least recently served first)
+    decode_ready: dict[int, Seq] = dataclasses.field(default_factory=dict)
+    holders: dict[int, Seq] = dataclasses.field(default_factory=dict)  # admitted, not ended
+    deadlines: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # lazy heap
+    # ended requests' runtime sequences waiting for the runtime to free them
+    releases: list[Release] = dataclasses.field(default_factory=list)
+
+
+class RequestTable:
+    def __init__(self, trace_events: int = 4096) -> None:
+        self._queues: dict[int, GenQueues] = {}
+        # Set when something ended (or a lane came back): the scheduler task must run a pass (and
+        # free runtime sequences). The core moves it into its output.
+        self.wake = False
+        self.kv_free_seconds_total = 0.0  # sequence end -> runtime confirmed its release
+        # ("admit" | "prefill" | "decode" | "released", request ids) of recent admissions and jobs,
+        # in order (tests, debugging). Invariant: bounded (``server.trace_events``) — at 20,000
+        # entries it was ~6.6 MiB of tuples in a serving process (bench soak, issue 7).
+        self.trace: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(
+            maxlen=trace_events)
+
+    def queues(self, gen: Generation) -> GenQueues:
+        q = self._queues.get(gen.id)
+        if q is None:
+            q = self._queues[gen.id] = GenQueues()
+        return q
+
+    def all_queues(self) -> list[GenQueues]:
+        return list(self._queues.values())
+
+    def enqueue(self, seq: Seq) -> None:
+        """A request the admission controller queued (Waiting)."""
+        seq.queued = True
+        self.queues(seq.gen).waiting[seq.rid] = seq
+
+    def stop(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None,
+             now: float = 0.0) -> None:
+        """End a request early (cancel, stop string, deadline, shutdown). Idempotent (spec §4).
+
+        Waiting/ready requests end now; one with a job on the device gets a pending ending applied
+        when the job drains (its output is then dropped)."""
+        if seq.ended:
+            return
+        if seq.inflight is not None:
+            if seq.pending_reason is None and seq.pending_error is None:
+                seq.pending_reason, seq.pending_error = reason, error
+            return
+        if seq.queued:
+            seq.gen.admission.remove(seq.rid)
+            seq.queued = False
+        self.end(seq, reason, error, now)
+
+    def end(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None,
+            now: float = 0.0) -> None:
+        """Return every resource of a request that has no job in flight, then tell its actor."""
+        assert seq.inflight is None, "a request with a job on the device cannot end yet"
+        if seq.ended:
+            return
+        seq.ended = True
+        gen = seq.gen
+        q = self.queues(gen)
+        q.waiting.pop(seq.rid, None)
+        q.decode_ready.pop(seq.rid, None)
+        q.holders.pop(seq.rid, None)
+        if seq.admitted:
+            gen.admission.release(seq.rid)
+        if seq.lease is not None:
+            lane = seq.lease.lane
+            info = gen.kv.info(lane)
+            # Unknown lanes stay quarantined until recovery clears them after the reset.
+            if info.request_id == seq.rid and info.generation == gen.id:
+                if info.state in (KvSequenceState.RESERVED, KvSequenceState.ACTIVE):
+                    gen.kv.begin_release(lane)
+                    if info.seq_id is None:
+                        gen.kv.confirm_released(lane)
+                    else:
+                        q.releases.append(Release(lane, info.seq_id, seq.rid, now))
+        if error is None and reason is None:
+            reason = FinishReason.STOP
+        if seq.deferred is not None:  # its last token message first (EngineCore.flush)
+            msg, seq.deferred = seq.deferred, None
+            seq.inbox.send_nowait(msg)
+        seq.inbox.send_nowait(End(reason, error) if error is None else End(None, error))
+        self.wake = True
+
+    def set_ready(self, seq: Seq, now: float) -> None:
+        seq.ready_since = now
+        self.queues(seq.gen).decode_ready[seq.rid] = seq
+
+    def requeue_prefill(self, seq: Seq) -> None:
+        self.queues(seq.gen).prefill[seq.qclass].appendleft(seq)
+
+    def expire(self, gen: Generation, now: float) -> None:
+        """Deadlines: waiting requests via admission, admitted ones via the lazy deadline heap."""
+        q = self.queues(gen)
+        for item in gen.admission.expire(now):
+            seq = q.waiting.get(item.request_id)
+            if seq is not None:
+                seq.queued = False
+                self.end(seq, FinishReason.DEADLINE, now=now)
+        while q.deadlines and q.deadlines[0][0] <= now:
+            _, rid = heapq.heappop(q.deadlines)
+            seq = q.holders.get(rid)
+            if seq is not None:
+                self.stop(seq, FinishReason.DEADLINE, now=now)
+
+    def take_releases(self, gen: Generation) -> list[Release]:
+        """The ended requests' runtime sequences to free now (the caller frees, then confirms)."""
+        q = self.queues(gen)
+        batch, q.releases = q.releases, []
+        return batch
+
+    def confirm_released(self, gen: Generation, batch: list[Release], now: float) -> None:
+        for lane, sid, rid, ended_at in batch:
+            info = gen.kv.info(lane)
+            # A reset in between may have cleared the lane already (then nothing is left to do).
+            if info.state is KvSequenceState.RELEASING and info.seq_id == sid:
+                gen.kv.confirm_released(lane)
+                self.kv_free_seconds_total += now - ended_at
+                self.trace.append(("released", (rid,)))
+            if gen.lane_seq.get(lane) == sid:
+                del gen.lane_seq[lane]
+        self.wake = True
+
+    def admit(self, gen: Generation, now: float) -> None:
+        """Admission: ``pop_admissible`` with the free lanes/KV tokens, a lane per admitted request."""
+        q = self.queues(gen)
+        gen.admission.observe(now)  # decode speed for the expected-wait estimate (overload)
+        if not q.waiting:
+            return
+        st = gen.kv.statistics()
+        if st.free == 0:
+            return
+        for item in gen.admission.pop_admissible(now, st.free, st.free_tokens):
+            seq = q.waiting.pop(item.request_id)
+            seq.queued = False
+            seq.admitted = True
+            lease = gen.kv.reserve(seq.rid, gen.id, min(item.kv_tokens, gen.max_seq))
+            if lease is None:  # admission and the lane table disagree: never silently drop
+                self.end(seq, error=ErrorEvent("no KV lane available", "internal"), now=now)
+                continue
+            seq.lease = lease
+            seq.admitted_at = now
+            q.holders[seq.rid] = seq
+            q.prefill[seq.qclass].append(seq)
+            if seq.deadline is not None:
+                heapq.heappush(q.deadlines, (seq.deadline, seq.rid))
+            seq.inbox.send_nowait(Admitted(now))
+            self.trace.append(("admit", (seq.rid,)))
+
+    def bind_sequence(self, seq: Seq, seq_id: int) -> None:
+        """The runtime created the sequence of ``seq``'s prefill (it lives in ``seq``'s lane)."""
+        gen = seq.gen
+        lane = seq.lease.lane
+        seq.seq_id = seq_id
+        gen.kv.bind(lane, seq_id)
+        gen.lane_seq[lane] = seq_id
+
+    def lose_kv_after_reset(self, gen: Generation, err: ErrorEvent, now: float) -> tuple[list[Seq], list[int]]:
+        """After a device reset: every request of ``gen`` holding device KV ends with ``err``; the
+        ones that only held a reservation are returned (they keep their request and get a fresh
+        lane, :meth:`rereserve`), with every runtime sequence id the shell must free."""
+        q = self.queues(gen)
+        reserved_only = []
+        for seq in list(q.holders.values()):
+            info = gen.kv.info(seq.lease.lane)
+            if info.state is KvSequenceState.RESERVED and seq.seq_id is None:
+                reserved_only.append(seq)
+                continue
+            if info.state is not KvSequenceState.UNKNOWN:
+                gen.kv.mark_unknown(seq.lease.lane)
+            self.end(seq, error=err, now=now)
+        sids = sorted(set(gen.lane_seq.values()) | {r.seq_id for r in q.releases})
+        q.releases.clear()
+        return reserved_only, sids
+
+    @staticmethod
+    def rereserve(gen: Generation, reserved_only: list[Seq]) -> None:
+        for seq in reserved_only:
+            seq.lease = gen.kv.reserve(seq.rid, gen.id, seq.lease.reserved_len)
+            assert seq.lease is not None

@@ -1,0 +1,160 @@
+"""StepHandler: what a job's completion does to the requests in it (spec §7.4, §4).
+
+Checks before any output is used: the job id, sequence id and position the device echoed for every
+active lane, and the per-lane checksum of the logits row; a mismatch is crosstalk and the whole
+batch fails (spec §7.4: no lane-level isolation is promised). Then per request: KV commit, the
+tenant's charge, the sampled token, the finish rule, the token message (deferred for a sequence
+that continues: it goes out after the next submit), the return to the ready set. A refused submit
+rolls the KV transaction back; DeviceBusy requeues. Owned by
+:class:`~calserve.engine.core.EngineCore`; no trio, no clock.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from calserve.core.kv_state import KvSequenceState
+from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample
+from calserve.engine.core_stats import CoreState, CoreStats
+from calserve.engine.requests import RequestTable
+from calserve.engine.state import DeviceJob, Fault, JobOutcome, Seq, Tokens
+from calserve.engine.types import ErrorEvent, FinishReason
+from calserve.runtime.types import DeviceBusy, JobStatus
+
+__all__ = ["StepHandler"]
+
+log = logging.getLogger("calserve.engine.steps")
+
+
+class StepHandler:
+    def __init__(self, requests: RequestTable, st: CoreState, stats: CoreStats) -> None:
+        self.requests = requests
+        self.st = st
+        self.stats = stats
+
+    def flush(self) -> None:
+        """Deliver the deferred token messages to their actors (after the next submit)."""
+        d = self.st.deferred
+        if not d:
+            return
+        self.st.deferred = []
+        for s in d:
+            msg = s.deferred
+            if msg is not None:  # else end() delivered it already
+                s.deferred = None
+                s.inbox.send_nowait(msg)
+
+    def complete(self, job: DeviceJob, outcome: JobOutcome, verified: bool,
+                  sampled: Sampled | None, now: float) -> None:
+        self.flush()
+        seqs = job.seqs
+        for s in seqs:
+            s.inflight = None
+        if outcome.submit_error is not None:
+            self._refused(job, seqs, outcome.submit_error, now)
+            return
+        r = outcome.result
+        assert r is not None
+        if r.status is not JobStatus.OK:
+            reason: str | None = r.status.name.lower()
+        else:
+            reason = None if verified else self._check(job, r)
+        if reason is None:
+            self._ok(job, seqs, sampled if sampled is not None else sample(job, seqs, r.logits), now)
+        else:
+            self._failed(job, seqs, reason, outcome.timed_out, now)
+
+    def _check(self, job: DeviceJob, r: object) -> str | None:
+        """None when every active lane's echo and checksum match; else "crosstalk" (spec §7.4: no
+        lane-level isolation is promised, the whole batch fails)."""
+        bad = job.calbin.verify_lanes(r, job.job_id, job.active, expect(job))
+        if not bad:
+            return None
+        self.stats.crosstalk_total += 1
+        rids = [job.seqs[k].rid for k in bad]
+        log.warning("crosstalk in job %d: lanes of requests %s", job.job_id, rids,
+                    extra={"job_id": job.job_id, "request_ids": rids})
+        return "crosstalk"
+
+    def _refused(self, job: DeviceJob, seqs: list[Seq], err: BaseException, now: float) -> None:
+        gen = job.gen
+        reqs = self.requests
+        for s in seqs:
+            lane = s.lease.lane
+            if gen.kv.info(lane).state is KvSequenceState.UPDATING:
+                gen.kv.rollback(lane)
+        if isinstance(err, DeviceBusy):
+            self.stats.requeued_busy += 1
+            for s in seqs:
+                if s.pending_reason is not None or s.pending_error is not None:
+                    reqs.end(s, s.pending_reason, s.pending_error, now)
+                elif job.kind == "prefill":
+                    reqs.requeue_prefill(s)
+                else:
+                    reqs.set_ready(s, now)
+            return
+        err_ev = ErrorEvent(f"the device refused the job: {err}", "device_error")
+        for s in seqs:
+            reqs.end(s, error=err_ev, now=now)
+
+    def _failed(self, job: DeviceJob, seqs: list[Seq], reason: str, timed_out: bool, now: float) -> None:
+        gen = job.gen
+        for s in seqs:
+            gen.kv.mark_unknown(s.lease.lane)
+        if job.epoch < self.st.epoch:  # aborted by a reset already under way: no new fault
+            self.stats.stale_total += 1
+            if timed_out:  # aborted by the reset its own timeout asked for: still quarantined
+                self.stats.quarantined_jobs_total += 1
+        else:
+            self.stats.quarantined_jobs_total += 1
+            self.st.out.faults.append(Fault("timeout" if timed_out else reason, job))
+        ids = [s.rid for s in seqs]
+        log.warning("job %d failed (%s) for requests %s", job.job_id, reason, ids,
+                    extra={"job_id": job.job_id, "request_ids": ids})
+        ev = ErrorEvent(f"device fault ({'timeout' if timed_out else reason}) in job {job.job_id}",
+                        "device_error")
+        for s in seqs:
+            self.requests.end(s, error=ev, now=now)
+
+    def _ok(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float) -> None:
+        gen = job.gen
+        reqs = self.requests
+        n_new = len(job.tokens) if job.kind == "prefill" else 1
+        tokens, logprobs = sampled
+        eos = gen.source.eos_token_ids
+        prefill = job.kind == "prefill"
+        adm = gen.admission
+        for i, s in enumerate(seqs):
+            gen.kv.commit(s.lease.lane, n_new)
+            s.position += n_new
+            if prefill:
+                s.prefilled = True
+                adm.charge(s.tenant, prefill_tokens=n_new, request_id=s.rid)
+            else:
+                adm.charge(s.tenant, decode_tokens=1, request_id=s.rid)
+            if s.pending_reason is not None or s.pending_error is not None:
+                reqs.end(s, s.pending_reason, s.pending_error, now)  # output dropped (drained)
+                continue
+            tok = tokens[i]
+            if tok == SAMPLE_FAILED:
+                reqs.end(s, error=ErrorEvent("sampling failed for this request", "internal"), now=now)
+                continue
+            first = s.generated == 0
+            s.generated += 1
+            s.last_token = tok
+            if first:
+                s.first_token_at = now
+            reason = ends(s, tok, s.generated, s.position, now, eos)
+            # the EOS / stop token itself is not shown to the client
+            msg = Tokens(tok, logprobs[i], first, reason is FinishReason.STOP)
+            if reason is None and not prefill:
+                s.deferred = msg  # continues: delivered after the next submit (see flush)
+                self.st.deferred.append(s)
+                reqs.set_ready(s, now)
+                continue
+            s.inbox.send_nowait(msg)
+            if reason is not None:
+                reqs.end(s, reason, now=now)
+            else:
+                reqs.set_ready(s, now)
+
