@@ -7,6 +7,7 @@
      └ADMIT (fast path) ─> PrefillReady                                         v
                       DecodeRunning <─DECODE_SUBMIT─ DecodeReady <─DECODE_DONE─ DecodeRunning
     PrefillRunning/DecodeRunning/DecodeReady ─FINISH─> Finishing ─COMPLETE─> Completed
+    PrefillRunning ─REQUEUE─> PrefillReady, DecodeRunning ─REQUEUE─> DecodeReady (refused: DeviceBusy)
     New/Waiting*/*Ready ─CANCEL─> Cancelled          *Running ─CANCEL─> (same state: flag + drain)
     *Running ─DRAINED─> Cancelled (the job of a cancelled request came back; its output is dropped)
     New/Waiting*/PrefillReady ─EXPIRE─> Failed        DecodeReady ─EXPIRE─> Finishing (partial output)
@@ -66,6 +67,7 @@ class RequestEvent(enum.Enum):
     COMPLETE = enum.auto()  # Finishing -> Completed (resources returned, terminal event sent)
     CANCEL = enum.auto()  # client cancel / disconnect (idempotent)
     DRAINED = enum.auto()  # the in-flight job of a cancelled request came back
+    REQUEUE = enum.auto()  # the device refused the job (DeviceBusy): nothing ran, ready again
     EXPIRE = enum.auto()  # deadline passed while not running
     FAIL = enum.auto()  # device/model error, or refused
 
@@ -89,6 +91,8 @@ _t[S.PREFILL_RUNNING].update({E.PREFILL_DONE: S.DECODE_READY, E.FINISH: S.FINISH
 _t[S.DECODE_READY].update({E.DECODE_SUBMIT: S.DECODE_RUNNING, E.FINISH: S.FINISHING,
                            E.EXPIRE: S.FINISHING})
 _t[S.DECODE_RUNNING].update({E.DECODE_DONE: S.DECODE_READY, E.FINISH: S.FINISHING})
+_t[S.PREFILL_RUNNING][E.REQUEUE] = S.PREFILL_READY
+_t[S.DECODE_RUNNING][E.REQUEUE] = S.DECODE_READY
 _t[S.FINISHING][E.COMPLETE] = S.COMPLETED
 for _s in _WAITING_OR_READY:
     _t[_s][E.CANCEL] = S.CANCELLED

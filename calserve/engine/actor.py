@@ -1,11 +1,11 @@
 """RequestActor: one trio task per request; it renders the engine core's messages as its stream.
 
-It consumes its inbox (messages from the engine core, :mod:`calserve.engine.state`), checks their
-order against the request lifecycle table (:func:`calserve.core.request_state.fire`: an illegal
-sequence of messages raises instead of corrupting a stream; the lifecycle decisions read is the
-core's, :mod:`calserve.engine.requests`), detokenises incrementally, applies stop strings (the stop
-text is never emitted; the engine is told to end the sequence) and writes events to the request's
-:class:`StreamWriter`. It is the one place that turns a client's cancel (an abandoned stream) into
+It consumes its inbox (messages from the engine core, :mod:`calserve.engine.state`), detokenises
+incrementally, applies stop strings (the stop text is never emitted; the engine is told to end the
+sequence) and writes events to the request's :class:`StreamWriter`. The request's lifecycle is the
+core's (``Seq.state``, moved by :mod:`calserve.engine.requests` through the one table of
+:mod:`calserve.core.request_state`); the actor only renders it, so a message out of order is an
+engine bug the core's table catches where it happens. It is the one place that turns a client's cancel (an abandoned stream) into
 ``EngineCore.abort`` (through :class:`ActorSink`).
 
 The per-token work lives in :class:`_TokenStep`, the actor's own state object. With a plain trio
@@ -30,8 +30,6 @@ from typing import Any, Final, Protocol, final
 
 import trio
 
-from calserve.core.request_state import RequestEvent as E
-from calserve.core.request_state import RequestState, fire
 from calserve.engine.detok import IncrementalDetokenizer, StopMatcher
 from calserve.engine.state import ActorMsg, Admitted, End, Seq, Tokens
 from calserve.engine.stream import StreamWriter
@@ -50,20 +48,7 @@ class ActorSink(Protocol):
 
 log = logging.getLogger("calserve.engine.actor")
 
-# The lifecycle moves of one token, memoised: ``fire`` is a pure function of (state, event), so a
-# cached legal move is exactly what replaying it gives; an illegal one is never cached (fire raises).
-_AFTER_PREFILL: dict[RequestState, RequestState] = {}
-_AFTER_DECODE: dict[RequestState, RequestState] = {}
-
-
-def _advance(state: RequestState, first: bool) -> RequestState:
-    """Replay one token's submit+done through the state table and remember the move."""
-    if first:
-        nxt = _AFTER_PREFILL[state] = fire(fire(state, E.PREFILL_SUBMIT), E.PREFILL_DONE)
-    else:
-        nxt = _AFTER_DECODE[state] = fire(fire(state, E.DECODE_SUBMIT), E.DECODE_DONE)
-    return nxt
-
+_OUTCOME = {FinishReason.CANCELLED: "cancelled", FinishReason.DEADLINE: "deadline"}
 
 @final
 class _TokenStep:
@@ -71,11 +56,10 @@ class _TokenStep:
     actor task, or (with an :class:`ActorInbox`) the inbox on the actor's behalf while the task is
     parked. ``stop_wanted`` is for the task: a reason the engine must be told (``sink.stop``)."""
 
-    __slots__ = ("state", "completion", "stopped", "stop_wanted", "_detok", "_stops", "_min_tokens",
+    __slots__ = ("completion", "stopped", "stop_wanted", "_detok", "_stops", "_min_tokens",
                  "_writer")
 
     def __init__(self, seq: Seq, writer: StreamWriter, tokenizer: Any) -> None:
-        self.state = fire(RequestState.NEW, E.ENQUEUE)
         self.completion = 0
         self.stopped = False  # a stop string matched: later tokens are dropped
         self.stop_wanted: FinishReason | None = None
@@ -85,14 +69,11 @@ class _TokenStep:
         self._writer = writer
 
     def on_tokens(self, msg: Tokens) -> bool:
-        """One token: lifecycle replay, detokenise, stop strings, write. True when the actor task
-        must run (``stop_wanted`` set). Raises IllegalTransition on a message out of order."""
+        """One token: detokenise, stop strings, write. True when the actor task must run
+        (``stop_wanted`` set)."""
         if self.stopped:
             return False
         self.completion += 1
-        cache = _AFTER_PREFILL if msg.first else _AFTER_DECODE
-        nxt = cache.get(self.state)
-        self.state = nxt if nxt is not None else _advance(self.state, msg.first)
         if msg.hidden:
             return False
         token_id = msg.token_id
@@ -235,27 +216,16 @@ async def run_actor(
                 if msg.error is not None:
                     raise msg.error
             elif isinstance(msg, Admitted):
-                step.state = fire(step.state, E.ADMIT)
+                pass  # admission time is read from the request (timings)
             elif isinstance(msg, End):
                 usage = Usage(len(seq.prompt), step.completion)
                 if msg.error is not None:
-                    step.state = fire(step.state, E.FAIL)
                     outcome = "failed" if msg.error.kind != "shutdown" else "shutdown"
                     writer.close(ErrorEvent(msg.error.message, msg.error.kind, usage, timings()))
                     return
                 reason = FinishReason.STOP if step.stopped else msg.reason
                 assert reason is not None
-                if reason is FinishReason.CANCELLED:
-                    step.state = fire(step.state, E.CANCEL)
-                    outcome = "cancelled"
-                elif reason is FinishReason.DEADLINE:
-                    step.state = fire(step.state, E.EXPIRE)
-                    outcome = "deadline"
-                else:
-                    step.state = fire(step.state, E.FINISH)
-                    outcome = "completed"
-                if step.state is RequestState.FINISHING:
-                    step.state = fire(step.state, E.COMPLETE)
+                outcome = _OUTCOME.get(reason, "completed")
                 writer.close(FinishEvent(reason, usage, step.tail(), timings()))
                 return
             # Invariant: the engine hears of a stop from the actor task only, never from inside

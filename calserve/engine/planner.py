@@ -158,7 +158,7 @@ class Planner:
     def _prefill_job(self, gen: Generation, q: GenQueues, cls: QueueClass, now: float) -> DeviceJob:
         seq = q.prefill[cls].popleft()
         job = self.builder.prefill_job(gen, seq, now)
-        seq.inflight = job
+        self.requests.submitted(seq, job)
         self.requests.trace.append(("prefill", (seq.rid,)))
         return job
 
@@ -181,7 +181,7 @@ class Planner:
         if job is None:
             return None
         for s in job.seqs:
-            s.inflight = job
+            self.requests.submitted(s, job)
         self.requests.trace.append(("decode", tuple(s.rid for s in job.seqs)))
         return job
 
@@ -243,7 +243,7 @@ class Planner:
         for s in job.seqs:
             del ready[s.rid]
             gen.kv.begin_update(s.lease.lane, s.position, 1)
-            s.inflight = job
+            self.requests.submitted(s, job)
         self.builder.continuations_total += 1
         self.builder.record_decode(job)
         self.requests.trace.append(("decode", tuple(s.rid for s in job.seqs)))

@@ -1,11 +1,13 @@
 """RequestTable: the request lifecycle the engine core decides with (spec §4), and its one writer.
 
-A :class:`Seq` moves Waiting (``queued``: in its generation's admission queue) -> admitted with a
-KV lane (``lease``; in a prefill queue, then decode-ready or ``inflight``) -> ended (``ended``,
-exactly once, with one ``End`` message after every other message of the request). An ending
-decided while a job of the request is on the device is ``pending_*`` and applied when the job
-drains (cancel is idempotent: the first reason wins). Every move of those fields is a method here;
-the engine core (:mod:`calserve.engine.core`) calls them, nothing else writes them.
+``Seq.state`` is the lifecycle (:mod:`calserve.core.request_state`, one table): WaitingAdmission
+(in its generation's admission queue) -> PrefillReady with a KV lane (``lease``, in a prefill
+queue) -> PrefillRunning / DecodeReady / DecodeRunning (``inflight`` names the job) -> a terminal
+state, exactly once, with one ``End`` message after every other message of the request. An ending
+decided while a job of the request is on the device is ``pending_*`` (the table's CANCEL
+self-loop) and applied when the job drains (idempotent: the first reason wins). Every move is
+made here or by the core's planner and step handler, through :func:`calserve.core.request_state.fire`;
+nothing else writes them.
 
 Invariant (spec §9.2): a lane whose runtime sequence exists is reused only after the runtime
 confirmed the free (``Release`` -> :meth:`RequestTable.confirm_released`).
@@ -16,19 +18,42 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.prefill import QueueClass
+from calserve.core.request_state import RUNNING, RequestEvent, RequestState, fire
 from calserve.engine.state import Admitted, End, Release, Seq
 from calserve.engine.types import ErrorEvent, FinishReason
 
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation
 
-__all__ = ["RequestTable", "GenQueues", "PREFILL_CLASSES"]
+__all__ = ["RequestTable", "GenQueues", "PREFILL_CLASSES", "terminal_state"]
 
 PREFILL_CLASSES = (QueueClass.SHORT, QueueClass.MEDIUM, QueueClass.LONG)
+
+_E = RequestEvent
+
+
+def terminal_state(state: RequestState, reason: FinishReason | None, error: ErrorEvent | None
+                   ) -> RequestState:
+    """The terminal state a request in ``state`` reaches when it ends with ``reason`` / ``error``,
+    through the table (an ending the table does not allow raises ``IllegalTransition``): an error
+    fails it; a cancel drains a Running request or cancels one that waits; a deadline expires one
+    that is not running (Failed before any output, Finishing with partial output); anything else
+    finishes it (Finishing, then Completed once its resources are back, right here)."""
+    if error is not None:
+        return fire(state, _E.FAIL)
+    if reason is FinishReason.CANCELLED:
+        return fire(state, _E.DRAINED if state in RUNNING else _E.CANCEL)
+    if reason is FinishReason.DEADLINE and state not in RUNNING:
+        state = fire(state, _E.EXPIRE)
+    else:
+        state = fire(state, _E.FINISH)
+    if state is RequestState.FINISHING:
+        state = fire(state, _E.COMPLETE)
+    return state
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,8 +95,8 @@ class RequestTable:
         return list(self._queues.values())
 
     def enqueue(self, seq: Seq) -> None:
-        """A request the admission controller queued (Waiting)."""
-        seq.queued = True
+        """A request the admission controller queued (WaitingAdmission)."""
+        seq.state = fire(seq.state, _E.ENQUEUE)
         self.queues(seq.gen).waiting[seq.rid] = seq
 
     def stop(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None,
@@ -83,12 +108,12 @@ class RequestTable:
         if seq.ended:
             return
         if seq.inflight is not None:
+            seq.state = fire(seq.state, _E.CANCEL)  # a flag on a Running state: the job drains
             if seq.pending_reason is None and seq.pending_error is None:
                 seq.pending_reason, seq.pending_error = reason, error
             return
         if seq.queued:
             seq.gen.admission.remove(seq.rid)
-            seq.queued = False
         self.end(seq, reason, error, now)
 
     def end(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None,
@@ -97,7 +122,9 @@ class RequestTable:
         assert seq.inflight is None, "a request with a job on the device cannot end yet"
         if seq.ended:
             return
-        seq.ended = True
+        if error is None and reason is None:
+            reason = FinishReason.STOP
+        seq.state = terminal_state(seq.state, reason, error)
         gen = seq.gen
         q = self.queues(gen)
         q.waiting.pop(seq.rid, None)
@@ -116,20 +143,29 @@ class RequestTable:
                         gen.kv.confirm_released(lane)
                     else:
                         q.releases.append(Release(lane, info.seq_id, seq.rid, now))
-        if error is None and reason is None:
-            reason = FinishReason.STOP
         if seq.deferred is not None:  # its last token message first (EngineCore.flush)
             msg, seq.deferred = seq.deferred, None
             seq.inbox.send_nowait(msg)
         seq.inbox.send_nowait(End(reason, error) if error is None else End(None, error))
         self.wake = True
 
-    def set_ready(self, seq: Seq, now: float) -> None:
+    def set_ready(self, seq: Seq, now: float, event: RequestEvent) -> None:
+        """Decode-ready after its job: ``PREFILL_DONE`` / ``DECODE_DONE`` (a token came back) or
+        ``REQUEUE`` (the device refused a decode job with DeviceBusy)."""
+        seq.state = fire(seq.state, event)
         seq.ready_since = now
         self.queues(seq.gen).decode_ready[seq.rid] = seq
 
     def requeue_prefill(self, seq: Seq) -> None:
+        """The device refused its prefill (DeviceBusy): first in its class again."""
+        seq.state = fire(seq.state, _E.REQUEUE)
         self.queues(seq.gen).prefill[seq.qclass].appendleft(seq)
+
+    @staticmethod
+    def submitted(seq: Seq, job: Any) -> None:
+        """``seq`` is in ``job``, handed to an executor (PrefillRunning / DecodeRunning)."""
+        seq.state = fire(seq.state, _E.PREFILL_SUBMIT if job.kind == "prefill" else _E.DECODE_SUBMIT)
+        seq.inflight = job
 
     def expire(self, gen: Generation, now: float) -> None:
         """Deadlines: waiting requests via admission, admitted ones via the lazy deadline heap."""
@@ -137,7 +173,6 @@ class RequestTable:
         for item in gen.admission.expire(now):
             seq = q.waiting.get(item.request_id)
             if seq is not None:
-                seq.queued = False
                 self.end(seq, FinishReason.DEADLINE, now=now)
         while q.deadlines and q.deadlines[0][0] <= now:
             _, rid = heapq.heappop(q.deadlines)
@@ -174,14 +209,13 @@ class RequestTable:
             return
         for item in gen.admission.pop_admissible(now, st.free, st.free_tokens):
             seq = q.waiting.pop(item.request_id)
-            seq.queued = False
-            seq.admitted = True
+            seq.admitted_at = now  # popped by admission: released at its end
             lease = gen.kv.reserve(seq.rid, gen.id, min(item.kv_tokens, gen.max_seq))
             if lease is None:  # admission and the lane table disagree: never silently drop
                 self.end(seq, error=ErrorEvent("no KV lane available", "internal"), now=now)
                 continue
+            seq.state = fire(seq.state, _E.ADMIT)
             seq.lease = lease
-            seq.admitted_at = now
             q.holders[seq.rid] = seq
             q.prefill[seq.qclass].append(seq)
             if seq.deadline is not None:

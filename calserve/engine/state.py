@@ -7,11 +7,12 @@ Ownership (who may write what) is the point of this module:
   :class:`DeviceJob` field after construction is written only by the engine core
   (:mod:`calserve.engine.core` and the job builder it owns); the shells (executors, recovery,
   registry, actors) read what they need and change state only through the core's methods.
-- The request lifecycle that decisions read is the core's: ``Seq.queued`` / ``admitted`` /
-  ``inflight`` / ``pending_*`` / ``ended`` (spec §4: Waiting, Ready/Running, a pending ending
-  while a job drains, ended once). The request actor renders the core's messages as a stream and
-  keeps the request-level replay (:mod:`calserve.core.request_state`) only to reject messages out
-  of order (an illegal sequence raises instead of corrupting a stream).
+- The request lifecycle is ``Seq.state``, moved only by the core's request table through the one
+  transition table of :mod:`calserve.core.request_state` (an illegal move raises); ``queued`` and
+  ``ended`` are read from it. ``inflight`` names the job a Running request is in (Invariant:
+  ``inflight is not None`` <=> ``state`` in ``RUNNING``), ``pending_*`` an ending decided while
+  it runs (the table's CANCEL self-loop on a Running state). The request actor only renders the
+  core's messages as a stream.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
+from calserve.core.request_state import TERMINAL, RequestState
 from calserve.engine.types import ErrorEvent, FinishReason, GenerateRequest, TokenLogprob
 from calserve.runtime.types import JobEngine, JobResult
 
@@ -79,9 +81,8 @@ class Seq:
     prompt: np.ndarray  # int32 prompt tokens
     qclass: Any  # core QueueClass
     inbox: Inbox
-    # --- scheduler side -------------------------------------------------------------------------
-    queued: bool = False  # in the admission controller's queue
-    admitted: bool = False  # popped by admission: counts as active for its tenant until released
+    # --- the core's (engine/requests.py) ---------------------------------------------------------
+    state: RequestState = RequestState.NEW  # the lifecycle (spec §4), one table, one writer
     lease: Any = None  # KvLease while a lane is held
     seq_id: int | None = None  # runtime KV sequence (created by the prefill job)
     position: int = 0  # committed KV length (== position of the next decode input token)
@@ -90,13 +91,11 @@ class Seq:
     # Invariant: inflight is not None <=> exactly one job containing this request is on the device;
     # while set, the lane is Updating and nothing of the request is released.
     inflight: DeviceJob | None = None
-    prefilled: bool = False
     # Pending ending decided while a job was in flight (cancel / stop string / shutdown): applied
     # when the job drains. Cancel is idempotent: setting it twice changes nothing.
     pending_reason: FinishReason | None = None
     pending_error: ErrorEvent | None = None
-    ended: bool = False
-    admitted_at: float | None = None
+    admitted_at: float | None = None  # set once admission popped it: active for its tenant
     first_token_at: float | None = None
     ready_since: float = 0.0  # when it last became decode-ready (batching window)
     # Consecutive decode batches that passed this ready sequence over (starvation accounting).
@@ -105,6 +104,21 @@ class Seq:
     # sends this request anything else first delivers it (EngineCore end), so messages keep order.
     deferred: Any = None
     job_ids: list[int] = dataclasses.field(default_factory=list)  # recent job ids, for logs
+
+    @property
+    def queued(self) -> bool:
+        """In its generation's admission queue."""
+        return self.state is RequestState.WAITING_ADMISSION
+
+    @property
+    def ended(self) -> bool:
+        """The request ended (exactly once); its resources are back or on their way."""
+        return self.state in TERMINAL
+
+    @property
+    def admitted(self) -> bool:
+        """Popped by admission: counts as active for its tenant until released."""
+        return self.admitted_at is not None
 
     @property
     def tenant(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from calserve.core.kv_state import KvSequenceState
+from calserve.core.request_state import RequestEvent
 from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import RequestTable
@@ -91,7 +92,7 @@ class StepHandler:
                 elif job.kind == "prefill":
                     reqs.requeue_prefill(s)
                 else:
-                    reqs.set_ready(s, now)
+                    reqs.set_ready(s, now, RequestEvent.REQUEUE)
             return
         err_ev = ErrorEvent(f"the device refused the job: {err}", "device_error")
         for s in seqs:
@@ -128,7 +129,6 @@ class StepHandler:
             gen.kv.commit(s.lease.lane, n_new)
             s.position += n_new
             if prefill:
-                s.prefilled = True
                 adm.charge(s.tenant, prefill_tokens=n_new, request_id=s.rid)
             else:
                 adm.charge(s.tenant, decode_tokens=1, request_id=s.rid)
@@ -150,11 +150,11 @@ class StepHandler:
             if reason is None and not prefill:
                 s.deferred = msg  # continues: delivered after the next submit (see flush)
                 self.st.deferred.append(s)
-                reqs.set_ready(s, now)
+                reqs.set_ready(s, now, RequestEvent.DECODE_DONE)
                 continue
             s.inbox.send_nowait(msg)
             if reason is not None:
                 reqs.end(s, reason, now=now)
             else:
-                reqs.set_ready(s, now)
+                reqs.set_ready(s, now, RequestEvent.PREFILL_DONE if prefill else RequestEvent.DECODE_DONE)
 

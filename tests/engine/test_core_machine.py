@@ -29,6 +29,7 @@ from calserve.core.kv import KvLaneManager
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.model_state import ModelState
 from calserve.core.prefill import classify
+from calserve.core.request_state import RUNNING, TERMINAL, RequestState
 from calserve.engine.core import EngineCore
 from calserve.engine.generations import Generation, make_admission
 from calserve.engine.state import Admitted, CoreOutput, DeviceJob, End, JobOutcome, Seq, Tokens
@@ -257,6 +258,21 @@ class CoreMachine(RuleBasedStateMachine):
                 assert adm and adm[0] < msgs.index(toks[0]), (rid, msgs)
 
     @invariant()
+    def lifecycle_is_the_table_state(self) -> None:
+        """The lifecycle decisions read is ``Seq.state``: a job in flight <=> a Running state;
+        in the admission queue <=> WaitingAdmission; ended <=> the End message was sent."""
+        if not hasattr(self, "core"):
+            return
+        q = self.core.requests.queues(self.gen)
+        for rid, seq in self.seqs.items():
+            assert (seq.inflight is not None) == (seq.state in RUNNING), (rid, seq.state)
+            assert (rid in q.waiting) == (seq.state is RequestState.WAITING_ADMISSION), rid
+            ended = bool(self.inboxes[rid].msgs) and isinstance(self.inboxes[rid].msgs[-1], End)
+            assert seq.ended == ended and seq.ended == (seq.state in TERMINAL), (rid, seq.state)
+            if seq.state in (RequestState.DECODE_READY,):
+                assert q.decode_ready.get(rid) is seq, rid
+
+    @invariant()
     def unknown_lanes_are_not_reused(self) -> None:
         if not hasattr(self, "core"):
             return
@@ -324,3 +340,37 @@ class CoreMachine(RuleBasedStateMachine):
 
 CoreMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=80, deadline=None)
 test_engine_core_state_machine = CoreMachine.TestCase
+
+
+def test_a_move_the_lifecycle_table_does_not_allow_raises() -> None:
+    """One table, one writer: the request table moves ``Seq.state`` only through
+    ``core.request_state.fire``, so an out-of-order move raises where it happens."""
+    from calserve.core.fsm import IllegalTransition
+    from calserve.core.request_state import RequestEvent
+    from calserve.engine.requests import RequestTable, terminal_state
+
+    m = CoreMachine()
+    m.setup(two_engines=False, fcfs=False)
+    table = RequestTable()
+    seq = Seq(rid=1, req=GenerateRequest((1, 2)), gen=m.gen, arrival=0.0, deadline=None, seed=1,
+              prompt=np.asarray([1, 2], np.int32), qclass=classify(2, m.cfg.scheduler.queues),
+              inbox=Recorder())
+    try:
+        table.set_ready(seq, 0.0, RequestEvent.DECODE_DONE)  # never submitted: illegal
+    except IllegalTransition as e:
+        assert "DECODE_DONE is illegal in state NEW" in str(e)
+    else:
+        raise AssertionError("an illegal move was accepted")
+    table.enqueue(seq)
+    assert seq.queued and seq.state is RequestState.WAITING_ADMISSION
+    # how each ending lands: a deadline before admission fails it, a cancel cancels it
+    assert terminal_state(RequestState.WAITING_ADMISSION, FinishReason.DEADLINE, None) is RequestState.FAILED
+    assert terminal_state(RequestState.DECODE_READY, FinishReason.DEADLINE, None) is RequestState.COMPLETED
+    assert terminal_state(RequestState.DECODE_RUNNING, FinishReason.CANCELLED, None) is RequestState.CANCELLED
+    assert terminal_state(RequestState.PREFILL_READY, None, ErrorEvent("x", "device_error")) is RequestState.FAILED
+    try:
+        terminal_state(RequestState.COMPLETED, FinishReason.STOP, None)  # ended twice
+    except IllegalTransition:
+        pass
+    else:
+        raise AssertionError("a second ending was accepted")

@@ -14,7 +14,6 @@ import pytest
 import trio
 import trio.testing
 
-from calserve.core.fsm import IllegalTransition
 from calserve.engine import registry as registry_mod
 from calserve.engine.actor import ActorInbox, open_actor_inbox, run_actor
 from calserve.engine.engine import Engine
@@ -191,16 +190,26 @@ async def test_actor_stop_string_across_tokens_tells_the_scheduler_and_hides_the
     assert term.usage.completion_tokens == len("abXYZ")
 
 
-async def test_actor_refuses_an_illegal_message_sequence_even_with_cached_moves() -> None:
-    # Warm the transition cache with a legal run first.
-    await _run([Admitted(0.0), Tokens(1, None, True), Tokens(2, None, False), End(FinishReason.LENGTH)])
-    # A decode token before admission is illegal: the actor raises, the stream still ends once.
+class _BrokenTokenizer(CharTokenizer):
+    """An actor bug stand-in: decoding token 1 raises."""
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        if 1 in list(ids):
+            raise RuntimeError("broken detokenizer")
+        return super().decode(ids, skip_special_tokens)
+
+
+async def test_an_actor_bug_ends_its_stream_once_with_an_error() -> None:
+    # The actor only renders (the lifecycle is the engine core's): a bug while rendering a token
+    # raises in the actor task, and the stream still ends exactly once.
+    await _run([Admitted(0.0), Tokens(2, None, True), Tokens(3, None, False), End(FinishReason.LENGTH)])
     send, recv = trio.open_memory_channel[ActorMsg](10)
     w = StreamWriter(1)
     reg = _Registry()
-    send.send_nowait(Tokens(1, None, False))
-    with pytest.raises(IllegalTransition):
-        await run_actor(_seq(), recv, w, CharTokenizer(), reg)  # type: ignore[arg-type]
+    send.send_nowait(Admitted(0.0))
+    send.send_nowait(Tokens(1, None, True))
+    with pytest.raises(RuntimeError, match="broken detokenizer"):
+        await run_actor(_seq(), recv, w, _BrokenTokenizer(), reg)  # type: ignore[arg-type]
     events = [ev async for ev in w]
     assert len(events) == 1 and isinstance(events[0], ErrorEvent) and events[0].kind == "shutdown"
     assert reg.outcomes == ["shutdown"]
@@ -235,11 +244,11 @@ async def test_inline_step_error_is_raised_by_the_actor_task() -> None:
     box, rbox = open_actor_inbox()
     w = StreamWriter(1)
     reg = _Registry()
-    with pytest.RaisesGroup(IllegalTransition):
+    with pytest.RaisesGroup(RuntimeError):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_actor, _seq(), rbox, w, CharTokenizer(), reg)
+            nursery.start_soon(run_actor, _seq(), rbox, w, _BrokenTokenizer(), reg)
             await trio.testing.wait_all_tasks_blocked()
-            box.send_nowait(Tokens(1, None, False))  # before admission: illegal, not raised here
+            box.send_nowait(Tokens(1, None, True))  # the step raises inline: not raised here
     events = [ev async for ev in w]
     assert len(events) == 1 and isinstance(events[0], ErrorEvent) and reg.outcomes == ["shutdown"]
     box.send_nowait(Tokens(2, None, False))  # the actor is gone: queued, nothing runs
