@@ -500,16 +500,14 @@ class _RuntimeCalbin:
     def verify_lanes(
         self, result: JobResult, job_id: int, lanes: Sequence[int], expect: Sequence[tuple[int, int]]
     ) -> list[int]:
-        from calserve.runtime.device import _binding
+        from calserve.runtime.binding import verify_lanes
 
-        bad: list[int] = _binding().verify_lanes(result.logits, result.checksum, result.echo, job_id, lanes,
-                                                 expect)
-        return bad
+        return verify_lanes(result, job_id, lanes, expect)
 
     def checksum_ok(self, result: JobResult, lanes: Sequence[int]) -> list[bool]:
-        from calserve.runtime.device import _binding
+        from calserve.runtime.binding import bad_lanes
 
-        bad: list[int] = _binding().bad_rows(result.logits, result.checksum, lanes)  # one C call
+        bad = bad_lanes(result, lanes)  # one C call
         if not bad:
             return [True] * len(lanes)
         return [lane not in bad for lane in lanes]
