@@ -4,8 +4,9 @@ Modules (one job each):
 
 - :mod:`.fsm` — transition-table helper, :class:`IllegalTransition`
 - :mod:`.request_state`, :mod:`.kv_state`, :mod:`.model_state` — the three lifecycles (spec §2, §9.1, §10)
-- :mod:`.admission` — budgets, outcomes, per-tenant weighted fair queue (spec §5); its plain data in
-  :mod:`.admission_types`
+- :mod:`.admission` — budgets, outcomes, per-tenant weighted fair queue (spec §5); its parts:
+  :mod:`.admission_types` (plain data), :mod:`.admission_checks` (limits and quotas),
+  :mod:`.admission_tenants` (per-tenant state, token buckets), :mod:`.admission_queue` (the fair queue)
 - :mod:`.wait_estimate`, :mod:`.service_tracker` — a new request's expected queue wait and the
   running-sequence cap (overload admission, spec §5.2)
 - :mod:`.prefill` — size classes and the decode/short/medium/long round robin (spec §6)

@@ -58,7 +58,6 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from calserve.config import AdmissionConfig
 from calserve.core.prefill import QueueClass
-from calserve.runtime.types import Timing
 
 __all__ = ["ServiceModel", "FlowLoad", "WaitEstimate", "expected_wait", "running_cap"]
 
@@ -81,16 +80,24 @@ class ServiceModel:
                 raise ValueError(f"{f} must be finite and >= 0, got {v}")
 
     @classmethod
-    def from_timing(cls, timing: Timing | None, batch: int) -> ServiceModel:
-        """From a timing profile (``runtime.types.Timing``); a missing step reads as unknown (0)."""
-        if timing is None:
-            return cls(0.0, batch)
-        step_us = timing.decode_step_us.get(batch)
-        if step_us is None and timing.decode_step_us:  # the nearest larger (else largest) profile
-            larger = [b for b in timing.decode_step_us if b >= batch]
-            step_us = timing.decode_step_us[min(larger) if larger else max(timing.decode_step_us)]
-        return cls((step_us or 0.0) * 1e-6, batch, timing.prefill_base_us * 1e-6,
-                   timing.prefill_us_per_token * 1e-6)
+    def from_profile(
+        cls,
+        batch: int,
+        *,
+        decode_step_us: Mapping[int, float] | None = None,
+        prefill_base_us: float = 0.0,
+        prefill_us_per_token: float = 0.0,
+    ) -> ServiceModel:
+        """From a timing profile's figures in microseconds (the caller unpacks its runtime's timing
+        profile: core knows no runtime types): ``decode_step_us`` per compiled batch, of which the
+        one for ``batch`` is used, else the nearest larger (else the largest) batch's; no figures
+        read as unknown (0)."""
+        steps = decode_step_us if decode_step_us is not None else {}
+        step_us = steps.get(batch)
+        if step_us is None and steps:  # the nearest larger (else largest) profile
+            larger = [b for b in steps if b >= batch]
+            step_us = steps[min(larger) if larger else max(steps)]
+        return cls((step_us or 0.0) * 1e-6, batch, prefill_base_us * 1e-6, prefill_us_per_token * 1e-6)
 
     @property
     def known(self) -> bool:

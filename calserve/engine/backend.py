@@ -7,8 +7,9 @@ contract (the facade contract in :mod:`calserve.runtime.types`):
   go through ``trio.to_thread.run_sync`` on a :class:`trio.CapacityLimiter` owned by the backend (the
   process-wide default limiter is shared with unrelated code, STACK.md "Threads and cancellation").
   The hot path (submit + first wait of a job) submits inline and waits in trio on the runtime's
-  per-engine completion fd (:class:`_CompletionFdWaiter`, no Python thread per step); a runtime
-  without that fd falls back to one wait thread per engine (:class:`_EngineThread`).
+  per-engine completion fd (:class:`~calserve.engine.backend_waits.CompletionFdWaiter`, no Python
+  thread per step); a runtime without that fd falls back to one wait thread per engine
+  (:class:`~calserve.engine.backend_waits.EngineThread`).
 - :class:`calserve.testing.fake_device.FakeBackend` is trio-native (completions are ``trio.sleep``), for
   fake-clock tests: ``autojump_clock`` jumps while trio waits on worker threads, so the real runtime
   must never run under it.
@@ -22,19 +23,15 @@ job still in flight. A ticket must be waited for until it returns a result; a ti
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
-import os
-import queue
-import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import numpy as np
-import outcome
 import trio
 
+from calserve.engine.backend_waits import CompletionFdWaiter, DeviceThreads, EngineThread, wait_or_none
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import (
     EngineCounters,
@@ -44,12 +41,13 @@ from calserve.runtime.types import (
     ProfileSpec,
     RuntimeCapabilities,
     Timing,
-    WaitTimeout,
 )
 
 __all__ = ["JobTicket", "BackendCalbin", "DeviceBackend", "RuntimeBackend", "row_checksums"]
 
-T = TypeVar("T")
+# The waiting machinery lives in :mod:`calserve.engine.backend_waits`; the engine-part tests know the
+# engine thread by its name here.
+_EngineThread = EngineThread
 
 
 @dataclasses.dataclass
@@ -64,16 +62,6 @@ class JobTicket:
 def _ticket(job: Any, engine: JobEngine) -> JobTicket:
     """The ticket of a runtime ``Job`` just submitted on ``engine``."""
     return JobTicket(int(job.job_id), engine, job)
-
-
-def _wait_or_none(job: Any, timeout_s: float) -> JobResult | None:
-    """``Job.wait`` with the backend's timeout convention: ``None`` (not :class:`WaitTimeout`) when
-    the job is still in flight after ``timeout_s`` (the runtime counts the timeout either way)."""
-    try:
-        r: JobResult = job.wait(timeout_s)
-    except WaitTimeout:
-        return None
-    return r
 
 
 def row_checksums(logits: np.ndarray) -> np.ndarray:
@@ -204,203 +192,18 @@ class DeviceBackend(Protocol):
 # Real runtime
 
 
-class _Threads:
-    """Runs sync device calls in worker threads on a limiter of our own, with strict drain.
-
-    Invariant: a call that reached the device returns to us; the caller's cancellation is re-raised
-    only after the result was reclaimed (STACK.md: the limiter wait itself is cancellable, so the whole
-    call, limiter wait included, is shielded)."""
-
-    def __init__(self, threads: int) -> None:
-        self.limiter = trio.CapacityLimiter(threads)
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        with trio.CancelScope(shield=True):
-            result = await trio.to_thread.run_sync(
-                functools.partial(fn, *args), limiter=self.limiter
-            )
-        await trio.lowlevel.checkpoint_if_cancelled()
-        return result
-
-
-class _Doorbell:
-    """A file descriptor one thread rings and trio waits on with ``wait_readable``.
-
-    Why not ``TrioToken.run_sync_soon``: that wakes trio's entry-queue task, which runs the
-    callback, which reschedules the waiter one batch later. ``wait_readable`` lets epoll reschedule
-    the waiting task itself (measured on the 2-core box under load: ~140 -> ~75 us p50 from the
-    thread's signal to the trio task running). eventfd on Linux, a pipe elsewhere.
-    """
-
-    def __init__(self) -> None:
-        if hasattr(os, "eventfd"):
-            self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-            self._wfd = self.fd
-        else:  # pragma: no cover - non-Linux
-            self.fd, self._wfd = os.pipe()
-            os.set_blocking(self.fd, False)
-
-    def ring(self) -> None:
-        if self._wfd == self.fd:
-            os.eventfd_write(self.fd, 1)
-        else:  # pragma: no cover - non-Linux
-            os.write(self._wfd, b"\0")
-
-    def clear(self) -> None:
-        try:
-            if self._wfd == self.fd:
-                os.eventfd_read(self.fd)
-            else:  # pragma: no cover - non-Linux
-                os.read(self.fd, 4096)
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        os.close(self.fd)
-        if self._wfd != self.fd:  # pragma: no cover - non-Linux
-            os.close(self._wfd)
-
-
-class _EngineThread:
-    """One long-lived OS thread per job engine for the hot path (submit + wait) when the runtime has
-    no completion fd (the fallback of :class:`_CompletionFdWaiter`).
-
-    Why not ``trio.to_thread``: it checkpoints before the thread starts, so every other ready task
-    (request actors detokenising and streaming the previous token) would run between a completion
-    and the next submit, adding their cost to every step. Here the call is queued synchronously —
-    the device starts at once — and trio runs those tasks while the device computes. The result
-    comes back through a :class:`_Doorbell` (epoll wakes the waiting executor directly).
-    Invariant: one call at a time per thread (the executor of that engine is its only user), and the
-    caller always waits for the result (shielded): nothing submitted is ever abandoned.
-    Invariant: ``_result`` is written before the doorbell rings and read after it rang.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._q: queue.SimpleQueue[Callable[[], Any] | None] = queue.SimpleQueue()
-        self._bell = _Doorbell()
-        self._result: outcome.Outcome[Any] | None = None
-        self._busy = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                fn = self._q.get()
-                if fn is None:
-                    return
-                self._result = outcome.capture(fn)
-                self._bell.ring()
-        finally:
-            # Closed by the thread itself, after its last ring: never a write to a reused fd number.
-            self._bell.close()
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the thread; always reclaims its result. If the caller is cancelled while
-        waiting (the executor shields, so only an unshielded caller), the wait is finished in a
-        shielded scope and the cancellation re-raised afterwards — no per-call CancelScope on the
-        hot path."""
-        assert not self._busy, "one call at a time per engine thread"
-        self._busy = True
-        self._q.put(fn)
-        try:
-            await trio.lowlevel.wait_readable(self._bell.fd)
-        except trio.Cancelled:
-            with trio.CancelScope(shield=True):
-                await trio.lowlevel.wait_readable(self._bell.fd)
-            self._take()
-            raise
-        out: T = self._take().unwrap()
-        return out
-
-    def _take(self) -> outcome.Outcome[Any]:
-        self._bell.clear()
-        res, self._result = self._result, None
-        self._busy = False
-        assert res is not None
-        return res
-
-    def close(self) -> None:
-        """Stop the thread (call from trio, with no call in flight)."""
-        trio.lowlevel.notify_closing(self._bell.fd)
-        self._q.put(None)
-
-
-class _CompletionFdWaiter:
-    """Waits for a job of one job engine inside trio, on the runtime's completion fd (spec §19 M1).
-
-    Why: with :class:`_EngineThread` a completion wakes a Python thread blocked in ``Job.wait``,
-    which rings a doorbell, which wakes trio — two wake-ups per step where the synchronous baseline
-    has one. Here the runtime's engine worker writes the fd itself (``Device.completion_fd``) and
-    epoll wakes the executor task directly; the result is then collected without blocking.
-
-    Protocol (never loses a wake-up, never polls): check ``result_nowait``; if not done, wait until
-    the fd is readable, drain it, check again. The runtime writes the fd only after the job reports
-    done, so a "not done" seen after a drain is always followed by a readable fd. A stale count (a
-    job of this engine waited for on a thread) costs one spurious wake-up.
-    Invariant: at most one task waits on the fd (``busy``); callers fall back to the engine thread
-    otherwise. Invariant: a job handed to :meth:`wait` is waited for until it completes or the
-    timeout passes, even if the caller is cancelled (the cancellation is re-raised afterwards).
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.busy = False
-        self.wakeups = 0  # fd wake-ups (spurious ones included), for tests and statistics
-
-    def _drain(self) -> None:
-        try:
-            os.eventfd_read(self.fd)
-        except BlockingIOError:
-            pass
-
-    async def wait(self, job: Any, timeout_s: float) -> JobResult | None:
-        """The job's result, or ``None`` if it is still in flight after ``timeout_s`` (counted as a
-        runtime wait timeout, like ``Job.wait``)."""
-        assert not self.busy, "one waiter per completion fd"
-        self.busy = True
-        try:
-            r: JobResult | None = job.result_nowait()
-            if r is not None:
-                # Done already: still a schedule point (the executor loops on this), not a cancel point.
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return r
-            deadline = trio.current_time() + timeout_s
-            try:
-                return await self._until(job, deadline)
-            except trio.Cancelled:
-                with trio.CancelScope(shield=True):
-                    await self._until(job, deadline)
-                raise
-        finally:
-            self.busy = False
-
-    async def _until(self, job: Any, deadline: float) -> JobResult | None:
-        while True:
-            with trio.CancelScope(deadline=deadline):
-                await trio.lowlevel.wait_readable(self.fd)
-                self.wakeups += 1
-                self._drain()
-            r: JobResult | None = job.result_nowait()
-            if r is not None:
-                return r
-            if trio.current_time() >= deadline:
-                # counts the timeout in the runtime; returns the result if it completed just now
-                return _wait_or_none(job, 0.0)
-
-
 class _RuntimeCalbin:
     def __init__(
         self,
         native: Any,
-        threads: _Threads,
-        engine_threads: dict[JobEngine, _EngineThread],
-        fd_waiters: Mapping[JobEngine, _CompletionFdWaiter] | None = None,
+        threads: DeviceThreads,
+        engine_threads: dict[JobEngine, EngineThread],
+        fd_waiters: Mapping[JobEngine, CompletionFdWaiter] | None = None,
     ) -> None:
         self._c = native
         self._t = threads
         self._et = engine_threads
-        self._fw: Mapping[JobEngine, _CompletionFdWaiter] = fd_waiters or {}
+        self._fw: Mapping[JobEngine, CompletionFdWaiter] = fd_waiters or {}
         self.spec: ProfileSpec = native.spec
         self.config: ModelConfig = native.config
 
@@ -451,10 +254,10 @@ class _RuntimeCalbin:
         return _ticket(job, engine)
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
-        return await self._t.run(_wait_or_none, ticket.native, timeout_s)
+        return await self._t.run(wait_or_none, ticket.native, timeout_s)
 
     def _submit_wait(self, job: Any, engine: JobEngine, timeout_s: float) -> tuple[JobTicket, JobResult | None]:
-        return _ticket(job, engine), _wait_or_none(job, timeout_s)
+        return _ticket(job, engine), wait_or_none(job, timeout_s)
 
     async def submit_decode_wait(
         self,
@@ -500,16 +303,14 @@ class _RuntimeCalbin:
     def verify_lanes(
         self, result: JobResult, job_id: int, lanes: Sequence[int], expect: Sequence[tuple[int, int]]
     ) -> list[int]:
-        from calserve.runtime.device import _binding
+        from calserve.runtime.binding import verify_lanes
 
-        bad: list[int] = _binding().verify_lanes(result.logits, result.checksum, result.echo, job_id, lanes,
-                                                 expect)
-        return bad
+        return verify_lanes(result, job_id, lanes, expect)
 
     def checksum_ok(self, result: JobResult, lanes: Sequence[int]) -> list[bool]:
-        from calserve.runtime.device import _binding
+        from calserve.runtime.binding import bad_lanes
 
-        bad: list[int] = _binding().bad_rows(result.logits, result.checksum, lanes)  # one C call
+        bad = bad_lanes(result, lanes)  # one C call
         if not bad:
             return [True] * len(lanes)
         return [lane not in bad for lane in lanes]
@@ -553,17 +354,17 @@ class RuntimeBackend:
         :func:`tune_gc_for_serving` after every model load (set by :meth:`open`)."""
         self._tune_gc = tune_gc
         self._dev = device
-        self._t = _Threads(threads)  # control calls (sequences, reset, configure) and later waits
-        self._et = {e: _EngineThread(f"calrt-{e.name.lower()}") for e in JobEngine}
+        self._t = DeviceThreads(threads)  # control calls (sequences, reset, configure) and later waits
+        self._et = {e: EngineThread(f"calrt-{e.name.lower()}") for e in JobEngine}
         self.capabilities: RuntimeCapabilities = device.capabilities
         # Per chip: engine -> waiter on the runtime's completion fd (empty: the runtime has none).
-        self._fw: dict[int, dict[JobEngine, _CompletionFdWaiter]] = {}
+        self._fw: dict[int, dict[JobEngine, CompletionFdWaiter]] = {}
         get_fd = getattr(device, "completion_fd", None) if completion_fd else None
         if get_fd is not None:
             for chip in range(int(getattr(device, "chips", 1))):
                 fds = {e: get_fd(e, chip) for e in JobEngine}
                 if all(fd is not None for fd in fds.values()):
-                    self._fw[chip] = {e: _CompletionFdWaiter(fd) for e, fd in fds.items()}
+                    self._fw[chip] = {e: CompletionFdWaiter(fd) for e, fd in fds.items()}
 
     @property
     def completion_fd_waits(self) -> bool:

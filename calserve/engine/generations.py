@@ -93,7 +93,9 @@ def make_admission(
     """``timing``/``batch``: the modeled timing and compiled batch of the largest serving profile
     (the expected-wait estimate and the running-sequence cap, ``calserve.core.wait_estimate``)."""
     a = cfg.scheduler.admission
-    service = ServiceModel.from_timing(timing, batch)
+    service = ServiceModel.from_profile(batch) if timing is None else ServiceModel.from_profile(
+        batch, decode_step_us=timing.decode_step_us, prefill_base_us=timing.prefill_base_us,
+        prefill_us_per_token=timing.prefill_us_per_token)
     budget = CapacityBudget(
         max_sequences=max_sequences,
         max_kv_tokens=max_kv_tokens,

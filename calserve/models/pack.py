@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from calserve.errors import ConfigError, PackageError
+from calserve.models import demo_model
 from calserve.models.capacity import pool_bytes
 from calserve.models.hf import load_hf_checkpoint, load_safetensors, write_safetensors
 from calserve.models.manifest import (
@@ -281,23 +282,21 @@ def pack_demo(
     *,
     replace: bool = False,
 ) -> Path:
-    """Pack the built-in demo model (see :mod:`calserve.models.demo`) into ``out``."""
-    from calserve.models import demo
-
-    tok_json = demo.demo_tokenizer_json()
-    cfg = demo.demo_model_config(demo.tokenizer_vocab_size(tok_json))
+    """Pack the built-in demo model (:mod:`calserve.models.demo_model`) into ``out``."""
+    tok_json = demo_model.demo_tokenizer_json()
+    cfg = demo_model.demo_model_config(demo_model.tokenizer_vocab_size(tok_json))
     return build_package(
         out,
         key,
-        name=demo.DEMO_NAME,
+        name=demo_model.DEMO_NAME,
         config=cfg,
-        weights=demo.demo_weights(cfg),
+        weights=demo_model.demo_weights(cfg),
         tokenizer_json=tok_json,
-        special=demo.demo_special_tokens(tok_json),
+        special=demo_model.demo_special_tokens(tok_json),
         profiles=profiles,
         timing=timing,
-        max_seq=demo.DEMO_MAX_SEQ,
-        max_sequences=demo.DEMO_MAX_SEQUENCES,
+        max_seq=demo_model.DEMO_MAX_SEQ,
+        max_sequences=demo_model.DEMO_MAX_SEQUENCES,
         source="calserve built-in demo (seeded random weights)",
         replace=replace,
     )

@@ -1,6 +1,7 @@
 """Typed facade over the CalRT C binding (``calserve._calrt``). No trio here."""
 
-from calserve.runtime.device import QUEUE_DEPTH, Calbin, Device, Job, corrupted_lanes, logits_checksum
+from calserve.runtime.binding import bad_lanes, corrupted_lanes, logits_checksum, verify_lanes
+from calserve.runtime.device import QUEUE_DEPTH, Calbin, Device, Job
 from calserve.runtime.types import *  # noqa: F403
 from calserve.runtime.types import __all__ as _types_all
 
@@ -11,5 +12,7 @@ __all__ = [
     "QUEUE_DEPTH",
     "logits_checksum",
     "corrupted_lanes",
+    "bad_lanes",
+    "verify_lanes",
     *_types_all,
 ]

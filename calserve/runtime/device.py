@@ -1,7 +1,8 @@
 """The typed, synchronous facade over the CalRT binding ``calserve._calrt`` (no trio here).
 
 Why a facade: the binding is kept tiny (handles, buffers, status codes); this module owns the Python
-shapes (``ModelConfig``, ``ProfileSpec``, enums, :class:`JobResult`) and maps CalRT status codes onto the
+shapes (``ModelConfig``, ``ProfileSpec``, enums, :class:`JobResult`), and every call goes through
+:func:`calserve.runtime.binding.call`, which maps CalRT status codes onto the
 :class:`~calserve.runtime.types.CalrtError` tree, so the engine never sees a raw code.
 
 Contract in brief (the full C-level contract is documented in ``ext/calrt/include/calrt.h``):
@@ -32,18 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from calserve.runtime.binding import binding, call, corrupted_lanes, logits_checksum
 from calserve.runtime.reference import ModelConfig, weight_shapes
 from calserve.runtime.types import (
     RUNTIME_PROFILES,
     CalrtError,
-    DeviceAlreadyOpen,
-    DeviceBusy,
-    DeviceFaulted,
     EngineCounters,
     FaultKind,
     InvalidArgument,
@@ -51,85 +50,15 @@ from calserve.runtime.types import (
     JobResult,
     JobStatus,
     NotSupported,
-    OutOfDeviceMemory,
-    OutOfSequences,
     ProfileSpec,
     RuntimeCapabilities,
     Timing,
-    WaitTimeout,
 )
-
-_calrt: Any
-_IMPORT_ERROR: ImportError | None
-try:  # the extension is built by ``pip install -e .``
-    from calserve import _calrt
-except ImportError as exc:  # pragma: no cover - only when the build is missing
-    _calrt = None
-    _IMPORT_ERROR = exc
-else:
-    _IMPORT_ERROR = None
 
 __all__ = ["Device", "Calbin", "Job", "QUEUE_DEPTH", "logits_checksum", "corrupted_lanes"]
 
 #: Jobs an engine holds at once (running + waiting). A further submit raises DeviceBusy.
 QUEUE_DEPTH = 2
-
-# CalRT status codes (calrt.h ``calrt_status``) -> facade exceptions.
-_CODE_TO_ERROR: dict[int, type[CalrtError]] = {
-    1: InvalidArgument,  # CALRT_E_INVALID_ARGUMENT
-    2: NotSupported,  # CALRT_E_NOT_SUPPORTED
-    3: DeviceAlreadyOpen,  # CALRT_E_ALREADY_OPEN
-    4: OutOfDeviceMemory,  # CALRT_E_OUT_OF_DEVICE_MEMORY
-    5: OutOfSequences,  # CALRT_E_OUT_OF_SEQUENCES
-    6: DeviceBusy,  # CALRT_E_BUSY
-    7: WaitTimeout,  # CALRT_E_TIMEOUT
-    8: DeviceFaulted,  # CALRT_E_FAULTED
-    9: DeviceFaulted,  # CALRT_E_NEEDS_RECONFIGURE
-    10: InvalidArgument,  # CALRT_E_IN_USE (release/free while jobs are in flight)
-    11: CalrtError,  # CALRT_E_HOST_OOM
-    12: CalrtError,  # CALRT_E_INTERNAL
-    13: InvalidArgument,  # CALRT_E_SEQUENCE_INVALID (invalidated by a reset)
-    14: InvalidArgument,  # CALRT_E_CLOSED (handle used after close/release)
-}
-
-_T = TypeVar("_T")
-
-
-def _raise(exc: BaseException) -> NoReturn:
-    code = int(getattr(exc, "code", 12))
-    cls = _CODE_TO_ERROR.get(code, CalrtError)
-    raise cls(str(exc), code) from None
-
-
-def _call(fn: Callable[..., _T], *args: Any) -> _T:
-    """Call into the binding, translating its status exception into the CalrtError tree."""
-    try:
-        return fn(*args)
-    except _calrt.Error as exc:
-        _raise(exc)
-
-
-def _binding() -> Any:
-    if _calrt is None:
-        raise CalrtError(f"calserve._calrt is not built: {_IMPORT_ERROR}")
-    return _calrt
-
-
-def logits_checksum(row: np.ndarray) -> int:
-    """The device's 64-bit lane checksum (``calrt_checksum``) of one float32 logits row."""
-    a = np.ascontiguousarray(row, dtype=np.float32)
-    return int(_binding().checksum(a))
-
-
-def corrupted_lanes(result: JobResult) -> list[int]:
-    """Lanes whose logits do not match the checksum the device reported (crosstalk, spec §7.4).
-
-    Inactive decode lanes (echo seq_id == -1) report checksum 0 and are skipped.
-    """
-    lanes = [i for i, sid in enumerate(result.echo[:, 1].tolist()) if sid >= 0]
-    logits = np.ascontiguousarray(result.logits, dtype=np.float32)
-    bad: list[int] = _binding().bad_rows(logits, np.ascontiguousarray(result.checksum), lanes)
-    return bad
 
 
 def _decode_step_us(t: Timing, batch: int) -> float:
@@ -189,7 +118,7 @@ class Job:
             return self._result
         if not timeout_s >= 0:
             raise InvalidArgument("timeout_s must be >= 0", 1)
-        status, logits, echo, checksum, device_us = _call(self._h.wait, int(timeout_s * 1e6))
+        status, logits, echo, checksum, device_us = call(self._h.wait, int(timeout_s * 1e6))
         self._result = JobResult(
             job_id=self.job_id,
             engine=self.engine,
@@ -269,11 +198,11 @@ class Calbin:
         ``valid_mask``, ``inactive_logits``, ``inactive_writes_kv``, ``exact_submodel``,
         ``dram_bytes`` (charged), ``configured``.
         """
-        return dict(_call(self._h.introspect))
+        return dict(call(self._h.introspect))
 
     def reconfigure(self) -> None:
         """Configure again after a ``DMA_UNKNOWN`` fault + reset (weights re-uploaded)."""
-        _call(self._h.reconfigure)
+        call(self._h.reconfigure)
 
     @property
     def needs_reconfigure(self) -> bool:
@@ -282,65 +211,65 @@ class Calbin:
     def release(self) -> None:
         """ResetConfiguration + destroy: frees the DRAM. :class:`InvalidArgument` while jobs are in
         flight on it (wait for them or reset the chip first). Idempotent."""
-        _call(self._h.release)
+        call(self._h.release)
         self._released = True
         self._device._forget(self)
 
     # ---- KvManager ---------------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
         """Whether ``n`` more sequences can be created now."""
-        return bool(_call(self._h.can_allocate, int(n)))
+        return bool(call(self._h.can_allocate, int(n)))
 
     def create_sequence(self) -> int:
         """A new empty sequence (committed_len 0). :class:`OutOfSequences` if all are taken."""
-        return int(_call(self._h.create_sequence))
+        return int(call(self._h.create_sequence))
 
     def free_sequence(self, seq_id: int) -> None:
         """Free a sequence (valid or invalidated). :class:`InvalidArgument` if a job in flight uses
         it or it is not allocated."""
-        _call(self._h.free_sequence, int(seq_id))
+        call(self._h.free_sequence, int(seq_id))
 
     def committed_len(self, seq_id: int) -> int:
         """Tokens committed in the sequence's KV. :class:`InvalidArgument` if invalidated/unknown."""
-        return int(_call(self._h.committed_len, int(seq_id)))
+        return int(call(self._h.committed_len, int(seq_id)))
 
     def sequence_valid(self, seq_id: int) -> bool:
         """False once a reset invalidated it or a CCU fault left its KV unknown."""
-        return bool(_call(self._h.sequence_valid, int(seq_id)))
+        return bool(call(self._h.sequence_valid, int(seq_id)))
 
     def remove_tokens_at_end(self, seq_id: int, n: int) -> None:
         """Drop the last ``n`` committed tokens (RemoveTokensAtEnd)."""
-        _call(self._h.remove_tokens_at_end, int(seq_id), int(n))
+        call(self._h.remove_tokens_at_end, int(seq_id), int(n))
 
     def do_shift(self, seq_id: int, n: int) -> None:
         """DoShift (C1): drop the first ``n`` tokens' KV, keeping positions of the rest as stored
         (the cached K keep their RoPE phases; the caller continues at ``committed_len``)."""
-        _call(self._h.do_shift, int(seq_id), int(n))
+        call(self._h.do_shift, int(seq_id), int(n))
 
     def copy_prefix(self, src_seq: int, dst_seq: int, n: int) -> None:
         """Not supported by CalRT 0.7.6 (spec §9.3): always :class:`NotSupported`."""
-        _call(self._h.unsupported, "copy_prefix")
+        call(self._h.unsupported, "copy_prefix")
 
     def keep_one(self, seq_id: int) -> None:
         """Not supported (spec §9.3): always :class:`NotSupported`."""
-        _call(self._h.unsupported, "keep_one")
+        call(self._h.unsupported, "keep_one")
 
     def position_add(self, seq_id: int, delta: int) -> None:
         """Not supported (spec §9.3): always :class:`NotSupported`."""
-        _call(self._h.unsupported, "position_add")
+        call(self._h.unsupported, "position_add")
 
     def position_div(self, seq_id: int, divisor: int) -> None:
         """Not supported (spec §9.3): always :class:`NotSupported`."""
-        _call(self._h.unsupported, "position_div")
+        call(self._h.unsupported, "position_div")
 
     def save_session(self, seq_id: int) -> bytes:
         """Not supported (spec §9.3): always :class:`NotSupported`."""
-        _call(self._h.unsupported, "save_session")
+        call(self._h.unsupported, "save_session")
         raise AssertionError("unreachable")
 
     def load_session(self, seq_id: int, blob: bytes) -> None:
         """Not supported (spec §9.3): always :class:`NotSupported`."""
-        _call(self._h.unsupported, "load_session")
+        call(self._h.unsupported, "load_session")
 
     def read_kv(self, seq_id: int) -> np.ndarray:
         """Sim-only debug readback: the sequence's raw KV storage (all ``max_seq`` slots).
@@ -348,7 +277,7 @@ class Calbin:
         Shape ``[layers, 2 (K,V), kv_heads, max_seq, head_dim]``, dtype float32 (fp32 KV) or uint16
         (bf16 KV bits). :class:`NotSupported` on a vendor build or with ``null_compute``.
         """
-        return np.asarray(_call(self._h.read_kv, int(seq_id)))
+        return np.asarray(call(self._h.read_kv, int(seq_id)))
 
     # ---- jobs --------------------------------------------------------------------------------
     def submit_prefill(
@@ -362,7 +291,7 @@ class Calbin:
         of range, longer than max_seq).
         """
         toks = _i32("tokens", tokens)
-        h = _call(self._h.submit_prefill, int(seq_id), toks, int(engine))
+        h = call(self._h.submit_prefill, int(seq_id), toks, int(engine))
         return Job(h, JobEngine(engine), self.chip)
 
     def submit_decode(
@@ -387,7 +316,7 @@ class Calbin:
         v = np.ascontiguousarray(valid, dtype=np.uint8).reshape(-1)
         if v.shape[0] != b:
             raise InvalidArgument(f"valid: expected {b} entries (compiled_batch), got {v.shape[0]}", 1)
-        h = _call(self._h.submit_decode, s, t, p, v, int(engine))
+        h = call(self._h.submit_decode, s, t, p, v, int(engine))
         return Job(h, JobEngine(engine), self.chip)
 
     def __repr__(self) -> str:
@@ -445,8 +374,8 @@ class Device:
             raise InvalidArgument("dram_bytes must be > 0", 1)
         if completion_jitter_us < 0:
             raise InvalidArgument("completion_jitter_us must be >= 0", 1)
-        b = _binding()
-        h = _call(b.Device, profile, int(dram_bytes), bool(null_compute), int(completion_jitter_us),
+        b = binding()
+        h = call(b.Device, profile, int(dram_bytes), bool(null_compute), int(completion_jitter_us),
                   int(seed) & 0xFFFFFFFFFFFFFFFF)
         return cls(h, profile, bool(null_compute))
 
@@ -454,8 +383,8 @@ class Device:
         """Reset every chip (aborting in-flight jobs), release every calbin, close. Idempotent."""
         if self._calbins:
             try:
-                self._h.reset(-1)
-            except _calrt.Error:
+                call(self._h.reset, -1)
+            except CalrtError:
                 pass
         for cb in list(self._calbins):
             try:
@@ -473,7 +402,7 @@ class Device:
 
     def dram(self, chip: int = 0) -> tuple[int, int]:
         """(capacity, used) bytes of a chip's DRAM."""
-        cap, used = _call(self._h.dram, int(chip))
+        cap, used = call(self._h.dram, int(chip))
         return int(cap), int(used)
 
     def load_calbin(
@@ -548,7 +477,7 @@ class Device:
                 raise InvalidArgument(f"kv_owner: is on chip {kv_owner.chip}, not chip {int(chip)} (KV "
                                       "lives in one chip's DRAM)", 1)
             owner_h = kv_owner._h
-        h = _call(self._h.load_calbin, int(chip), model, tensors, prof, tim, owner_h)
+        h = call(self._h.load_calbin, int(chip), model, tensors, prof, tim, owner_h)
         cb = Calbin(self, h, config, spec, int(chip), kv_owner)
         self._calbins.append(cb)
         return cb
@@ -565,7 +494,7 @@ class Device:
         """Reset one chip (or all with ``None``): every in-flight job completes ``ABORTED``, every KV
         sequence is invalidated, faults are cleared. Weights stay configured unless a ``DMA_UNKNOWN``
         happened (then ``needs_reconfigure`` until each calbin is reconfigured)."""
-        _call(self._h.reset, -1 if chip is None else int(chip))
+        call(self._h.reset, -1 if chip is None else int(chip))
 
     @property
     def needs_reconfigure(self) -> bool:
@@ -574,11 +503,11 @@ class Device:
 
     def faulted(self, chip: int = 0) -> bool:
         """True while the chip refuses jobs until a reset (after CCU_FAULT / DMA_UNKNOWN)."""
-        return bool(_call(self._h.faulted, int(chip)))
+        return bool(call(self._h.faulted, int(chip)))
 
     def counters(self, engine: JobEngine, chip: int = 0) -> EngineCounters:
         """Status counters of one engine (cumulative since open; ``inflight`` is current)."""
-        s, c, f, b, t, i = _call(self._h.counters, int(chip), int(engine))
+        s, c, f, b, t, i = call(self._h.counters, int(chip), int(engine))
         return EngineCounters(submitted=s, completed=c, failed=f, busy=b, timeouts=t, inflight=i)
 
     def completion_fd(self, engine: JobEngine, chip: int = 0) -> int | None:
@@ -595,7 +524,7 @@ class Device:
         :meth:`close` (stop waiting on it before). :class:`InvalidArgument` for a bad chip/engine.
         """
         try:
-            return int(_call(self._h.completion_fd, int(chip), int(engine)))
+            return int(call(self._h.completion_fd, int(chip), int(engine)))
         except NotSupported:
             return None
 
@@ -611,7 +540,7 @@ class Device:
         """
         if nth < 1:
             raise InvalidArgument("nth must be >= 1", 1)
-        _call(self._h.inject_fault, int(chip), int(engine), int(kind), int(nth), int(lane))
+        call(self._h.inject_fault, int(chip), int(engine), int(kind), int(nth), int(lane))
 
     def __repr__(self) -> str:
         return f"Device(profile={self.profile!r}, chips={self.chips})"

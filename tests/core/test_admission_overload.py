@@ -20,11 +20,11 @@ from calserve.config import AdmissionConfig, QueuesConfig
 from calserve.core.admission import AdmissionController, CapacityBudget, Outcome, WorkItem
 from calserve.core.prefill import QueueClass, ServiceRoundRobin
 from calserve.core.wait_estimate import FlowLoad, ServiceModel, expected_wait, running_cap
-from calserve.runtime.types import Timing
 
 BUDGET = CapacityBudget(max_sequences=64, max_kv_tokens=64 * 2048, max_waiting_requests=10_000,
                         max_waiting_prompt_tokens=10**8, max_inflight_jobs=1)
-SAT4K = ServiceModel.from_timing(Timing(2000.0, 20.0, {16: 4000.0}), 16)
+SAT4K = ServiceModel.from_profile(16, decode_step_us={16: 4000.0}, prefill_base_us=2000.0,
+                                  prefill_us_per_token=20.0)
 _ids = iter(range(10**9))
 
 
@@ -43,12 +43,13 @@ def ctl(service: ServiceModel = SAT4K, slo_s: float | None = 1.0, max_running: i
 
 # -- the estimate ---------------------------------------------------------------------------------
 
-def test_service_model_from_timing_and_running_cap() -> None:
-    m = ServiceModel.from_timing(Timing(2000.0, 20.0, {1: 4000.0, 16: 8000.0}), 16)
+def test_service_model_from_profile_and_running_cap() -> None:
+    m = ServiceModel.from_profile(16, decode_step_us={1: 4000.0, 16: 8000.0}, prefill_base_us=2000.0,
+                                  prefill_us_per_token=20.0)
     assert (m.decode_step_s, m.batch, m.prefill_s(100)) == (0.008, 16, pytest.approx(0.004))
-    assert ServiceModel.from_timing(Timing(), 4).known is False
-    assert ServiceModel.from_timing(None, 4).known is False
-    assert ServiceModel.from_timing(Timing(0.0, 0.0, {16: 4000.0}), 8).decode_step_s == 0.004
+    assert ServiceModel.from_profile(4, decode_step_us={}).known is False
+    assert ServiceModel.from_profile(4).known is False
+    assert ServiceModel.from_profile(8, decode_step_us={16: 4000.0}).decode_step_s == 0.004
     cfg = AdmissionConfig()
     assert running_cap(cfg, 16, 0.004) == 48  # default max_tpot_steps 3
     assert running_cap(AdmissionConfig(max_tpot_ms=50), 1, 0.004) == 12
