@@ -8,7 +8,9 @@ per request, and nothing built for a request the engine refuses.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -79,6 +81,31 @@ async def test_fast_path_answers_exactly_like_quart(harness_factory: Any, autoju
             assert h.engine.active == {}
     assert answers[0] == answers[1]
     assert answers[0][3] == [str(answers[0][0])]  # exactly one response counted
+
+
+#: The answers to CASES as the quart routes (the reference implementation then) gave them, recorded
+#: before the generation routes became one raw-ASGI path: status, the headers above, the body
+#: (ids and timestamps normalised) and the response counted. Both engine handle kinds: one that
+#: hands everything queued at once (``receive_many``) and one that hands one event per read.
+GOLDEN = json.loads((Path(__file__).parent / "generation_golden.json").read_text())
+
+
+@pytest.mark.parametrize("coalesce", [True, False], ids=["receive_many", "one_by_one"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+async def test_answers_are_the_recorded_reference(harness_factory: Any, autojump_clock: Any,
+                                                  case: int, coalesce: bool) -> None:
+    path, body = CASES[case]
+    data = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    want = GOLDEN["receive_many" if coalesce else "one_by_one"][case]
+    for mounted in (False, True):
+        async with harness_factory(token_delay=0.01, coalesce=coalesce) as h:
+            status, headers, raw = await _call(h, path, data, quart=mounted)
+            text = await (await h.client.get("/metrics")).get_data(as_text=True)
+            counted = re.findall(r'calserve_http_responses_total\{outcome="(\d+)"\} 1\.0', text)
+            got = {"status": status, "headers": headers, "raw": _norm(raw).decode(),
+                   "counted": counted}
+            assert got == want, (mounted, got)
+            assert h.engine.active == {}
 
 
 async def test_quota_refusal_is_the_same_429_both_ways(harness_factory: Any) -> None:
