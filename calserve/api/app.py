@@ -3,7 +3,9 @@
 ``calserve:app`` (``hypercorn -k trio calserve:app``) is ``create_app()``: config from
 ``CALSERVE_CONFIG`` or the embedded default (software runtime + the demo package, built on first start
 into ``calserve_home()``). The lifespan runs the engine through :class:`EngineHost` (own nursery,
-explicit crash policy); the routes live in :mod:`calserve.api.routes`.
+explicit crash policy). What the routes share is :class:`~calserve.api.state.ApiState`; the two
+generation routes are also raw ASGI (:mod:`calserve.api.asgi`, served from
+:meth:`CalserveApp.__call__`), the quart routes live in :mod:`calserve.api.routes`.
 """
 
 from __future__ import annotations
@@ -11,25 +13,23 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any, Final, final
+from typing import Any, Final
 
 import msgspec
 import trio
-from prometheus_client import Gauge
 from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from calserve.api.asgi import FastRoutes, fast_route
 from calserve.api.errors import ApiError, from_exception
-from calserve.api.lifecycle import EngineFactory, EngineHost
-from calserve.api.metrics import ApiMetrics
-from calserve.api.pacing import StreamPacer
-from calserve.config import CalserveConfig, load_config
-from calserve.api.protocol import EngineLike
-from calserve.errors import AuthError, CalserveError, EngineError
+from calserve.api.lifecycle import EngineFactory
+from calserve.api.routes import error_response, register_routes
+from calserve.api.state import GUARDS_KEY, ApiState
+from calserve.config import CalserveConfig
+from calserve.errors import CalserveError
 
-__all__ = ["create_app", "ApiState", "CalserveApp", "ASYNCIO_REFUSAL", "get_state", "GUARDS_KEY"]
+__all__ = ["create_app", "ApiState", "CalserveApp", "ASYNCIO_REFUSAL", "get_state"]
 
 log = logging.getLogger("calserve.api")
 
@@ -37,111 +37,7 @@ ASYNCIO_REFUSAL: Final = (
     "calserve:app runs on Trio only: start it with `hypercorn -k trio calserve:app` "
     "(or `calserve serve`); hypercorn's default asyncio worker is not supported"
 )
-# ASGI scope key: StreamGuards of the connection (see calserve.api.running.StreamGuard).
-GUARDS_KEY: Final = "calserve.stream_guards"
 _STOP_TIMEOUT_S: Final = 4.0  # < quart-trio's 5 s background-task deadline
-
-
-@final
-class ApiState:
-    """Everything the routes need; one per app (``app.extensions['calserve']``)."""
-
-    def __init__(self, config: CalserveConfig | None, factory: EngineFactory | None,
-                 prepare: Callable[[CalserveConfig], CalserveConfig] | None) -> None:
-        self._config = config
-        self._factory = factory
-        self._prepare = prepare
-        self.host: EngineHost | None = None
-        self.metrics = ApiMetrics(self._stats)
-        self.api_keys: dict[str, str] = {}  # key -> tenant; empty = one "default" tenant
-        self.startup_error: BaseException | None = None  # why before_serving failed, if it did
-        self._pacer: StreamPacer | None = None
-        reg = self.metrics.registry
-        Gauge("calserve_stream_grouping", "1 while streams group tokens per chunk because the "
-              "serving thread is saturated (server.stream_busy_interval_ms)",
-              registry=reg).set_function(lambda: float(self._pacer is not None and self._pacer.engaged))
-        Gauge("calserve_serving_thread_busy_ratio", "(run + runnable-waiting)/wall of the serving "
-              "thread over the last pacing window (measured while streams write)",
-              registry=reg).set_function(lambda: self._pacer.busy_fraction if self._pacer else 0.0)
-
-    @property
-    def needs_thread(self) -> bool:
-        return self._factory is None
-
-    def _stats(self) -> Any:
-        return self.host.statistics() if self.host is not None else None
-
-    @property
-    def config(self) -> CalserveConfig:
-        assert self.host is not None
-        return self.host.config
-
-    @property
-    def pacer(self) -> StreamPacer:
-        """The streams' hold interval, shared by all of them (one serving thread, one load)."""
-        p = self._pacer
-        if p is None:
-            p = self._pacer = StreamPacer.from_config(self.config.server)
-        return p
-
-    def engine(self) -> EngineLike:
-        """The running engine, or EngineError (503 ``engine_unavailable``)."""
-        host = self.host
-        eng = host.engine if host is not None else None
-        if eng is None:
-            if host is not None and host.failed.is_set():
-                raise EngineError("the engine failed and is not serving; restart the server")
-            raise EngineError("the engine is not running (starting or stopping)")
-        return eng
-
-    def tenant_of(self, authorization: str) -> str:
-        """Tenant of an ``Authorization`` header value ("" = none); AuthError (401) if unknown.
-        Without configured keys everyone is the one "default" tenant."""
-        if not self.api_keys:
-            return "default"
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise AuthError("missing API key: send `Authorization: Bearer <key>`")
-        name = self.api_keys.get(key.strip())
-        if name is None:
-            raise AuthError("invalid API key")
-        return name
-
-    def build_host(self) -> EngineHost:
-        config = self._config if self._config is not None else load_config()
-        factory = self._factory
-        if factory is None:
-            factory = _default_factory
-            if self._prepare is None:
-                config = resolve_default_packages(config)
-        if self._prepare is not None:
-            config = self._prepare(config)
-        self.api_keys = {k: name for name, t in config.tenants.items() for k in t.api_keys}
-        self.host = EngineHost(config, factory)
-        return self.host
-
-
-def _default_factory(config: CalserveConfig) -> Any:
-    from calserve.engine.engine import Engine  # lazy: the web layer imports without the engine
-
-    return Engine.open(config)
-
-
-def resolve_default_packages(config: CalserveConfig) -> CalserveConfig:
-    """Models without a package use the built-in demo package, built on first start (logged)."""
-    if all(m.package is not None for m in config.models.values()):
-        return config
-    try:
-        from calserve.models.demo import ensure_demo_package
-    except ImportError:  # the engine resolves ``package: null`` itself
-        return config
-    path = ensure_demo_package()
-    log.warning("calserve: using the demo package at %s (built on first start)", path)
-    models = {
-        alias: (msgspec.structs.replace(m, package=str(path)) if m.package is None else m)
-        for alias, m in config.models.items()
-    }
-    return msgspec.structs.replace(config, models=models)
 
 
 def _trio_running() -> bool:
@@ -219,15 +115,6 @@ def get_state(app: QuartTrio) -> ApiState:
     return st
 
 
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(body), status=status, headers=headers,
-                    content_type="application/json")
-
-
-def error_response(err: ApiError) -> Response:
-    return json_response(err.body(), err.status, err.headers())
-
-
 def create_app(
     config: CalserveConfig | None = None,
     *,
@@ -295,8 +182,6 @@ def create_app(
     async def _count(resp: Response) -> Response:
         state.metrics.responses.labels(str(resp.status_code)).inc()
         return resp
-
-    from calserve.api.routes import register_routes
 
     register_routes(app, state)
     app.fast = FastRoutes(state)

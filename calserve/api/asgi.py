@@ -26,7 +26,7 @@ Invariant: once ``engine.submit`` returned a handle, exactly one of ``run_stream
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Final, Literal, final
+from typing import Any, Final, Literal, final
 
 import msgspec
 import trio
@@ -37,10 +37,8 @@ from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
 from calserve.api.running import StreamGuard, run_json, run_stream
 from calserve.api.schemas import ChatBody, CompletionBody
+from calserve.api.state import ApiState
 from calserve.errors import CalserveError
-
-if TYPE_CHECKING:
-    from calserve.api.app import ApiState
 
 __all__ = ["FastRoutes", "fast_route", "FAST_ROUTES"]
 

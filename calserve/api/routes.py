@@ -10,7 +10,6 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from calserve import errors as E
-from calserve.api.app import GUARDS_KEY, ApiState, error_response, json_response
 from calserve.api.convert import (
     Prepared, chat_messages, check_token_ids, encode_chat, prepare_chat, prepare_completion,
     resolve_model,
@@ -21,8 +20,9 @@ from calserve.api.protocol import EngineLike, TokenizerLike
 from calserve.api.render import LogprobFormatter
 from calserve.api.running import StreamGuard, run_json, run_stream
 from calserve.api.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from calserve.api.state import GUARDS_KEY, ApiState
 
-__all__ = ["register_routes"]
+__all__ = ["register_routes", "json_response", "error_response"]
 
 T = TypeVar("T")
 #: The bodies of the tokenizer routes (both name a ``model``).
@@ -43,6 +43,15 @@ def _decoder(kind: type[T]) -> msgspec.json.Decoder[T]:
 
 for _k in (ChatBody, CompletionBody, DetokenizeBody, TokenizeBody):
     _decoder(_k)  # build at import: a schema error fails here, not in a request
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status=status, headers=headers,
+                    content_type="application/json")
+
+
+def error_response(err: ApiError) -> Response:
+    return json_response(err.body(), err.status, err.headers())
 
 
 def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a route table
