@@ -4,8 +4,8 @@
 ``CALSERVE_CONFIG`` or the embedded default (software runtime + the demo package, built on first start
 into ``calserve_home()``). The lifespan runs the engine through :class:`EngineHost` (own nursery,
 explicit crash policy). What the routes share is :class:`~calserve.api.state.ApiState`; the two
-generation routes are also raw ASGI (:mod:`calserve.api.asgi`, served from
-:meth:`CalserveApp.__call__`), the quart routes live in :mod:`calserve.api.routes`.
+generation routes are raw ASGI (:mod:`calserve.api.asgi`, served from :meth:`CalserveApp.__call__`),
+the others quart routes (:mod:`calserve.api.routes`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from calserve.api.asgi import FastRoutes, fast_route
-from calserve.api.errors import ApiError, from_exception
+from calserve.api.bodies import too_large
+from calserve.api.errors import ApiError, from_exception, to_api_error
 from calserve.api.lifecycle import EngineFactory
 from calserve.api.routes import error_response, register_routes
-from calserve.api.state import GUARDS_KEY, ApiState
+from calserve.api.state import ApiState
 from calserve.config import CalserveConfig
 from calserve.errors import CalserveError
 
@@ -58,7 +59,8 @@ def _expected(exc: BaseException | None) -> bool:
 class CalserveApp(QuartTrio):
     """QuartTrio that refuses, with a clear message, to run under an asyncio ASGI server, logs
     expected refusals (CalserveError) as one line instead of a traceback, and serves the two
-    generation routes itself (``fast``, :mod:`calserve.api.asgi`) in front of quart."""
+    generation routes itself (``fast``, :mod:`calserve.api.asgi`) in front of quart, mounted or
+    not (``asgi.fast_route``)."""
 
     fast: FastRoutes | None = None  # set by create_app
 
@@ -71,25 +73,13 @@ class CalserveApp(QuartTrio):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if _trio_running():
-            if scope["type"] != "http":
-                await super().__call__(scope, receive, send)
-                return
             fast = self.fast
-            kind = fast_route(scope) if fast is not None else None
-            if kind is not None and fast is not None:
-                await fast(kind, scope, receive, send)
-                return
-            guards: list[Any] = []
-            scope = {**scope, GUARDS_KEY: guards}
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                # A streaming request whose body never started (the client left first) is
-                # cancelled here; started bodies own their request (no-op).
-                if guards:
-                    with trio.CancelScope(shield=True):
-                        for g in guards:
-                            await g.release()
+            if fast is not None and scope["type"] == "http":
+                kind = fast_route(scope)
+                if kind is not None:
+                    await fast(kind, scope, receive, send)
+                    return
+            await super().__call__(scope, receive, send)
             return
         print(f"error: {ASYNCIO_REFUSAL}", file=sys.stderr, flush=True)
         if scope["type"] == "lifespan":
@@ -153,30 +143,28 @@ def create_app(
         if state.host is not None:
             await state.host.stop(_STOP_TIMEOUT_S)
 
+    # The error mapping of the quart routes: the same function as the generation routes'.
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError) -> Response:
         return error_response(err)
 
     @app.errorhandler(CalserveError)
     async def _calserve_error(err: CalserveError) -> Response:
-        return error_response(from_exception(err))
+        return error_response(to_api_error(err))
 
     @app.errorhandler(HTTPException)
     async def _http_error(err: HTTPException) -> Response:
         code = err.code or 500
-        names = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        msg = err.description or err.name
-        if code == 413:
-            msg = f"request body exceeds server.max_body_bytes ({app.config['MAX_CONTENT_LENGTH']})"
+        if code == 413:  # quart's own MAX_CONTENT_LENGTH check, same answer as ours
+            return error_response(too_large(app.config["MAX_CONTENT_LENGTH"]))
+        names = {404: "not_found", 405: "method_not_allowed"}
         typ = "invalid_request_error" if code < 500 else "server_error"
-        return error_response(ApiError(code, msg, type=typ, code=names.get(code)))
+        return error_response(ApiError(code, err.description or err.name, type=typ,
+                                       code=names.get(code)))
 
     @app.errorhandler(Exception)
     async def _internal(err: Exception) -> Response:
-        # Genuine bugs only: tests assert this never happens for any input.
-        log.exception("internal error: %s", err)
-        return error_response(ApiError(500, "internal server error", type="server_error",
-                                       code="internal_error"))
+        return error_response(to_api_error(err))  # genuine bugs only: logged, 500
 
     @app.after_request
     async def _count(resp: Response) -> Response:

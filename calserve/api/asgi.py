@@ -1,17 +1,22 @@
-"""Raw-ASGI fast path for ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+"""The generation routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``: raw ASGI, the
+only implementation of both.
 
-Why: under quart every streamed chunk went through quart's response machinery (request/response
-wrappers, per-chunk timeout and context handling) — about half of the server's CPU per token in
-``bench.http_floor``, and ~0.7 ms per request even for a 429. These two routes carry all the load, so
-:class:`CalserveApp` hands them to :class:`FastRoutes` straight from its ASGI ``__call__``; every
-other path, method and scope (lifespan, ``/metrics``, ``/v1/models``, a mounted ``root_path``) still
-goes to quart.
+Why raw ASGI: under quart every streamed chunk went through quart's response machinery
+(request/response wrappers, per-chunk timeout and context handling) — about half of the server's CPU
+per token in ``bench.http_floor``, and ~0.7 ms per request even for a 429. These two routes carry all
+the load, so :class:`CalserveApp` hands them to :class:`FastRoutes` straight from its ASGI
+``__call__``, also when the app is mounted (a ``root_path``): :func:`fast_route` takes exactly the
+requests quart would route to them (:func:`routed_path`). Every other path, method and scope
+(lifespan, ``/metrics``, ``/v1/models``, a GET or OPTIONS on these paths) goes to quart, which
+knows these two paths only to answer other methods like any route (405 + Allow, OPTIONS:
+:mod:`calserve.api.routes`).
 
-Same behaviour as the quart routes (their tests run unchanged through this path):
-- request decoding (``schemas``/``convert``), error mapping (``errors.from_exception``; a genuine bug
-  is logged and answered 500 ``internal_error``), OpenAI bodies (``running``/``render``/``chunks``);
-- tenant auth (401 before the body is read), body limit (413 on Content-Length or on the bytes
-  received, whichever shows it first), ``calserve_http_responses`` counted once per response;
+Behaviour, shared with the quart routes where both have it:
+- request decoding and the body limit (:mod:`calserve.api.bodies`: 413 on Content-Length or on the
+  bytes received, whichever shows it first), tenant auth (``ApiState.tenant_of``: 401 before the
+  body is read), error mapping (``errors.to_api_error``: a genuine bug is logged and answered 500
+  ``internal_error``), ``calserve_http_responses`` counted once per response;
+- OpenAI bodies: ``running`` (``run_json``, ``run_stream``), ``render``, ``chunks``;
 - disconnect: a watcher task reads ASGI ``receive`` after the body; ``http.disconnect`` (or the
   server cancelling the handler) cancels the handler scope and the engine request is cancelled at
   once, shielded (``running.cancel_request``; STACK.md "Serving").
@@ -25,32 +30,27 @@ Invariant: once ``engine.submit`` returned a handle, exactly one of ``run_stream
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Final, Literal, final
+from urllib.parse import urlparse
 
-import msgspec
 import trio
 
+from calserve.api.bodies import check_declared, decode, too_large
 from calserve.api.convert import Prepared, prepare_chat, prepare_completion
-from calserve.api.errors import ApiError, from_exception, msgspec_error
+from calserve.api.errors import ApiError, to_api_error
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
 from calserve.api.running import StreamGuard, run_json, run_stream
 from calserve.api.schemas import ChatBody, CompletionBody
 from calserve.api.state import ApiState
-from calserve.errors import CalserveError
 
-__all__ = ["FastRoutes", "fast_route", "FAST_ROUTES"]
-
-log = logging.getLogger("calserve.api")
+__all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES"]
 
 Kind = Literal["completion", "chat"]
 # Exact paths served here (POST only; other methods get quart's 405/OPTIONS handling).
 FAST_ROUTES: Final[dict[str, Kind]] = {
     "/v1/completions": "completion", "/v1/chat/completions": "chat",
 }
-_COMPLETION_DEC: Final = msgspec.json.Decoder(CompletionBody)
-_CHAT_DEC: Final = msgspec.json.Decoder(ChatBody)
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
@@ -64,17 +64,29 @@ Send = Any  # ASGI send callable
 
 def fast_route(scope: Scope) -> Kind | None:
     """The route kind when ``scope`` is one of ours, else None (quart serves it)."""
-    if scope.get("method") != "POST" or scope.get("root_path"):
+    if scope.get("method") != "POST":
         return None
-    return FAST_ROUTES.get(scope.get("path", ""))
+    path = scope.get("path", "")
+    root = scope.get("root_path")
+    if not root:
+        kind = FAST_ROUTES.get(path)
+        if kind is not None:
+            return kind  # the hot case: the exact path, not mounted
+    return FAST_ROUTES.get(routed_path(path, root or ""))
 
 
-def _to_api_error(exc: Exception) -> ApiError:
-    """The quart app's error handlers, in one function."""
-    if isinstance(exc, (ApiError, CalserveError)):
-        return from_exception(exc)
-    log.exception("internal error: %s", exc)  # genuine bugs only (tests assert none happen)
-    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+def routed_path(path: str, root_path: str) -> str:
+    """The path quart's routing matches for an ASGI ``path``/``root_path``: an absolute-form
+    target's path, less the ``root_path`` prefix (outside it: " ", no route), leading slashes
+    folded into one (werkzeug's ``MapAdapter.match``). Other differences (a doubled slash inside,
+    a trailing slash) match no route here, and quart answers them (308, 404)."""
+    if path[:1] != "/":
+        path = urlparse(path).path
+    if root_path:
+        if path == root_path or not path.startswith(root_path):
+            return " "
+        path = path[len(root_path):]
+    return "/" + path.lstrip("/")
 
 
 async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
@@ -119,7 +131,7 @@ class FastRoutes:
                 return  # the client left while sending the body: nothing to answer
             eng, prep = got
         except Exception as exc:
-            await self._send_error(send, _to_api_error(exc))
+            await self._send_error(send, to_api_error(exc))
             if not body_read[0]:
                 await _drain(receive)
             return
@@ -144,13 +156,7 @@ class FastRoutes:
         tenant = state.tenant_of(auth.decode("latin-1") if auth is not None else "")
         eng = state.engine()
         limit = state.config.server.max_body_bytes
-        if clen is not None:
-            try:
-                declared = int(clen)
-            except ValueError:
-                declared = None
-            if declared is not None and declared > limit:
-                raise _too_large(limit)
+        check_declared(clen, limit)
         parts: list[bytes] = []
         size = 0
         while True:
@@ -160,7 +166,7 @@ class FastRoutes:
                 if chunk:
                     size += len(chunk)
                     if size > limit:
-                        raise _too_large(limit)
+                        raise too_large(limit)
                     parts.append(chunk)
                 if not msg.get("more_body", False):
                     break
@@ -168,18 +174,15 @@ class FastRoutes:
                 return None
         body_read[0] = True
         data = parts[0] if len(parts) == 1 else b"".join(parts)
-        try:
-            if kind == "completion":
-                return eng, prepare_completion(eng, _COMPLETION_DEC.decode(data), tenant)
-            return eng, prepare_chat(eng, _CHAT_DEC.decode(data), tenant)
-        except msgspec.DecodeError as e:  # ValidationError is a DecodeError
-            raise msgspec_error(e) from None
+        if kind == "completion":
+            return eng, prepare_completion(eng, decode(CompletionBody, data), tenant)
+        return eng, prepare_chat(eng, decode(ChatBody, data), tenant)
 
     async def _generate(self, eng: EngineLike, prep: Prepared, send: Send) -> None:
         try:
             handle = await eng.submit(prep.request)  # admission: 429/503 raise here
         except Exception as exc:
-            await self._send_error(send, _to_api_error(exc))
+            await self._send_error(send, to_api_error(exc))
             return
         # No checkpoint between submit returning and this try: the guard owns the request until
         # run_stream's first step (or run_json) takes it over.
@@ -205,7 +208,7 @@ class FastRoutes:
             try:
                 body = await run_json(eng, metrics, prep, handle, fmt)
             except Exception as exc:  # an ErrorEvent (500/503) or a bug
-                await self._send_error(send, _to_api_error(exc))
+                await self._send_error(send, to_api_error(exc))
                 return
             await self._send_json(send, 200, encode(body), [])
         finally:
@@ -223,8 +226,3 @@ class FastRoutes:
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                  for k, v in err.headers().items()]
         await self._send_json(send, err.status, encode(err.body()), extra)
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body exceeds server.max_body_bytes ({limit})",
-                    code="request_too_large")

@@ -17,6 +17,7 @@ so the official clients raise their typed exceptions (BadRequestError, RateLimit
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Final, final
 
@@ -24,7 +25,10 @@ import msgspec
 
 from calserve import errors as E
 
-__all__ = ["ApiError", "from_exception", "error_body", "retry_after_header"]
+__all__ = ["ApiError", "from_exception", "to_api_error", "error_body", "retry_after_header",
+           "msgspec_error"]
+
+log = logging.getLogger("calserve.api")
 
 
 @final
@@ -93,6 +97,16 @@ def from_exception(exc: BaseException) -> ApiError:
         return _retryable(exc, 503, "service_unavailable", "engine_unavailable", None, 5.0)
     if isinstance(exc, E.DeviceError):
         return ApiError(500, exc.message, type="server_error", code="device_error")
+    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+
+def to_api_error(exc: BaseException) -> ApiError:
+    """The answer to a request whose handling raised ``exc``, for every route of both transports:
+    an ApiError or a calserve refusal is mapped (:func:`from_exception`); anything else is a genuine
+    bug, logged with its traceback and answered 500 ``internal_error`` (tests assert none happen)."""
+    if isinstance(exc, (ApiError, E.CalserveError)):
+        return from_exception(exc)
+    log.error("internal error: %s", exc, exc_info=exc)
     return ApiError(500, "internal server error", type="server_error", code="internal_error")
 
 

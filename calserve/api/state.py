@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Final, final
+from typing import Any, final
 
 import msgspec
 from prometheus_client import Gauge
@@ -21,12 +21,9 @@ from calserve.api.protocol import EngineLike
 from calserve.config import CalserveConfig, load_config
 from calserve.errors import AuthError, EngineError
 
-__all__ = ["ApiState", "resolve_default_packages", "GUARDS_KEY"]
+__all__ = ["ApiState", "resolve_default_packages"]
 
 log = logging.getLogger("calserve.api")
-
-# ASGI scope key: StreamGuards of the connection (see calserve.api.running.StreamGuard).
-GUARDS_KEY: Final = "calserve.stream_guards"
 
 
 @final
