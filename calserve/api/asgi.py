@@ -186,12 +186,12 @@ class FastRoutes:
             return
         # No checkpoint between submit returning and this try: the guard owns the request until
         # run_stream's first step (or run_json) takes it over.
-        guard = StreamGuard(eng, handle)
+        guard = StreamGuard(handle)
         try:
             metrics = self._state.metrics
             fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
             if prep.stream:
-                gen = run_stream(eng, metrics, prep, handle, fmt, guard, pacer=self._state.pacer)
+                gen = run_stream(metrics, prep, handle, fmt, guard, pacer=self._state.pacer)
                 try:
                     self._count(200)
                     await send({"type": "http.response.start", "status": 200,
@@ -206,7 +206,7 @@ class FastRoutes:
                 return
             guard.owned = True  # run_json's finally ends the request from its first step
             try:
-                body = await run_json(eng, metrics, prep, handle, fmt)
+                body = await run_json(metrics, prep, handle, fmt)
             except Exception as exc:  # an ErrorEvent (500/503) or a bug
                 await self._send_error(send, to_api_error(exc))
                 return

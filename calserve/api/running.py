@@ -1,13 +1,13 @@
 """Runs one accepted request for the HTTP layer: to completion (JSON) or as an SSE stream.
 
 Invariant: every request submitted here ends in exactly one of (a) its terminal event was read, or
-(b) ``engine.cancel(request_id)`` was called from a ``finally`` inside a shielded scope (client went
-away, handler cancelled, error while writing). So the engine always gets its lane back.
+(b) ``handle.aclose()`` (cancel, drop what is queued) was called from a ``finally`` inside a shielded
+scope (client went away, handler cancelled, error while writing). So the engine always gets its
+lane back.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any, Final
@@ -19,7 +19,7 @@ from calserve.api.convert import Prepared
 from calserve.api.errors import ApiError, error_body, from_exception
 from calserve.api.metrics import ApiMetrics
 from calserve.api.pacing import StreamPacer
-from calserve.api.protocol import EngineLike, HandleLike
+from calserve.api.protocol import HandleLike
 from calserve.api.render import (
     DONE, LogprobFormatter, finish_reason, merge_completion_logprobs, new_id, now_s, sse,
     usage_dict,
@@ -32,29 +32,15 @@ log = logging.getLogger("calserve.api")
 _CANCEL_TIMEOUT_S: Final = 5.0
 
 
-async def cancel_request(
-    engine: EngineLike, handle: HandleLike, events: Any, *, cancel: bool = True
-) -> None:
-    """Cancel at once (if ``cancel``) and close the event iterator, shielded: we may be running
+async def cancel_request(handle: HandleLike) -> None:
+    """Cancel at once and drop what is queued (``handle.aclose``), shielded: we may be running
     inside a cancelled scope or handling GeneratorExit after the client went away."""
     with trio.CancelScope(shield=True):
         with trio.move_on_after(_CANCEL_TIMEOUT_S):
-            if cancel:
-                try:
-                    r = engine.cancel(handle.request_id)
-                    if inspect.isawaitable(r):
-                        await r
-                    close = getattr(handle, "aclose", None)  # drop the stream's buffer too
-                    if close is not None:
-                        await close()
-                except Exception:
-                    log.exception("engine.cancel(%s) failed", handle.request_id)
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except Exception:
-                    log.exception("closing the event stream of %s failed", handle.request_id)
+            try:
+                await handle.aclose()
+            except Exception:
+                log.exception("cancelling %s failed", handle.request_id)
 
 
 class StreamGuard:
@@ -68,8 +54,7 @@ class StreamGuard:
 
     Invariant: exactly one of the generator (``owned``) or :meth:`release` ends the request."""
 
-    def __init__(self, engine: EngineLike, handle: HandleLike) -> None:
-        self._engine = engine
+    def __init__(self, handle: HandleLike) -> None:
         self._handle = handle
         self.owned = False
 
@@ -77,7 +62,7 @@ class StreamGuard:
         if self.owned:
             return
         self.owned = True
-        await cancel_request(self._engine, self._handle, None)
+        await cancel_request(self._handle)
 
 
 def error_event_to_api(ev: ErrorEvent) -> ApiError:
@@ -129,49 +114,53 @@ class _Observer:
 
 
 async def run_json(
-    engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
-    fmt: LogprobFormatter,
+    metrics: ApiMetrics, prep: Prepared, handle: HandleLike, fmt: LogprobFormatter,
 ) -> dict[str, Any]:
     """Collect the whole answer; returns the OpenAI response body (or raises ApiError)."""
     obs = _Observer(metrics, prep.alias, prep.request.tenant)
-    events = handle.events()
+    completion = prep.kind == "completion"
+    want_lps = prep.logprobs is not None
     texts: list[str] = [prep.echo_text]
     lp_parts: list[Any] = []
     terminal: FinishEvent | None = None
     finished = False
     try:
-        async for ev in events:
-            if isinstance(ev, TokenEvent):
-                obs.tokens(len(ev.token_ids))
-                texts.append(ev.text)
-                if ev.logprobs is not None and prep.logprobs is not None:
-                    lp_parts.append(fmt.completion(ev.logprobs) if prep.kind == "completion"
-                                    else fmt.chat(ev.logprobs))
-            elif isinstance(ev, FinishEvent):
+        while terminal is None:
+            batch = await handle.receive_many()
+            if not batch:  # the events ended without a terminal event (an engine bug)
+                raise ApiError(500, "the engine ended the request without a terminal event",
+                               type="server_error", code="internal_error")
+            n_tokens = 0
+            for ev in batch:
+                if isinstance(ev, TokenEvent):
+                    n_tokens += len(ev.token_ids)
+                    texts.append(ev.text)
+                    if ev.logprobs is not None and want_lps:
+                        lp_parts.append(fmt.completion(ev.logprobs) if completion
+                                        else fmt.chat(ev.logprobs))
+                    continue
                 finished = True
+                obs.tokens(n_tokens)
                 obs.end(ev)
+                if isinstance(ev, ErrorEvent):
+                    raise error_event_to_api(ev)
                 texts.append(ev.text)
                 terminal = ev
                 break
             else:
-                finished = True
-                obs.end(ev)
-                raise error_event_to_api(ev)
+                obs.tokens(n_tokens)  # one clock read and metric update per batch, not per event
     finally:
-        await cancel_request(engine, handle, events, cancel=not finished)
-    if terminal is None:
-        raise ApiError(500, "the engine ended the request without a terminal event",
-                       type="server_error", code="internal_error")
+        if not finished:
+            await cancel_request(handle)
     text = "".join(texts)
     fr = finish_reason(terminal.reason)
-    if prep.kind == "completion":
-        logprobs = merge_completion_logprobs(lp_parts) if prep.logprobs is not None else None
+    if completion:
+        logprobs = merge_completion_logprobs(lp_parts) if want_lps else None
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
                                   "finish_reason": fr}
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now_s(),
                 "model": prep.alias, "choices": [choice], "usage": usage_dict(terminal.usage)}
-    chat_lp = ({"content": [x for part in lp_parts for x in part]}
-               if prep.logprobs is not None else None)
+    chat_lp = {"content": [x for part in lp_parts for x in part]} if want_lps else None
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
             "model": prep.alias,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -180,8 +169,8 @@ async def run_json(
 
 
 async def run_stream(
-    engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
-    fmt: LogprobFormatter, guard: StreamGuard | None = None, *, pacer: StreamPacer | None = None,
+    metrics: ApiMetrics, prep: Prepared, handle: HandleLike, fmt: LogprobFormatter,
+    guard: StreamGuard | None = None, *, pacer: StreamPacer | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body. No nursery around a yield (STACK.md); cancellation on disconnect arrives at a
     yield as Cancelled/GeneratorExit and the ``finally`` cancels the request at once. From its
@@ -216,19 +205,8 @@ async def run_stream(
                else merge_completion_logprobs(lp_items))
         return enc.chunk(text, lps, None)
 
-    recv_many = getattr(handle, "receive_many", None)
-    events = None if recv_many is not None else handle.events()
-
-    async def next_one() -> list[Any]:
-        """Without ``receive_many``: one event at a time, or [] at the end."""
-        assert events is not None
-        try:
-            return [await events.__anext__()]
-        except StopAsyncIteration:
-            return []
-
     # Every event already queued (one write for all of them), or [] at the end.
-    next_batch = recv_many if recv_many is not None else next_one
+    next_batch = handle.receive_many
 
     finished = False
     broken = False  # the engine's stream raised (not a client disconnect)
@@ -303,4 +281,5 @@ async def run_stream(
         metrics.streams_active.dec()
         if not finished and not broken:
             metrics.streams_disconnected.labels(prep.alias).inc()
-        await cancel_request(engine, handle, events, cancel=not finished)
+        if not finished:
+            await cancel_request(handle)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any, final
 
 import msgspec
@@ -106,7 +107,8 @@ class ApiState:
         return self.host
 
 
-def _default_factory(config: CalserveConfig) -> Any:
+def _default_factory(config: CalserveConfig) -> AbstractAsyncContextManager[EngineLike]:
+    # Typed: mypy checks here that the real engine satisfies EngineLike (and its handle HandleLike).
     from calserve.engine.engine import Engine  # lazy: the web layer imports without the engine
 
     return Engine.open(config)
