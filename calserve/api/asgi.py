@@ -16,16 +16,17 @@ Behaviour, shared with the quart routes where both have it:
   bytes received, whichever shows it first), tenant auth (``ApiState.tenant_of``: 401 before the
   body is read), error mapping (``errors.to_api_error``: a genuine bug is logged and answered 500
   ``internal_error``), ``calserve_http_responses`` counted once per response;
-- OpenAI bodies: ``running`` (``run_json``, ``run_stream``), ``render``, ``chunks``;
+- OpenAI bodies: ``running.run_json`` (JSON) and ``running.pump_stream`` + ``stream_encoder`` (SSE);
 - disconnect: a watcher task reads ASGI ``receive`` after the body; ``http.disconnect`` (or the
   server cancelling the handler) cancels the handler scope and the engine request is cancelled at
-  once, shielded (``running.cancel_request``; STACK.md "Serving").
+  once, shielded (``running.RequestLease``; STACK.md "Serving").
 
 Cheap refusals: everything before ``engine.submit`` is what deciding needs (auth, body, decode,
 tokenize); logprob formatters, observers and chunk encoders are built only for accepted requests.
 
-Invariant: once ``engine.submit`` returned a handle, exactly one of ``run_stream``/``run_json``
-(their ``finally``) or the ``StreamGuard`` released in our ``finally`` ends the request.
+Invariant: once ``engine.submit`` returned a handle, its :class:`RequestLease` is released in
+:meth:`FastRoutes._generate`'s ``finally``: the request ended (its terminal event was read) or is
+cancelled there.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ from calserve.api.convert import Prepared, prepare_chat, prepare_completion
 from calserve.api.errors import ApiError, to_api_error
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
-from calserve.api.running import StreamGuard, run_json, run_stream
+from calserve.api.running import RequestLease, pump_stream, run_json
 from calserve.api.schemas import ChatBody, CompletionBody
 from calserve.api.state import ApiState
+from calserve.api.stream_encoder import StreamEncoder
 
 __all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES"]
 
@@ -184,35 +186,28 @@ class FastRoutes:
         except Exception as exc:
             await self._send_error(send, to_api_error(exc))
             return
-        # No checkpoint between submit returning and this try: the guard owns the request until
-        # run_stream's first step (or run_json) takes it over.
-        guard = StreamGuard(handle)
+        # No checkpoint between submit returning and this try: the lease owns the request from
+        # here; the finally releases it (cancels it unless its terminal event was read).
+        lease = RequestLease(handle)
         try:
             metrics = self._state.metrics
             fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
             if prep.stream:
-                gen = run_stream(metrics, prep, handle, fmt, guard, pacer=self._state.pacer)
-                try:
-                    self._count(200)
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": _SSE_HEADERS})
-                    async for data in gen:
-                        await send({"type": "http.response.body", "body": data,
-                                    "more_body": True})
-                    await send(_END_BODY)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await gen.aclose()  # suspended at a yield: its finally cancels
+                enc = StreamEncoder.for_request(prep, fmt)
+                self._count(200)
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": _SSE_HEADERS})
+                await pump_stream(lease, enc, send, metrics, prep, self._state.pacer)
+                await send(_END_BODY)
                 return
-            guard.owned = True  # run_json's finally ends the request from its first step
             try:
-                body = await run_json(metrics, prep, handle, fmt)
+                body = await run_json(lease, metrics, prep, fmt)
             except Exception as exc:  # an ErrorEvent (500/503) or a bug
                 await self._send_error(send, to_api_error(exc))
                 return
             await self._send_json(send, 200, encode(body), [])
         finally:
-            await guard.release()  # no-op once owned; else cancels, shielded
+            await lease.release()  # no-op once ended; else cancels, shielded
 
     async def _send_json(self, send: Send, status: int, body: bytes,
                          extra: list[tuple[bytes, bytes]]) -> None:

@@ -24,9 +24,10 @@ from typing import Any, Final, final
 import msgspec
 
 from calserve import errors as E
+from calserve.engine.types import ErrorEvent
 
-__all__ = ["ApiError", "from_exception", "to_api_error", "error_body", "retry_after_header",
-           "msgspec_error"]
+__all__ = ["ApiError", "from_exception", "to_api_error", "error_event_to_api", "error_body",
+           "retry_after_header", "msgspec_error"]
 
 log = logging.getLogger("calserve.api")
 
@@ -108,6 +109,17 @@ def to_api_error(exc: BaseException) -> ApiError:
         return from_exception(exc)
     log.error("internal error: %s", exc, exc_info=exc)
     return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+
+def error_event_to_api(ev: ErrorEvent) -> ApiError:
+    """The engine's terminal ErrorEvent as an HTTP error (a JSON answer's status, or a stream's
+    last ``data: {"error": ...}`` event)."""
+    if ev.kind in ("unavailable", "shutdown"):
+        return ApiError(503, ev.message, type="service_unavailable", code="model_unavailable",
+                        retry_after=1.0)
+    if ev.kind == "device_error":
+        return ApiError(500, ev.message, type="server_error", code="device_error")
+    return ApiError(500, ev.message, type="server_error", code="internal_error")
 
 
 def _retryable(

@@ -34,7 +34,7 @@ class HandleLike(Protocol):
     Invariant: the events are ``TokenEvent*`` then exactly one ``FinishEvent`` or ``ErrorEvent``
     (``calserve.engine.types``), whichever way they are read. The HTTP layer reads them with
     :meth:`receive_many` and, unless it read the terminal event, ends the request with
-    :meth:`aclose` (``calserve.api.running.cancel_request``)."""
+    :meth:`aclose` (``calserve.api.running.RequestLease``)."""
 
     @property
     def request_id(self) -> int | str: ...  # for logs (the engine's ids are ints, the fake's str)

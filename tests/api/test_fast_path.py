@@ -124,12 +124,13 @@ async def test_quota_refusal_is_the_same_429_mounted_or_not(harness_factory: Any
 
 async def test_refused_request_builds_no_stream_objects(harness_factory: Any,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 429 is decided before anything per-stream is built (formatter, encoder, generator)."""
+    """A 429 is decided before anything per-request is built (formatter, encoder, lease, pump)."""
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("built for a refused request")
 
     async with harness_factory(max_running=0) as h:
-        for name in ("LogprobFormatter", "run_stream", "run_json", "StreamGuard"):
+        for name in ("LogprobFormatter", "StreamEncoder", "pump_stream", "run_json",
+                     "RequestLease"):
             monkeypatch.setattr(asgi, name, boom)
         for stream in (True, False):
             status, _, _ = await _call(h, C, msgspec.json.encode(
