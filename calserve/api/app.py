@@ -3,7 +3,9 @@
 ``calserve:app`` (``hypercorn -k trio calserve:app``) is ``create_app()``: config from
 ``CALSERVE_CONFIG`` or the embedded default (software runtime + the demo package, built on first start
 into ``calserve_home()``). The lifespan runs the engine through :class:`EngineHost` (own nursery,
-explicit crash policy); the routes live in :mod:`calserve.api.routes`.
+explicit crash policy). What the routes share is :class:`~calserve.api.state.ApiState`; the two
+generation routes are raw ASGI (:mod:`calserve.api.asgi`, served from :meth:`CalserveApp.__call__`),
+the others quart routes (:mod:`calserve.api.routes`).
 """
 
 from __future__ import annotations
@@ -11,25 +13,24 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any, Final, final
+from typing import Any, Final
 
 import msgspec
 import trio
-from prometheus_client import Gauge
 from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from calserve.api.asgi import FastRoutes, fast_route
-from calserve.api.errors import ApiError, from_exception
-from calserve.api.lifecycle import EngineFactory, EngineHost
-from calserve.api.metrics import ApiMetrics
-from calserve.api.pacing import StreamPacer
-from calserve.config import CalserveConfig, load_config
-from calserve.api.protocol import EngineLike
-from calserve.errors import AuthError, CalserveError, EngineError
+from calserve.api.bodies import too_large
+from calserve.api.errors import ApiError, from_exception, to_api_error
+from calserve.api.lifecycle import EngineFactory
+from calserve.api.routes import error_response, register_routes
+from calserve.api.state import ApiState
+from calserve.config import CalserveConfig
+from calserve.errors import CalserveError
 
-__all__ = ["create_app", "ApiState", "CalserveApp", "ASYNCIO_REFUSAL", "get_state", "GUARDS_KEY"]
+__all__ = ["create_app", "ApiState", "CalserveApp", "ASYNCIO_REFUSAL", "get_state"]
 
 log = logging.getLogger("calserve.api")
 
@@ -37,111 +38,7 @@ ASYNCIO_REFUSAL: Final = (
     "calserve:app runs on Trio only: start it with `hypercorn -k trio calserve:app` "
     "(or `calserve serve`); hypercorn's default asyncio worker is not supported"
 )
-# ASGI scope key: StreamGuards of the connection (see calserve.api.running.StreamGuard).
-GUARDS_KEY: Final = "calserve.stream_guards"
 _STOP_TIMEOUT_S: Final = 4.0  # < quart-trio's 5 s background-task deadline
-
-
-@final
-class ApiState:
-    """Everything the routes need; one per app (``app.extensions['calserve']``)."""
-
-    def __init__(self, config: CalserveConfig | None, factory: EngineFactory | None,
-                 prepare: Callable[[CalserveConfig], CalserveConfig] | None) -> None:
-        self._config = config
-        self._factory = factory
-        self._prepare = prepare
-        self.host: EngineHost | None = None
-        self.metrics = ApiMetrics(self._stats)
-        self.api_keys: dict[str, str] = {}  # key -> tenant; empty = one "default" tenant
-        self.startup_error: BaseException | None = None  # why before_serving failed, if it did
-        self._pacer: StreamPacer | None = None
-        reg = self.metrics.registry
-        Gauge("calserve_stream_grouping", "1 while streams group tokens per chunk because the "
-              "serving thread is saturated (server.stream_busy_interval_ms)",
-              registry=reg).set_function(lambda: float(self._pacer is not None and self._pacer.engaged))
-        Gauge("calserve_serving_thread_busy_ratio", "(run + runnable-waiting)/wall of the serving "
-              "thread over the last pacing window (measured while streams write)",
-              registry=reg).set_function(lambda: self._pacer.busy_fraction if self._pacer else 0.0)
-
-    @property
-    def needs_thread(self) -> bool:
-        return self._factory is None
-
-    def _stats(self) -> Any:
-        return self.host.statistics() if self.host is not None else None
-
-    @property
-    def config(self) -> CalserveConfig:
-        assert self.host is not None
-        return self.host.config
-
-    @property
-    def pacer(self) -> StreamPacer:
-        """The streams' hold interval, shared by all of them (one serving thread, one load)."""
-        p = self._pacer
-        if p is None:
-            p = self._pacer = StreamPacer.from_config(self.config.server)
-        return p
-
-    def engine(self) -> EngineLike:
-        """The running engine, or EngineError (503 ``engine_unavailable``)."""
-        host = self.host
-        eng = host.engine if host is not None else None
-        if eng is None:
-            if host is not None and host.failed.is_set():
-                raise EngineError("the engine failed and is not serving; restart the server")
-            raise EngineError("the engine is not running (starting or stopping)")
-        return eng
-
-    def tenant_of(self, authorization: str) -> str:
-        """Tenant of an ``Authorization`` header value ("" = none); AuthError (401) if unknown.
-        Without configured keys everyone is the one "default" tenant."""
-        if not self.api_keys:
-            return "default"
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise AuthError("missing API key: send `Authorization: Bearer <key>`")
-        name = self.api_keys.get(key.strip())
-        if name is None:
-            raise AuthError("invalid API key")
-        return name
-
-    def build_host(self) -> EngineHost:
-        config = self._config if self._config is not None else load_config()
-        factory = self._factory
-        if factory is None:
-            factory = _default_factory
-            if self._prepare is None:
-                config = resolve_default_packages(config)
-        if self._prepare is not None:
-            config = self._prepare(config)
-        self.api_keys = {k: name for name, t in config.tenants.items() for k in t.api_keys}
-        self.host = EngineHost(config, factory)
-        return self.host
-
-
-def _default_factory(config: CalserveConfig) -> Any:
-    from calserve.engine.engine import Engine  # lazy: the web layer imports without the engine
-
-    return Engine.open(config)
-
-
-def resolve_default_packages(config: CalserveConfig) -> CalserveConfig:
-    """Models without a package use the built-in demo package, built on first start (logged)."""
-    if all(m.package is not None for m in config.models.values()):
-        return config
-    try:
-        from calserve.models.demo import ensure_demo_package
-    except ImportError:  # the engine resolves ``package: null`` itself
-        return config
-    path = ensure_demo_package()
-    log.warning("calserve: using the demo package at %s (built on first start)", path)
-    models = {
-        alias: (msgspec.structs.replace(m, package=str(path)) if m.package is None else m)
-        for alias, m in config.models.items()
-    }
-    return msgspec.structs.replace(config, models=models)
 
 
 def _trio_running() -> bool:
@@ -162,7 +59,8 @@ def _expected(exc: BaseException | None) -> bool:
 class CalserveApp(QuartTrio):
     """QuartTrio that refuses, with a clear message, to run under an asyncio ASGI server, logs
     expected refusals (CalserveError) as one line instead of a traceback, and serves the two
-    generation routes itself (``fast``, :mod:`calserve.api.asgi`) in front of quart."""
+    generation routes itself (``fast``, :mod:`calserve.api.asgi`) in front of quart, mounted or
+    not (``asgi.fast_route``)."""
 
     fast: FastRoutes | None = None  # set by create_app
 
@@ -175,25 +73,13 @@ class CalserveApp(QuartTrio):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if _trio_running():
-            if scope["type"] != "http":
-                await super().__call__(scope, receive, send)
-                return
             fast = self.fast
-            kind = fast_route(scope) if fast is not None else None
-            if kind is not None and fast is not None:
-                await fast(kind, scope, receive, send)
-                return
-            guards: list[Any] = []
-            scope = {**scope, GUARDS_KEY: guards}
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                # A streaming request whose body never started (the client left first) is
-                # cancelled here; started bodies own their request (no-op).
-                if guards:
-                    with trio.CancelScope(shield=True):
-                        for g in guards:
-                            await g.release()
+            if fast is not None and scope["type"] == "http":
+                kind = fast_route(scope)
+                if kind is not None:
+                    await fast(kind, scope, receive, send)
+                    return
+            await super().__call__(scope, receive, send)
             return
         print(f"error: {ASYNCIO_REFUSAL}", file=sys.stderr, flush=True)
         if scope["type"] == "lifespan":
@@ -217,15 +103,6 @@ def get_state(app: QuartTrio) -> ApiState:
     st = app.extensions["calserve"]
     assert isinstance(st, ApiState)
     return st
-
-
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(body), status=status, headers=headers,
-                    content_type="application/json")
-
-
-def error_response(err: ApiError) -> Response:
-    return json_response(err.body(), err.status, err.headers())
 
 
 def create_app(
@@ -266,37 +143,33 @@ def create_app(
         if state.host is not None:
             await state.host.stop(_STOP_TIMEOUT_S)
 
+    # The error mapping of the quart routes: the same function as the generation routes'.
     @app.errorhandler(ApiError)
     async def _api_error(err: ApiError) -> Response:
         return error_response(err)
 
     @app.errorhandler(CalserveError)
     async def _calserve_error(err: CalserveError) -> Response:
-        return error_response(from_exception(err))
+        return error_response(to_api_error(err))
 
     @app.errorhandler(HTTPException)
     async def _http_error(err: HTTPException) -> Response:
         code = err.code or 500
-        names = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        msg = err.description or err.name
-        if code == 413:
-            msg = f"request body exceeds server.max_body_bytes ({app.config['MAX_CONTENT_LENGTH']})"
+        if code == 413:  # quart's own MAX_CONTENT_LENGTH check, same answer as ours
+            return error_response(too_large(app.config["MAX_CONTENT_LENGTH"]))
+        names = {404: "not_found", 405: "method_not_allowed"}
         typ = "invalid_request_error" if code < 500 else "server_error"
-        return error_response(ApiError(code, msg, type=typ, code=names.get(code)))
+        return error_response(ApiError(code, err.description or err.name, type=typ,
+                                       code=names.get(code)))
 
     @app.errorhandler(Exception)
     async def _internal(err: Exception) -> Response:
-        # Genuine bugs only: tests assert this never happens for any input.
-        log.exception("internal error: %s", err)
-        return error_response(ApiError(500, "internal server error", type="server_error",
-                                       code="internal_error"))
+        return error_response(to_api_error(err))  # genuine bugs only: logged, 500
 
     @app.after_request
     async def _count(resp: Response) -> Response:
         state.metrics.responses.labels(str(resp.status_code)).inc()
         return resp
-
-    from calserve.api.routes import register_routes
 
     register_routes(app, state)
     app.fast = FastRoutes(state)

@@ -1,58 +1,58 @@
-"""Raw-ASGI fast path for ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+"""The generation routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``: raw ASGI, the
+only implementation of both.
 
-Why: under quart every streamed chunk went through quart's response machinery (request/response
-wrappers, per-chunk timeout and context handling) — about half of the server's CPU per token in
-``bench.http_floor``, and ~0.7 ms per request even for a 429. These two routes carry all the load, so
-:class:`CalserveApp` hands them to :class:`FastRoutes` straight from its ASGI ``__call__``; every
-other path, method and scope (lifespan, ``/metrics``, ``/v1/models``, a mounted ``root_path``) still
-goes to quart.
+Why raw ASGI: under quart every streamed chunk went through quart's response machinery
+(request/response wrappers, per-chunk timeout and context handling) — about half of the server's CPU
+per token in ``bench.http_floor``, and ~0.7 ms per request even for a 429. These two routes carry all
+the load, so :class:`CalserveApp` hands them to :class:`FastRoutes` straight from its ASGI
+``__call__``, also when the app is mounted (a ``root_path``): :func:`fast_route` takes exactly the
+requests quart would route to them (:func:`routed_path`). Every other path, method and scope
+(lifespan, ``/metrics``, ``/v1/models``, a GET or OPTIONS on these paths) goes to quart, which
+knows these two paths only to answer other methods like any route (405 + Allow, OPTIONS:
+:mod:`calserve.api.routes`).
 
-Same behaviour as the quart routes (their tests run unchanged through this path):
-- request decoding (``schemas``/``convert``), error mapping (``errors.from_exception``; a genuine bug
-  is logged and answered 500 ``internal_error``), OpenAI bodies (``running``/``render``/``chunks``);
-- tenant auth (401 before the body is read), body limit (413 on Content-Length or on the bytes
-  received, whichever shows it first), ``calserve_http_responses`` counted once per response;
+Behaviour, shared with the quart routes where both have it:
+- request decoding and the body limit (:mod:`calserve.api.bodies`: 413 on Content-Length or on the
+  bytes received, whichever shows it first), tenant auth (``ApiState.tenant_of``: 401 before the
+  body is read), error mapping (``errors.to_api_error``: a genuine bug is logged and answered 500
+  ``internal_error``), ``calserve_http_responses`` counted once per response;
+- OpenAI bodies: ``running.run_json`` (JSON) and ``running.pump_stream`` + ``stream_encoder`` (SSE);
 - disconnect: a watcher task reads ASGI ``receive`` after the body; ``http.disconnect`` (or the
   server cancelling the handler) cancels the handler scope and the engine request is cancelled at
-  once, shielded (``running.cancel_request``; STACK.md "Serving").
+  once, shielded (``running.RequestLease``; STACK.md "Serving").
 
 Cheap refusals: everything before ``engine.submit`` is what deciding needs (auth, body, decode,
 tokenize); logprob formatters, observers and chunk encoders are built only for accepted requests.
 
-Invariant: once ``engine.submit`` returned a handle, exactly one of ``run_stream``/``run_json``
-(their ``finally``) or the ``StreamGuard`` released in our ``finally`` ends the request.
+Invariant: once ``engine.submit`` returned a handle, its :class:`RequestLease` is released in
+:meth:`FastRoutes._generate`'s ``finally``: the request ended (its terminal event was read) or is
+cancelled there.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any, Final, Literal, final
+from typing import Any, Final, Literal, final
+from urllib.parse import urlparse
 
-import msgspec
 import trio
 
+from calserve.api.bodies import check_declared, decode, too_large
 from calserve.api.convert import Prepared, prepare_chat, prepare_completion
-from calserve.api.errors import ApiError, from_exception, msgspec_error
+from calserve.api.errors import ApiError, to_api_error
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
-from calserve.api.running import StreamGuard, run_json, run_stream
+from calserve.api.running import RequestLease, pump_stream, run_json
 from calserve.api.schemas import ChatBody, CompletionBody
-from calserve.errors import CalserveError
+from calserve.api.state import ApiState
+from calserve.api.stream_encoder import StreamEncoder
 
-if TYPE_CHECKING:
-    from calserve.api.app import ApiState
-
-__all__ = ["FastRoutes", "fast_route", "FAST_ROUTES"]
-
-log = logging.getLogger("calserve.api")
+__all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES"]
 
 Kind = Literal["completion", "chat"]
 # Exact paths served here (POST only; other methods get quart's 405/OPTIONS handling).
 FAST_ROUTES: Final[dict[str, Kind]] = {
     "/v1/completions": "completion", "/v1/chat/completions": "chat",
 }
-_COMPLETION_DEC: Final = msgspec.json.Decoder(CompletionBody)
-_CHAT_DEC: Final = msgspec.json.Decoder(ChatBody)
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
@@ -66,17 +66,29 @@ Send = Any  # ASGI send callable
 
 def fast_route(scope: Scope) -> Kind | None:
     """The route kind when ``scope`` is one of ours, else None (quart serves it)."""
-    if scope.get("method") != "POST" or scope.get("root_path"):
+    if scope.get("method") != "POST":
         return None
-    return FAST_ROUTES.get(scope.get("path", ""))
+    path = scope.get("path", "")
+    root = scope.get("root_path")
+    if not root:
+        kind = FAST_ROUTES.get(path)
+        if kind is not None:
+            return kind  # the hot case: the exact path, not mounted
+    return FAST_ROUTES.get(routed_path(path, root or ""))
 
 
-def _to_api_error(exc: Exception) -> ApiError:
-    """The quart app's error handlers, in one function."""
-    if isinstance(exc, (ApiError, CalserveError)):
-        return from_exception(exc)
-    log.exception("internal error: %s", exc)  # genuine bugs only (tests assert none happen)
-    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+def routed_path(path: str, root_path: str) -> str:
+    """The path quart's routing matches for an ASGI ``path``/``root_path``: an absolute-form
+    target's path, less the ``root_path`` prefix (outside it: " ", no route), leading slashes
+    folded into one (werkzeug's ``MapAdapter.match``). Other differences (a doubled slash inside,
+    a trailing slash) match no route here, and quart answers them (308, 404)."""
+    if path[:1] != "/":
+        path = urlparse(path).path
+    if root_path:
+        if path == root_path or not path.startswith(root_path):
+            return " "
+        path = path[len(root_path):]
+    return "/" + path.lstrip("/")
 
 
 async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
@@ -121,7 +133,7 @@ class FastRoutes:
                 return  # the client left while sending the body: nothing to answer
             eng, prep = got
         except Exception as exc:
-            await self._send_error(send, _to_api_error(exc))
+            await self._send_error(send, to_api_error(exc))
             if not body_read[0]:
                 await _drain(receive)
             return
@@ -146,13 +158,7 @@ class FastRoutes:
         tenant = state.tenant_of(auth.decode("latin-1") if auth is not None else "")
         eng = state.engine()
         limit = state.config.server.max_body_bytes
-        if clen is not None:
-            try:
-                declared = int(clen)
-            except ValueError:
-                declared = None
-            if declared is not None and declared > limit:
-                raise _too_large(limit)
+        check_declared(clen, limit)
         parts: list[bytes] = []
         size = 0
         while True:
@@ -162,7 +168,7 @@ class FastRoutes:
                 if chunk:
                     size += len(chunk)
                     if size > limit:
-                        raise _too_large(limit)
+                        raise too_large(limit)
                     parts.append(chunk)
                 if not msg.get("more_body", False):
                     break
@@ -170,48 +176,38 @@ class FastRoutes:
                 return None
         body_read[0] = True
         data = parts[0] if len(parts) == 1 else b"".join(parts)
-        try:
-            if kind == "completion":
-                return eng, prepare_completion(eng, _COMPLETION_DEC.decode(data), tenant)
-            return eng, prepare_chat(eng, _CHAT_DEC.decode(data), tenant)
-        except msgspec.DecodeError as e:  # ValidationError is a DecodeError
-            raise msgspec_error(e) from None
+        if kind == "completion":
+            return eng, prepare_completion(eng, decode(CompletionBody, data), tenant)
+        return eng, prepare_chat(eng, decode(ChatBody, data), tenant)
 
     async def _generate(self, eng: EngineLike, prep: Prepared, send: Send) -> None:
         try:
             handle = await eng.submit(prep.request)  # admission: 429/503 raise here
         except Exception as exc:
-            await self._send_error(send, _to_api_error(exc))
+            await self._send_error(send, to_api_error(exc))
             return
-        # No checkpoint between submit returning and this try: the guard owns the request until
-        # run_stream's first step (or run_json) takes it over.
-        guard = StreamGuard(eng, handle)
+        # No checkpoint between submit returning and this try: the lease owns the request from
+        # here; the finally releases it (cancels it unless its terminal event was read).
+        lease = RequestLease(handle)
         try:
             metrics = self._state.metrics
             fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
             if prep.stream:
-                gen = run_stream(eng, metrics, prep, handle, fmt, guard, pacer=self._state.pacer)
-                try:
-                    self._count(200)
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": _SSE_HEADERS})
-                    async for data in gen:
-                        await send({"type": "http.response.body", "body": data,
-                                    "more_body": True})
-                    await send(_END_BODY)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await gen.aclose()  # suspended at a yield: its finally cancels
+                enc = StreamEncoder.for_request(prep, fmt)
+                self._count(200)
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": _SSE_HEADERS})
+                await pump_stream(lease, enc, send, metrics, prep, self._state.pacer)
+                await send(_END_BODY)
                 return
-            guard.owned = True  # run_json's finally ends the request from its first step
             try:
-                body = await run_json(eng, metrics, prep, handle, fmt)
+                body = await run_json(lease, metrics, prep, fmt)
             except Exception as exc:  # an ErrorEvent (500/503) or a bug
-                await self._send_error(send, _to_api_error(exc))
+                await self._send_error(send, to_api_error(exc))
                 return
             await self._send_json(send, 200, encode(body), [])
         finally:
-            await guard.release()  # no-op once owned; else cancels, shielded
+            await lease.release()  # no-op once ended; else cancels, shielded
 
     async def _send_json(self, send: Send, status: int, body: bytes,
                          extra: list[tuple[bytes, bytes]]) -> None:
@@ -225,8 +221,3 @@ class FastRoutes:
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                  for k, v in err.headers().items()]
         await self._send_json(send, err.status, encode(err.body()), extra)
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body exceeds server.max_body_bytes ({limit})",
-                    code="request_too_large")

@@ -17,14 +17,19 @@ so the official clients raise their typed exceptions (BadRequestError, RateLimit
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Final, final
 
 import msgspec
 
 from calserve import errors as E
+from calserve.engine.types import ErrorEvent
 
-__all__ = ["ApiError", "from_exception", "error_body", "retry_after_header"]
+__all__ = ["ApiError", "from_exception", "to_api_error", "error_event_to_api", "error_body",
+           "retry_after_header", "msgspec_error"]
+
+log = logging.getLogger("calserve.api")
 
 
 @final
@@ -94,6 +99,27 @@ def from_exception(exc: BaseException) -> ApiError:
     if isinstance(exc, E.DeviceError):
         return ApiError(500, exc.message, type="server_error", code="device_error")
     return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+
+def to_api_error(exc: BaseException) -> ApiError:
+    """The answer to a request whose handling raised ``exc``, for every route of both transports:
+    an ApiError or a calserve refusal is mapped (:func:`from_exception`); anything else is a genuine
+    bug, logged with its traceback and answered 500 ``internal_error`` (tests assert none happen)."""
+    if isinstance(exc, (ApiError, E.CalserveError)):
+        return from_exception(exc)
+    log.error("internal error: %s", exc, exc_info=exc)
+    return ApiError(500, "internal server error", type="server_error", code="internal_error")
+
+
+def error_event_to_api(ev: ErrorEvent) -> ApiError:
+    """The engine's terminal ErrorEvent as an HTTP error (a JSON answer's status, or a stream's
+    last ``data: {"error": ...}`` event)."""
+    if ev.kind in ("unavailable", "shutdown"):
+        return ApiError(503, ev.message, type="service_unavailable", code="model_unavailable",
+                        retry_after=1.0)
+    if ev.kind == "device_error":
+        return ApiError(500, ev.message, type="server_error", code="device_error")
+    return ApiError(500, ev.message, type="server_error", code="internal_error")
 
 
 def _retryable(

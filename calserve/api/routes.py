@@ -1,48 +1,48 @@
-"""Routes: OpenAI completions/chat, models, tokenize/detokenize, health/ready, metrics."""
+"""The quart routes: models, tokenize/detokenize, health/ready, metrics (and the JSON responses).
+
+The generation routes (``POST /v1/completions``, ``POST /v1/chat/completions``) are served by
+:mod:`calserve.api.asgi` in front of quart; quart knows their paths only so that other methods on
+them are answered like on any route (405 with ``Allow``, automatic OPTIONS).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from calserve import errors as E
-from calserve.api.app import GUARDS_KEY, ApiState, error_response, json_response
-from calserve.api.convert import (
-    Prepared, chat_messages, check_token_ids, encode_chat, prepare_chat, prepare_completion,
-    resolve_model,
-)
-from calserve.api.errors import ApiError, msgspec_error
+from calserve.api.asgi import FAST_ROUTES
+from calserve.api.bodies import check_declared, decode, too_large
+from calserve.api.convert import chat_messages, check_token_ids, encode_chat, resolve_model
+from calserve.api.errors import ApiError
 from calserve.api.metrics import CONTENT_TYPE
-from calserve.api.protocol import EngineLike, TokenizerLike
-from calserve.api.render import LogprobFormatter
-from calserve.api.running import StreamGuard, run_json, run_stream
-from calserve.api.schemas import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody
+from calserve.api.protocol import TokenizerLike
+from calserve.api.schemas import DetokenizeBody, TokenizeBody
+from calserve.api.state import ApiState
 
-__all__ = ["register_routes"]
+__all__ = ["register_routes", "json_response", "error_response"]
 
 T = TypeVar("T")
 #: The bodies of the tokenizer routes (both name a ``model``).
 _TokBody = TypeVar("_TokBody", TokenizeBody, DetokenizeBody)
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status=status, headers=headers,
+                    content_type="application/json")
 
 
-_DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {}
+def error_response(err: ApiError) -> Response:
+    return json_response(err.body(), err.status, err.headers())
 
 
-def _decoder(kind: type[T]) -> msgspec.json.Decoder[T]:
-    d = _DECODERS.get(kind)
-    if d is None:
-        d = _DECODERS[kind] = msgspec.json.Decoder(kind)
-    return d
-
-
-for _k in (ChatBody, CompletionBody, DetokenizeBody, TokenizeBody):
-    _decoder(_k)  # build at import: a schema error fails here, not in a request
+async def _served_by_asgi() -> NoReturn:
+    """Never reached: ``CalserveApp`` hands every POST that quart would route here to
+    ``FastRoutes`` first (``asgi.fast_route`` matches as quart does)."""
+    raise RuntimeError("a generation route reached quart; calserve.api.asgi serves it")
 
 
 def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a route table
@@ -53,51 +53,14 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
 
     async def body(kind: type[T]) -> T:
         limit = state.config.server.max_body_bytes
-
-        def too_large() -> ApiError:  # the declared length and the bytes read are both checked
-            return ApiError(413, f"request body exceeds server.max_body_bytes ({limit})",
-                            code="request_too_large")
-
-        if request.content_length is not None and request.content_length > limit:
-            raise too_large()
+        check_declared(request.content_length, limit)
         data = await request.get_data(cache=False, as_text=False)
         if len(data) > limit:
-            raise too_large()
-        try:
-            return _decoder(kind).decode(data)
-        except msgspec.DecodeError as e:
-            raise msgspec_error(e) from None
+            raise too_large(limit)
+        return decode(kind, data)
 
-    async def generate(prep: Prepared) -> Response | dict[str, Any]:
-        eng = engine()
-        handle = await eng.submit(prep.request)
-        fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
-        if prep.stream:
-            guard = StreamGuard(eng, handle)
-            guards = request.scope.get(GUARDS_KEY)
-            if isinstance(guards, list):  # released by CalserveApp when the connection ends
-                guards.append(guard)
-            sse_body = run_stream(eng, state.metrics, prep, handle, fmt, guard, pacer=state.pacer)
-            resp = Response(sse_body, status=200,
-                            content_type="text/event-stream", headers=_SSE_HEADERS)
-            resp.timeout = None
-            return resp
-        return await run_json(eng, state.metrics, prep, handle, fmt)
-
-    async def openai_route(kind: type[T], prepare: Callable[[EngineLike, T, str], Prepared]) -> Any:
-        """The OpenAI generation routes: tenant, body, prepare, generate (stream or JSON)."""
-        t = tenant()
-        b = await body(kind)
-        out = await generate(prepare(engine(), b, t))
-        return out if isinstance(out, Response) else json_response(out)
-
-    @app.post("/v1/completions")
-    async def completions() -> Any:
-        return await openai_route(CompletionBody, prepare_completion)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Any:
-        return await openai_route(ChatBody, prepare_chat)
+    for path, kind in FAST_ROUTES.items():
+        app.add_url_rule(path, f"generation_{kind}", _served_by_asgi, methods=["POST"])
 
     def model_card(info: Any) -> dict[str, Any]:
         return {

@@ -1,92 +1,71 @@
 """Runs one accepted request for the HTTP layer: to completion (JSON) or as an SSE stream.
 
-Invariant: every request submitted here ends in exactly one of (a) its terminal event was read, or
-(b) ``engine.cancel(request_id)`` was called from a ``finally`` inside a shielded scope (client went
-away, handler cancelled, error while writing). So the engine always gets its lane back.
+Invariant: every request the HTTP layer submitted ends in exactly one of (a) its terminal event was
+read (:attr:`RequestLease.ended`, set by :func:`run_json` / :func:`pump_stream` as they read it), or
+(b) :meth:`RequestLease.release`, run by the handler that submitted it in its ``finally``, cancelled
+it at once inside a shielded scope (client went away, handler cancelled, error while writing, the
+engine's event stream failed). So the engine always gets its lane back.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import AsyncGenerator
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, final
 
 import trio
 
-from calserve.api.chunks import ChunkEncoder
 from calserve.api.convert import Prepared
-from calserve.api.errors import ApiError, error_body, from_exception
+from calserve.api.errors import ApiError, error_event_to_api
 from calserve.api.metrics import ApiMetrics
 from calserve.api.pacing import StreamPacer
-from calserve.api.protocol import EngineLike, HandleLike
+from calserve.api.protocol import HandleLike
 from calserve.api.render import (
-    DONE, LogprobFormatter, finish_reason, merge_completion_logprobs, new_id, now_s, sse,
-    usage_dict,
+    LogprobFormatter, finish_reason, merge_completion_logprobs, new_id, now_s, usage_dict,
 )
+from calserve.api.stream_encoder import StreamEncoder
 from calserve.engine.types import ErrorEvent, FinishEvent, TokenEvent
 
-__all__ = ["cancel_request", "run_json", "run_stream", "error_event_to_api", "StreamGuard"]
+__all__ = ["RequestLease", "cancel_request", "run_json", "pump_stream", "Send"]
 
 log = logging.getLogger("calserve.api")
 _CANCEL_TIMEOUT_S: Final = 5.0
 
+Send = Callable[[dict[str, Any]], Awaitable[None]]  # ASGI send
 
-async def cancel_request(
-    engine: EngineLike, handle: HandleLike, events: Any, *, cancel: bool = True
-) -> None:
-    """Cancel at once (if ``cancel``) and close the event iterator, shielded: we may be running
-    inside a cancelled scope or handling GeneratorExit after the client went away."""
+
+async def cancel_request(handle: HandleLike) -> None:
+    """Cancel at once and drop what is queued (``handle.aclose``), shielded: we may be running
+    inside a cancelled scope after the client went away."""
     with trio.CancelScope(shield=True):
         with trio.move_on_after(_CANCEL_TIMEOUT_S):
-            if cancel:
-                try:
-                    r = engine.cancel(handle.request_id)
-                    if inspect.isawaitable(r):
-                        await r
-                    close = getattr(handle, "aclose", None)  # drop the stream's buffer too
-                    if close is not None:
-                        await close()
-                except Exception:
-                    log.exception("engine.cancel(%s) failed", handle.request_id)
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except Exception:
-                    log.exception("closing the event stream of %s failed", handle.request_id)
+            try:
+                await handle.aclose()
+            except Exception:
+                log.exception("cancelling %s failed", handle.request_id)
 
 
-class StreamGuard:
-    """Owns an accepted streaming request until its SSE body generator starts.
+@final
+class RequestLease:
+    """An accepted request, owned by the handler that submitted it until it ended.
 
-    Why: the body generator's ``finally`` cancels the request, but it only runs once the server
-    started iterating the body. A client that goes away between "the handler returned the
-    Response" and "the body started" (e.g. while the headers are sent) cancels the connection
-    before that, so without this guard the request would run on to ``max_tokens`` holding its
-    lane. The app runs :meth:`release` (shielded) when the connection ends.
+    Why one owner: a client can go away in any window: while the response head is written (before
+    any event was read), while the pump waits for or writes an event, or while a JSON answer is
+    collected. The handler's ``finally`` covers all of them (``tests/api/test_disconnect_window.py``,
+    ``test_fast_path.test_disconnect_cancels_json_and_stream_at_once``)."""
 
-    Invariant: exactly one of the generator (``owned``) or :meth:`release` ends the request."""
+    __slots__ = ("handle", "ended")
 
-    def __init__(self, engine: EngineLike, handle: HandleLike) -> None:
-        self._engine = engine
-        self._handle = handle
-        self.owned = False
+    def __init__(self, handle: HandleLike) -> None:
+        self.handle = handle
+        self.ended = False  # its terminal event was read (or the events ended): nothing to cancel
 
     async def release(self) -> None:
-        if self.owned:
+        """Cancel the request unless it ended (idempotent; shielded)."""
+        if self.ended:
             return
-        self.owned = True
-        await cancel_request(self._engine, self._handle, None)
-
-
-def error_event_to_api(ev: ErrorEvent) -> ApiError:
-    if ev.kind in ("unavailable", "shutdown"):
-        return ApiError(503, ev.message, type="service_unavailable", code="model_unavailable",
-                        retry_after=1.0)
-    if ev.kind == "device_error":
-        return ApiError(500, ev.message, type="server_error", code="device_error")
-    return ApiError(500, ev.message, type="server_error", code="internal_error")
+        self.ended = True
+        await cancel_request(self.handle)
 
 
 class _Observer:
@@ -128,50 +107,49 @@ class _Observer:
             self._queue.observe(ev.timings.queue_s)
 
 
-async def run_json(
-    engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
-    fmt: LogprobFormatter,
-) -> dict[str, Any]:
+async def run_json(lease: RequestLease, metrics: ApiMetrics, prep: Prepared,
+                   fmt: LogprobFormatter) -> dict[str, Any]:
     """Collect the whole answer; returns the OpenAI response body (or raises ApiError)."""
     obs = _Observer(metrics, prep.alias, prep.request.tenant)
-    events = handle.events()
+    receive_many = lease.handle.receive_many
+    completion = prep.kind == "completion"
+    want_lps = prep.logprobs is not None
     texts: list[str] = [prep.echo_text]
     lp_parts: list[Any] = []
     terminal: FinishEvent | None = None
-    finished = False
-    try:
-        async for ev in events:
+    while terminal is None:
+        batch = await receive_many()
+        if not batch:  # the events ended without a terminal event (an engine bug)
+            raise ApiError(500, "the engine ended the request without a terminal event",
+                           type="server_error", code="internal_error")
+        n_tokens = 0
+        for ev in batch:
             if isinstance(ev, TokenEvent):
-                obs.tokens(len(ev.token_ids))
+                n_tokens += len(ev.token_ids)
                 texts.append(ev.text)
-                if ev.logprobs is not None and prep.logprobs is not None:
-                    lp_parts.append(fmt.completion(ev.logprobs) if prep.kind == "completion"
+                if ev.logprobs is not None and want_lps:
+                    lp_parts.append(fmt.completion(ev.logprobs) if completion
                                     else fmt.chat(ev.logprobs))
-            elif isinstance(ev, FinishEvent):
-                finished = True
-                obs.end(ev)
-                texts.append(ev.text)
-                terminal = ev
-                break
-            else:
-                finished = True
-                obs.end(ev)
+                continue
+            lease.ended = True
+            obs.tokens(n_tokens)
+            obs.end(ev)
+            if isinstance(ev, ErrorEvent):
                 raise error_event_to_api(ev)
-    finally:
-        await cancel_request(engine, handle, events, cancel=not finished)
-    if terminal is None:
-        raise ApiError(500, "the engine ended the request without a terminal event",
-                       type="server_error", code="internal_error")
+            texts.append(ev.text)
+            terminal = ev
+            break
+        else:
+            obs.tokens(n_tokens)  # one clock read and metric update per batch, not per event
     text = "".join(texts)
     fr = finish_reason(terminal.reason)
-    if prep.kind == "completion":
-        logprobs = merge_completion_logprobs(lp_parts) if prep.logprobs is not None else None
+    if completion:
+        logprobs = merge_completion_logprobs(lp_parts) if want_lps else None
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
                                   "finish_reason": fr}
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now_s(),
                 "model": prep.alias, "choices": [choice], "usage": usage_dict(terminal.usage)}
-    chat_lp = ({"content": [x for part in lp_parts for x in part]}
-               if prep.logprobs is not None else None)
+    chat_lp = {"content": [x for part in lp_parts for x in part]} if want_lps else None
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
             "model": prep.alias,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -179,13 +157,12 @@ async def run_json(
             "usage": usage_dict(terminal.usage)}
 
 
-async def run_stream(
-    engine: EngineLike, metrics: ApiMetrics, prep: Prepared, handle: HandleLike,
-    fmt: LogprobFormatter, guard: StreamGuard | None = None, *, pacer: StreamPacer | None = None,
-) -> AsyncGenerator[bytes, None]:
-    """The SSE body. No nursery around a yield (STACK.md); cancellation on disconnect arrives at a
-    yield as Cancelled/GeneratorExit and the ``finally`` cancels the request at once. From its
-    first step (no checkpoint before the ``try``) this generator owns the request, not ``guard``.
+async def pump_stream(lease: RequestLease, enc: StreamEncoder, send: Send, metrics: ApiMetrics,
+                      prep: Prepared, pacer: StreamPacer | None = None) -> None:
+    """The SSE body, after the response head: read the handle's events, encode (``enc``), write one
+    ASGI body message per batch. Returns when the stream ended (terminal event, end of the events,
+    or the engine's event stream failed); a disconnect arrives as ``trio.Cancelled`` from a read, a
+    hold or a write (the handler cancels the request: :meth:`RequestLease.release`).
 
     After a token chunk is written, the next read waits until the hold interval has passed, so the
     tokens produced meanwhile go out as one chunk: ``pacer.interval()`` (the server's
@@ -197,110 +174,41 @@ async def run_stream(
         """When the read after the chunk just written may happen (0: at once)."""
         hold = pacer.interval() if pacer is not None else 0.0
         return trio.current_time() + hold if hold else 0.0
-    if guard is not None:
-        if guard.owned:  # released already: the connection ended before the body started
-            return
-        guard.owned = True
+
     obs = _Observer(metrics, prep.alias, prep.request.tenant)
-    chat = prep.kind == "chat"
-    enc = ChunkEncoder(chat=chat, rid=new_id("chatcmpl" if chat else "cmpl"), created=now_s(),
-                       model=prep.alias, include_usage=prep.include_usage)
-    want_lps = prep.logprobs is not None
-
-    def token_chunk(texts: list[str], lp_items: list[Any]) -> bytes:
-        """One chunk for several token events, or b"" when they add neither text nor logprobs."""
-        text = texts[0] if len(texts) == 1 else "".join(texts)
-        if not lp_items:
-            return enc.text(text) if text else b""
-        lps = ([x for part in lp_items for x in part] if chat
-               else merge_completion_logprobs(lp_items))
-        return enc.chunk(text, lps, None)
-
-    recv_many = getattr(handle, "receive_many", None)
-    events = None if recv_many is not None else handle.events()
-
-    async def next_one() -> list[Any]:
-        """Without ``receive_many``: one event at a time, or [] at the end."""
-        assert events is not None
-        try:
-            return [await events.__anext__()]
-        except StopAsyncIteration:
-            return []
-
-    # Every event already queued (one write for all of them), or [] at the end.
-    next_batch = recv_many if recv_many is not None else next_one
-
-    finished = False
+    receive_many = lease.handle.receive_many
+    encode = enc.encode
     broken = False  # the engine's stream raised (not a client disconnect)
     metrics.streams_active.inc()
     try:
-        if chat:
-            yield enc.chunk("", None, None, role=True)
-        if prep.echo_text:
-            yield enc.text(prep.echo_text)
+        out = enc.opening()
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
         hold_until = 0.0  # no read before this (0: the first token is never held)
-        while not finished:
+        while True:
             if hold_until:
                 await trio.sleep_until(hold_until)
                 hold_until = 0.0
             try:
-                batch = await next_batch()
+                batch = await receive_many()
             except Exception as exc:  # an engine bug: still one terminal event for the client
-                log.exception("the event stream of %s failed", handle.request_id)
-                err = from_exception(exc)
-                broken = True  # not ``finished``: the finally cancels the request
-                yield sse(error_body(err.message, err.type, err.param, err.code))
-                break
-            if len(batch) == 1 and not want_lps:
-                ev = batch[0]
-                if type(ev) is TokenEvent:  # the hot path: tokens, nothing else
-                    obs.tokens(len(ev.token_ids))
-                    if ev.text:
-                        yield enc.text(ev.text)
-                        hold_until = held_until()
-                    continue
-            if not batch:
-                finished = True  # stream ended without a terminal event: an engine bug
-                yield sse(error_body("the engine ended the request without a terminal event",
-                                     "server_error", None, "internal_error"))
-                break
-            # Invariant: the token events of one batch become ONE chunk (their texts and logprobs
-            # concatenated), written before the terminal's chunk; a batch adding no text and no
-            # logprobs (a partial UTF-8 character, text held back for a stop string) sends nothing.
-            texts: list[str] = []
-            lp_items: list[Any] = []
-            n_tokens = 0
-            terminal: FinishEvent | ErrorEvent | None = None
-            for ev in batch:
-                if isinstance(ev, TokenEvent):
-                    n_tokens += len(ev.token_ids)
-                    texts.append(ev.text)
-                    if want_lps and ev.logprobs:
-                        lp_items.append(fmt.chat(ev.logprobs) if chat
-                                        else fmt.completion(ev.logprobs))
-                    continue
-                terminal = ev
-                break
-            obs.tokens(n_tokens)  # one clock read and metric update per batch, not per event
-            out = token_chunk(texts, lp_items) if texts else b""
-            if terminal is not None:
-                finished = True
-                obs.end(terminal)
-                if isinstance(terminal, FinishEvent):
-                    out += enc.chunk(terminal.text if (terminal.text or not chat) else None, None,
-                                     finish_reason(terminal.reason))
-                    if prep.include_usage:
-                        out += enc.usage(terminal.usage)
-                    out += DONE
-                else:
-                    err = error_event_to_api(terminal)
-                    out += sse(error_body(err.message, err.type, err.param, err.code))
+                log.exception("the event stream of %s failed", lease.handle.request_id)
+                broken = True  # not ``ended``: the handler cancels the request
+                await send({"type": "http.response.body", "body": enc.failure(exc),
+                            "more_body": True})
+                return
+            out = encode(batch)
+            obs.tokens(enc.tokens)  # one clock read and metric update per batch, not per event
+            if enc.finished:
+                lease.ended = True
+                if enc.terminal is not None:
+                    obs.end(enc.terminal)
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+                return
             if out:
-                yield out  # coalesced: one write per batch of queued events
-                if not finished:
-                    hold_until = held_until()
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+                hold_until = held_until()
     finally:
         metrics.streams_active.dec()
-        if not finished and not broken:
+        if not enc.finished and not broken:
             metrics.streams_disconnected.labels(prep.alias).inc()
-        await cancel_request(engine, handle, events, cancel=not finished)

@@ -61,9 +61,14 @@ class _Req:
 
 
 class FakeHandle:
+    """The full handle protocol (``calserve.api.protocol.HandleLike``); ``receive_many`` hands one
+    event per read (an engine that never has several queued)."""
+
     def __init__(self, r: _Req, engine: FakeEngine) -> None:
         self._r = r
         self._engine = engine
+        self._done = False  # the terminal event was handed out, or aclose()
+        self._cancelled = False
 
     @property
     def request_id(self) -> str:
@@ -75,16 +80,26 @@ class FakeHandle:
             if isinstance(ev, (FinishEvent, ErrorEvent)):
                 return
 
+    async def receive_many(self) -> list[Event]:
+        if self._done:
+            return []
+        ev = await self._r.recv.receive()
+        self._done = isinstance(ev, (FinishEvent, ErrorEvent))
+        return [ev]
+
     def cancel(self) -> None:
+        self._cancelled = True
         self._engine.cancel(self._r.rid)
+
+    async def aclose(self) -> None:
+        """Like the real handle: the consumer is gone, cancel (once) and drop the stream."""
+        if not self._cancelled:
+            self.cancel()
+        self._done = True
 
 
 class FakeCoalescingHandle(FakeHandle):
-    """Also offers ``receive_many`` (like the real RequestHandle): everything queued at once."""
-
-    def __init__(self, r: _Req, engine: FakeEngine) -> None:
-        super().__init__(r, engine)
-        self._done = False
+    """``receive_many`` hands everything queued at once (like the real RequestHandle)."""
 
     async def receive_many(self) -> list[Event]:
         if self._done:

@@ -1,7 +1,7 @@
 """Disconnect in every window: a client that goes away after its streaming request was accepted
 but before the SSE body started (headers not yet sent) still cancels the engine request at once.
-Without a guard the body generator never runs, so its ``finally`` never cancels, and the request
-would hold its lane until max_tokens."""
+No event has been read in that window, so only the handler's ``RequestLease`` can cancel it;
+without it the request would hold its lane until max_tokens."""
 
 from __future__ import annotations
 

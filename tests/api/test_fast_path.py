@@ -1,14 +1,18 @@
-"""The raw-ASGI generation routes (calserve.api.asgi) behave exactly like the quart routes.
+"""The generation routes (calserve.api.asgi, their one implementation) answer exactly as the quart
+routes did, mounted or not.
 
-The quart routes are still there: a scope with a ``root_path`` (a mounted app) is served by quart, so
-the same request can be sent both ways and the answers compared byte for byte (ids and timestamps
-normalised). Also: refusals before the body is read, disconnects in every phase, one response count
-per request, and nothing built for a request the engine refuses.
+The quart generation routes were the reference: their answers to CASES are recorded in
+``generation_golden.json`` and every case is compared byte for byte (ids and timestamps normalised),
+sent plainly and to the app mounted under a ``root_path`` (which quart used to serve). Also: refusals
+before the body is read, disconnects in every phase, one response count per request, nothing built
+for a request the engine refuses, and what still goes to quart.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -22,7 +26,7 @@ from .sse_util import send_and_read
 
 C = "/v1/completions"
 CHAT = "/v1/chat/completions"
-ROOT = "/mnt"  # quart serves scopes with a root_path: the reference path
+ROOT = "/mnt"  # the app mounted under a root_path (quart's routing rules apply to the path)
 
 _IDS = re.compile(rb'"id":"(cmpl|chatcmpl)-[0-9a-f]{24}"')
 _CREATED = re.compile(rb'"created":\d+')
@@ -32,11 +36,11 @@ def _norm(raw: bytes) -> bytes:
     return _CREATED.sub(b'"created":0', _IDS.sub(rb'"id":"\1-x"', raw))
 
 
-async def _call(h: Harness, path: str, body: bytes, *, quart: bool,
+async def _call(h: Harness, path: str, body: bytes, *, mounted: bool,
                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    """POST ``body`` (read while it is produced) via the fast path or via quart."""
-    conn = h.client.request(path=(ROOT + path) if quart else path, method="POST",
-                            root_path=ROOT if quart else "",
+    """POST ``body`` (read while it is produced) to the app, or to it mounted under ROOT."""
+    conn = h.client.request(path=(ROOT + path) if mounted else path, method="POST",
+                            root_path=ROOT if mounted else "",
                             headers={"content-type": "application/json", **(headers or {})})
     c, raw = await send_and_read(conn, body)
     assert c.status_code is not None and c.headers is not None
@@ -66,13 +70,14 @@ CASES: list[tuple[str, Any]] = [
 
 
 @pytest.mark.parametrize("path,body", CASES)
-async def test_fast_path_answers_exactly_like_quart(harness_factory: Any, autojump_clock: Any,
-                                                    path: str, body: Any) -> None:
+async def test_mounted_answers_exactly_like_unmounted(harness_factory: Any,
+                                                     autojump_clock: Any, path: str,
+                                                     body: Any) -> None:
     data = body if isinstance(body, bytes) else msgspec.json.encode(body)
     answers = []
-    for quart in (False, True):
+    for mounted in (False, True):
         async with harness_factory(token_delay=0.01, coalesce=True) as h:
-            status, headers, raw = await _call(h, path, data, quart=quart)
+            status, headers, raw = await _call(h, path, data, mounted=mounted)
             text = await (await h.client.get("/metrics")).get_data(as_text=True)
             counted = re.findall(r'calserve_http_responses_total\{outcome="(\d+)"\} 1\.0', text)
             answers.append((status, headers, _norm(raw), counted))
@@ -81,11 +86,36 @@ async def test_fast_path_answers_exactly_like_quart(harness_factory: Any, autoju
     assert answers[0][3] == [str(answers[0][0])]  # exactly one response counted
 
 
-async def test_quota_refusal_is_the_same_429_both_ways(harness_factory: Any) -> None:
+#: The answers to CASES as the quart routes (the reference implementation then) gave them, recorded
+#: before the generation routes became one raw-ASGI path: status, the headers above, the body
+#: (ids and timestamps normalised) and the response counted. Both engine handle kinds: one that
+#: hands everything queued at once (``receive_many``) and one that hands one event per read.
+GOLDEN = json.loads((Path(__file__).parent / "generation_golden.json").read_text())
+
+
+@pytest.mark.parametrize("coalesce", [True, False], ids=["receive_many", "one_by_one"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+async def test_answers_are_the_recorded_reference(harness_factory: Any, autojump_clock: Any,
+                                                  case: int, coalesce: bool) -> None:
+    path, body = CASES[case]
+    data = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    want = GOLDEN["receive_many" if coalesce else "one_by_one"][case]
+    for mounted in (False, True):
+        async with harness_factory(token_delay=0.01, coalesce=coalesce) as h:
+            status, headers, raw = await _call(h, path, data, mounted=mounted)
+            text = await (await h.client.get("/metrics")).get_data(as_text=True)
+            counted = re.findall(r'calserve_http_responses_total\{outcome="(\d+)"\} 1\.0', text)
+            got = {"status": status, "headers": headers, "raw": _norm(raw).decode(),
+                   "counted": counted}
+            assert got == want, (mounted, got)
+            assert h.engine.active == {}
+
+
+async def test_quota_refusal_is_the_same_429_mounted_or_not(harness_factory: Any) -> None:
     answers = []
-    for quart in (False, True):
+    for mounted in (False, True):
         async with harness_factory(max_running=0) as h:
-            answers.append(await _call(h, C, b'{"prompt": "x", "stream": true}', quart=quart))
+            answers.append(await _call(h, C, b'{"prompt": "x", "stream": true}', mounted=mounted))
     assert answers[0] == answers[1]
     status, headers, raw = answers[0]
     assert status == 429 and headers["retry-after"] == "2"
@@ -94,16 +124,17 @@ async def test_quota_refusal_is_the_same_429_both_ways(harness_factory: Any) -> 
 
 async def test_refused_request_builds_no_stream_objects(harness_factory: Any,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 429 is decided before anything per-stream is built (formatter, encoder, generator)."""
+    """A 429 is decided before anything per-request is built (formatter, encoder, lease, pump)."""
     def boom(*a: Any, **k: Any) -> Any:
         raise AssertionError("built for a refused request")
 
     async with harness_factory(max_running=0) as h:
-        for name in ("LogprobFormatter", "run_stream", "run_json", "StreamGuard"):
+        for name in ("LogprobFormatter", "StreamEncoder", "pump_stream", "run_json",
+                     "RequestLease"):
             monkeypatch.setattr(asgi, name, boom)
         for stream in (True, False):
             status, _, _ = await _call(h, C, msgspec.json.encode(
-                {"prompt": "x", "stream": stream, "logprobs": 2}), quart=False)
+                {"prompt": "x", "stream": stream, "logprobs": 2}), mounted=False)
             assert status == 429
 
 
@@ -111,13 +142,13 @@ async def test_auth_is_checked_before_the_body_is_read(harness_factory: Any) -> 
     cfg = make_config(tenants={"a": {"api_keys": ["ka"]}}, server={"max_body_bytes": 100})
     async with harness_factory(cfg) as h:
         big = msgspec.json.encode({"prompt": "x" * 500})
-        for quart in (False, True):
-            status, _, raw = await _call(h, C, big, quart=quart)
+        for mounted in (False, True):
+            status, _, raw = await _call(h, C, big, mounted=mounted)
             assert status == 401, raw
-            status, _, raw = await _call(h, C, big, quart=quart,
+            status, _, raw = await _call(h, C, big, mounted=mounted,
                                          headers={"Authorization": "Bearer ka"})
             assert status == 413 and b"max_body_bytes (100)" in raw
-            status, _, _ = await _call(h, C, b'{"prompt": "x", "max_tokens": 2}', quart=quart,
+            status, _, _ = await _call(h, C, b'{"prompt": "x", "max_tokens": 2}', mounted=mounted,
                                        headers={"Authorization": "Bearer ka"})
             assert status == 200
         assert [r.tenant for r in h.engine.submitted] == ["a", "a"]
@@ -182,3 +213,33 @@ async def test_other_methods_and_paths_still_go_to_quart(h: Harness) -> None:
     assert asgi.fast_route({"method": "POST", "path": CHAT}) == "chat"
     assert asgi.fast_route({"method": "GET", "path": C}) is None
     assert asgi.fast_route({"method": "POST", "path": C, "root_path": "/x"}) is None
+
+
+async def test_mounted_paths_are_routed_as_quart_routes_them(h: Harness) -> None:
+    """Under a ``root_path`` the generation routes are found where quart finds routes: the path
+    less the prefix; outside the prefix there is no route; other methods still get quart's 405."""
+    fr = asgi.fast_route
+    assert fr({"method": "POST", "path": "/x" + C, "root_path": "/x"}) == "completion"
+    assert fr({"method": "POST", "path": "/x/y" + CHAT, "root_path": "/x/y"}) == "chat"
+    assert fr({"method": "POST", "path": "/x", "root_path": "/x"}) is None
+    assert fr({"method": "POST", "path": "/xx" + C, "root_path": "/x/"}) is None
+    assert fr({"method": "POST", "path": "http://h:1" + C}) == "completion"  # absolute form
+    assert fr({"method": "POST", "path": "http://h:1/x" + C, "root_path": "/x"}) == "completion"
+    # werkzeug folds leading slashes (what quart then routes), but not inner ones (a 308)
+    assert fr({"method": "POST", "path": "//" + C}) == "completion"
+    assert fr({"method": "POST", "path": "/x//" + C, "root_path": "/x"}) == "completion"
+    assert fr({"method": "POST", "path": "/x" + CHAT, "root_path": "/x/"}) == "chat"
+    assert fr({"method": "POST", "path": "/v1//completions"}) is None
+    assert fr({"method": "POST", "path": C, "root_path": "/v1"}) is None  # "/completions"
+    ok = {"prompt": "x", "max_tokens": 2}
+    r = await h.client.post(ROOT + C, json=ok, root_path=ROOT)
+    assert r.status_code == 200 and (await r.get_json())["choices"][0]["text"]
+    assert (await h.client.post(C, json=ok, root_path=ROOT)).status_code == 404  # outside it
+    r = await h.client.get(ROOT + CHAT, root_path=ROOT)
+    assert r.status_code == 405 and (await r.get_json())["error"]["code"] == "method_not_allowed"
+    r = await h.client.options(C)
+    assert r.status_code == 200 and "POST" in r.headers["Allow"]
+    r = await h.client.post("/v1//completions", json=ok)
+    assert r.status_code == 308 and r.headers["Location"].endswith(C)  # quart's redirect
+    r = await h.client.post("//" + C, json=ok)
+    assert r.status_code == 200 and (await r.get_json())["choices"][0]["text"]

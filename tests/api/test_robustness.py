@@ -85,15 +85,29 @@ async def test_chunked_body_over_limit_is_413(harness_factory: Any) -> None:
 
 
 class _BrokenHandle:
-    """An engine stream that raises after one token (an engine bug / a lost device thread)."""
+    """An engine stream that raises after one token (an engine bug / a lost device thread); the
+    rest of the handle protocol is the fake's."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.request_id = inner.request_id
+        self._reads = 0
 
     async def events(self) -> AsyncIterator[Any]:
         yield TokenEvent((97,), "a")
         raise RuntimeError("engine stream broke")
+
+    async def receive_many(self) -> list[Any]:
+        self._reads += 1
+        if self._reads == 1:
+            return [TokenEvent((97,), "a")]
+        raise RuntimeError("engine stream broke")
+
+    def cancel(self) -> None:
+        self._inner.cancel()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 async def test_engine_stream_failure_is_an_error_event(harness_factory: Any) -> None:

@@ -1,0 +1,131 @@
+"""What every route of both transports needs, one per app: :class:`ApiState`.
+
+The quart app (:mod:`calserve.api.app`), its routes (:mod:`calserve.api.routes`) and the raw-ASGI
+generation routes (:mod:`calserve.api.asgi`) all work on this one object: the engine host, the
+metrics, the tenants' keys and the stream pacer. It imports none of them (no import circles).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, final
+
+import msgspec
+from prometheus_client import Gauge
+
+from calserve.api.lifecycle import EngineFactory, EngineHost
+from calserve.api.metrics import ApiMetrics
+from calserve.api.pacing import StreamPacer
+from calserve.api.protocol import EngineLike
+from calserve.config import CalserveConfig, load_config
+from calserve.errors import AuthError, EngineError
+
+__all__ = ["ApiState", "resolve_default_packages"]
+
+log = logging.getLogger("calserve.api")
+
+
+@final
+class ApiState:
+    """Everything the routes need; one per app (``app.extensions['calserve']``)."""
+
+    def __init__(self, config: CalserveConfig | None, factory: EngineFactory | None,
+                 prepare: Callable[[CalserveConfig], CalserveConfig] | None) -> None:
+        self._config = config
+        self._factory = factory
+        self._prepare = prepare
+        self.host: EngineHost | None = None
+        self.metrics = ApiMetrics(self._stats)
+        self.api_keys: dict[str, str] = {}  # key -> tenant; empty = one "default" tenant
+        self.startup_error: BaseException | None = None  # why before_serving failed, if it did
+        self._pacer: StreamPacer | None = None
+        reg = self.metrics.registry
+        Gauge("calserve_stream_grouping", "1 while streams group tokens per chunk because the "
+              "serving thread is saturated (server.stream_busy_interval_ms)",
+              registry=reg).set_function(lambda: float(self._pacer is not None and self._pacer.engaged))
+        Gauge("calserve_serving_thread_busy_ratio", "(run + runnable-waiting)/wall of the serving "
+              "thread over the last pacing window (measured while streams write)",
+              registry=reg).set_function(lambda: self._pacer.busy_fraction if self._pacer else 0.0)
+
+    @property
+    def needs_thread(self) -> bool:
+        return self._factory is None
+
+    def _stats(self) -> Any:
+        return self.host.statistics() if self.host is not None else None
+
+    @property
+    def config(self) -> CalserveConfig:
+        assert self.host is not None
+        return self.host.config
+
+    @property
+    def pacer(self) -> StreamPacer:
+        """The streams' hold interval, shared by all of them (one serving thread, one load)."""
+        p = self._pacer
+        if p is None:
+            p = self._pacer = StreamPacer.from_config(self.config.server)
+        return p
+
+    def engine(self) -> EngineLike:
+        """The running engine, or EngineError (503 ``engine_unavailable``)."""
+        host = self.host
+        eng = host.engine if host is not None else None
+        if eng is None:
+            if host is not None and host.failed.is_set():
+                raise EngineError("the engine failed and is not serving; restart the server")
+            raise EngineError("the engine is not running (starting or stopping)")
+        return eng
+
+    def tenant_of(self, authorization: str) -> str:
+        """Tenant of an ``Authorization`` header value ("" = none); AuthError (401) if unknown.
+        Without configured keys everyone is the one "default" tenant. The one auth rule of every
+        route (both transports)."""
+        if not self.api_keys:
+            return "default"
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthError("missing API key: send `Authorization: Bearer <key>`")
+        name = self.api_keys.get(key.strip())
+        if name is None:
+            raise AuthError("invalid API key")
+        return name
+
+    def build_host(self) -> EngineHost:
+        config = self._config if self._config is not None else load_config()
+        factory = self._factory
+        if factory is None:
+            factory = _default_factory
+            if self._prepare is None:
+                config = resolve_default_packages(config)
+        if self._prepare is not None:
+            config = self._prepare(config)
+        self.api_keys = {k: name for name, t in config.tenants.items() for k in t.api_keys}
+        self.host = EngineHost(config, factory)
+        return self.host
+
+
+def _default_factory(config: CalserveConfig) -> AbstractAsyncContextManager[EngineLike]:
+    # Typed: mypy checks here that the real engine satisfies EngineLike (and its handle HandleLike).
+    from calserve.engine.engine import Engine  # lazy: the web layer imports without the engine
+
+    return Engine.open(config)
+
+
+def resolve_default_packages(config: CalserveConfig) -> CalserveConfig:
+    """Models without a package use the built-in demo package, built on first start (logged)."""
+    if all(m.package is not None for m in config.models.values()):
+        return config
+    try:
+        from calserve.models.demo import ensure_demo_package
+    except ImportError:  # the engine resolves ``package: null`` itself
+        return config
+    path = ensure_demo_package()
+    log.warning("calserve: using the demo package at %s (built on first start)", path)
+    models = {
+        alias: (msgspec.structs.replace(m, package=str(path)) if m.package is None else m)
+        for alias, m in config.models.items()
+    }
+    return msgspec.structs.replace(config, models=models)
