@@ -51,7 +51,6 @@ async def _run(tok: Any, steps: int, inline: bool) -> float:
     from calserve.api.convert import Prepared
     from calserve.api.metrics import ApiMetrics
     from calserve.api.render import LogprobFormatter
-    from calserve.api.running import run_stream
     from calserve.engine.actor import open_actor_inbox, run_actor
     from calserve.engine.state import Admitted, End, Tokens
     from calserve.engine.stream import StreamWriter
@@ -69,25 +68,32 @@ async def _run(tok: Any, steps: int, inline: bool) -> float:
         def done(self, seq: object, outcome: str) -> None:
             pass
 
-    class Handle:
+    class Handle:  # calserve.api.protocol.HandleLike over one StreamWriter
         request_id = 1
 
         def __init__(self, w: StreamWriter) -> None:
             self.receive_many = w.receive_many
             self._w = w
 
+        def events(self) -> Any:
+            return self._w.__aiter__()
+
+        def cancel(self) -> None:
+            pass
+
         async def aclose(self) -> None:
             await self._w.aclose()
 
-    class Engine:
-        def cancel(self, rid: int) -> None:
-            pass
+    from calserve.api.running import RequestLease, pump_stream
+    from calserve.api.stream_encoder import StreamEncoder
+
+    async def asgi_send(message: dict[str, Any]) -> None:
+        await trio.lowlevel.checkpoint()  # the socket write
 
     async def consume(w: StreamWriter) -> None:
-        gen = run_stream(Engine(), metrics, prep, Handle(w), LogprobFormatter(tok))  # type: ignore[arg-type]
-        async for data in gen:
-            _ = {"type": "http.response.body", "body": data, "more_body": True}
-            await trio.lowlevel.checkpoint()  # the socket write
+        lease = RequestLease(Handle(w))
+        enc = StreamEncoder.for_request(prep, LogprobFormatter(tok))
+        await pump_stream(lease, enc, asgi_send, metrics, prep)
 
     rng = random.Random(0)
     async with trio.open_nursery() as nursery:
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         base = trio.run(_producer_only, a.steps, vocab)
         best = min(best, (dt - base) / (STREAMS * a.steps) * 1e6)
     print(f"{Path(__file__).stem} inbox={a.inbox}: {best:.2f} µs CPU per token "
-          f"(actor + StreamWriter + run_stream + metrics; {STREAMS} streams, B{BATCH})")
+          f"(actor + StreamWriter + pump_stream + metrics; {STREAMS} streams, B{BATCH})")
     return 0
 
 
