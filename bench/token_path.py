@@ -5,7 +5,7 @@
 A dispatcher-like producer delivers one ``Tokens`` message per stream per decode step (64 streams,
 B16 batches, a checkpoint after each batch, like the executor), each to a real request actor
 (:func:`calserve.engine.actor.run_actor`) whose :class:`~calserve.engine.stream.StreamWriter` is read
-by the real SSE body generator (:func:`calserve.api.running.run_stream`, with metrics) and a fake
+by the real SSE pump (:func:`calserve.api.running.pump_stream` with its :class:`~calserve.api.stream_encoder.StreamEncoder`, with metrics) and a fake
 ASGI ``send`` (one checkpoint, as hypercorn's socket write). Token ids are random ids of the demo
 tokenizer (like null compute). Prints server CPU µs per token (process time, producer loop
 subtracted; min over ``--reps``).
