@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from calserve.config import CalserveConfig
 from calserve.core.kv_state import KvSequenceState
@@ -48,7 +48,10 @@ from calserve.runtime.types import JobEngine, JobStatus
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation, ModelManager
 
-__all__ = ["EngineCore", "FastStep"]
+__all__ = ["EngineCore", "FastStep", "NOTHING"]
+
+#: The output of a call that asks nothing of the shells (never mutated: shells only read outputs).
+NOTHING: Final = CoreOutput()
 
 log = logging.getLogger("calserve.engine.core")
 
@@ -114,10 +117,13 @@ class EngineCore:
 
     def _take(self) -> CoreOutput:
         st = self.st
-        out, st.out = st.out, CoreOutput()
+        out = st.out
         if self.requests.wake:
             self.requests.wake = False
             out.wake = True
+        elif not (out.jobs or out.faults or out.release_gens) and out.timer == math.inf:
+            return NOTHING  # the common per-token answer: no new record on the hot path
+        st.out = CoreOutput()
         return out
 
     def _pass(self, now: float) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.prefill import QueueClass
-from calserve.core.request_state import RUNNING, RequestEvent, RequestState, fire
+from calserve.core.request_state import RUNNING, TRANSITIONS, RequestEvent, RequestState, fire
 from calserve.engine.state import Admitted, End, Release, Seq
 from calserve.engine.types import ErrorEvent, FinishReason
 
@@ -152,7 +152,10 @@ class RequestTable:
     def set_ready(self, seq: Seq, now: float, event: RequestEvent) -> None:
         """Decode-ready after its job: ``PREFILL_DONE`` / ``DECODE_DONE`` (a token came back) or
         ``REQUEUE`` (the device refused a decode job with DeviceBusy)."""
-        seq.state = fire(seq.state, event)
+        nxt = TRANSITIONS[seq.state].get(event)  # fire() inlined: once per token per sequence
+        if nxt is None:
+            fire(seq.state, event)  # raises IllegalTransition naming the move
+        seq.state = nxt  # type: ignore[assignment]
         seq.ready_since = now
         self.queues(seq.gen).decode_ready[seq.rid] = seq
 
@@ -164,7 +167,11 @@ class RequestTable:
     @staticmethod
     def submitted(seq: Seq, job: Any) -> None:
         """``seq`` is in ``job``, handed to an executor (PrefillRunning / DecodeRunning)."""
-        seq.state = fire(seq.state, _E.PREFILL_SUBMIT if job.kind == "prefill" else _E.DECODE_SUBMIT)
+        event = _E.PREFILL_SUBMIT if job.kind == "prefill" else _E.DECODE_SUBMIT
+        nxt = TRANSITIONS[seq.state].get(event)  # fire() inlined: once per token per sequence
+        if nxt is None:
+            fire(seq.state, event)  # raises IllegalTransition naming the move
+        seq.state = nxt  # type: ignore[assignment]
         seq.inflight = job
 
     def expire(self, gen: Generation, now: float) -> None:
