@@ -136,6 +136,11 @@ class ExecutorConfig(_Strict):
 class RecoveryConfig(_Strict):
     max_resets_per_10min: NonNeg = 2
     restart_on_unknown_dma: bool = True
+    # A request whose device KV a fault lost (its batch faulted, or a reset wiped the device) is
+    # re-admitted and re-prefilled from its prompt + the tokens it generated, and continues where it
+    # stopped; it ends with an error only after more than this many consecutive faults with no
+    # token in between. 0 turns re-admission off (every request holding lost KV fails).
+    max_request_retries: NonNeg = 2
 
 
 class SchedulerConfig(_Strict):

@@ -117,6 +117,9 @@ def error_event_to_api(ev: ErrorEvent) -> ApiError:
     if ev.kind in ("unavailable", "shutdown"):
         return ApiError(503, ev.message, type="service_unavailable", code="model_unavailable",
                         retry_after=1.0)
+    if ev.kind == "device_unavailable":  # device faults outlasted the request's re-admissions
+        return ApiError(503, ev.message, type="service_unavailable", code="device_unavailable",
+                        retry_after=1.0)
     if ev.kind == "device_error":
         return ApiError(500, ev.message, type="server_error", code="device_error")
     return ApiError(500, ev.message, type="server_error", code="internal_error")

@@ -8,6 +8,7 @@
                       DecodeRunning <─DECODE_SUBMIT─ DecodeReady <─DECODE_DONE─ DecodeRunning
     PrefillRunning/DecodeRunning/DecodeReady ─FINISH─> Finishing ─COMPLETE─> Completed
     PrefillRunning ─REQUEUE─> PrefillReady, DecodeRunning ─REQUEUE─> DecodeReady (refused: DeviceBusy)
+    *Ready/*Running ─LOST─> PrefillReady (a fault lost its KV: re-prefill prompt + generated tokens)
     New/Waiting*/*Ready ─CANCEL─> Cancelled          *Running ─CANCEL─> (same state: flag + drain)
     *Running ─DRAINED─> Cancelled (the job of a cancelled request came back; its output is dropped)
     New/Waiting*/PrefillReady ─EXPIRE─> Failed        DecodeReady ─EXPIRE─> Finishing (partial output)
@@ -68,6 +69,7 @@ class RequestEvent(enum.Enum):
     CANCEL = enum.auto()  # client cancel / disconnect (idempotent)
     DRAINED = enum.auto()  # the in-flight job of a cancelled request came back
     REQUEUE = enum.auto()  # the device refused the job (DeviceBusy): nothing ran, ready again
+    LOST = enum.auto()  # a fault lost its device KV: re-prefill from prompt + generated tokens
     EXPIRE = enum.auto()  # deadline passed while not running
     FAIL = enum.auto()  # device/model error, or refused
 
@@ -93,6 +95,8 @@ _t[S.DECODE_READY].update({E.DECODE_SUBMIT: S.DECODE_RUNNING, E.FINISH: S.FINISH
 _t[S.DECODE_RUNNING].update({E.DECODE_DONE: S.DECODE_READY, E.FINISH: S.FINISHING})
 _t[S.PREFILL_RUNNING][E.REQUEUE] = S.PREFILL_READY
 _t[S.DECODE_RUNNING][E.REQUEUE] = S.DECODE_READY
+for _s in (S.PREFILL_READY, S.PREFILL_RUNNING, S.DECODE_READY, S.DECODE_RUNNING):
+    _t[_s][E.LOST] = S.PREFILL_READY  # re-admitted: its KV is rebuilt by a prefill
 _t[S.FINISHING][E.COMPLETE] = S.COMPLETED
 for _s in _WAITING_OR_READY:
     _t[_s][E.CANCEL] = S.CANCELLED

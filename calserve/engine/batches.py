@@ -69,7 +69,7 @@ class JobBuilder:
 
     def prefill_job(self, gen: Generation, seq: Seq, now: float) -> DeviceJob:
         self.prefill_jobs_total += 1
-        return DeviceJob("prefill", gen, [seq], seq.prompt, np.zeros(1, np.int32),
+        return DeviceJob("prefill", gen, [seq], seq.prefill_input(), np.zeros(1, np.int32),
                          np.ones(1, np.uint8), now)
 
     def decode_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int

@@ -65,7 +65,8 @@ class EngineCore:
         self.st = CoreState({e: None for e in engines})
         self.stats = CoreStats()
         self.planner = Planner(cfg, models, self.requests, self.builder, self.st, self.stats)
-        self.steps = StepHandler(self.requests, self.st, self.stats)
+        self.steps = StepHandler(self.requests, self.st, self.stats,
+                                 cfg.scheduler.recovery.max_request_retries)
 
     @property
     def epoch(self) -> int:
@@ -249,8 +250,14 @@ class EngineCore:
         self.st.epoch += 1
 
     def lose_kv_after_reset(self, gen: Generation, err: ErrorEvent, now: float) -> tuple[list[Seq], list[int]]:
-        """After the reset and once every engine drained: see :meth:`RequestTable.lose_kv_after_reset`."""
-        return self.requests.lose_kv_after_reset(gen, err, now)
+        """After the reset and once every engine drained: the requests that held device KV are
+        re-admitted (``scheduler.recovery.max_request_retries``) or end with ``err``; see
+        :meth:`RequestTable.lose_kv_after_reset`."""
+        q = self.requests.queues(gen)
+        before = len(q.lost)
+        out = self.requests.lose_kv_after_reset(gen, err, now, self.steps.max_retries)
+        self.stats.readmitted_total += len(q.lost) - before
+        return out
 
     def clear_lanes_after_reset(self, gen: Generation, reserved_only: list[Seq]) -> int:
         """The runtime sequences are freed: clear the lane table (quarantined Unknown lanes become
@@ -262,8 +269,8 @@ class EngineCore:
         return sum(1 for h in held if h.state is KvSequenceState.UNKNOWN)
 
     def end_recovery(self, gen: Generation, failed: bool, reserved_only: list[Seq], now: float) -> None:
-        """``gen`` recovered, or failed (reset budget, unknown DMA): then its waiting and
-        reservation-only requests end as unavailable."""
+        """``gen`` recovered, or failed (reset budget, unknown DMA): then its waiting,
+        reservation-only and re-admitted requests end as unavailable."""
         if gen.state is not ModelState.RECOVERING:
             return
         if not failed:
@@ -275,7 +282,7 @@ class EngineCore:
         err = ErrorEvent("the model failed and is unavailable", "unavailable")
         for seq in list(self.requests.queues(gen).waiting.values()):
             self.requests.stop(seq, error=err, now=now)
-        for seq in reserved_only:
+        for seq in [*reserved_only, *self.requests.queues(gen).holders.values()]:
             self.requests.stop(seq, error=ErrorEvent("the model failed", "unavailable"), now=now)
 
     def resume(self, now: float) -> CoreOutput:
@@ -324,5 +331,6 @@ class EngineCore:
             starvation_events_total=st.starvation_events_total, crosstalk_total=st.crosstalk_total,
             stale_total=st.stale_total, requeued_busy=st.requeued_busy,
             fast_steps_total=st.fast_steps_total, quarantined_jobs_total=st.quarantined_jobs_total,
+            readmitted_total=st.readmitted_total,
             epoch=self.st.epoch,
         )

@@ -42,6 +42,7 @@ class CoreStats:
     requeued_busy: int = 0
     fast_steps_total: int = 0  # decode jobs submitted before their predecessor's bookkeeping
     quarantined_jobs_total: int = 0  # jobs whose KV state a fault left unknown
+    readmitted_total: int = 0  # requests re-prefilled after a fault lost their KV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ class CoreStatistics:
     requeued_busy: int
     fast_steps_total: int
     quarantined_jobs_total: int
+    readmitted_total: int
     epoch: int
 
 

@@ -7,9 +7,11 @@ the core's output (:class:`~calserve.engine.state.Fault`) or by an executor's ti
 2. the device is reset (this aborts every in-flight job; each completes ABORTED and its batch
    fails in the core with an explicit error — results of jobs handed over before the reset carry
    an older ``epoch`` and are not new faults);
-3. once every engine drained, every request still holding device KV ends with an explicit
-   ``ErrorEvent`` (a reset invalidates every KV sequence; nothing is re-admitted silently); lanes
-   that only held a reservation keep their request and get a fresh lane;
+3. once every engine drained, every request that held device KV (a reset invalidates every KV
+   sequence) is re-admitted and re-prefilled from prompt + generated tokens, or — past
+   ``recovery.max_request_retries`` consecutive faults, or with re-admission off — ends with an
+   explicit ``ErrorEvent``; lanes that only held a reservation keep their request and get a fresh
+   lane;
 4. the runtime sequences are freed and the lane table cleared;
 5. after ``DMA_UNKNOWN`` the calbin is reconfigured when ``recovery.restart_on_unknown_dma``,
    else the generation goes Failed;

@@ -29,11 +29,17 @@ from calserve.engine.types import ErrorEvent, FinishReason
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation
 
-__all__ = ["RequestTable", "GenQueues", "PREFILL_CLASSES", "terminal_state"]
+__all__ = ["RequestTable", "GenQueues", "PREFILL_CLASSES", "terminal_state", "exhausted"]
 
 PREFILL_CLASSES = (QueueClass.SHORT, QueueClass.MEDIUM, QueueClass.LONG)
 
 _E = RequestEvent
+
+
+def exhausted(err: ErrorEvent, seq: Seq) -> ErrorEvent:
+    """The error of a request that cannot continue after its retries: retryable by the client."""
+    return ErrorEvent(f"{err.message}; the request could not continue after {seq.retries}"
+                      " re-admissions", "device_unavailable")
 
 
 def terminal_state(state: RequestState, reason: FinishReason | None, error: ErrorEvent | None
@@ -70,6 +76,8 @@ class GenQueues:
     deadlines: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # lazy heap
     # ended requests' runtime sequences waiting for the runtime to free them
     releases: list[Release] = dataclasses.field(default_factory=list)
+    # requests whose KV a fault lost, waiting for the reset to re-prefill them (in order)
+    lost: list[Seq] = dataclasses.field(default_factory=list)
 
 
 class RequestTable:
@@ -130,6 +138,8 @@ class RequestTable:
         q.waiting.pop(seq.rid, None)
         q.decode_ready.pop(seq.rid, None)
         q.holders.pop(seq.rid, None)
+        if q.lost and seq in q.lost:  # parked for re-admission after a fault (cancel, deadline)
+            q.lost.remove(seq)
         if seq.admitted:
             gen.admission.release(seq.rid)
         if seq.lease is not None:
@@ -238,26 +248,61 @@ class RequestTable:
         gen.kv.bind(lane, seq_id)
         gen.lane_seq[lane] = seq_id
 
-    def lose_kv_after_reset(self, gen: Generation, err: ErrorEvent, now: float) -> tuple[list[Seq], list[int]]:
-        """After a device reset: every request of ``gen`` holding device KV ends with ``err``; the
-        ones that only held a reservation are returned (they keep their request and get a fresh
-        lane, :meth:`rereserve`), with every runtime sequence id the shell must free."""
+    def park_lost(self, seq: Seq, max_retries: int) -> bool:
+        """A fault lost ``seq``'s device KV (no job of it in flight): re-admit it (True) unless
+        re-admission is off or it already used its ``max_retries`` consecutive retries. A parked
+        request keeps its admission (never refused by the waiting budgets) and its deadline, and
+        is re-prefilled from prompt + generated tokens once the device was reset."""
+        if max_retries <= 0 or seq.retries >= max_retries:
+            return False
+        seq.retries += 1
+        seq.state = fire(seq.state, _E.LOST)
+        q = self.queues(seq.gen)
+        q.decode_ready.pop(seq.rid, None)
+        q.lost.append(seq)
+        return True
+
+    def lose_kv_after_reset(self, gen: Generation, err: ErrorEvent, now: float, max_retries: int
+                            ) -> tuple[list[Seq], list[int]]:
+        """After a device reset: every request of ``gen`` holding device KV is re-admitted
+        (:meth:`park_lost`) or, past its retries, ends with ``err``; the ones that only held a
+        reservation are returned (they keep their request and get a fresh lane, :meth:`rereserve`),
+        with every runtime sequence id the shell must free."""
         q = self.queues(gen)
         reserved_only = []
+        parked = {s.rid for s in q.lost}
         for seq in list(q.holders.values()):
+            if seq.rid in parked:
+                continue
             info = gen.kv.info(seq.lease.lane)
             if info.state is KvSequenceState.RESERVED and seq.seq_id is None:
                 reserved_only.append(seq)
                 continue
             if info.state is not KvSequenceState.UNKNOWN:
                 gen.kv.mark_unknown(seq.lease.lane)
-            self.end(seq, error=err, now=now)
+            if not self.park_lost(seq, max_retries):
+                self.end(seq, error=err if max_retries <= 0 else exhausted(err, seq), now=now)
         sids = sorted(set(gen.lane_seq.values()) | {r.seq_id for r in q.releases})
         q.releases.clear()
         return reserved_only, sids
 
-    @staticmethod
-    def rereserve(gen: Generation, reserved_only: list[Seq]) -> None:
+    def rereserve(self, gen: Generation, reserved_only: list[Seq]) -> None:
+        """After the lane table was cleared: fresh lanes for the reservation-only requests, then for
+        the re-admitted ones, which go first in their prefill class (in their order)."""
         for seq in reserved_only:
             seq.lease = gen.kv.reserve(seq.rid, gen.id, seq.lease.reserved_len)
             assert seq.lease is not None
+        q = self.queues(gen)
+        lost, q.lost = q.lost, []
+        if not lost:
+            return
+        ids = {s.rid for s in lost}
+        for c in PREFILL_CLASSES:  # a re-admitted request is queued once, in front
+            q.prefill[c] = collections.deque(s for s in q.prefill[c] if s.rid not in ids)
+        for seq in reversed(lost):
+            seq.seq_id = None
+            seq.position = 0
+            seq.lease = gen.kv.reserve(seq.rid, gen.id, seq.lease.reserved_len)
+            assert seq.lease is not None
+            q.prefill[seq.qclass].appendleft(seq)
+            self.trace.append(("readmit", (seq.rid,)))

@@ -88,6 +88,9 @@ class Seq:
     position: int = 0  # committed KV length (== position of the next decode input token)
     last_token: int = -1
     generated: int = 0  # tokens sampled so far
+    # the tokens sampled so far (a re-prefill after a fault rebuilds the KV from prompt + these)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    retries: int = 0  # consecutive faults that lost its KV with no token in between
     # Invariant: inflight is not None <=> exactly one job containing this request is on the device;
     # while set, the lane is Updating and nothing of the request is released.
     inflight: DeviceJob | None = None
@@ -104,6 +107,13 @@ class Seq:
     # sends this request anything else first delivers it (EngineCore end), so messages keep order.
     deferred: Any = None
     job_ids: list[int] = dataclasses.field(default_factory=list)  # recent job ids, for logs
+
+    def prefill_input(self) -> np.ndarray:
+        """What its prefill computes: the prompt, plus the generated tokens after a fault lost its
+        KV (the next token sampled from it continues the request exactly)."""
+        if not self.tokens:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.tokens, np.int32)])
 
     @property
     def queued(self) -> bool:

@@ -17,10 +17,10 @@ from calserve.core.kv_state import KvSequenceState
 from calserve.core.request_state import RequestEvent
 from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample
 from calserve.engine.core_stats import CoreState, CoreStats
-from calserve.engine.requests import RequestTable
+from calserve.engine.requests import RequestTable, exhausted
 from calserve.engine.state import DeviceJob, Fault, JobOutcome, Seq, Tokens
 from calserve.engine.types import ErrorEvent, FinishReason
-from calserve.runtime.types import DeviceBusy, JobStatus
+from calserve.runtime.types import DeviceBusy, DeviceFaulted, JobStatus
 
 __all__ = ["StepHandler"]
 
@@ -28,10 +28,13 @@ log = logging.getLogger("calserve.engine.steps")
 
 
 class StepHandler:
-    def __init__(self, requests: RequestTable, st: CoreState, stats: CoreStats) -> None:
+    def __init__(self, requests: RequestTable, st: CoreState, stats: CoreStats,
+                 max_retries: int = 0) -> None:
         self.requests = requests
         self.st = st
         self.stats = stats
+        # scheduler.recovery.max_request_retries: re-admit a request whose KV a fault lost
+        self.max_retries = max_retries
 
     def flush(self) -> None:
         """Deliver the deferred token messages to their actors (after the next submit)."""
@@ -95,6 +98,17 @@ class StepHandler:
                     reqs.set_ready(s, now, RequestEvent.REQUEUE)
             return
         err_ev = ErrorEvent(f"the device refused the job: {err}", "device_error")
+        if self.max_retries > 0 and isinstance(err, DeviceFaulted):
+            # refused because the device was reset meanwhile (a job of the old epoch): nothing
+            # ran; the request waits where it was and the reset's bookkeeping re-admits it
+            for s in seqs:
+                if s.pending_reason is not None or s.pending_error is not None:
+                    reqs.end(s, s.pending_reason, s.pending_error, now)
+                elif job.kind == "prefill":
+                    reqs.requeue_prefill(s)
+                else:
+                    reqs.set_ready(s, now, RequestEvent.REQUEUE)
+            return
         for s in seqs:
             reqs.end(s, error=err_ev, now=now)
 
@@ -114,8 +128,18 @@ class StepHandler:
                     extra={"job_id": job.job_id, "request_ids": ids})
         ev = ErrorEvent(f"device fault ({'timeout' if timed_out else reason}) in job {job.job_id}",
                         "device_error")
-        for s in seqs:
-            self.requests.end(s, error=ev, now=now)
+        reqs = self.requests
+        if self.max_retries <= 0:
+            for s in seqs:
+                reqs.end(s, error=ev, now=now)
+            return
+        for s in seqs:  # transparent recovery: re-prefilled after the reset, from where it stopped
+            if s.pending_reason is not None or s.pending_error is not None:
+                reqs.end(s, s.pending_reason, s.pending_error, now)  # drained: its ending stands
+            elif reqs.park_lost(s, self.max_retries):
+                self.stats.readmitted_total += 1
+            else:
+                reqs.end(s, error=exhausted(ev, s), now=now)
 
     def _ok(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float) -> None:
         gen = job.gen
@@ -128,9 +152,9 @@ class StepHandler:
         for i, s in enumerate(seqs):
             gen.kv.commit(s.lease.lane, n_new)
             s.position += n_new
-            if prefill:
+            if prefill and not s.generated:
                 adm.charge(s.tenant, prefill_tokens=n_new, request_id=s.rid)
-            else:
+            else:  # a re-prefill after a fault is charged as the one token it yields: once
                 adm.charge(s.tenant, decode_tokens=1, request_id=s.rid)
             if s.pending_reason is not None or s.pending_error is not None:
                 reqs.end(s, s.pending_reason, s.pending_error, now)  # output dropped (drained)
@@ -142,6 +166,8 @@ class StepHandler:
             first = s.generated == 0
             s.generated += 1
             s.last_token = tok
+            s.tokens.append(tok)
+            s.retries = 0
             if first:
                 s.first_token_at = now
             reason = ends(s, tok, s.generated, s.position, now, eos)

@@ -20,7 +20,7 @@ from calserve.runtime.types import FaultKind, JobEngine
 
 from .conftest import make_config
 from .real_engine import RealHarness, Samples, labels_of, parse_metrics, real_app, value
-from .sse_util import parse_sse
+from .sse_util import parse_sse, stream_post
 
 C = "/v1/completions"
 CH = "/v1/chat/completions"
@@ -70,7 +70,9 @@ def moved(after: Samples, before: Samples, name: str, **labels: str) -> float:
 
 
 def fault_config() -> Any:
-    return make_config(scheduler={"executor": {"wait_timeout_ms": 200}})
+    # re-admission off: the faulted request fails, which is what these metric tests observe
+    return make_config(scheduler={"executor": {"wait_timeout_ms": 200},
+                                  "recovery": {"max_request_retries": 0}})
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
@@ -162,7 +164,8 @@ async def test_reset_budget_spent_fails_the_model(autojump_clock: Any) -> None:
     """Two faults with a budget of one reset: the model goes Recovering -> Failed, the engine
     reports failure, and the server answers 503 (not ready, not serving) instead of hanging."""
     cfg = make_config(scheduler={"executor": {"wait_timeout_ms": 200},
-                                 "recovery": {"max_resets_per_10min": 1}})
+                                 "recovery": {"max_resets_per_10min": 1,
+                                              "max_request_retries": 0}})
     async with real_app(cfg) as h:
         states: list[dict[str, float]] = []
 
@@ -184,3 +187,40 @@ async def test_reset_budget_spent_fails_the_model(autojump_clock: Any) -> None:
         s, resp, headers = await h.post(C, {"prompt": "x", "max_tokens": 2})
         assert s == 503 and resp["error"]["code"] == "engine_unavailable"
         assert "Retry-After" in headers
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+@pytest.mark.parametrize("kind", [FaultKind.CCU_FAULT, FaultKind.TIMEOUT, FaultKind.CROSSTALK],
+                         ids=["ccu_fault", "timeout", "crosstalk"])
+async def test_device_fault_is_invisible_to_the_client_with_readmission(
+        autojump_clock: Any, kind: FaultKind, stream: bool) -> None:
+    """Re-admission on (the default): the same mid-stream fault costs the client nothing — the
+    answer is complete (``[DONE]`` on a stream, 200 otherwise) and its text equals a fault-free
+    run's; the reset still happened."""
+    cfg = make_config(scheduler={"executor": {"wait_timeout_ms": 200}})
+    doc = {"prompt": "hello", "max_tokens": 30, "stream": stream, "ignore_eos": True,
+           "temperature": 0}
+
+    def text_of(status: int, resp: Any) -> str:
+        assert status == 200, resp
+        if not stream:
+            return str(resp["choices"][0]["text"])
+        events = parse_sse(resp)
+        assert events[-1] == "[DONE]", events[-2:]
+        return "".join(c["choices"][0]["text"] for c in events[:-1] if c["choices"])
+
+    async def post() -> tuple[int, Any]:
+        with trio.fail_after(10):
+            if stream:
+                return await stream_post(h.client, C, doc)
+            status, resp, _ = await h.post(C, doc)
+            return status, resp
+
+    async with real_app(cfg) as h:
+        clean = text_of(*(await post()))
+        before = await wait_idle(h)
+        h.backend.inject_fault(kind, JobEngine.PING, 3)  # the 2nd decode step of the next request
+        assert text_of(*(await post())) == clean
+        after = await wait_idle(h)
+        assert value(after, "calserve_resets_total") - value(before, "calserve_resets_total") == 1
+        assert value(after, "calserve_requests_running") == 0

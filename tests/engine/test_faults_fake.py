@@ -1,6 +1,9 @@
-"""Fault handling on the fake device: a fault during a full B8 decode batch ends every request of
-the batch with an explicit error, quarantines their KV, resets, and the next requests succeed; the
-reset budget turns the model Failed (new requests: UnavailableError)."""
+"""Fault handling on the fake device. With re-admission off (``max_request_retries: 0``) a fault
+during a full B8 decode batch ends every request of the batch with an explicit error, quarantines
+their KV, resets, and the next requests succeed; the reset budget turns the model Failed (new
+requests: UnavailableError). With re-admission on (the default) the same faults cost the clients
+nothing: every request is re-prefilled from its prompt + generated tokens after the reset and its
+greedy output equals the fault-free one; past its retries a request ends with a retryable error."""
 
 from __future__ import annotations
 
@@ -16,10 +19,13 @@ from calserve.runtime.types import FaultKind, JobEngine
 from .helpers import collect, config, fake_greedy, fake_source
 
 
-def b8_config(**extra: object) -> object:
+def b8_config(retries: int = 0, **extra: object) -> object:
+    recovery = dict(extra.pop("recovery", {}))  # type: ignore[call-overload]
+    recovery.setdefault("max_request_retries", retries)
     return config(
         batch={"profiles": [8], "batching_window_us": 1_000_000},
         executor={"wait_timeout_ms": 200},
+        recovery=recovery,
         **extra,
     )
 
@@ -107,3 +113,53 @@ async def test_busy_is_retried_not_fatal(autojump_clock: object) -> None:
             assert toks == fake_greedy((i + 1, 2 * i + 3, 7), 5)
         assert be.counters(JobEngine.PING).busy == 1
         assert eng.statistics().resets_total == 0
+
+
+@pytest.mark.parametrize("kind", [FaultKind.TIMEOUT, FaultKind.CCU_FAULT, FaultKind.CROSSTALK, FaultKind.DMA_UNKNOWN])
+async def test_fault_in_b8_batch_is_transparent_with_readmission(autojump_clock: object,
+                                                                  kind: FaultKind) -> None:
+    """The same fault as above with re-admission on: no client notices; every greedy output equals
+    its fault-free solo output; the KV the fault left unknown is quarantined until the reset."""
+    be = FakeBackend("sim-next", seed=2)
+    async with Engine.open(b8_config(retries=2), backend=be, sources={"qwen3": fake_source()}) as eng:
+        be.inject_fault(kind, JobEngine.PING, 10, lane=3)
+        results = await run_batch(eng)
+        for i, (toks, term) in enumerate(results):
+            assert isinstance(term, FinishEvent) and term.reason is FinishReason.LENGTH, term
+            assert toks == fake_greedy((i + 1, 2 * i + 3, 7), 12)
+        await trio.sleep(1.0)
+        st = eng.statistics()
+        assert st.resets_total == 1 and sum(st.faults_total.values()) == 1
+        assert st.quarantined_kv_total == 8
+        assert eng.core.statistics(trio.current_time()).readmitted_total == 8
+        assert st.models["qwen3"][1] == "Ready"
+        k = eng.generation().kv.statistics()
+        assert k.unknown == 0 and k.free == k.num_lanes
+
+
+async def test_readmission_gives_up_after_its_retries_with_a_retryable_error(autojump_clock: object) -> None:
+    """A request that keeps faulting with no token in between ends after max_request_retries
+    re-admissions with a retryable error (kind ``device_unavailable``); the others recover."""
+    be = FakeBackend("sim-next", seed=2)
+    cfg = b8_config(retries=1, recovery={"max_resets_per_10min": 100})
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source()}) as eng:
+        # a lone request: its prefill is job 1, then its re-prefill after the reset is job 2
+        be.inject_fault(FaultKind.CCU_FAULT, JobEngine.PING, 1)
+        be.inject_fault(FaultKind.CCU_FAULT, JobEngine.PING, 2)
+        toks, term = await collect(eng, (5, 6, 7), 4)
+        assert isinstance(term, ErrorEvent) and term.kind == "device_unavailable", term
+        assert toks == []
+        await trio.sleep(1.0)
+        toks, term = await collect(eng, (5, 6, 7), 4)  # the next one is served
+        assert isinstance(term, FinishEvent) and toks == fake_greedy((5, 6, 7), 4)
+
+
+async def test_reset_budget_spent_ends_readmitted_requests_as_unavailable(autojump_clock: object) -> None:
+    be = FakeBackend("sim-next", seed=2)
+    cfg = b8_config(retries=2, recovery={"max_resets_per_10min": 0})
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source()}) as eng:
+        be.inject_fault(FaultKind.CCU_FAULT, JobEngine.PING, 10)
+        results = await run_batch(eng)
+        assert all(isinstance(t, ErrorEvent) and t.kind == "unavailable" for _, t in results), results
+        await trio.sleep(1.0)
+        assert eng.failed.is_set() and not eng.ready()

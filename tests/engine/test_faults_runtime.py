@@ -36,7 +36,8 @@ async def test_fault_in_b8_batch_real_runtime(demo_source: ModelSource, kind: Fa
     cfg = decode_config({
         "runtime": {"profile": "sim-next"},
         "scheduler": {"batch": {"profiles": [8], "batching_window_us": 50_000},
-                      "executor": {"wait_timeout_ms": 150}},
+                      "executor": {"wait_timeout_ms": 150},
+                      "recovery": {"max_request_retries": 0}},  # re-admission off: errors
     })
     prompts = [(10 + i, 20 + 3 * i, 30) for i in range(8)]
     async with Engine.open(cfg, sources={"qwen3": demo_source}) as eng:
@@ -56,3 +57,28 @@ async def test_fault_in_b8_batch_real_runtime(demo_source: ModelSource, kind: Fa
             assert isinstance(term, FinishEvent), term
             assert toks == greedy_generate(demo_source.model_config, demo_source.weights,
                                            list(prompts[i]), 6, demo_source.profiles[8].kv_dtype)
+
+
+@pytest.mark.parametrize("kind", [FaultKind.TIMEOUT, FaultKind.CCU_FAULT, FaultKind.CROSSTALK],
+                         ids=["timeout", "ccu", "crosstalk"])
+async def test_fault_in_b8_batch_real_runtime_is_transparent(demo_source: ModelSource,
+                                                              kind: FaultKind) -> None:
+    """Re-admission on (the default) on the real software runtime: the faulted batch's requests are
+    re-prefilled from prompt + generated tokens after the reset, and every greedy output equals the
+    numpy reference (the prefill and decode kernels agree on the rebuilt KV)."""
+    cfg = decode_config({
+        "runtime": {"profile": "sim-next"},
+        "scheduler": {"batch": {"profiles": [8], "batching_window_us": 50_000},
+                      "executor": {"wait_timeout_ms": 150}},
+    })
+    prompts = [(10 + i, 20 + 3 * i, 30) for i in range(8)]
+    async with Engine.open(cfg, sources={"qwen3": demo_source}) as eng:
+        eng.backend.inject_fault(kind, JobEngine.PING, 10, 5)  # the 2nd full decode batch
+        res = await run(eng, prompts, 10)
+        for i, (toks, term) in enumerate(res):
+            assert isinstance(term, FinishEvent), term
+            assert toks == greedy_generate(demo_source.model_config, demo_source.weights,
+                                           list(prompts[i]), 10, demo_source.profiles[8].kv_dtype)
+        st = eng.statistics()
+        assert st.resets_total == 1
+        assert eng.core.statistics(trio.current_time()).readmitted_total == 8

@@ -96,7 +96,8 @@ async def test_one_pool_without_shared_kv_or_with_instance_pool(autojump_clock: 
 
 async def test_dma_unknown_reconfigures_every_member(autojump_clock: object) -> None:
     be = FakeBackend("sim-next", seed=3)
-    cfg = config(batch={"profiles": ALL}, executor={"wait_timeout_ms": 200})
+    cfg = config(batch={"profiles": ALL}, executor={"wait_timeout_ms": 200},
+                 recovery={"max_request_retries": 0})  # re-admission off: the batch fails
     async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source()}) as eng:
         be.inject_fault(FaultKind.DMA_UNKNOWN, JobEngine.PING, 3)  # 2 prefills, then a B1 decode
         results: list[object] = []
