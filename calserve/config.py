@@ -177,6 +177,18 @@ class ServerConfig(_Strict):
     trace_events: NonNeg = 4096
 
 
+FaultName = Literal["timeout", "ccu", "unknown_dma", "busy", "crosstalk"]
+
+
+class FaultsConfig(_Strict):
+    """Fault injection by the software runtime (drills, chaos tests, benchmarks; never hardware)."""
+
+    rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0  # probability per submitted job
+    kinds: list[FaultName] = msgspec.field(
+        default_factory=lambda: ["timeout", "ccu", "unknown_dma", "busy", "crosstalk"])
+    seed: int = 1  # the same seed and order of submits give the same faults
+
+
 class RuntimeConfig(_Strict):
     profile: Literal["calrt-0.7.6", "sim-next"] = "calrt-0.7.6"
     dram_bytes: Pos = 32 << 30
@@ -184,6 +196,8 @@ class RuntimeConfig(_Strict):
     # Seeded random completion delay (µs, 0 = off) that shuffles completion order (spec §17.3).
     completion_jitter_us: NonNeg = 0
     seed: int = 0
+    # Faults the software runtime injects on its own (rate 0 = none): see FaultsConfig.
+    faults: FaultsConfig = msgspec.field(default_factory=FaultsConfig)
 
 
 class TrustConfig(_Strict):

@@ -31,6 +31,8 @@ from typing import Any, Protocol
 import numpy as np
 import trio
 
+from calserve.config import FaultsConfig
+from calserve.engine.fault_plan import FaultPlan
 from calserve.engine.backend_waits import CompletionFdWaiter, DeviceThreads, EngineThread, wait_or_none
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import (
@@ -199,8 +201,10 @@ class _RuntimeCalbin:
         threads: DeviceThreads,
         engine_threads: dict[JobEngine, EngineThread],
         fd_waiters: Mapping[JobEngine, CompletionFdWaiter] | None = None,
+        faults: FaultPlan | None = None,
     ) -> None:
         self._c = native
+        self._faults = faults  # runtime.faults: arms a fault on a drawn share of submits
         self._t = threads
         self._et = engine_threads
         self._fw: Mapping[JobEngine, CompletionFdWaiter] = fd_waiters or {}
@@ -272,6 +276,8 @@ class _RuntimeCalbin:
         # Submit inline: it only queues the job (DeviceBusy when the queue is full, never blocks), so
         # the device starts now instead of after a GIL hand-over to a worker thread; the blocking
         # wait runs on the engine's thread. Nothing between submit and wait can be cancelled.
+        if self._faults is not None:
+            self._faults.before_submit(engine, valid)
         job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine)
         return await self._wait_hot(job, engine, timeout_s, after_submit)
 
@@ -291,6 +297,8 @@ class _RuntimeCalbin:
         self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float,
         after_submit: Callable[[], None] | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
+        if self._faults is not None:
+            self._faults.before_submit(engine)
         job = self._c.submit_prefill(seq_id, tokens, engine)
         return await self._wait_hot(job, engine, timeout_s, after_submit)
 
@@ -348,11 +356,17 @@ def tune_gc_for_serving() -> None:
 class RuntimeBackend:
     """The async face of the software (or vendor) CalRT. Owns the one ``Device`` of the process."""
 
-    def __init__(self, device: Any, threads: int = 4, completion_fd: bool = True, tune_gc: bool = False) -> None:
+    def __init__(self, device: Any, threads: int = 4, completion_fd: bool = True, tune_gc: bool = False,
+                 faults: FaultsConfig | None = None) -> None:
         """``completion_fd=False`` forces the engine-thread wait even when the runtime offers
         completion fds (the path a vendor runtime without them takes). ``tune_gc``: call
-        :func:`tune_gc_for_serving` after every model load (set by :meth:`open`)."""
+        :func:`tune_gc_for_serving` after every model load (set by :meth:`open`). ``faults``:
+        ``runtime.faults`` (software runtime only; rate 0 = none)."""
         self._tune_gc = tune_gc
+        self.faults: FaultPlan | None = None
+        if faults is not None and faults.rate > 0:
+            self.faults = FaultPlan(faults.rate, faults.kinds, faults.seed,
+                                    lambda kind, engine, nth, lane: device.inject_fault(kind, engine, nth, lane))
         self._dev = device
         self._t = DeviceThreads(threads)  # control calls (sequences, reset, configure) and later waits
         self._et = {e: EngineThread(f"calrt-{e.name.lower()}") for e in JobEngine}
@@ -379,6 +393,7 @@ class RuntimeBackend:
         null_compute: bool = False,
         completion_jitter_us: int = 0,
         seed: int = 0,
+        faults: FaultsConfig | None = None,
     ) -> RuntimeBackend:
         from calserve.runtime import Device
 
@@ -389,7 +404,7 @@ class RuntimeBackend:
             completion_jitter_us=completion_jitter_us,
             seed=seed,
         )
-        return cls(dev, tune_gc=True)
+        return cls(dev, tune_gc=True, faults=faults)
 
     async def load_calbin(
         self,
@@ -408,7 +423,8 @@ class RuntimeBackend:
                 lambda: self._dev.load_calbin(config, weights, spec, timing, kv_owner=owner))
         if self._tune_gc:
             tune_gc_for_serving()  # after a model load: what is alive now lives as long as the model
-        return _RuntimeCalbin(native, self._t, self._et, self._fw.get(int(getattr(native, "chip", 0))))
+        return _RuntimeCalbin(native, self._t, self._et, self._fw.get(int(getattr(native, "chip", 0))),
+                              self.faults)
 
     async def reset(self) -> None:
         await self._t.run(self._dev.reset)

@@ -80,6 +80,10 @@ class DeviceExecutor:
                         if pending is not None:
                             self._finish(pending)  # idempotent; already done unless the submit failed
                     self.jobs += 1
+                    if outcome.submit_error is not None:
+                        # refused without reaching the device (no checkpoint so far): let the
+                        # other tasks run before anything is retried
+                        await trio.lowlevel.checkpoint()
                     now = trio.current_time()
                     fast = core.fast_decode(self.engine, job, outcome, now)
                     if fast is not None and fast.nxt is not None:

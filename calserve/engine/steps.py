@@ -99,8 +99,12 @@ class StepHandler:
             return
         err_ev = ErrorEvent(f"the device refused the job: {err}", "device_error")
         if self.max_retries > 0 and isinstance(err, DeviceFaulted):
-            # refused because the device was reset meanwhile (a job of the old epoch): nothing
-            # ran; the request waits where it was and the reset's bookkeeping re-admits it
+            # refused because the device needs (or had) a reset: nothing ran; the request waits
+            # where it was and the reset's bookkeeping re-admits it. A job of the current epoch
+            # means a reset is due: no new job until it happened (else the refusals would loop).
+            if job.epoch == self.st.epoch:
+                self.st.paused = True
+                self.st.out.faults.append(Fault("device_refused", job))
             for s in seqs:
                 if s.pending_reason is not None or s.pending_error is not None:
                     reqs.end(s, s.pending_reason, s.pending_error, now)
@@ -123,6 +127,9 @@ class StepHandler:
         else:
             self.stats.quarantined_jobs_total += 1
             self.st.out.faults.append(Fault("timeout" if timed_out else reason, job))
+            # the device faulted in this epoch: nothing new is dispatched until recovery reset it
+            # (jobs submitted meanwhile would be refused or run on a faulted chip)
+            self.st.paused = True
         ids = [s.rid for s in seqs]
         log.warning("job %d failed (%s) for requests %s", job.job_id, reason, ids,
                     extra={"job_id": job.job_id, "request_ids": ids})
