@@ -21,8 +21,9 @@ deltas. (The debugging trace's size is the config key ``server.trace_events``.)
 ``SOAK_GC`` picks the collector policy under test:
 
 - ``serving`` (default): whatever calserve does (:func:`calserve.engine.backend.tune_gc_for_serving`);
-- ``default``: CPython's thresholds, no ``gc.freeze()`` (the comparison run);
-- ``gen0:N``: the serving policy with gen0 threshold N instead of ``SERVING_GC_GEN0``;
+- ``default``: CPython's thresholds, no ``gc.freeze()`` (the comparison run;
+  ``runtime.gc_gen0_threshold: 0`` in the config the probe writes);
+- ``gen0:N``: the serving policy with gen0 threshold N (``runtime.gc_gen0_threshold: N``);
 - ``collect:S``: serving policy plus a full ``gc.collect()`` by the probe every S seconds (measures
   how much of the growth is unreachable cyclic garbage the raised threshold lets pile up).
 
@@ -215,14 +216,9 @@ class _Probe:
 
 
 def _apply_gc_policy(policy: str) -> float:
-    """Install the collector policy under test; returns the probe's periodic-collect interval."""
-    if policy == "default":
-        from calserve.engine import backend
-        backend.tune_gc_for_serving = lambda: None  # CPython's thresholds, no freeze
-        return 0.0
-    if policy.startswith("gen0:"):
-        from calserve.engine import backend
-        backend.SERVING_GC_GEN0 = int(policy.split(":", 1)[1])  # read when the model is loaded
+    """The probe's periodic-collect interval of the collector policy under test (``default`` and
+    ``gen0:N`` are the config key ``runtime.gc_gen0_threshold``, which bench.soak_probe writes)."""
+    if policy == "default" or policy.startswith("gen0:"):
         return 0.0
     if policy.startswith("collect:"):
         return float(policy.split(":", 1)[1])

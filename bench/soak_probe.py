@@ -90,6 +90,10 @@ def soak_run(out: Path, minutes: float, *, variant: str = "serving", deep_s: flo
                           admission=admission)
     if server:
         cfg.setdefault("server", {}).update(server)
+    if gc_policy == "default":  # the collector policy is a config key, not a patch
+        cfg.setdefault("runtime", {})["gc_gen0_threshold"] = 0
+    elif gc_policy.startswith("gen0:"):
+        cfg.setdefault("runtime", {})["gc_gen0_threshold"] = int(gc_policy.split(":", 1)[1])
     garbage = variant == "garbage"
     with serve_probed(cfg, out / "server", gc_policy=gc_policy,
                       deep_s=deep_s or (15.0 if garbage else 0.0), tracemalloc=tracemalloc,

@@ -198,6 +198,10 @@ class RuntimeConfig(_Strict):
     seed: int = 0
     # Faults the software runtime injects on its own (rate 0 = none): see FaultsConfig.
     faults: FaultsConfig = msgspec.field(default_factory=FaultsConfig)
+    # The serving process's cyclic-GC gen0 threshold, applied with gc.freeze() after every model
+    # load (calserve.engine.backend.tune_gc_for_serving says why 10k); 0 = CPython's own thresholds
+    # and no freeze.
+    gc_gen0_threshold: NonNeg = 10_000
 
 
 class TrustConfig(_Strict):

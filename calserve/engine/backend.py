@@ -328,7 +328,7 @@ class _RuntimeCalbin:
 SERVING_GC_GEN0 = 10_000
 
 
-def tune_gc_for_serving() -> None:
+def tune_gc_for_serving(gen0: int = SERVING_GC_GEN0) -> None:
     """Keep the cyclic GC off the per-token path of a serving process (spec §19 M1 P99).
 
     Measured in ``bench.m1_async_vs_sync`` (closed, 2560 steps): with CPython's defaults 13 gen0
@@ -347,9 +347,11 @@ def tune_gc_for_serving() -> None:
     Idempotent; process-wide, so only :meth:`RuntimeBackend.open`
     (the serving process's own device) calls it, never a backend built around a caller's device.
     """
-    gen0, gen1, gen2 = gc.get_threshold()
-    if gen0 and gen0 < SERVING_GC_GEN0:
-        gc.set_threshold(SERVING_GC_GEN0, gen1, gen2)
+    if gen0 <= 0:
+        return  # runtime.gc_gen0_threshold 0: CPython's own policy
+    cur0, gen1, gen2 = gc.get_threshold()
+    if cur0 and cur0 < gen0:
+        gc.set_threshold(gen0, gen1, gen2)
     gc.freeze()
 
 
@@ -357,12 +359,13 @@ class RuntimeBackend:
     """The async face of the software (or vendor) CalRT. Owns the one ``Device`` of the process."""
 
     def __init__(self, device: Any, threads: int = 4, completion_fd: bool = True, tune_gc: bool = False,
-                 faults: FaultsConfig | None = None) -> None:
+                 faults: FaultsConfig | None = None, gc_gen0: int = SERVING_GC_GEN0) -> None:
         """``completion_fd=False`` forces the engine-thread wait even when the runtime offers
         completion fds (the path a vendor runtime without them takes). ``tune_gc``: call
         :func:`tune_gc_for_serving` after every model load (set by :meth:`open`). ``faults``:
         ``runtime.faults`` (software runtime only; rate 0 = none)."""
         self._tune_gc = tune_gc
+        self._gc_gen0 = gc_gen0
         self.faults: FaultPlan | None = None
         if faults is not None and faults.rate > 0:
             self.faults = FaultPlan(faults.rate, faults.kinds, faults.seed,
@@ -394,6 +397,7 @@ class RuntimeBackend:
         completion_jitter_us: int = 0,
         seed: int = 0,
         faults: FaultsConfig | None = None,
+        gc_gen0: int = SERVING_GC_GEN0,
     ) -> RuntimeBackend:
         from calserve.runtime import Device
 
@@ -404,7 +408,7 @@ class RuntimeBackend:
             completion_jitter_us=completion_jitter_us,
             seed=seed,
         )
-        return cls(dev, tune_gc=True, faults=faults)
+        return cls(dev, tune_gc=gc_gen0 > 0, faults=faults, gc_gen0=gc_gen0)
 
     async def load_calbin(
         self,
@@ -422,7 +426,7 @@ class RuntimeBackend:
             native = await self._t.run(
                 lambda: self._dev.load_calbin(config, weights, spec, timing, kv_owner=owner))
         if self._tune_gc:
-            tune_gc_for_serving()  # after a model load: what is alive now lives as long as the model
+            tune_gc_for_serving(self._gc_gen0)  # after a model load: alive now = lives as long as the model
         return _RuntimeCalbin(native, self._t, self._et, self._fw.get(int(getattr(native, "chip", 0))),
                               self.faults)
 

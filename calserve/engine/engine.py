@@ -90,7 +90,8 @@ class Engine:
         if backend is None:
             r = cfg.runtime
             backend = await RuntimeBackend.open(
-                r.profile, r.dram_bytes, r.null_compute, r.completion_jitter_us, r.seed, r.faults
+                r.profile, r.dram_bytes, r.null_compute, r.completion_jitter_us, r.seed, r.faults,
+                r.gc_gen0_threshold,
             )
         try:
             srcs = dict(sources) if sources is not None else await trio.to_thread.run_sync(
