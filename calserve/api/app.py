@@ -24,6 +24,7 @@ from werkzeug.exceptions import HTTPException
 from calserve.api.asgi import FastRoutes, fast_route
 from calserve.api.bodies import too_large
 from calserve.api.errors import ApiError, from_exception, to_api_error
+from calserve.api.hygiene import shield_final_send
 from calserve.api.lifecycle import EngineFactory
 from calserve.api.routes import error_response, register_routes
 from calserve.api.state import ApiState
@@ -74,6 +75,8 @@ class CalserveApp(QuartTrio):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if _trio_running():
             fast = self.fast
+            if scope["type"] == "http":
+                send = shield_final_send(send)  # else keep-alive connections never time out
             if fast is not None and scope["type"] == "http":
                 kind = fast_route(scope)
                 if kind is not None:
