@@ -170,6 +170,11 @@ class ServerConfig(_Strict):
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.
     trace_events: NonNeg = 4096
+    # --- Connections and protocol limits (calserve/api/hygiene.py) ---
+    # A request body must be complete this long after its head (s), else 408 + close.
+    body_timeout_s: PosFloat = 30.0
+    # A request head larger than this (bytes: request target + headers) gets 431 + close.
+    max_header_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16384
 
 
 class RuntimeConfig(_Strict):
