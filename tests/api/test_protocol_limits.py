@@ -1,13 +1,18 @@
-"""The pieces of the protocol limits on their own: request-head checks, the rate-limited log."""
+"""The pieces of the protocol limits on their own: request-head checks, deep JSON, the rate-limited
+log."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+import msgspec
 import pytest
 
+from calserve.api.bodies import MAX_JSON_DEPTH, decode, json_too_deep
+from calserve.api.errors import ApiError
 from calserve.api.hygiene import RateLimitedLog, head_error
+from calserve.api.schemas import ChatBody, CompletionBody, TokenizeBody
 
 from .conftest import Harness
 
@@ -24,6 +29,52 @@ def test_head_error() -> None:
     err = head_error(_scope((b"x-big", b"a" * 2000)), 1024)
     assert err is not None and (err.status, err.code) == (431, "headers_too_large")
     assert head_error(_scope(path=b"/" + b"a" * 2000), 1024) is not None  # the target counts
+
+
+def _nest(depth: int, leaf: bytes = b"1") -> bytes:
+    return b'{"a":' * depth + leaf + b"}" * depth
+
+
+@pytest.mark.parametrize("data, deep", [
+    (b"[]", False), (b"[" * 64 + b"]" * 64, False), (b"[" * 65 + b"]" * 65, True),
+    (_nest(65), True), (_nest(64), False),
+    (b'["' + b"[" * 100 + b'"]', False),  # brackets inside a string do not nest
+    (b'["\\"' + b"[" * 100 + b'"]', False),  # nor after an escaped quote
+    (b'["\\\\",' + b"[" * 65 + b"]" * 65 + b"]", True),  # an escaped backslash ends no string
+    (b"[" + b"[]," * 500 + b"[]]", False),  # many brackets, shallow
+])
+def test_json_too_deep(data: bytes, deep: bool) -> None:
+    msgspec.json.decode(data)  # valid JSON
+    assert json_too_deep(data) is deep
+
+
+def test_deep_free_form_values_are_400_invalid_json_naming_the_field() -> None:
+    ok = {"prompt": "x", "tools": msgspec.json.decode(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH)}
+    assert decode(CompletionBody, msgspec.json.encode(ok)).tools is not None
+    cases = [
+        (CompletionBody, b'{"prompt":"x","tools":' + b"[" * 65 + b"]" * 65 + b"}", "tools"),
+        (CompletionBody, b'{"prompt":' + b"[" * 65 + b"]" * 65 + b"}", "prompt"),
+        (ChatBody, b'{"messages":[{"role":"user","content":"x"},{"role":"assistant",'
+         b'"tool_calls":' + _nest(70) + b"}]}", "messages[1].tool_calls"),
+        (ChatBody, b'{"messages":[],"response_format":' + _nest(70) + b"}", "response_format"),
+        (TokenizeBody, b'{"messages":[{"role":"user","tool_calls":' + _nest(70) + b"}]}",
+         "messages[0].tool_calls"),
+        # Past msgspec's own recursion limit (it raised RecursionError: a 500 before).
+        (CompletionBody, b'{"prompt":"x","tools":' + b"[" * 100000 + b"]" * 100000 + b"}", None),
+    ]
+    for kind, data, param in cases:
+        with pytest.raises(ApiError) as e:
+            decode(kind, data)
+        assert (e.value.status, e.value.code, e.value.param) == (400, "invalid_json", param)
+
+
+async def test_deep_json_on_both_transports(h: Harness) -> None:
+    deep = b'{"prompt":"x","tools":' + b"[" * 3000 + b"]" * 3000 + b"}"
+    status, body, _ = await h.post("/v1/completions", data=deep)
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    deep = b'{"messages":[{"role":"user","tool_calls":' + _nest(3000) + b"}]}"
+    status, body, _ = await h.post("/tokenize", data=deep)
+    assert status == 400 and body["error"]["code"] == "invalid_json"
 
 
 async def test_ambiguous_framing_in_process(h: Harness) -> None:
