@@ -6,15 +6,16 @@ so the official clients raise their typed exceptions (BadRequestError, RateLimit
 | status | type                   | code                                  | raised for                      |
 |--------|------------------------|---------------------------------------|---------------------------------|
 | 400    | invalid_request_error  | invalid_json / invalid_value / unsupported_parameter / context_length_exceeded | bad input |
-| 400    | invalid_request_error  | invalid_http_framing                  | Content-Length + Transfer-Encoding |
+| 400    | invalid_request_error  | invalid_http_framing / invalid_http   | Content-Length + Transfer-Encoding; malformed HTTP (serve) |
 | 401    | invalid_request_error  | invalid_api_key                       | unknown or missing API key      |
 | 404    | invalid_request_error  | model_not_found / not_found           | unknown alias / route           |
 | 405    | invalid_request_error  | method_not_allowed                    | wrong HTTP method               |
-| 408    | invalid_request_error  | request_timeout                       | body too slow (server.body_timeout_s) |
+| 408    | invalid_request_error  | request_timeout                       | body (or, serve, head) too slow |
 | 413    | invalid_request_error  | request_too_large                     | body over server.max_body_bytes |
 | 429    | rate_limit_error       | rate_limit_exceeded                   | CapacityError (budget, quota)   |
 | 431    | invalid_request_error  | headers_too_large                     | head over server.max_header_bytes |
 | 503    | service_unavailable    | model_unavailable / engine_unavailable| UnavailableError, EngineError   |
+| 503    | service_unavailable    | too_many_connections                  | connection cap (serve)          |
 | 500    | server_error           | device_error / internal_error         | device fault, genuine bug       |
 """
 

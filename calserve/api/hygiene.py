@@ -1,5 +1,7 @@
 """Protocol hygiene that ``calserve:app`` enforces itself, at the ASGI level: the same under both
-launchers (``hypercorn -k trio calserve:app`` and ``calserve serve``).
+launchers (``hypercorn -k trio calserve:app`` and ``calserve serve``). The connection side (idle and
+header timeouts, the connection cap, hypercorn's own error responses) is :mod:`calserve.api.listener`,
+``calserve serve`` only.
 
 Keep-alive (:func:`shield_final_send`). Hypercorn 0.18 restarts a connection's keep-alive timer from
 inside the app's last ``send`` of a response (h11 ``_maybe_recycle`` -> ``Updated(idle=True)`` ->
@@ -32,7 +34,7 @@ import trio
 from calserve.api.errors import ApiError
 
 __all__ = ["shield_final_send", "head_error", "send_error", "refuse", "drain", "RateLimitedLog",
-           "body_timeout"]
+           "error_response_bytes", "body_timeout"]
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -112,6 +114,22 @@ async def refuse(send: Send, receive: Receive, err: ApiError, drain_s: float) ->
     """Answer ``err`` (``Connection: close``) before reading the body, then drain (bounded)."""
     await send_error(send, err)
     await drain(receive, drain_s)
+
+
+_REASONS: Final = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields "
+                   b"Too Large", 500: b"Internal Server Error", 501: b"Not Implemented",
+                   503: b"Service Unavailable"}
+
+
+def error_response_bytes(err: ApiError) -> bytes:
+    """``err`` as a whole HTTP/1.1 response (``Connection: close``), for answers written below
+    the ASGI layer (:mod:`calserve.api.listener`)."""
+    body, headers = _encode(err)
+    if not err.close:
+        headers.append((b"connection", b"close"))
+    head = [b"HTTP/1.1 %d %s" % (err.status, _REASONS.get(err.status, b""))]
+    head += [k + b": " + v for k, v in headers]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
 @final

@@ -1,17 +1,20 @@
-"""The pieces of the protocol limits on their own: request-head checks, deep JSON, the rate-limited
-log."""
+"""The pieces of the protocol limits on their own: request-head checks, deep JSON, the rewriting of
+hypercorn's error answers, the connection cap's clamp, the rate-limited log."""
 
 from __future__ import annotations
 
 import logging
+import resource
 from typing import Any
 
 import msgspec
 import pytest
 
+from calserve.api import listener
 from calserve.api.bodies import MAX_JSON_DEPTH, decode, json_too_deep
 from calserve.api.errors import ApiError
 from calserve.api.hygiene import RateLimitedLog, head_error
+from calserve.api.listener import FD_RESERVE, connection_cap, rewrite_error_response
 from calserve.api.schemas import ChatBody, CompletionBody, TokenizeBody
 
 from .conftest import Harness
@@ -83,6 +86,46 @@ async def test_ambiguous_framing_in_process(h: Harness) -> None:
         "Transfer-Encoding": "chunked", "Content-Length": str(len(data))})
     assert status == 400 and body["error"]["code"] == "invalid_http_framing"
     assert headers["Connection"] == "close"
+
+
+def test_rewrite_of_hypercorns_error_answers() -> None:
+    raw = (b"HTTP/1.1 400 \r\ncontent-length: 0\r\nconnection: close\r\n"
+           b"date: Tue, 01 Dec 2026 12:00:00 GMT\r\nserver: hypercorn-h11\r\n\r\n")
+    new = rewrite_error_response(raw, 16384)
+    assert new is not None
+    head, _, body = new.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 400 "
+    assert b"content-type: application/json" in lines and b"connection: close" in lines
+    assert b"date: Tue, 01 Dec 2026 12:00:00 GMT" in lines and b"server: hypercorn-h11" in lines
+    assert f"content-length: {len(body)}".encode() in lines
+    err = msgspec.json.decode(body)["error"]
+    assert err == {"message": err["message"], "type": "invalid_request_error", "param": None,
+                   "code": "invalid_http"}
+    new = rewrite_error_response(raw.replace(b" 400 ", b" 431 "), 8192)
+    assert new is not None and b"headers_too_large" in new and b"8192" in new
+    new = rewrite_error_response(raw.replace(b" 400 ", b" 500 "), 8192)
+    assert new is not None and b'"internal_error"' in new and b"Traceback" not in new
+    # The app's own answers pass untouched.
+    app = b"HTTP/1.1 400 \r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+    assert rewrite_error_response(app, 16384) is None
+    assert rewrite_error_response(b"HTTP/1.1 200 \r\ncontent-length: 0\r\n\r\n", 16384) is None
+
+
+def test_connection_cap_is_clamped_to_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = {"soft": 256, "hard": 256}
+    monkeypatch.setattr(listener.resource, "getrlimit",
+                        lambda _: (limits["soft"], limits["hard"]))
+    raised: list[tuple[int, int]] = []
+    monkeypatch.setattr(listener.resource, "setrlimit", lambda _, v: raised.append(v))
+    assert connection_cap(1024) == 256 - FD_RESERVE
+    assert connection_cap(100) == 100
+    limits.update(soft=256, hard=4096)  # the soft limit is raised when the cap needs it
+    assert connection_cap(1024) == 1024 and raised == [(1024 + FD_RESERVE, 4096)]
+    limits.update(soft=40, hard=40)
+    assert connection_cap(1024) == 20  # tiny limits: half of it
+    limits.update(soft=resource.RLIM_INFINITY, hard=resource.RLIM_INFINITY)
+    assert connection_cap(1024) == 1024
 
 
 def test_rate_limited_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
