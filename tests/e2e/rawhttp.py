@@ -37,6 +37,21 @@ class Response(msgspec.Struct):
         return msgspec.json.decode(self.body)
 
 
+def _head(buf: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip()
+               for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return int(lines[0].split(" ")[1]), headers, rest
+
+
+def parse_response(data: bytes) -> Response:
+    """A whole response already received (``data``)."""
+    status, headers, rest = _head(data)
+    n = int(headers.get("content-length", len(rest)))
+    return Response(status, headers, rest[:n])
+
+
 def read_response(s: socket.socket) -> Response:
     """One response with a Content-Length body (or up to EOF without one)."""
     buf = b""
@@ -45,11 +60,7 @@ def read_response(s: socket.socket) -> Response:
         if not d:
             raise ConnectionError(f"EOF before a response head: {buf!r}")
         buf += d
-    head, _, rest = buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ")[1])
-    headers = {k.strip().lower(): v.strip()
-               for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    status, headers, rest = _head(buf)
     if "content-length" in headers:
         n = int(headers["content-length"])
         while len(rest) < n:
@@ -87,21 +98,27 @@ def is_closed(s: socket.socket, wait: float) -> bool:
         return True
 
 
-def close_times(socks: Sequence[socket.socket], timeout: float) -> list[float | None]:
-    """For each socket, the seconds until the server closed it (None: still open at ``timeout``)."""
+def close_times(socks: Sequence[socket.socket], timeout: float,
+                received: list[bytes] | None = None) -> list[float | None]:
+    """For each socket, the seconds until the server closed it (None: still open at ``timeout``);
+    ``received`` gets what each one received meanwhile."""
     t0 = time.monotonic()
     out: list[float | None] = [None] * len(socks)
+    got = [b""] * len(socks)
     pending = {s.fileno(): i for i, s in enumerate(socks)}
     by_fd = {s.fileno(): s for s in socks}
     while pending and time.monotonic() - t0 < timeout:
         ready, _, _ = select.select(list(pending), [], [], 0.05)
         for fd in ready:
             try:
-                gone = by_fd[fd].recv(65536) == b""
+                d = by_fd[fd].recv(65536)
             except OSError:
-                gone = True
-            if gone:
+                d = b""
+            got[pending[fd]] += d
+            if not d:
                 out[pending.pop(fd)] = time.monotonic() - t0
+    if received is not None:
+        received[:] = got
     return out
 
 
