@@ -175,6 +175,23 @@ class ServerConfig(_Strict):
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.
     trace_events: NonNeg = 4096
+    # --- Connections and protocol limits (calserve/api/listener.py, calserve/api/hygiene.py) ---
+    # Both launchers unless marked "calserve serve only" (the hypercorn CLI owns its own Config:
+    # there, --keep-alive (default 5 s) is both the idle and the header timeout, no connection cap).
+    # An idle keep-alive connection, and a new one that sends nothing, is closed after this (s).
+    # calserve serve only.
+    keep_alive_timeout_s: PosFloat = 10.0
+    # A request head (request line + headers) must be complete this long after its first byte (s),
+    # else the connection is closed (408 when HTTP/1.1). calserve serve only.
+    header_timeout_s: PosFloat = 5.0
+    # A request body must be complete this long after its head (s), else 408 + close.
+    body_timeout_s: PosFloat = 30.0
+    # A request head larger than this (bytes: request target + headers) gets 431 + close.
+    max_header_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16384
+    # Open client connections at most (calserve serve only). At the cap the longest-idle keep-alive
+    # connection is closed to make room, else the new one gets 503 + Retry-After and is closed.
+    # Clamped to the open-file limit (RLIMIT_NOFILE) less a reserve for the process itself.
+    max_connections: Pos = 1024
 
 
 FaultName = Literal["timeout", "ccu", "unknown_dma", "busy", "crosstalk"]

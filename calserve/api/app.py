@@ -24,10 +24,12 @@ from werkzeug.exceptions import HTTPException
 from calserve.api.asgi import FastRoutes, fast_route
 from calserve.api.bodies import too_large
 from calserve.api.errors import ApiError, from_exception, to_api_error
+from calserve.api.hygiene import (RateLimitedLog, body_timeout, head_error, refuse,
+                                  shield_final_send)
 from calserve.api.lifecycle import EngineFactory
 from calserve.api.routes import error_response, register_routes
 from calserve.api.state import ApiState
-from calserve.config import CalserveConfig
+from calserve.config import CalserveConfig, ServerConfig
 from calserve.errors import CalserveError
 
 __all__ = ["create_app", "ApiState", "CalserveApp", "ASYNCIO_REFUSAL", "get_state"]
@@ -63,6 +65,8 @@ class CalserveApp(QuartTrio):
     not (``asgi.fast_route``)."""
 
     fast: FastRoutes | None = None  # set by create_app
+    limits: ServerConfig | None = None  # set at start-up: the protocol limits of every request
+    refusals: RateLimitedLog  # set by create_app
 
     def log_exception(self, exception_info: Any) -> None:
         exc = exception_info[1] if exception_info else None
@@ -74,6 +78,17 @@ class CalserveApp(QuartTrio):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if _trio_running():
             fast = self.fast
+            if scope["type"] == "http":
+                send = shield_final_send(send)  # else keep-alive connections never time out
+                limits = self.limits
+                if limits is not None:
+                    err = head_error(scope, limits.max_header_bytes)
+                    if err is not None:
+                        self.refusals.warning(str(err.code), "refused a request head: %s",
+                                              err.message)
+                        get_state(self).metrics.responses.labels(str(err.status)).inc()
+                        await refuse(send, receive, err, limits.body_timeout_s)
+                        return
             if fast is not None and scope["type"] == "http":
                 kind = fast_route(scope)
                 if kind is not None:
@@ -115,6 +130,7 @@ def create_app(
     embedded default); ``engine_factory(config)`` returns the engine's async context manager
     (default ``Engine.open``); ``prepare_config`` lets ``calserve serve`` rewrite the loaded config."""
     app = CalserveApp("calserve")
+    app.refusals = RateLimitedLog(log)
     app.config["RESPONSE_TIMEOUT"] = None  # streams are never cut (STACK.md)
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 5
     state = ApiState(config, engine_factory, prepare_config)
@@ -129,6 +145,8 @@ def create_app(
         else:
             host = state.build_host()
         app.config["MAX_CONTENT_LENGTH"] = host.config.server.max_body_bytes
+        app.config["BODY_TIMEOUT"] = host.config.server.body_timeout_s  # quart routes' bodies
+        app.limits = host.config.server
         try:
             await app.nursery.start(host.run)
         except BaseException as e:
@@ -157,6 +175,8 @@ def create_app(
         code = err.code or 500
         if code == 413:  # quart's own MAX_CONTENT_LENGTH check, same answer as ours
             return error_response(too_large(app.config["MAX_CONTENT_LENGTH"]))
+        if code == 408:  # quart's BODY_TIMEOUT: the same answer as the generation routes'
+            return error_response(body_timeout(app.config["BODY_TIMEOUT"]))
         names = {404: "not_found", 405: "method_not_allowed"}
         typ = "invalid_request_error" if code < 500 else "server_error"
         return error_response(ApiError(code, err.description or err.name, type=typ,

@@ -13,7 +13,8 @@ knows these two paths only to answer other methods like any route (405 + Allow, 
 
 Behaviour, shared with the quart routes where both have it:
 - request decoding and the body limit (:mod:`calserve.api.bodies`: 413 on Content-Length or on the
-  bytes received, whichever shows it first), tenant auth (``ApiState.tenant_of``: 401 before the
+  bytes received, whichever shows it first), the body deadline (``server.body_timeout_s`` after the
+  head: 408 + close, as quart's ``BODY_TIMEOUT``), tenant auth (``ApiState.tenant_of``: 401 before the
   body is read), error mapping (``errors.to_api_error``: a genuine bug is logged and answered 500
   ``internal_error``), ``calserve_http_responses`` counted once per response;
 - OpenAI bodies: ``running.run_json`` (JSON) and ``running.pump_stream`` + ``stream_encoder`` (SSE);
@@ -39,6 +40,7 @@ import trio
 from calserve.api.bodies import check_declared, decode, too_large
 from calserve.api.convert import Prepared, prepare_chat, prepare_completion
 from calserve.api.errors import ApiError, to_api_error
+from calserve.api.hygiene import body_timeout, drain
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
 from calserve.api.running import RequestLease, pump_stream, run_json
@@ -101,15 +103,6 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
             return
 
 
-async def _drain(receive: Receive) -> None:
-    """After an early refusal (401/413/503 before the whole body arrived): consume the rest of the
-    request without keeping it, as quart does, so the sender is never blocked on a full queue."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect" or not msg.get("more_body", False):
-            return
-
-
 @final
 class FastRoutes:
     """The two generation routes as one raw ASGI handler bound to the app's :class:`ApiState` (the
@@ -134,8 +127,8 @@ class FastRoutes:
             eng, prep = got
         except Exception as exc:
             await self._send_error(send, to_api_error(exc))
-            if not body_read[0]:
-                await _drain(receive)
+            if not body_read[0]:  # after an early refusal (401/408/413/503): the rest, bounded
+                await drain(receive, self._state.config.server.body_timeout_s)
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
@@ -157,23 +150,27 @@ class FastRoutes:
         state = self._state
         tenant = state.tenant_of(auth.decode("latin-1") if auth is not None else "")
         eng = state.engine()
-        limit = state.config.server.max_body_bytes
+        server = state.config.server
+        limit = server.max_body_bytes
         check_declared(clen, limit)
         parts: list[bytes] = []
         size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.request":
-                chunk = msg.get("body", b"")
-                if chunk:
-                    size += len(chunk)
-                    if size > limit:
-                        raise too_large(limit)
-                    parts.append(chunk)
-                if not msg.get("more_body", False):
-                    break
-            elif msg["type"] == "http.disconnect":
-                return None
+        with trio.move_on_after(server.body_timeout_s) as slow:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.request":
+                    chunk = msg.get("body", b"")
+                    if chunk:
+                        size += len(chunk)
+                        if size > limit:
+                            raise too_large(limit)
+                        parts.append(chunk)
+                    if not msg.get("more_body", False):
+                        break
+                elif msg["type"] == "http.disconnect":
+                    return None
+        if slow.cancelled_caught:  # a slow (or stalled) sender: 408, the connection is closed
+            raise body_timeout(server.body_timeout_s)
         body_read[0] = True
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         if kind == "completion":

@@ -6,12 +6,16 @@ so the official clients raise their typed exceptions (BadRequestError, RateLimit
 | status | type                   | code                                  | raised for                      |
 |--------|------------------------|---------------------------------------|---------------------------------|
 | 400    | invalid_request_error  | invalid_json / invalid_value / unsupported_parameter / context_length_exceeded | bad input |
+| 400    | invalid_request_error  | invalid_http_framing / invalid_http   | Content-Length + Transfer-Encoding; malformed HTTP (serve) |
 | 401    | invalid_request_error  | invalid_api_key                       | unknown or missing API key      |
 | 404    | invalid_request_error  | model_not_found / not_found           | unknown alias / route           |
 | 405    | invalid_request_error  | method_not_allowed                    | wrong HTTP method               |
+| 408    | invalid_request_error  | request_timeout                       | body (or, serve, head) too slow |
 | 413    | invalid_request_error  | request_too_large                     | body over server.max_body_bytes |
 | 429    | rate_limit_error       | rate_limit_exceeded                   | CapacityError (budget, quota)   |
+| 431    | invalid_request_error  | headers_too_large                     | head over server.max_header_bytes |
 | 503    | service_unavailable    | model_unavailable / engine_unavailable| UnavailableError, EngineError   |
+| 503    | service_unavailable    | too_many_connections                  | connection cap (serve)          |
 | 500    | server_error           | device_error / internal_error         | device fault, genuine bug       |
 """
 
@@ -45,6 +49,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -53,14 +58,16 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.close = close  # answer with `Connection: close` (the connection is not reusable)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
-            return {}
-        return {"Retry-After": retry_after_header(self.retry_after)}
+        h = {} if self.retry_after is None else {"Retry-After": retry_after_header(self.retry_after)}
+        if self.close:
+            h["Connection"] = "close"
+        return h
 
 
 def error_body(message: str, type: str, param: str | None, code: str | None) -> dict[str, Any]:

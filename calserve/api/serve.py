@@ -5,6 +5,10 @@ supervisor cannot tell a crash from a clean stop. Here we drive ``hypercorn.trio
 exit non-zero when the engine fails beyond recovery (or never started), 0 on SIGINT/SIGTERM.
 
 Exit codes: 0 clean shutdown; 1 engine failed / start-up refused / bad config; 2 usage.
+
+Connections go through :mod:`calserve.api.listener` (hypercorn's trio worker with calserve's
+connection guard: keep-alive, header timeout and connection cap from ``server.``, hypercorn's own
+error answers in the OpenAI shape) — what the hypercorn CLI cannot give.
 """
 
 from __future__ import annotations
@@ -80,9 +84,9 @@ async def serve_app(
     """Serve until SIGINT/SIGTERM (-> 0) or an engine failure (-> 1). ``task_status`` reports the
     bound addresses (tests bind port 0)."""
     from hypercorn.config import Config as HyperConfig
-    from hypercorn.trio import serve
 
     from calserve.api.app import create_app, get_state
+    from calserve.api.listener import serve_guarded
 
     app = create_app(config, engine_factory=engine_factory)
     state = get_state(app)
@@ -116,11 +120,17 @@ async def serve_app(
             n.start_soon(on_failure)
 
     try:
-        await serve(app, hc, shutdown_trigger=shutdown_trigger,
-                    task_status=task_status)
+        await serve_guarded(app, hc, config.server, shutdown_trigger=shutdown_trigger,
+                            registry=state.metrics.registry, task_status=task_status)
     except BaseException as e:  # lifespan start-up failure and friends
         if isinstance(e, KeyboardInterrupt):
             return 0
+        if isinstance(e, BaseExceptionGroup):
+            _, rest = e.split(trio.Cancelled)
+            if rest is None:  # only cancellation: the caller stops us (tests), not a failure
+                raise
+        elif isinstance(e, trio.Cancelled):
+            raise
         cause = state.startup_error or e
         while isinstance(cause, BaseExceptionGroup) and cause.exceptions:
             cause = cause.exceptions[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -23,10 +24,15 @@ _RUNNING = re.compile(r"Running on http://127\.0\.0\.1:(\d+)")
 class ServerProcess:
     """A server subprocess; stderr is collected by a thread (never blocks the pipe)."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str], cwd: Path) -> None:
+    def __init__(self, argv: Sequence[str], env: dict[str, str], cwd: Path,
+                 nofile: int | None = None) -> None:
+        def limit_fds() -> None:  # in the child: RLIMIT_NOFILE soft and hard = ``nofile``
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         self.proc = subprocess.Popen(
             list(argv), env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True, start_new_session=True,
+            text=True, start_new_session=True, preexec_fn=limit_fds if nofile else None,
         )
         self.lines: list[str] = []
         self.port: int | None = None
@@ -115,9 +121,15 @@ def serving(home: Path, cwd: Path, config_yaml: str | None = None) -> Iterator[S
         proc.stop()
 
 
-def start_calserve_serve(home: Path, *args: str, cwd: Path) -> ServerProcess:
+def start_calserve_serve(home: Path, *args: str, cwd: Path,
+                         nofile: int | None = None) -> ServerProcess:
     argv = [sys.executable, "-m", "calserve.cli", "serve", "--port", "0", *args]
-    return ServerProcess(argv, server_env(home), cwd)
+    return ServerProcess(argv, server_env(home), cwd, nofile)
+
+
+def open_fds(pid: int) -> int:
+    """How many file descriptors process ``pid`` has open (Linux)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
