@@ -171,9 +171,10 @@ class ServerConfig(_Strict):
     # The backlog bound of one stream (bytes, estimated: text + ~2 KB per token with 20 top
     # logprobs): what the engine holds for its consumer plus what the HTTP pump took and has not
     # finished writing. Replaces stream_buffer_events. 0 = unbounded.
-    stream_buffer_bytes: NonNeg = 262144
+    stream_buffer_bytes: NonNeg = 65536
     # A stream whose backlog stays over stream_buffer_bytes this long (ms) while its request is
-    # still producing is cancelled (logged once): its KV lane is freed and its backlog dropped.
+    # still producing is cancelled (logged once): its KV lane is freed and its backlog dropped. At
+    # once (no grace) while other requests of its model wait for admission: they wait for its lane.
     stream_stall_grace_ms: NonNeg = 1000
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.

@@ -167,8 +167,10 @@ class RequestRegistry:
             qclass=classify(len(prompt), self.cfg.scheduler.queues), inbox=send,
         )
         srv = self.cfg.server  # the backlog bound of the stream (README "slow readers")
+        waiting = self.core.requests.queues(gen).waiting  # its generation's admission queue
         writer = StreamWriter(srv.stream_buffer_events, max_bytes=srv.stream_buffer_bytes,
-                              grace_s=srv.stream_stall_grace_ms / 1000.0, name=rid)
+                              grace_s=srv.stream_stall_grace_ms / 1000.0,
+                              contended=lambda: bool(waiting), name=rid)
         self.live[rid] = seq
         self._empty = trio.Event()
         self.nursery.start_soon(run_actor, seq, recv, writer, gen.source.tokenizer, self, name=f"request-{rid}")

@@ -11,8 +11,10 @@ Bounded in bytes (``max_bytes``, config ``server.stream_buffer_bytes``; README "
 and slow readers"): the backlog of a stream is what the writer holds for the consumer plus what the
 consumer took at its last read and has not finished with (the HTTP pump is still sending it: it reads
 again only once that write completed), both as an estimate of their size (text, and ~2 KB per token
-with 20 top logprobs). When the backlog has stayed over the bound for ``grace_s`` (checked as tokens
-arrive, so only a request that is still producing is cut), the writer gives up on its consumer: it
+with 20 top logprobs). When the backlog has stayed over the bound for ``grace_s`` — or at once while
+``contended()`` says other requests wait for a lane (the lane of a client that does not read is
+then what they wait for) — checked as tokens arrive, so only a request that is still producing is
+cut, the writer gives up on its consumer: it
 logs why (once), drops what it holds, marks itself ``abandoned`` — the request actor then cancels
 the request, which frees its lane — and hands the consumer, if it ever reads again, one ErrorEvent
 (``kind="slow_consumer"``) as the stream's end. A client that never reads would otherwise pin a lane
@@ -40,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any, Final, final
 
 import trio
@@ -86,14 +89,15 @@ class StreamWriter:
 
     __slots__ = ("_ids", "_texts", "_lps", "_terminal", "_terminal_delivered", "_abandoned",
                  "_waiter", "_abandoned_event", "_coalesced", "_tokens_put", "_delivered",
-                 "_bytes", "_room", "_limit", "_grace", "_full_at", "_overflow", "_overflowed", "_name")
+                 "_bytes", "_room", "_limit", "_grace", "_full_at", "_overflow", "_overflowed", "_name", "_contended")
 
     def __init__(self, max_events: int = 1, *, max_bytes: int = 0, grace_s: float = 0.0,
-                 name: object = "?") -> None:
+                 contended: Callable[[], bool] | None = None, name: object = "?") -> None:
         # ``max_events`` (config ``server.stream_buffer_events``, kept for compatibility) is the
         # bound on buffered token events; the writer needs only 1 since every pending token goes
         # into one event. ``max_bytes`` (0 = unbounded) and ``grace_s`` bound the backlog in bytes
-        # (module docstring); ``name`` (the request id) is for the log line.
+        # (module docstring), ``contended`` (None: never) cuts the grace short; ``name`` (the
+        # request id) is for the log line.
         if max_events < 1:
             raise ValueError(f"StreamWriter max_events must be >= 1, got {max_events!r}")
         if max_bytes < 0 or grace_s < 0:
@@ -125,6 +129,7 @@ class StreamWriter:
         self._overflow: ErrorEvent | None = None  # handed to the consumer once after overflowing
         self._overflowed = False
         self._name = name
+        self._contended = contended
 
     # ---------------------------------------------------------------- producer side (actor)
     @property
@@ -211,15 +216,20 @@ class StreamWriter:
         if since is None:
             since = self._full_at = now
         if now - since < self._grace:
-            return
+            contended = self._contended
+            if contended is None or not contended():
+                return
+            why = "other requests wait for its lane"
+        else:
+            why = "past the grace period (server.stream_stall_grace_ms)"
         backlog = self._bytes + self._limit - self._room
         log.warning(
-            "request %s: stream cancelled, its client read nothing for %.2f s while %d bytes"
-            " were waiting for it (bound %d bytes, server.stream_buffer_bytes)",
-            self._name, now - since, backlog, self._limit, extra={"request_id": self._name})
+            "request %s: stream cancelled, its client did not read for %.2f s while %d bytes"
+            " were waiting for it (bound %d bytes, server.stream_buffer_bytes): %s",
+            self._name, now - since, backlog, self._limit, why, extra={"request_id": self._name})
         self._overflow = ErrorEvent(
             f"stream cancelled: the client did not read it for {now - since:.2f} s while"
-            f" {backlog} bytes were waiting (bound {self._limit} bytes)", "slow_consumer")
+            f" {backlog} bytes were waiting (bound {self._limit} bytes): {why}", "slow_consumer")
         self._overflowed = True
         self._give_up()
 

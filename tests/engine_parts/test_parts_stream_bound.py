@@ -162,3 +162,28 @@ async def test_engine_cancels_a_never_read_stream_and_frees_its_lane(
         h2 = await eng.submit(GenerateRequest((4, 5), SamplingParams(temperature=0.0, max_tokens=5)))
         evs = [ev async for ev in h2.events()]
         assert isinstance(evs[-1], FinishEvent) and evs[-1].reason is FinishReason.LENGTH
+
+
+async def test_while_others_wait_for_a_lane_there_is_no_grace(
+        autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "calserve.engine.stream")
+    waiting: list[int] = []
+    w = StreamWriter(max_bytes=10 * _PER_TOKEN, grace_s=60.0, contended=lambda: bool(waiting),
+                     name="t")
+    for i in range(30):  # over the bound, nobody waits: the grace (60 s) runs
+        w.put_token(i, "ab", _LP)
+        await trio.sleep(0.01)
+    assert not w.abandoned
+    waiting.append(1)  # a request now waits for admission
+    w.put_token(30, "ab", _LP)
+    assert w.abandoned and w.statistics().overflowed
+    (rec,) = [r for r in caplog.records if "stream cancelled" in r.getMessage()]
+    assert "other requests wait for its lane" in rec.getMessage()
+
+
+async def test_under_the_bound_contention_changes_nothing(
+        autojump_clock: trio.testing.MockClock) -> None:
+    w = StreamWriter(max_bytes=10 * _PER_TOKEN, grace_s=0.5, contended=lambda: True, name="t")
+    for i in range(10):
+        w.put_token(i, "ab", _LP)
+    assert not w.abandoned  # at the bound, not over it
