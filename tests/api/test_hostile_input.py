@@ -194,3 +194,28 @@ async def test_worker_is_correct_under_cancellation() -> None:
     assert ran == ["slow"]
     assert lim.borrowed_tokens == 0
     assert await run_in_worker(quick) == "quick"
+
+
+def test_a_stream_given_up_for_its_slow_reader_ends_with_client_too_slow() -> None:
+    import msgspec
+
+    from calserve.api.chunks import ChunkEncoder
+    from calserve.api.stream_encoder import StreamEncoder
+    from calserve.engine.types import ErrorEvent, TokenEvent
+
+    enc = StreamEncoder(ChunkEncoder(chat=True, rid="r", created=1, model="m", include_usage=False))
+    out = enc.encode([TokenEvent((1,), "a"), ErrorEvent("stream cancelled: ...", "slow_consumer")])
+    assert enc.finished and b"[DONE]" not in out
+    last = msgspec.json.decode(out.rstrip(b"\n").rsplit(b"\n\n", 1)[-1][len(b"data: "):])
+    assert last["error"]["code"] == "client_too_slow", last
+
+
+async def test_big_detokenize_bodies_are_answered_from_the_worker(
+        harness_factory: Callable[..., Any], demo_tok: Tokenizer) -> None:
+    async with harness_factory() as h:
+        _use(h, demo_tok)
+        ids = [i % 250 for i in range(3000)]  # the fake engine's vocabulary is 257
+        status, out, _ = await h.post("/detokenize", {"tokens": ids})
+        assert status == 200 and out["prompt"] == demo_tok.decode(ids)
+        status, out, _ = await h.post("/detokenize", {"tokens": [*ids, 10**6]})
+        assert status == 400 and out["error"]["param"] == f"tokens[{len(ids)}]", out
