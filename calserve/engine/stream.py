@@ -11,15 +11,15 @@ Bounded in bytes (``max_bytes``, config ``server.stream_buffer_bytes``; README "
 and slow readers"): the backlog of a stream is what the writer holds for the consumer plus what the
 consumer took at its last read and has not finished with (the HTTP pump is still sending it: it reads
 again only once that write completed), both as an estimate of their size (text, and ~2 KB per token
-with 20 top logprobs). When the backlog has stayed over the bound for ``grace_s`` — or at once while
-``contended()`` says other requests wait for a lane (the lane of a client that does not read is
-then what they wait for) — checked as tokens arrive, so only a request that is still producing is
-cut, the writer gives up on its consumer: it
-logs why (once), drops what it holds, marks itself ``abandoned`` — the request actor then cancels
-the request, which frees its lane — and hands the consumer, if it ever reads again, one ErrorEvent
-(``kind="slow_consumer"``) as the stream's end. A client that never reads would otherwise pin a lane
-until ``max_tokens`` and keep every token in memory until it disconnects. A read by the consumer
-(the client took the last write) restarts the grace period.
+with 20 top logprobs). When the backlog has stayed over the bound for ``grace_s``, or at once while
+``contended()`` says other requests wait for a lane (the lane of a client that does not read is then
+what they wait for), the writer gives up on its consumer: it logs why (once), drops what it holds,
+marks itself ``abandoned`` (the request actor then cancels the request, which frees its lane) and
+hands the consumer, if it ever reads again, one ErrorEvent (``kind="slow_consumer"``) as the
+stream's end. This is checked as tokens arrive, so only a request that is still producing is cut. A
+client that never reads would otherwise pin a lane until ``max_tokens`` and keep every token in
+memory until it disconnects. A read by the consumer (the client took the last write) restarts the
+grace period.
 
 Why coalesce on the consumer's side and build the event lazily: one SSE event costs the server more
 than one token (hypercorn's send path alone is ~30 µs per event on this machine, see
@@ -54,9 +54,9 @@ __all__ = ["StreamWriter", "StreamStatistics", "token_bytes"]
 log = logging.getLogger("calserve.engine.stream")
 
 # The size estimate of a buffered token (what it takes in memory and about what it takes on the
-# wire once encoded): its text plus a fixed part, and with logprobs a part per top entry. 20 top
-# logprobs (the most a request may ask): 2,144 bytes (a chat chunk carries ~1.4 KB of JSON for it;
-# the TokenLogprob tuples hold ~2 KB).
+# wire once encoded): its text plus a fixed part, and with logprobs a part per top entry. With 20 top
+# logprobs (the most a request may ask): 2,112 bytes plus its text (a chat chunk carries ~1.4 KB of
+# JSON for it; the TokenLogprob tuples hold ~2 KB).
 TOKEN_BYTES: Final = 64
 LOGPROB_BYTES: Final = 128
 TOP_LOGPROB_BYTES: Final = 96

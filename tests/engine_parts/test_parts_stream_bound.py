@@ -30,7 +30,7 @@ from calserve.config import decode_config
 from tests.engine.helpers import fake_source
 
 _LP = TokenLogprob(7, -1.0, tuple((i, -float(i)) for i in range(20)))  # 20 top logprobs
-_PER_TOKEN = token_bytes("ab", _LP)  # 2,210 bytes
+_PER_TOKEN = token_bytes("ab", _LP)  # 2,114 bytes
 
 
 def _writer(limit: int, grace: float = 1.0) -> StreamWriter:
