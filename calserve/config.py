@@ -158,8 +158,8 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8000
     max_body_bytes: Pos = 1 << 20
-    # Token events buffered per stream while its client is slow (the StreamWriter needs 1: every
-    # pending token is coalesced into one event the consumer takes whole).
+    # Kept for compatibility, no effect (>= 1): the StreamWriter coalesces every pending token into
+    # one event, and the backlog is bounded in bytes (stream_buffer_bytes).
     stream_buffer_events: Pos = 64
     # Optional minimum gap between two streamed token chunks of one stream (ms, 0 = off, the
     # default): tokens arriving meanwhile go out as one chunk (fewer SSE events, less server CPU
@@ -172,6 +172,15 @@ class ServerConfig(_Strict):
     # stream throughput exactly when the host, not the device, is the bottleneck.
     stream_busy_interval_ms: NonNeg = 20
     stream_busy_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    # Per-request limits and slow readers (README "Per-request limits and slow readers").
+    # The backlog bound of one stream (bytes, estimated: text + ~2 KB per token with 20 top
+    # logprobs): what the engine holds for its consumer plus what the HTTP pump took and has not
+    # finished writing. Replaces stream_buffer_events. 0 = unbounded.
+    stream_buffer_bytes: NonNeg = 65536
+    # A stream whose backlog stays over stream_buffer_bytes this long (ms) while its request is
+    # still producing is cancelled (logged once): its KV lane is freed and its backlog dropped. At
+    # once (no grace) while other requests of its model wait for admission: they wait for its lane.
+    stream_stall_grace_ms: NonNeg = 1000
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.
     trace_events: NonNeg = 4096

@@ -37,14 +37,13 @@ from urllib.parse import urlparse
 
 import trio
 
-from calserve.api.bodies import check_declared, decode, too_large
-from calserve.api.convert import Prepared, prepare_chat, prepare_completion
+from calserve.api.bodies import check_declared, too_large
+from calserve.api.convert import Prepared, prepare_body
 from calserve.api.errors import ApiError, to_api_error
 from calserve.api.hygiene import body_timeout, drain
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
 from calserve.api.running import RequestLease, pump_stream, run_json
-from calserve.api.schemas import ChatBody, CompletionBody
 from calserve.api.state import ApiState
 from calserve.api.stream_encoder import StreamEncoder
 
@@ -173,9 +172,8 @@ class FastRoutes:
             raise body_timeout(server.body_timeout_s)
         body_read[0] = True
         data = parts[0] if len(parts) == 1 else b"".join(parts)
-        if kind == "completion":
-            return eng, prepare_completion(eng, decode(CompletionBody, data), tenant)
-        return eng, prepare_chat(eng, decode(ChatBody, data), tenant)
+        # Decode + prepare: a big body in the prompt worker thread (convert.prepare_body).
+        return eng, await prepare_body(kind, eng, data, tenant)
 
     async def _generate(self, eng: EngineLike, prep: Prepared, send: Send) -> None:
         try:

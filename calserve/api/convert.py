@@ -5,16 +5,22 @@ penalties or biases in the sampler): ``n``>1, ``best_of``>1, ``logit_bias``, ``p
 ``frequency_penalty`` != 0, ``repetition_penalty`` != 1, ``suffix``, ``echo`` with ``logprobs``,
 ``tools``/``functions``/``tool_choice``/``function_call``, ``response_format`` other than text,
 non-text content parts, tool messages. ``echo`` alone is supported (the prompt text is prepended).
+
+Hostile sizes (README "Per-request limits and slow readers"): a prompt longer than the context can
+hold is refused before any tokenizing (text: :func:`calserve.api.tokenizing.check_text_fits`;
+token ids: their count), and :func:`prepare_body` decodes and prepares a big body in the prompt
+worker thread, so the trio thread never tokenizes more than a small body.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from calserve import errors as E
-from calserve.api.protocol import EngineLike, TokenizerLike
+from calserve.api.bodies import decode
+from calserve.api.protocol import TokenizerLike
 from calserve.api.schemas import (
     MAX_STOP_CHARS,
     ChatBody,
@@ -22,10 +28,12 @@ from calserve.api.schemas import (
     CompletionBody,
     SamplingFields,
 )
+from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 
-__all__ = ["Prepared", "resolve_model", "prepare_completion", "prepare_chat", "chat_messages"]
+__all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
+           "prepare_chat", "prepare_body", "chat_messages", "encode_chat"]
 
 MAX_STOP_STRINGS = 16
 _CHAT_ROLES = {"system", "developer", "user", "assistant"}
@@ -42,7 +50,40 @@ class Prepared:
     logprobs: int | None  # None = none; k = chosen + top-k
 
 
-def resolve_model(engine: EngineLike, name: str | None) -> ModelInfo:
+class ModelsLike(Protocol):
+    """What preparing a request needs of the engine (``EngineLike`` has it; so does a
+    :class:`ModelView` a worker thread may read)."""
+
+    @property
+    def default_alias(self) -> str: ...
+
+    def models(self) -> Sequence[ModelInfo]: ...
+
+    def tokenizer(self, alias: str | None = None) -> TokenizerLike: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelView:
+    """The served models and their tokenizers, taken on the trio thread: a worker thread reads this
+    instead of the engine (whose state the trio thread changes)."""
+
+    default_alias: str
+    infos: tuple[ModelInfo, ...]
+    tokenizers: dict[str, TokenizerLike]
+
+    @classmethod
+    def of(cls, engine: ModelsLike) -> ModelView:
+        infos = tuple(engine.models())
+        return cls(engine.default_alias, infos, {i.alias: engine.tokenizer(i.alias) for i in infos})
+
+    def models(self) -> Sequence[ModelInfo]:
+        return self.infos
+
+    def tokenizer(self, alias: str | None = None) -> TokenizerLike:
+        return self.tokenizers[alias or self.default_alias]
+
+
+def resolve_model(engine: ModelsLike, name: str | None) -> ModelInfo:
     """The ModelInfo of alias ``name`` (None/"" = the default alias); UnknownModel -> 404."""
     alias = name or engine.default_alias
     for info in engine.models():
@@ -119,11 +160,7 @@ def _sampling(
     default_max: int, logprobs: int | None, prompt_param: str, vocab: int | None,
 ) -> SamplingParams:
     if prompt_len >= max_seq:
-        raise E.RequestError(
-            f"This model's maximum context length is {max_seq} tokens; the prompt has {prompt_len}"
-            " tokens, leaving no room for a completion (context length exceeded)",
-            param=prompt_param,
-        )
+        raise _context_full(max_seq, prompt_len, prompt_param)
     room = max_seq - prompt_len
     mt = max_tokens if max_tokens is not None else min(default_max, room)
     if mt > room:
@@ -168,8 +205,14 @@ def _stream_flags(body: SamplingFields) -> tuple[bool, bool]:
     return stream, usage
 
 
+def _context_full(max_seq: int, prompt_len: int, param: str) -> E.RequestError:
+    return E.RequestError(
+        f"This model's maximum context length is {max_seq} tokens; the prompt has {prompt_len}"
+        " tokens, leaving no room for a completion (context length exceeded)", param=param)
+
+
 def prepare_completion(
-    engine: EngineLike, body: CompletionBody, tenant: str
+    engine: ModelsLike, body: CompletionBody, tenant: str
 ) -> Prepared:
     _reject_unsupported(body)
     if body.suffix:
@@ -185,7 +228,8 @@ def prepare_completion(
     if isinstance(prompt, str):
         if prompt == "":
             raise E.RequestError("`prompt` must not be empty", param="prompt")
-        ids = tuple(int(t) for t in tok.encode(prompt))
+        check_text_fits(tok, info.max_seq, len(prompt), "prompt")
+        ids = encode_text(tok, prompt)
         prompt_text = prompt
     else:
         if not prompt:
@@ -195,6 +239,8 @@ def prepare_completion(
                 "batched prompts are not supported: send one string or one list of token ids"
                 " per request", param="prompt",
             )
+        if len(prompt) >= info.max_seq:  # before checking each id: the count alone decides
+            raise _context_full(info.max_seq, len(prompt), "prompt")
         ids = check_token_ids(prompt, _vocab_size(tok, info), "prompt")
         prompt_text = tok.decode(ids) if body.echo else ""
     if not ids:
@@ -248,22 +294,25 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def encode_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool
-                ) -> tuple[int, ...]:
+def encode_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool,
+                max_seq: int) -> tuple[int, ...]:
+    """Render and tokenize; a rendering longer than ``max_seq`` tokens can hold is refused before
+    it is tokenized (param ``messages``)."""
     rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     if isinstance(rendered, str):
-        return tuple(int(t) for t in tok.encode(rendered))
+        check_text_fits(tok, max_seq, len(rendered), "messages", "the rendered conversation")
+        return encode_text(tok, rendered)
     return tuple(int(t) for t in rendered)
 
 
-def prepare_chat(engine: EngineLike, body: ChatBody, tenant: str) -> Prepared:
+def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str) -> Prepared:
     _reject_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise E.RequestError("`top_logprobs` requires `logprobs: true`", param="top_logprobs")
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
     msgs = chat_messages(body.messages)
-    ids = encode_chat(tok, msgs, body.add_generation_prompt is not False)
+    ids = encode_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq)
     if not ids:
         raise E.RequestError("`messages` render to zero tokens", param="messages")
     stream, usage = _stream_flags(body)
@@ -277,3 +326,21 @@ def prepare_chat(engine: EngineLike, body: ChatBody, tenant: str) -> Prepared:
     req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
                           user=body.user)
     return Prepared("chat", info.alias, req, stream, usage, "", k)
+
+
+def _prepare(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,
+             tenant: str) -> Prepared:
+    if kind == "completion":
+        return prepare_completion(engine, decode(CompletionBody, data), tenant)
+    return prepare_chat(engine, decode(ChatBody, data), tenant)
+
+
+async def prepare_body(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,
+                       tenant: str) -> Prepared:
+    """Decode and prepare a generation body (400/404 raise here): on the trio thread when it is
+    small (:data:`~calserve.api.tokenizing.INLINE_BODY_BYTES`), else in the prompt worker thread
+    over a :class:`ModelView` of the engine."""
+    if len(data) <= INLINE_BODY_BYTES:
+        return _prepare(kind, engine, data, tenant)
+    view = ModelView.of(engine)
+    return await run_in_worker(lambda: _prepare(kind, view, data, tenant))

@@ -3,10 +3,16 @@
 The generation routes (``POST /v1/completions``, ``POST /v1/chat/completions``) are served by
 :mod:`calserve.api.asgi` in front of quart; quart knows their paths only so that other methods on
 them are answered like on any route (405 with ``Allow``, automatic OPTIONS).
+
+``/tokenize`` and ``/detokenize`` do work proportional to their body: a big body is decoded,
+tokenized (or detokenized) and encoded in the prompt worker thread
+(:mod:`calserve.api.tokenizing`), and a text longer than the model's context can hold is refused
+before tokenizing (400 naming the field), as for the generation routes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import msgspec
@@ -16,16 +22,22 @@ from quart_trio import QuartTrio
 from calserve import errors as E
 from calserve.api.asgi import FAST_ROUTES
 from calserve.api.bodies import check_declared, decode, too_large
-from calserve.api.convert import chat_messages, check_token_ids, encode_chat, resolve_model
+from calserve.api.convert import (
+    ModelView,
+    chat_messages,
+    check_token_ids,
+    encode_chat,
+    resolve_model,
+)
 from calserve.api.errors import ApiError
 from calserve.api.metrics import CONTENT_TYPE
 from calserve.api.protocol import TokenizerLike
 from calserve.api.schemas import DetokenizeBody, TokenizeBody
 from calserve.api.state import ApiState
+from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
 
 __all__ = ["register_routes", "json_response", "error_response"]
 
-T = TypeVar("T")
 #: The bodies of the tokenizer routes (both name a ``model``).
 _TokBody = TypeVar("_TokBody", TokenizeBody, DetokenizeBody)
 
@@ -51,13 +63,13 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
     def tenant() -> str:
         return state.tenant_of(request.headers.get("Authorization", ""))
 
-    async def body(kind: type[T]) -> T:
+    async def raw_body() -> bytes:
         limit = state.config.server.max_body_bytes
         check_declared(request.content_length, limit)
         data = await request.get_data(cache=False, as_text=False)
         if len(data) > limit:
             raise too_large(limit)
-        return decode(kind, data)
+        return data if isinstance(data, bytes) else data.encode()
 
     for path, kind in FAST_ROUTES.items():
         app.add_url_rule(path, f"generation_{kind}", _served_by_asgi, methods=["POST"])
@@ -82,43 +94,57 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
         tenant()
         return json_response(model_card(resolve_model(engine(), model_id)))
 
-    async def tokenizer_route(kind: type[_TokBody]) -> tuple[_TokBody, Any, TokenizerLike]:
-        """The tokenizer routes' common start: tenant, body, its model's info and tokenizer."""
+    async def tokenizer_route(kind: type[_TokBody],
+                              work: Callable[[_TokBody, Any, TokenizerLike], Any]) -> Response:
+        """The tokenizer routes: tenant, body, its model; then ``work(body, info, tokenizer)``
+        and the JSON encoding of its answer, in the prompt worker thread for a big body."""
         tenant()
-        b = await body(kind)
-        eng = engine()
-        info = resolve_model(eng, b.model)
-        return b, info, eng.tokenizer(info.alias)
+        data = await raw_body()
+        view = ModelView.of(engine())
 
-    @app.post("/tokenize")
-    async def tokenize() -> Response:
-        b, info, tok = await tokenizer_route(TokenizeBody)
+        def job() -> bytes:
+            b = decode(kind, data)
+            info = resolve_model(view, b.model)
+            return msgspec.json.encode(work(b, info, view.tokenizer(info.alias)))
+
+        out = job() if len(data) <= INLINE_BODY_BYTES else await run_in_worker(job)
+        return Response(out, status=200, content_type="application/json")
+
+    def tokenize_work(b: TokenizeBody, info: Any, tok: TokenizerLike) -> dict[str, Any]:
         given = [n for n in ("prompt", "content", "messages") if getattr(b, n) is not None]
         if len(given) != 1:
             raise E.RequestError("send exactly one of `prompt`, `content` or `messages`",
                                  param=given[1] if len(given) > 1 else "prompt")
         if b.messages is not None:
-            ids = encode_chat(tok, chat_messages(b.messages), b.add_generation_prompt is not False)
+            ids = encode_chat(tok, chat_messages(b.messages), b.add_generation_prompt is not False,
+                              info.max_seq)
         else:
             text = b.prompt if b.prompt is not None else b.content
             assert text is not None
-            ids = tuple(int(t) for t in tok.encode(text))
+            check_text_fits(tok, info.max_seq, len(text), given[0], "the text")
+            ids = encode_text(tok, text)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": info.max_seq,
                                "tokens": list(ids)}
         if b.with_pieces:
             out["tokens"] = [{"id": i, "piece": tok.decode([i])} for i in ids]
-        return json_response(out)
+        return out
 
-    @app.post("/detokenize")
-    async def detokenize() -> Response:
-        b, info, tok = await tokenizer_route(DetokenizeBody)
+    def detokenize_work(b: DetokenizeBody, info: Any, tok: TokenizerLike) -> dict[str, Any]:
         vocab = info.extra.get("vocab_size", getattr(tok, "vocab_size", None))
         ids = check_token_ids(b.tokens, vocab if isinstance(vocab, int) else None, "tokens")
         try:
             text = tok.decode(list(ids))
         except (ValueError, OverflowError, TypeError, IndexError) as e:
             raise E.RequestError(f"cannot detokenize: {e}", param="tokens") from None
-        return json_response({"prompt": text, "content": text})
+        return {"prompt": text, "content": text}
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        return await tokenizer_route(TokenizeBody, tokenize_work)
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        return await tokenizer_route(DetokenizeBody, detokenize_work)
 
     @app.get("/health")
     async def health() -> Response:

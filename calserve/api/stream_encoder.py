@@ -11,7 +11,8 @@ What a stream looks like (``tests/api/test_stream_encoder.py`` pins each rule):
 - ``FinishEvent``: the tokens read with it, then the chunk carrying ``finish_reason`` (and the
   finish's own text), then the usage chunk (``stream_options.include_usage``), then ``[DONE]``;
 - ``ErrorEvent`` after the stream started: ``data: {"error": ...}`` and no ``[DONE]`` (``[DONE]``
-  marks a complete answer only); the same for an engine whose events end without a terminal event
+  marks a complete answer only; ``code: "client_too_slow"`` when the engine gave up on a client that
+  did not read, ``server.stream_buffer_bytes``); the same for an engine whose events end without a terminal event
   and (:meth:`StreamEncoder.failure`) for one whose event stream raised.
 """
 
@@ -33,6 +34,14 @@ __all__ = ["StreamEncoder"]
 
 def _error_chunk(err: ApiError) -> bytes:
     return sse(err.body())
+
+
+def _stream_error(ev: ErrorEvent) -> ApiError:
+    """A stream's terminal ErrorEvent as the error of its last event. ``slow_consumer``: the engine
+    gave up on a client that did not read (``server.stream_buffer_bytes``); only a stream has it."""
+    if ev.kind == "slow_consumer":
+        return ApiError(408, ev.message, type="timeout_error", code="client_too_slow")
+    return error_event_to_api(ev)
 
 
 # What a client gets when the engine's events end without a terminal event (an engine bug).
@@ -131,7 +140,7 @@ class StreamEncoder:
             if self._usage:
                 out += chunks.usage(terminal.usage)
             return out + DONE
-        return out + _error_chunk(error_event_to_api(terminal))
+        return out + _error_chunk(_stream_error(terminal))
 
     def _token_chunk(self, texts: list[str], lp_items: list[Any]) -> bytes:
         """One chunk for several token events, or b"" when they add neither text nor logprobs."""

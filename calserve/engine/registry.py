@@ -166,7 +166,11 @@ class RequestRegistry:
             seed=resolve_seed(req.sampling.seed), prompt=prompt,
             qclass=classify(len(prompt), self.cfg.scheduler.queues), inbox=send,
         )
-        writer = StreamWriter(self.cfg.server.stream_buffer_events)
+        srv = self.cfg.server  # the backlog bound of the stream (README "slow readers")
+        waiting = self.core.requests.queues(gen).waiting  # its generation's admission queue
+        writer = StreamWriter(srv.stream_buffer_events, max_bytes=srv.stream_buffer_bytes,
+                              grace_s=srv.stream_stall_grace_ms / 1000.0,
+                              contended=lambda: bool(waiting), name=rid)
         self.live[rid] = seq
         self._empty = trio.Event()
         self.nursery.start_soon(run_actor, seq, recv, writer, gen.source.tokenizer, self, name=f"request-{rid}")

@@ -5,8 +5,21 @@ would stall its actor and, through it, the decode batch its lane sits in. It mus
 either. So :meth:`StreamWriter.put_token` / :meth:`StreamWriter.put` are synchronous and unbounded
 in tokens but bounded in *events*: every token written since the consumer's last read is coalesced
 into ONE pending token event (token ids, text pieces and logprobs appended in order), which the
-consumer takes whole when it next reads (consumer-side coalescing). Memory stays O(tokens of the
-request), which ``max_tokens`` bounds.
+consumer takes whole when it next reads (consumer-side coalescing).
+
+Bounded in bytes (``max_bytes``, config ``server.stream_buffer_bytes``; README "Per-request limits
+and slow readers"): the backlog of a stream is what the writer holds for the consumer plus what the
+consumer took at its last read and has not finished with (the HTTP pump is still sending it: it reads
+again only once that write completed), both as an estimate of their size (text, and ~2 KB per token
+with 20 top logprobs). When the backlog has stayed over the bound for ``grace_s``, or at once while
+``contended()`` says other requests wait for a lane (the lane of a client that does not read is then
+what they wait for), the writer gives up on its consumer: it logs why (once), drops what it holds,
+marks itself ``abandoned`` (the request actor then cancels the request, which frees its lane) and
+hands the consumer, if it ever reads again, one ErrorEvent (``kind="slow_consumer"``) as the
+stream's end. This is checked as tokens arrive, so only a request that is still producing is cut. A
+client that never reads would otherwise pin a lane until ``max_tokens`` and keep every token in
+memory until it disconnects. A read by the consumer (the client took the last write) restarts the
+grace period.
 
 Why coalesce on the consumer's side and build the event lazily: one SSE event costs the server more
 than one token (hypercorn's send path alone is ~30 µs per event on this machine, see
@@ -27,13 +40,35 @@ raises). The wake-up parks/reschedules the consumer task directly (no ``trio.Eve
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, final
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, Final, final
 
 import trio
 
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, TokenLogprob
 
-__all__ = ["StreamWriter", "StreamStatistics"]
+__all__ = ["StreamWriter", "StreamStatistics", "token_bytes"]
+
+log = logging.getLogger("calserve.engine.stream")
+
+# The size estimate of a buffered token (what it takes in memory and about what it takes on the
+# wire once encoded): its text plus a fixed part, and with logprobs a part per top entry. With 20 top
+# logprobs (the most a request may ask): 2,112 bytes plus its text (a chat chunk carries ~1.4 KB of
+# JSON for it; the TokenLogprob tuples hold ~2 KB).
+TOKEN_BYTES: Final = 64
+LOGPROB_BYTES: Final = 128
+TOP_LOGPROB_BYTES: Final = 96
+_UNBOUNDED: Final = sys.maxsize
+
+
+def token_bytes(text: str, logprob: TokenLogprob | None) -> int:
+    """The backlog estimate of one token (see the module docstring)."""
+    n = TOKEN_BYTES + len(text)
+    if logprob is not None:
+        n += LOGPROB_BYTES + TOP_LOGPROB_BYTES * len(logprob.top)
+    return n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +78,9 @@ class StreamStatistics:
     tokens_put: int  # tokens accepted by put()/put_token()
     events_delivered: int  # events handed to the consumer (terminal included)
     closed: bool  # close() was called
-    abandoned: bool  # the consumer gave up (aclose)
+    abandoned: bool  # the consumer gave up (aclose), or the writer gave up on it (overflowed)
+    backlog_bytes: int = 0  # estimated bytes held for the consumer + taken and not yet done with
+    overflowed: bool = False  # the backlog stayed over max_bytes past the grace period
 
 
 @final
@@ -51,13 +88,20 @@ class StreamWriter:
     """Coalescing, never-blocking, single-producer single-consumer event stream for one request."""
 
     __slots__ = ("_ids", "_texts", "_lps", "_terminal", "_terminal_delivered", "_abandoned",
-                 "_waiter", "_abandoned_event", "_coalesced", "_tokens_put", "_delivered")
+                 "_waiter", "_abandoned_event", "_coalesced", "_tokens_put", "_delivered",
+                 "_bytes", "_room", "_limit", "_grace", "_full_at", "_overflow", "_overflowed", "_name", "_contended")
 
-    def __init__(self, max_events: int = 1) -> None:
-        # ``max_events`` (config ``server.stream_buffer_events``) is the bound on buffered token
-        # events; the writer needs only 1 since every pending token goes into one event.
+    def __init__(self, max_events: int = 1, *, max_bytes: int = 0, grace_s: float = 0.0,
+                 contended: Callable[[], bool] | None = None, name: object = "?") -> None:
+        # ``max_events`` (config ``server.stream_buffer_events``, kept for compatibility) is the
+        # bound on buffered token events; the writer needs only 1 since every pending token goes
+        # into one event. ``max_bytes`` (0 = unbounded) and ``grace_s`` bound the backlog in bytes
+        # (module docstring), ``contended`` (None: never) cuts the grace short; ``name`` (the
+        # request id) is for the log line.
         if max_events < 1:
             raise ValueError(f"StreamWriter max_events must be >= 1, got {max_events!r}")
+        if max_bytes < 0 or grace_s < 0:
+            raise ValueError("StreamWriter max_bytes and grace_s must be >= 0")
         # The pending token event, in parts. Invariant: something is pending <=> _texts is
         # non-empty (one text piece per put/put_token, maybe ""); _ids and _lps (None or the
         # pending tokens' logprobs that were not None) in put order; nothing is pending after the
@@ -74,6 +118,18 @@ class StreamWriter:
         self._coalesced = 0
         self._tokens_put = 0
         self._delivered = 0
+        # The byte bound. Invariant: _bytes is the estimate of the pending tokens; _room is
+        # _limit less the estimate of what the consumer took at its last read (until it reads or
+        # parks again); the stream is over its bound while _bytes > _room, since _full_at.
+        self._limit = max_bytes if max_bytes else _UNBOUNDED
+        self._grace = grace_s
+        self._bytes = 0
+        self._room = self._limit
+        self._full_at: float | None = None
+        self._overflow: ErrorEvent | None = None  # handed to the consumer once after overflowing
+        self._overflowed = False
+        self._name = name
+        self._contended = contended
 
     # ---------------------------------------------------------------- producer side (actor)
     @property
@@ -114,11 +170,16 @@ class StreamWriter:
             self._coalesced += 1
         texts.append(text)
         self._ids.append(token_id)
+        b = self._bytes + TOKEN_BYTES + len(text)
         if logprob is not None:
+            b += LOGPROB_BYTES + TOP_LOGPROB_BYTES * len(logprob.top)
             if self._lps is None:
                 self._lps = [logprob]
             else:
                 self._lps.append(logprob)
+        self._bytes = b
+        if b > self._room:
+            self._over_bound()
         if self._waiter is not None:
             self._wake()
 
@@ -135,12 +196,52 @@ class StreamWriter:
         self._coalesced += n if self._texts else max(0, n - 1)
         self._ids.extend(event.token_ids)
         self._texts.append(event.text)
+        b = self._bytes + TOKEN_BYTES * max(1, n) + len(event.text)
         if event.logprobs:
+            b += sum(LOGPROB_BYTES + TOP_LOGPROB_BYTES * len(lp.top) for lp in event.logprobs)
             if self._lps is None:
                 self._lps = list(event.logprobs)
             else:
                 self._lps.extend(event.logprobs)
+        self._bytes = b
+        if b > self._room:
+            self._over_bound()
         self._wake()
+
+    def _over_bound(self) -> None:
+        """The backlog is over the bound (a put just made it so, or kept it so): start the grace
+        period, or give up on the consumer once it has passed."""
+        now = trio.current_time()
+        since = self._full_at
+        if since is None:
+            since = self._full_at = now
+        if now - since < self._grace:
+            contended = self._contended
+            if contended is None or not contended():
+                return
+            why = "other requests wait for its lane"
+        else:
+            why = "past the grace period (server.stream_stall_grace_ms)"
+        backlog = self._bytes + self._limit - self._room
+        log.warning(
+            "request %s: stream cancelled, its client did not read for %.2f s while %d bytes"
+            " were waiting for it (bound %d bytes, server.stream_buffer_bytes): %s",
+            self._name, now - since, backlog, self._limit, why, extra={"request_id": self._name})
+        self._overflow = ErrorEvent(
+            f"stream cancelled: the client did not read it for {now - since:.2f} s while"
+            f" {backlog} bytes were waiting (bound {self._limit} bytes): {why}", "slow_consumer")
+        self._overflowed = True
+        self._give_up()
+
+    def _give_up(self) -> None:
+        """The consumer is gone (or treated as gone): nothing more is kept for it."""
+        self._abandoned = True
+        self._ids, self._texts, self._lps = [], [], None
+        self._bytes = 0
+        self._room = self._limit
+        self._full_at = None
+        if self._abandoned_event is not None:
+            self._abandoned_event.set()
 
     def close(self, terminal: FinishEvent | ErrorEvent) -> None:
         """Deliver the terminal event after the pending tokens. Exactly once: a second call raises."""
@@ -164,6 +265,8 @@ class StreamWriter:
                 return True
             if self._waiter is not None:
                 raise RuntimeError("StreamWriter has one consumer: two tasks are reading it")
+            self._room = self._limit  # done with what it took: nothing is backlogged now
+            self._full_at = None
             self._waiter = trio.lowlevel.current_task()
             await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
 
@@ -176,6 +279,10 @@ class StreamWriter:
     def _take_tokens(self) -> TokenEvent:
         ids, texts, lps = self._ids, self._texts, self._lps
         self._ids, self._texts, self._lps = [], [], None
+        # The consumer read again (done with the last batch) and now holds this one.
+        self._room = self._limit - self._bytes
+        self._bytes = 0
+        self._full_at = None
         self._delivered += 1
         return TokenEvent(tuple(ids), texts[0] if len(texts) == 1 else "".join(texts),
                           None if lps is None else tuple(lps))
@@ -192,7 +299,11 @@ class StreamWriter:
     async def __anext__(self) -> Event:
         """The pending tokens as one event, else the terminal; StopAsyncIteration at the end."""
         if not await self._wait_ready():
-            raise StopAsyncIteration
+            ev = self._overflow
+            if ev is None:
+                raise StopAsyncIteration
+            self._overflow = None
+            return ev
         if self._texts:
             return self._take_tokens()
         return self._take_terminal()
@@ -201,9 +312,14 @@ class StreamWriter:
         """Everything deliverable now: ``[tokens]``, ``[tokens, terminal]`` or ``[terminal]``
         (the pending tokens as ONE event, the terminal last); ``[]`` when over.
 
-        Lets the HTTP layer write everything in one send."""
+        Lets the HTTP layer write everything in one send. After the writer gave up on a consumer
+        that fell too far behind (overflow), that consumer's next read is ``[ErrorEvent]``."""
         if not await self._wait_ready():
-            return []
+            end = self._overflow
+            if end is None:
+                return []
+            self._overflow = None
+            return [end]
         if self._texts:
             ev = self._take_tokens()
             if self._terminal is None:
@@ -215,10 +331,8 @@ class StreamWriter:
         """The consumer gives up (client disconnect). Idempotent; after the terminal it is a no-op
         apart from ending iteration."""
         if not self._terminal_delivered and not self._abandoned:
-            self._abandoned = True
-            self._ids, self._texts, self._lps = [], [], None
-            if self._abandoned_event is not None:
-                self._abandoned_event.set()
+            self._give_up()
+        self._overflow = None
         self._wake()
         await trio.lowlevel.checkpoint()
 
@@ -230,4 +344,6 @@ class StreamWriter:
             events_delivered=self._delivered,
             closed=self._terminal is not None,
             abandoned=self._abandoned,
+            backlog_bytes=self._bytes + self._limit - self._room,
+            overflowed=self._overflowed,
         )

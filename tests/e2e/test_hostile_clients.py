@@ -1,0 +1,259 @@
+"""Hostile clients against real servers with the default settings, over real sockets (issue
+"Hostile input and hostile clients", classes 2 and 3; README "Per-request limits and slow readers").
+
+- 60 clients that never read a logprob-heavy stream (chat, 20 top logprobs, ~1.4 KB per token on
+  the wire; the kernel's socket buffers take ~140 KB of it first) cost bounded memory, and each is
+  cancelled shortly after its backlog passed ``server.stream_buffer_bytes`` (no grace while others
+  wait for admission), which frees its lane. With one tenant a normal request queues behind them in
+  FIFO order; as another tenant (the only config: API keys) it gets the next lane.
+- ~1 MiB prompts (and a 500k-character /tokenize) arriving while a stream runs are refused before
+  tokenizing: the stream's largest inter-token gap stays small.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from .server import ServerProcess, scrape, serving, value
+
+pytestmark = pytest.mark.slow
+
+NEVER_READERS = 60
+RSS_GROWTH_LIMIT_MIB = 150
+_NEVER_BODY = {"model": "qwen3", "messages": [{"role": "user", "content": "Write forever"}],
+               "max_tokens": 2000, "stream": True, "ignore_eos": True, "logprobs": True,
+               "top_logprobs": 20}
+
+
+def _worker_pids(server: ServerProcess) -> list[int]:
+    """hypercorn forks its worker: the parent and its children."""
+    pid = server.proc.pid
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return [pid, *map(int, kids)]
+
+
+def rss_mib(server: ServerProcess) -> float:
+    total = 0
+    for pid in _worker_pids(server):
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def _raw_request(path: str, body: dict[str, object], key: str | None, close: bool = False
+                 ) -> bytes:
+    data = json.dumps(body).encode()
+    extra = f"Authorization: Bearer {key}\r\n".encode() if key else b""
+    if close:
+        extra += b"Connection: close\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+            + extra + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+
+
+def _busy(m: dict) -> float:
+    return (value(m, "calserve_requests_running") + value(m, "calserve_requests_waiting")
+            + value(m, "calserve_kv_sequences", state="Active")
+            + value(m, "calserve_kv_sequences", state="Reserved"))
+
+
+async def _never_readers(server: ServerProcess, key: str | None, report: dict[str, float],
+                         normal_key: str | None) -> None:
+    """Open NEVER_READERS streams that are never read, then a normal request beside them; keep
+    the sockets open (unread) until the server is idle again: every one of them was answered
+    (429) or cancelled, its lane freed. Fills ``report``."""
+    assert server.port is not None
+    base = rss_mib(server)
+    peak = base
+    req = _raw_request("/v1/chat/completions", _NEVER_BODY, key)
+    socks: list[trio.SocketStream] = []
+    t0 = time.monotonic()
+    try:
+        for _ in range(NEVER_READERS):
+            s = await trio.open_tcp_stream("127.0.0.1", server.port)
+            socks.append(s)
+            await s.send_all(req)
+        await trio.sleep(0.3)  # all of them submitted and queued
+
+        headers = {"Authorization": f"Bearer {normal_key}"} if normal_key else {}
+
+        def normal() -> tuple[int, float]:
+            t = time.monotonic()
+            r = httpx.post(server.url + "/v1/chat/completions", headers=headers, timeout=120,
+                           json={"model": "qwen3", "max_tokens": 16, "ignore_eos": True,
+                                 "messages": [{"role": "user", "content": "Hello"}]})
+            if r.status_code == 200:
+                assert r.json()["choices"][0]["finish_reason"] == "length", r.text
+            return r.status_code, time.monotonic() - t
+
+        async with trio.open_nursery() as n:
+            got: list[tuple[int, float]] = []
+
+            async def run_normal() -> None:
+                got.append(await trio.to_thread.run_sync(normal))
+
+            n.start_soon(run_normal)
+            # Meanwhile and after: RSS, until every never-reader's request is over.
+            with trio.fail_after(90):
+                while True:
+                    peak = max(peak, rss_mib(server))
+                    if got and not _busy(await trio.to_thread.run_sync(scrape, server.url)):
+                        break
+                    await trio.sleep(0.1)
+        report["normal_status"], report["normal_s"] = got[0]
+        report["drained_s"] = time.monotonic() - t0
+        peak = max(peak, rss_mib(server))
+        report["rss_growth_mib"] = peak - base
+    finally:
+        for s in socks:
+            await s.aclose()
+
+
+@pytest.fixture(scope="module")
+def default_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[ServerProcess]:
+    """The embedded default, in a process of its own (a clean RSS baseline)."""
+    with serving(calserve_home, tmp_path_factory.mktemp("hostile")) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def tenant_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[ServerProcess]:
+    """The defaults plus two tenants' API keys (nothing else configured)."""
+    yaml = ("tenants:\n  crowd:\n    api_keys: [crowd-key]\n"
+            "  normal:\n    api_keys: [normal-key]\n")
+    with serving(calserve_home, tmp_path_factory.mktemp("hostile-tenants"), yaml) as proc:
+        yield proc
+
+
+async def test_never_readers_cost_bounded_memory_and_give_their_lanes_back(
+        default_server: ServerProcess) -> None:
+    """One tenant (pure defaults): bounded RSS; every never-reader's request ends while its socket
+    stays open and unread; the normal request is answered (it queues behind them in FIFO order:
+    admission refuses, 429, what it expects cannot start before its deadline; each admitted
+    never-reader is cut once ~200 KB are unread, the kernel's socket buffers plus the bound,
+    ~0.4 s of generation on its lane: README "Per-request limits and slow readers")."""
+    report: dict[str, float] = {}
+    await _never_readers(default_server, None, report, None)
+    print("never-readers, one tenant:", report)
+    assert report["rss_growth_mib"] < RSS_GROWTH_LIMIT_MIB, report
+    assert report["normal_status"] in (200, 429), report
+    assert report["drained_s"] < 60, report  # 60 x 2,000 tokens unbounded: ~120 s of lanes
+    m = scrape(default_server.url)
+    assert value(m, "calserve_requests_finished_total", outcome="cancelled") >= 1
+    assert "stream cancelled" in default_server.stderr
+
+
+async def test_a_normal_client_beside_60_never_readers_is_answered_within_3s(
+        tenant_server: ServerProcess) -> None:
+    """The never-readers as one tenant, the normal client as another: its request takes the next
+    lane a never-reader gives back (backlog over the bound while it waits: no grace)."""
+    report: dict[str, float] = {}
+    await _never_readers(tenant_server, "crowd-key", report, "normal-key")
+    print("never-readers, two tenants:", report)
+    assert report["normal_status"] == 200, report
+    assert report["normal_s"] < 3.0, report
+    assert report["rss_growth_mib"] < RSS_GROWTH_LIMIT_MIB, report
+
+
+async def test_megabyte_prompts_do_not_stall_a_running_stream(
+        default_server: ServerProcess) -> None:
+    """While one stream runs, ~1 MiB prompts (completions, chat, /tokenize of 500k characters)
+    arrive: they are refused before tokenizing (400 naming the field) and the stream's largest
+    inter-token gap stays under 0.5 s (it was 2.9 s with three such prompts)."""
+    server = default_server
+    assert server.port is not None
+    huge = "a b " * 261000
+    hostile = [
+        ("/v1/completions", {"model": "qwen3", "prompt": huge, "max_tokens": 4}, "prompt"),
+        ("/v1/chat/completions", {"model": "qwen3", "messages": [
+            {"role": "user", "content": huge}]}, "messages"),
+        ("/v1/completions", {"model": "qwen3", "prompt": huge, "stream": True}, "prompt"),
+        ("/tokenize", {"model": "qwen3", "prompt": "x" * 500000}, "prompt"),
+    ]
+    gaps: list[float] = []
+    answers: list[tuple[int, str | None, float]] = []
+    stream_done = trio.Event()
+    started = trio.Event()
+
+    async def running_stream() -> None:
+        body = {"model": "qwen3", "prompt": "Count", "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}
+        s = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with s:
+            await s.send_all(_raw_request("/v1/completions", body, None))
+            last = None
+            buf = b""
+            while b"[DONE]" not in buf:
+                data = await s.receive_some(65536)
+                assert data, buf[-200:]
+                now = time.monotonic()
+                n = data.count(b"data: ")
+                if n:
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    if len(gaps) > 20:
+                        started.set()
+                buf = buf[-64:] + data
+        stream_done.set()
+
+    # Pre-encoded, sent and read with trio: the test process does no JSON work meanwhile (its
+    # own GIL would otherwise delay the reader of the running stream).
+    raw = [(_raw_request(path, body, None, close=True), param) for path, body, param in hostile]
+
+    async def post(req: bytes) -> tuple[int, str | None, float]:
+        t = time.monotonic()
+        s = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with s:
+            await s.send_all(req)
+            resp = b""
+            while True:  # the head, then content-length bytes of body
+                data = await s.receive_some(65536)
+                assert data, resp
+                resp += data
+                head, sep, body = resp.partition(b"\r\n\r\n")
+                if sep:
+                    clen = [int(v) for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
+                            if k.strip().lower() == b"content-length"]
+                    if clen and len(body) >= clen[0]:
+                        break
+        took = time.monotonic() - t
+        status = int(head.split(b" ", 2)[1])
+        err = json.loads(body).get("error", {}) if body.startswith(b"{") else {}
+        return status, err.get("param"), took
+
+    async with trio.open_nursery() as n:
+        n.start_soon(running_stream)
+        await started.wait()
+        first_gap = len(gaps)
+        async with trio.open_nursery() as posts:
+            for _ in range(3):
+                for req, _param in raw:
+                    async def one(req: bytes = req) -> None:
+                        answers.append(await post(req))
+                    posts.start_soon(one)
+        during = len(gaps)
+        await stream_done.wait()
+    worst = max(gaps[first_gap:during + 1]) if during > first_gap else max(gaps)
+    print(f"largest inter-token gap while the prompts arrived: {worst * 1000:.1f} ms;"
+          f" answers {sorted(a[:2] for a in answers)}; slowest answer"
+          f" {max(a[2] for a in answers) * 1000:.0f} ms")
+    assert sorted(a[:2] for a in answers) == sorted(
+        (400, param) for _ in range(3) for _p, _b, param in hostile)
+    assert worst < 0.5, worst
+    assert max(gaps) < 0.5, max(gaps)
