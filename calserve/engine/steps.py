@@ -89,15 +89,8 @@ class StepHandler:
                 gen.kv.rollback(lane)
         if isinstance(err, DeviceBusy):
             self.stats.requeued_busy += 1
-            for s in seqs:
-                if s.pending_reason is not None or s.pending_error is not None:
-                    reqs.end(s, s.pending_reason, s.pending_error, now)
-                elif job.kind == "prefill":
-                    reqs.requeue_prefill(s)
-                else:
-                    reqs.set_ready(s, now, RequestEvent.REQUEUE)
+            self._requeue(job, seqs, now)
             return
-        err_ev = ErrorEvent(f"the device refused the job: {err}", "device_error")
         if self.max_retries > 0 and isinstance(err, DeviceFaulted):
             # refused because the device needs (or had) a reset: nothing ran; the request waits
             # where it was and the reset's bookkeeping re-admits it. A job of the current epoch
@@ -105,16 +98,22 @@ class StepHandler:
             if job.epoch == self.st.epoch:
                 self.st.paused = True
                 self.st.out.faults.append(Fault("device_refused", job))
-            for s in seqs:
-                if s.pending_reason is not None or s.pending_error is not None:
-                    reqs.end(s, s.pending_reason, s.pending_error, now)
-                elif job.kind == "prefill":
-                    reqs.requeue_prefill(s)
-                else:
-                    reqs.set_ready(s, now, RequestEvent.REQUEUE)
+            self._requeue(job, seqs, now)
             return
+        err_ev = ErrorEvent(f"the device refused the job: {err}", "device_error")
         for s in seqs:
             reqs.end(s, error=err_ev, now=now)
+
+    def _requeue(self, job: DeviceJob, seqs: list[Seq], now: float) -> None:
+        """A refused job ran nothing: its requests wait where they were (a pending ending applies)."""
+        reqs = self.requests
+        for s in seqs:
+            if s.pending_reason is not None or s.pending_error is not None:
+                reqs.end(s, s.pending_reason, s.pending_error, now)
+            elif job.kind == "prefill":
+                reqs.requeue_prefill(s)
+            else:
+                reqs.set_ready(s, now, RequestEvent.REQUEUE)
 
     def _failed(self, job: DeviceJob, seqs: list[Seq], reason: str, timed_out: bool, now: float) -> None:
         gen = job.gen
