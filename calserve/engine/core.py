@@ -90,7 +90,7 @@ class EngineCore:
               error: ErrorEvent | None = None) -> CoreOutput:
         """End ``seq`` early (cancel, stop string, shutdown); idempotent, the first reason wins.
         With a job on the device the ending is applied when it drains."""
-        self.requests.stop(seq, reason, error, now)
+        self.requests.stop(seq, reason, error, now=now)
         return self._take()
 
     def shutdown(self, now: float) -> CoreOutput:
@@ -112,9 +112,15 @@ class EngineCore:
         return self.requests.take_releases(gen)
 
     def confirm_released(self, gen: Generation, batch: list[Release], now: float) -> CoreOutput:
-        """The runtime freed ``batch``'s sequences: their lanes are free (and serve the next pass)."""
+        """The runtime freed ``batch``'s sequences (a device round trip the shell made): their lanes
+        are free, and the next pass — which the output asks for — can admit into them. (A pass
+        that frees inline uses the lanes in that same pass and asks for nothing.)"""
         self.requests.confirm_released(gen, batch, now)
-        return self._take()
+        out = self._take()
+        if out is NOTHING:
+            out = CoreOutput()
+        out.wake = True
+        return out
 
     def _take(self) -> CoreOutput:
         st = self.st

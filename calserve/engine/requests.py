@@ -108,7 +108,7 @@ class RequestTable:
         self.queues(seq.gen).waiting[seq.rid] = seq
 
     def stop(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None,
-             now: float = 0.0) -> None:
+             *, now: float) -> None:
         """End a request early (cancel, stop string, deadline, shutdown). Idempotent (spec §4).
 
         Waiting/ready requests end now; one with a job on the device gets a pending ending applied
@@ -122,10 +122,10 @@ class RequestTable:
             return
         if seq.queued:
             seq.gen.admission.remove(seq.rid)
-        self.end(seq, reason, error, now)
+        self.end(seq, reason, error, now=now)
 
     def end(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None,
-            now: float = 0.0) -> None:
+            *, now: float) -> None:
         """Return every resource of a request that has no job in flight, then tell its actor."""
         assert seq.inflight is None, "a request with a job on the device cannot end yet"
         if seq.ended:
@@ -213,7 +213,6 @@ class RequestTable:
                 self.trace.append(("released", (rid,)))
             if gen.lane_seq.get(lane) == sid:
                 del gen.lane_seq[lane]
-        self.wake = True
 
     def admit(self, gen: Generation, now: float) -> None:
         """Admission: ``pop_admissible`` with the free lanes/KV tokens, a lane per admitted request."""

@@ -109,7 +109,7 @@ class StepHandler:
         reqs = self.requests
         for s in seqs:
             if s.pending_reason is not None or s.pending_error is not None:
-                reqs.end(s, s.pending_reason, s.pending_error, now)
+                reqs.end(s, s.pending_reason, s.pending_error, now=now)
             elif job.kind == "prefill":
                 reqs.requeue_prefill(s)
             else:
@@ -141,7 +141,7 @@ class StepHandler:
             return
         for s in seqs:  # transparent recovery: re-prefilled after the reset, from where it stopped
             if s.pending_reason is not None or s.pending_error is not None:
-                reqs.end(s, s.pending_reason, s.pending_error, now)  # drained: its ending stands
+                reqs.end(s, s.pending_reason, s.pending_error, now=now)  # drained: its ending stands
             elif reqs.park_lost(s, self.max_retries):
                 self.stats.readmitted_total += 1
             else:
@@ -163,7 +163,7 @@ class StepHandler:
             else:  # a re-prefill after a fault is charged as the one token it yields: once
                 adm.charge(s.tenant, decode_tokens=1, request_id=s.rid)
             if s.pending_reason is not None or s.pending_error is not None:
-                reqs.end(s, s.pending_reason, s.pending_error, now)  # output dropped (drained)
+                reqs.end(s, s.pending_reason, s.pending_error, now=now)  # output dropped (drained)
                 continue
             tok = tokens[i]
             if tok == SAMPLE_FAILED:
