@@ -170,14 +170,12 @@ class StreamWriter:
             self._coalesced += 1
         texts.append(text)
         self._ids.append(token_id)
-        b = self._bytes + TOKEN_BYTES + len(text)
         if logprob is not None:
-            b += LOGPROB_BYTES + TOP_LOGPROB_BYTES * len(logprob.top)
             if self._lps is None:
                 self._lps = [logprob]
             else:
                 self._lps.append(logprob)
-        self._bytes = b
+        b = self._bytes = self._bytes + token_bytes(text, logprob)
         if b > self._room:
             self._over_bound()
         if self._waiter is not None:
