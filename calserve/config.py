@@ -38,6 +38,7 @@ __all__ = [
     "ServerConfig",
     "RuntimeConfig",
     "TrustConfig",
+    "AdminConfig",
     "ModelEntry",
     "TenantConfig",
     "CalserveConfig",
@@ -239,6 +240,12 @@ class TrustConfig(_Strict):
     model_root: str | None = None
 
 
+class AdminConfig(_Strict):
+    # Bearer token of the admin API (/admin/v1/...). None = the env CALSERVE_ADMIN_TOKEN, and with
+    # neither the admin routes answer 403. Tenant API keys never grant admin.
+    token: str | None = None
+
+
 class ModelEntry(_Strict):
     # Package directory. None = the built-in demo package (built on first start).
     package: str | None = None
@@ -260,6 +267,7 @@ class CalserveConfig(_Strict):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
     trust: TrustConfig = msgspec.field(default_factory=TrustConfig)
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     models: dict[str, ModelEntry] = msgspec.field(
         default_factory=lambda: {"qwen3": ModelEntry()}
     )

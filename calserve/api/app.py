@@ -21,6 +21,7 @@ from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from calserve.api.admin import register_admin_routes, status_routes
 from calserve.api.asgi import FastRoutes, fast_route
 from calserve.api.bodies import too_large
 from calserve.api.errors import ApiError, from_exception, to_api_error
@@ -192,5 +193,6 @@ def create_app(
         return resp
 
     register_routes(app, state)
+    register_admin_routes(app, state, [status_routes])
     app.fast = FastRoutes(state)
     return app
