@@ -218,6 +218,9 @@ class FaultsConfig(_Strict):
 
 class RuntimeConfig(_Strict):
     profile: Literal["calrt-0.7.6", "sim-next"] = "calrt-0.7.6"
+    # The board this process opens (index, 0-based; ``calserve serve --device N``). One process per
+    # board: several boards are several processes behind a load balancer (spec §3, deploy/).
+    device: NonNeg = 0
     dram_bytes: Pos = 32 << 30
     null_compute: bool = False
     # Seeded random completion delay (µs, 0 = off) that shuffles completion order (spec §17.3).

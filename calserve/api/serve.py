@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="trust this ed25519 public key (repeatable)")
     ap.add_argument("--host", help="listen address (default: server.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, help="listen port (default: server.port, 8000)")
+    ap.add_argument("--device", type=int, metavar="N",
+                    help="board index to open (default: runtime.device, 0); one process per board")
     ap.add_argument("--log-level", default="info",
                     choices=["debug", "info", "warning", "error"])
     ap.add_argument("--access-log", action="store_true", help="log every request to stderr")
@@ -71,6 +73,8 @@ def apply_cli(config: CalserveConfig, a: argparse.Namespace) -> CalserveConfig:
         data["server"]["host"] = a.host
     if a.port is not None:
         data["server"]["port"] = a.port
+    if getattr(a, "device", None) is not None:
+        data["runtime"]["device"] = a.device
     try:
         return decode_config(data, "command line")
     except ValueError as e:  # __post_init__ cross-checks
