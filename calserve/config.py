@@ -202,6 +202,10 @@ class ServerConfig(_Strict):
     # connection is closed to make room, else the new one gets 503 + Retry-After and is closed.
     # Clamped to the open-file limit (RLIMIT_NOFILE) less a reserve for the process itself.
     max_connections: Pos = 1024
+    # Graceful drain on SIGTERM (calserve serve): /ready turns 503 at once, new generation requests
+    # get 503 + Retry-After, admitted ones may run this long (s) before they end with an error event;
+    # submitted jobs always drain. Under the hypercorn CLI set --graceful-timeout >= this.
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
 
 
 FaultName = Literal["timeout", "ccu", "unknown_dma", "busy", "crosstalk"]
