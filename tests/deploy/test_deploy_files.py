@@ -107,7 +107,6 @@ def test_systemd_unit_stops_slower_than_the_drain() -> None:
     assert svc["Restart"] == "always" and svc["KillSignal"] == "SIGTERM"
     start = svc["ExecStart"]
     assert "exec " in start and " serve " in start and "--device %i" in start
-    conf = load_config(DEPLOY / "pools" / "latency.yaml")  # the pools' drain timeouts
     for name in ("latency.yaml", "throughput.yaml"):
         drain = load_config(DEPLOY / "pools" / name).server.drain_timeout_s
         assert float(svc["TimeoutStopSec"]) > drain + 5
@@ -120,7 +119,10 @@ def test_systemd_unit_stops_slower_than_the_drain() -> None:
     assert targets == [f"127.0.0.1:{base + i}" for i in range(4)]
     assert all(j.get("metrics_path", "/metrics") == "/metrics" for j in jobs.values())
     assert jobs["haproxy"]["static_configs"][0]["targets"] == ["127.0.0.1:8404"]
-    assert conf.server.host == "127.0.0.1"
+    # the cluster's default stats port is the one Prometheus scrapes
+    from calserve.cluster import build_parser
+    args = build_parser().parse_args(["--replicas", "1", "--port", "1", "--run-dir", "x"])
+    assert args.stats_port == 8404
 
 
 def _docs() -> list[dict[str, Any]]:

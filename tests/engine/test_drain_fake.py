@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from calserve.engine.engine import Engine
 from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason
@@ -37,7 +38,8 @@ async def test_admitted_finish_new_refused(autojump_clock: object) -> None:
                 report_box.append(await eng.drain(30.0))
 
             nursery.start_soon(drain)
-            await trio.sleep(0)
+            await trio.testing.wait_all_tasks_blocked()  # the drain has begun
+            assert eng.registry.draining is not None
             with pytest.raises(UnavailableError, match="draining") as ei:
                 await _submit(eng)
             assert ei.value.retry_after is not None and ei.value.retry_after >= 1
