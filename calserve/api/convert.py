@@ -33,7 +33,7 @@ from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
-           "prepare_chat", "prepare_body", "chat_messages", "encode_chat"]
+           "prepare_chat", "prepare_body", "chat_messages", "encode_chat", "render_chat"]
 
 MAX_STOP_STRINGS = 16
 _CHAT_ROLES = {"system", "developer", "user", "assistant"}
@@ -294,15 +294,22 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def encode_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool,
-                max_seq: int) -> tuple[int, ...]:
-    """Render and tokenize; a rendering longer than ``max_seq`` tokens can hold is refused before
-    it is tokenized (param ``messages``)."""
+def render_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool,
+                max_seq: int) -> tuple[str | None, tuple[int, ...]]:
+    """Render (the model's chat template) and tokenize: ``(prompt text, ids)``, the text None when
+    the tokenizer renders straight to ids. A rendering longer than ``max_seq`` tokens can hold is
+    refused before it is tokenized (param ``messages``), as is a template that fails."""
     rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     if isinstance(rendered, str):
         check_text_fits(tok, max_seq, len(rendered), "messages", "the rendered conversation")
-        return encode_text(tok, rendered)
-    return tuple(int(t) for t in rendered)
+        return rendered, encode_text(tok, rendered)
+    return None, tuple(int(t) for t in rendered)
+
+
+def encode_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool,
+                max_seq: int) -> tuple[int, ...]:
+    """The token ids of :func:`render_chat`."""
+    return render_chat(tok, messages, add_generation_prompt, max_seq)[1]
 
 
 def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str) -> Prepared:
