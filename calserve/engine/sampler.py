@@ -15,6 +15,11 @@ its batch-mates, or the batch size (tests/engine_parts/test_sampler.py pins this
 
 Logprobs are ``log_softmax`` of the RAW logits (before temperature), as OpenAI reports them: the
 chosen token's and the top ``k`` alternatives, highest first, ties broken by lowest token id.
+
+Logits processors (``LaneSampling.logits``: logit bias, repetition / frequency / presence penalties,
+the grammar mask; :mod:`calserve.engine.logits`) and ``min_p`` change the logits a lane draws from
+(greedy lanes too), batched over the lanes that have them; lanes without any take exactly the
+path they took before (same tokens for the same seed).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Final, final
 import numpy as np
 import numpy.typing as npt
 
+from calserve.engine.logits import LaneLogits, apply_processors
 from calserve.engine.types import SamplingParams, TokenLogprob
 
 __all__ = ["LaneSampling", "SampleResult", "sample_batch", "greedy_argmax", "resolve_seed", "uniform_for"]
@@ -56,8 +62,15 @@ class LaneSampling:
     seed: int | None = None
     step: int = 0
     logprobs: int | None = None  # None = none; k >= 0: chosen token's + top-k alternatives
+    min_p: float = 0.0  # [0, 1]: keep tokens with p >= min_p * p_max (after temperature)
+    logits: LaneLogits | None = dataclasses.field(default=None, compare=False)  # processors
+    # Derived: the lane's logits are changed before its draw (min_p or a processor).
+    processed: bool = dataclasses.field(init=False, default=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "processed", self.logits is not None or self.min_p > 0.0)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"LaneSampling.min_p must be in [0, 1], got {self.min_p!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise ValueError(f"LaneSampling.temperature must be finite and >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
@@ -80,6 +93,7 @@ class LaneSampling:
             seed=params.seed if seed is None else seed,
             step=step,
             logprobs=params.logprobs,
+            min_p=params.min_p,
         )
 
 
@@ -320,9 +334,17 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
     x = np.ascontiguousarray(x, dtype=np.float32)
     if n == 0:
         return SampleResult(tokens=np.zeros(0, dtype=np.int64), logprobs=[])
-    if all(ln.temperature == 0.0 and ln.logprobs is None for ln in lanes):
+    if all(ln.temperature == 0.0 and ln.logprobs is None and not ln.processed for ln in lanes):
         return SampleResult(tokens=np.array(greedy_argmax(x), dtype=np.int64), logprobs=[None] * n)
     tokens = np.zeros(n, dtype=np.int64)
+    raw = x  # logprobs are those of the raw logits
+    if any(ln.processed for ln in lanes):
+        raw_max = x.max(axis=1)
+        if not np.isfinite(raw_max).all():  # the raw row check first: processors add -inf
+            i = int(np.flatnonzero(~np.isfinite(raw_max))[0])
+            raise ValueError(f"logits row {i} (lane {i}) is NaN or has no finite value")
+        if any(ln.logits is not None for ln in lanes):
+            x = apply_processors(x, [ln.logits for ln in lanes])
     rowmax = x.max(axis=1)
     bad = ~np.isfinite(rowmax)  # max propagates NaN; -inf means the row has no finite value
     if bad.any():
@@ -348,6 +370,16 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
         if not seeded.all():
             ui = np.flatnonzero(~seeded)
             u[ui] = _process_rng.random(len(ui))
+        min_p = np.array([ln.min_p for ln in lanes], dtype=np.float64)
+        mp = ~greedy & (min_p > 0.0)
+        if mp.any():  # p_t >= min_p * p_max  <=>  x_t >= max + T * ln(min_p)
+            mr = np.flatnonzero(mp)
+            if x is raw:
+                x = x.copy()
+            thr = rowmax[mr].astype(np.float64) + temps[mr] * np.log(min_p[mr])
+            sub = x[mr]
+            sub[sub < thr[:, None]] = -np.inf
+            x[mr] = sub
         k_on = (top_k > 0) & (top_k < vocab)
         by_k = ~greedy & k_on
         by_p = ~greedy & ~k_on & (top_p < 1.0)
@@ -365,6 +397,7 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
     out_lp: list[TokenLogprob | None] = [None] * n
     want = [i for i, ln in enumerate(lanes) if ln.logprobs is not None]
     if want:
+        x = raw
         w = np.array(want, dtype=np.int64)
         xw = x[w]
         lse = xw.max(axis=1).astype(np.float64) + np.log(_exp_shifted(xw, np.ones(len(w))).sum(axis=1))
