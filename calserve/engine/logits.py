@@ -182,10 +182,15 @@ def _gather(idx: list[int], arrays: list[npt.NDArray[Any]]) -> tuple[npt.NDArray
     return np.repeat(np.asarray(idx, np.int64), sizes), np.concatenate(arrays)
 
 
-def apply_processors(x: npt.NDArray[np.float32], procs: Sequence[LaneLogits | None]
-                     ) -> npt.NDArray[np.float32]:
-    """A processed copy of ``x`` [n, vocab] (rows with None are unchanged)."""
-    x = x.copy()
+def apply_processors(x: npt.NDArray[np.float32], procs: Sequence[LaneLogits | None],
+                     out: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float32]:
+    """A processed copy of ``x`` [n, vocab] (rows with None are unchanged), in ``out`` when given
+    (a buffer of the same shape the caller reuses)."""
+    if out is None:
+        x = x.copy()
+    else:
+        np.copyto(out, x)
+        x = out
     n, vocab = x.shape
     live = [(i, p) for i, p in enumerate(procs) if p is not None]
     bias = [(i, p) for i, p in live if p.bias_ids.size]
@@ -210,13 +215,17 @@ def apply_processors(x: npt.NDArray[np.float32], procs: Sequence[LaneLogits | No
         x[r, c] -= f * cnt + pr
     masked = [(i, p.allowed) for i, p in live if p.allowed is not None]
     if masked:
-        rows = np.array([i for i, _ in masked], np.int64)
         words = np.stack([a for _, a in masked])
         bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         if bits.shape[1] < vocab:  # a mask narrower than the logits bans the rest
-            bits = np.concatenate([bits, np.zeros((len(rows), vocab - bits.shape[1]), np.uint8)],
+            bits = np.concatenate([bits, np.zeros((len(masked), vocab - bits.shape[1]), np.uint8)],
                                   axis=1)
-        sub = x[rows]
-        sub[bits == 0] = -np.inf
-        x[rows] = sub
+        banned = bits == 0
+        if len(masked) == n:  # every lane constrained: in place, no row copies
+            np.copyto(x, np.float32(-np.inf), where=banned)
+        else:
+            rows = np.array([i for i, _ in masked], np.int64)
+            sub = x[rows]
+            np.copyto(sub, np.float32(-np.inf), where=banned)
+            x[rows] = sub
     return x

@@ -223,8 +223,11 @@ def _draw_top_k(
     top_k: npt.NDArray[np.int64],
     top_p: npt.NDArray[np.float64],
     u: npt.NDArray[np.float64],
+    min_p: npt.NDArray[np.float64] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """Top-k, then top-p on the renormalised top-k distribution (as vLLM does)."""
+    """Top-k, then top-p on the renormalised top-k distribution (as vLLM does). ``min_p`` drops
+    the candidates below min_p x the best one's probability first (the top-k holds the best token,
+    so this is exactly min-p over the vocabulary, then top-k)."""
     m, vocab = rows.shape
     k_eff = np.minimum(top_k, vocab)
     width = int(k_eff.max())
@@ -233,6 +236,8 @@ def _draw_top_k(
     smax = (rows.max(axis=1).astype(np.float64) / temps)[:, None]
     cand = np.exp(np.take_along_axis(rows, ids, axis=1).astype(np.float64) / temps[:, None] - smax)
     cand = np.where(np.arange(width)[None, :] < k_eff[:, None], cand, 0.0)
+    if min_p is not None:  # the best candidate's weight is exp(0) = 1
+        cand = np.where(cand >= min_p[:, None], cand, 0.0)
     q = cand / cand.sum(axis=1, keepdims=True)
     keep = _nucleus_of_sorted(q, top_p, np.zeros(m))
     # Draw in token-id order over the kept set (the same rule as every other path).
@@ -299,6 +304,21 @@ def _draw_nucleus(
     return _draw_id_order(e, u)
 
 
+_SCRATCH: dict[tuple[int, ...], npt.NDArray[np.float32]] = {}
+
+
+def _scratch(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """A buffer of ``x``'s shape, reused from call to call (the sampler runs on the engine's one
+    thread and returns nothing that refers to it): a fresh [16, 49k] copy per step cost more in
+    page faults than the processing itself."""
+    buf = _SCRATCH.get(x.shape)
+    if buf is None:
+        if len(_SCRATCH) >= 8:
+            _SCRATCH.clear()
+        buf = _SCRATCH[x.shape] = np.empty(x.shape, dtype=np.float32)
+    return buf
+
+
 def greedy_argmax(x: npt.NDArray[np.float32]) -> list[int]:
     """Greedy tokens of every row of ``x`` ([n, vocab] float32), lowest id on ties, as Python ints,
     with :func:`sample_batch`'s row check: ``x[i, argmax]`` is the row's max, NaN included (argmax
@@ -338,13 +358,10 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
         return SampleResult(tokens=np.array(greedy_argmax(x), dtype=np.int64), logprobs=[None] * n)
     tokens = np.zeros(n, dtype=np.int64)
     raw = x  # logprobs are those of the raw logits
-    if any(ln.processed for ln in lanes):
-        raw_max = x.max(axis=1)
-        if not np.isfinite(raw_max).all():  # the raw row check first: processors add -inf
-            i = int(np.flatnonzero(~np.isfinite(raw_max))[0])
-            raise ValueError(f"logits row {i} (lane {i}) is NaN or has no finite value")
-        if any(ln.logits is not None for ln in lanes):
-            x = apply_processors(x, [ln.logits for ln in lanes])
+    if any(ln.logits is not None for ln in lanes):
+        # Processors add finite values or -inf: a NaN or non-finite raw row stays one, and the
+        # row check below catches it (and a row the grammar mask bans entirely).
+        x = apply_processors(x, [ln.logits for ln in lanes], out=_scratch(x))
     rowmax = x.max(axis=1)
     bad = ~np.isfinite(rowmax)  # max propagates NaN; -inf means the row has no finite value
     if bad.any():
@@ -371,16 +388,16 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
             ui = np.flatnonzero(~seeded)
             u[ui] = _process_rng.random(len(ui))
         min_p = np.array([ln.min_p for ln in lanes], dtype=np.float64)
-        mp = ~greedy & (min_p > 0.0)
-        if mp.any():  # p_t >= min_p * p_max  <=>  x_t >= max + T * ln(min_p)
-            mr = np.flatnonzero(mp)
-            if x is raw:
-                x = x.copy()
-            thr = rowmax[mr].astype(np.float64) + temps[mr] * np.log(min_p[mr])
-            sub = x[mr]
-            sub[sub < thr[:, None]] = -np.inf
-            x[mr] = sub
         k_on = (top_k > 0) & (top_k < vocab)
+        # min-p over the whole row for the lanes without top-k (top-k lanes: among its candidates)
+        mp = ~greedy & (min_p > 0.0) & ~k_on
+        if mp.any():  # p_t >= min_p * p_max  <=>  x_t >= max + T * ln(min_p)
+            if x is raw:
+                x = _scratch(x)
+                np.copyto(x, raw)
+            thr = np.full(n, -np.inf)
+            thr[mp] = rowmax[mp].astype(np.float64) + temps[mp] * np.log(min_p[mp])
+            np.copyto(x, np.float32(-np.inf), where=x < thr.astype(np.float32)[:, None])
         by_k = ~greedy & k_on
         by_p = ~greedy & ~k_on & (top_p < 1.0)
         full = ~greedy & ~k_on & ~by_p
@@ -389,7 +406,8 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
             tokens[f] = _draw_id_order(_exp_shifted(x[f], temps[f]), u[f])
         if by_k.any():
             t = np.flatnonzero(by_k)
-            tokens[t] = _draw_top_k(x[t], temps[t], top_k[t], top_p[t], u[t])
+            tokens[t] = _draw_top_k(x[t], temps[t], top_k[t], top_p[t], u[t],
+                                    min_p[t] if (min_p[t] > 0.0).any() else None)
         if by_p.any():
             t = np.flatnonzero(by_p)
             tokens[t] = _draw_nucleus(x[t], temps[t], top_p[t], u[t])

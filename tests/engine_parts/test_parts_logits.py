@@ -95,14 +95,19 @@ def test_logit_bias_minus_100_bans_and_plus_100_forces(seed: int, banned: int, t
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**63 - 1), min_p=st.floats(0.01, 1.0),
-       temperature=st.sampled_from([0.5, 1.0, 1.7]))
-def test_min_p_keeps_only_tokens_near_the_best(seed: int, min_p: float, temperature: float) -> None:
+       temperature=st.sampled_from([0.5, 1.0, 1.7]), top_k=st.sampled_from([0, 3, 20]),
+       top_p=st.sampled_from([1.0, 0.7]))
+def test_min_p_keeps_only_tokens_near_the_best(seed: int, min_p: float, temperature: float,
+                                               top_k: int, top_p: float) -> None:
     x = logits_rows(seed % 2**32, 1, scale=2.0)
     p = np.exp((x[0] - x[0].max()) / temperature)  # relative to the best token
+    rank = np.argsort(-x[0], kind="stable")
     for step in range(20):
         t = int(sample_batch(x, [LaneSampling(temperature=temperature, min_p=min_p, seed=seed,
-                                              step=step)]).tokens[0])
+                                              step=step, top_k=top_k, top_p=top_p)]).tokens[0])
         assert p[t] >= min_p * (1 - 1e-6)
+        if top_k:
+            assert t in rank[:top_k].tolist()
 
 
 @settings(max_examples=40, deadline=None)
