@@ -14,6 +14,9 @@ already admitted are cancelled at once). Choice i > 0 uses a seed derived from `
   sends the error event and the stream ends there, without ``[DONE]``; the other choices are
   cancelled.
 
+Metrics count choices: each one is a stream in ``calserve_streams_active`` and has its own TTFT
+and inter-token observations (each is a sequence the engine serves).
+
 Cancellation: a client that goes away cancels the handler, and every choice's
 :class:`~calserve.api.running.RequestLease` is released (cancelled, shielded) in its ``finally``.
 """
