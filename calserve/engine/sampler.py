@@ -291,14 +291,23 @@ def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64]) ->
     return out
 
 
+def _drop_below(e: npt.NDArray[np.float64], min_p: npt.NDArray[np.float64]) -> None:
+    """min-p on weights ``e = exp(x/T - max(x/T))`` (the best token's is exactly 1, so
+    ``p_t >= min_p * p_max`` is ``e_t >= min_p``), in place; min_p 0 keeps the row."""
+    np.copyto(e, 0.0, where=e < min_p[:, None])
+
+
 def _draw_nucleus(
     rows: npt.NDArray[np.float32],
     temps: npt.NDArray[np.float64],
     top_p: npt.NDArray[np.float64],
     u: npt.NDArray[np.float64],
+    min_p: npt.NDArray[np.float64] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """Top-p over the whole vocabulary (no top-k)."""
+    """Top-p over the whole vocabulary (no top-k), after min-p when given."""
     e = _exp_shifted(rows, temps)
+    if min_p is not None:
+        _drop_below(e, min_p)
     keep = _nucleus_mask(e, top_p)
     np.multiply(e, keep, out=e)
     return _draw_id_order(e, u)
@@ -338,9 +347,10 @@ def greedy_argmax(x: npt.NDArray[np.float32]) -> list[int]:
 def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleResult:
     """Sample one token for every row of ``logits`` ([n, vocab] float32) with ``lanes[i]``'s rules.
 
-    Greedy lanes (temperature 0) take the argmax of the raw logits, lowest id on ties. Other lanes
-    divide by the temperature, apply top-k, then top-p (keeping at least one token), and draw by
-    inverse CDF with their counter-based uniform. Raises ValueError naming the lane for NaN or an
+    A lane's processors (``lane.logits``: bias, penalties, grammar mask) change its logits first.
+    Greedy lanes (temperature 0) then take the argmax, lowest id on ties. Other lanes divide by the
+    temperature, apply min-p, top-k, then top-p (keeping at least one token), and draw by inverse
+    CDF with their counter-based uniform. Logprobs are always those of the raw logits. Raises ValueError naming the lane for NaN or an
     all ``-inf`` row, or a shape mismatch.
     """
     x = np.asarray(logits)
@@ -389,28 +399,24 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
             u[ui] = _process_rng.random(len(ui))
         min_p = np.array([ln.min_p for ln in lanes], dtype=np.float64)
         k_on = (top_k > 0) & (top_k < vocab)
-        # min-p over the whole row for the lanes without top-k (top-k lanes: among its candidates)
-        mp = ~greedy & (min_p > 0.0) & ~k_on
-        if mp.any():  # p_t >= min_p * p_max  <=>  x_t >= max + T * ln(min_p)
-            if x is raw:
-                x = _scratch(x)
-                np.copyto(x, raw)
-            thr = np.full(n, -np.inf)
-            thr[mp] = rowmax[mp].astype(np.float64) + temps[mp] * np.log(min_p[mp])
-            np.copyto(x, np.float32(-np.inf), where=x < thr.astype(np.float32)[:, None])
         by_k = ~greedy & k_on
         by_p = ~greedy & ~k_on & (top_p < 1.0)
         full = ~greedy & ~k_on & ~by_p
+        # min-p works on each draw's own weights (min_p 0: no-op), before top-k/top-p
         if full.any():
             f = np.flatnonzero(full)
-            tokens[f] = _draw_id_order(_exp_shifted(x[f], temps[f]), u[f])
+            e = _exp_shifted(x[f], temps[f])
+            if (min_p[f] > 0.0).any():
+                _drop_below(e, min_p[f])
+            tokens[f] = _draw_id_order(e, u[f])
         if by_k.any():
             t = np.flatnonzero(by_k)
             tokens[t] = _draw_top_k(x[t], temps[t], top_k[t], top_p[t], u[t],
                                     min_p[t] if (min_p[t] > 0.0).any() else None)
         if by_p.any():
             t = np.flatnonzero(by_p)
-            tokens[t] = _draw_nucleus(x[t], temps[t], top_p[t], u[t])
+            tokens[t] = _draw_nucleus(x[t], temps[t], top_p[t], u[t],
+                                      min_p[t] if (min_p[t] > 0.0).any() else None)
 
     out_lp: list[TokenLogprob | None] = [None] * n
     want = [i for i, ln in enumerate(lanes) if ln.logprobs is not None]
