@@ -66,8 +66,12 @@ def grammar_tokenizer(tok: Any, vocab: int) -> llguidance.LLTokenizer:
             eos = [int(t) for t in tok.eos_token_ids]
             if not eos:
                 raise _bad("constrained decoding needs the model's EOS token")
-            ll = per[vocab] = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab,
-                                                     eos_token=eos)
+            try:
+                ll = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=eos)
+            except Exception as e:  # a tokenizer llguidance cannot read: no constrained decoding
+                raise _bad(f"constrained decoding is not available for this model's tokenizer:"
+                           f" {str(e)[:300]}") from None
+            per[vocab] = ll
         return ll
 
 
@@ -173,8 +177,8 @@ def compile_response_format(rf: Any, tok: Any, vocab: int) -> Grammar | None:
     try:
         text = json.dumps(schema)
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
-    except (ValueError, TypeError) as e:
-        raise _bad(f"`response_format` has an invalid schema: {e}") from None
+    except Exception as e:  # ValueError/TypeError for a malformed schema; never a 500
+        raise _bad(f"`response_format` has an invalid schema: {str(e)[:500]}") from None
     ll = grammar_tokenizer(tok, vocab)
     is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll)
     if is_err:
