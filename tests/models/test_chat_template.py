@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,3 +129,25 @@ def test_bad_message_fields_are_named() -> None:
     with pytest.raises(RequestError) as e:
         tok.apply_chat_template([{"role": "user", "content": 3}])  # type: ignore[dict-item]
     assert e.value.param == "messages[0].content"
+
+
+def test_a_package_serves_its_own_template(pkg_copy: Path, model_root: Path, dev_trust: Any,
+                                           edit_manifest: Any) -> None:
+    """The manifest's ``chat_template`` reaches the package tokenizer (with the BOS/EOS strings of
+    its special tokens); a template that does not compile refuses the package at load."""
+    from calserve.models.package import open_package
+
+    def use(tmpl: str) -> Any:
+        def fn(m: dict[str, Any]) -> None:
+            m["chat_template"] = tmpl
+            m["special_tokens"]["bos_token_id"] = 1  # <|im_start|> in the demo vocabulary
+        return fn
+
+    edit_manifest(pkg_copy, use("{{ bos_token }}" + fixture("smollm2") + "{{ eos_token }}"))
+    tok = open_package(pkg_copy, dev_trust, model_root).tokenizer()
+    s = tok.apply_chat_template(CONV)
+    assert s.startswith("<|im_start|><|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert s.endswith("<|im_start|>assistant\n<|im_end|>")
+    edit_manifest(pkg_copy, use("{% if %}"))
+    with pytest.raises(ValidationError, match="chat_template"):
+        open_package(pkg_copy, dev_trust, model_root).tokenizer()
