@@ -38,7 +38,8 @@ from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
-           "prepare_chat", "prepare_body", "chat_messages", "encode_chat", "render_chat"]
+           "prepare_chat", "prepare_body", "chat_messages", "encode_chat", "render_chat",
+           "choice_seed"]
 
 MAX_STOP_STRINGS = 16
 _CHAT_ROLES = {"system", "developer", "user", "assistant"}

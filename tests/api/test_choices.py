@@ -7,6 +7,12 @@ from typing import Any
 
 import msgspec
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from calserve.api.convert import Prepared, choice_seed
+from calserve.engine.sampler import uniform_for
+from calserve.engine.types import GenerateRequest, SamplingParams
 
 from .conftest import Harness, make_config
 from .real_engine import real_app
@@ -132,3 +138,22 @@ async def test_an_error_in_one_choice_ends_the_stream_without_done(harness_facto
         assert h.engine.active == {}
         status, body, _ = await h.post(C, {"prompt": "x", "max_tokens": 9, "n": 2})
         assert status >= 500 and body["error"]["code"]
+
+
+@given(seed=st.integers(-(2**63), 2**63 - 1), n=st.integers(2, 8))
+def test_choice_seeds_are_distinct_reproducible_int64_and_draw_independently(seed: int,
+                                                                             n: int) -> None:
+    seeds = [seed] + [choice_seed(seed, i) for i in range(1, n)]
+    assert seeds == [seed] + [choice_seed(seed, i) for i in range(1, n)]  # a pure function
+    assert len(set(seeds)) == n
+    assert all(-(2**63) <= s < 2**63 for s in seeds)
+    # the choices' counter-based variates are unrelated streams: no two choices share a step's u
+    draws = [tuple(uniform_for(s, step) for step in range(4)) for s in seeds]
+    assert len(set(draws)) == n
+    prep = Prepared("completion", "m", GenerateRequest((1, 2), SamplingParams(seed=seed)),
+                    False, False, "", None, n)
+    reqs = prep.choice_requests()
+    assert [r.sampling.seed for r in reqs] == seeds
+    assert all(r.prompt_tokens == (1, 2) for r in reqs)
+    unseeded = Prepared("chat", "m", GenerateRequest((1,)), False, False, "", None, n)
+    assert [r.sampling.seed for r in unseeded.choice_requests()][1:] == [None] * (n - 1)
