@@ -121,6 +121,9 @@ def _validate(req: GenerateRequest, vocab: int) -> None:
             for t, b in sp.logit_bias):
         raise RequestError(f"logit_bias must map distinct token ids in [0, {vocab}) to biases in"
                            " [-100, 100]", param="logit_bias")
+    if sp.grammar is not None and (sp.min_tokens or sp.ignore_eos):
+        raise RequestError("a grammar (response_format) ends where it may: no min_tokens or"
+                           " ignore_eos with it", param="response_format")
     if req.deadline_s is not None and not req.deadline_s > 0:
         raise RequestError("deadline must be > 0 seconds", param="deadline")
 
