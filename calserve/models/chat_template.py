@@ -18,7 +18,8 @@ got, or runs away (a ``range`` loop, recursion, ``'x' * 10**9``) ends the reques
 ``messages``, never a 500 and never a stuck event loop. The bounds: :data:`MAX_RENDER_SECONDS` of
 wall time (checked at every loop step of ``range``, every call and every chunk of output),
 :data:`MAX_RENDER_CHARS` of output, ``range`` of at most 100,000 items (the sandbox's own), and
-``*``/``**``/``+`` refused when their result would exceed the output bound. A template that does not
+``*``/``**``/``+`` refused when their result would exceed the output bound (and a call whose result
+does). A template that does not
 compile is refused when the package is loaded (:class:`~calserve.errors.ValidationError`).
 """
 
@@ -116,7 +117,11 @@ class _Env(ImmutableSandboxedEnvironment):
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         _check_deadline()
-        return super().call(__context, __obj, *args, **kwargs)
+        out = super().call(__context, __obj, *args, **kwargs)
+        n = _size(out)
+        if n is not None and n > MAX_RENDER_CHARS:  # ''.center(10**8), ''.ljust(...), ...
+            raise _Overrun("a call returned more than the output bound")
+        return out
 
 
 def _env() -> _Env:

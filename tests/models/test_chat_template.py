@@ -106,6 +106,8 @@ def test_chatml_fallback_for_none_and_chatml() -> None:
     "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",  # unbounded recursion
     "{{ range(10**9) | list }}",  # past the sandbox's range bound
     "{{ 1 / 0 }}",
+    "{{ 'x'.center(10**8) }}",  # a method call's result past the bound
+    "{{ 'ab' | wordwrap(3) * 10**7 }}",  # a filter's result repeated past the bound
 ])
 def test_a_failing_or_runaway_template_is_a_request_error_naming_messages(source: str) -> None:
     tok = demo_tok(source)
