@@ -5,7 +5,8 @@ core 1), writes per-point run directories (records.jsonl, summary.json, metrics.
 ``summary.json`` with the headline figures, PNGs and ``report.md`` under ``bench/out/NAME/``, and
 prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
 
-Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor, scaleout.
+Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor, scaleout,
+sampler-cost.
 """
 
 from __future__ import annotations
@@ -320,8 +321,13 @@ def scaleout(out: Path, quick: bool) -> dict[str, Any]:
     return run_scaleout(out, quick)
 
 
+def sampler_cost(out: Path, quick: bool) -> dict[str, Any]:
+    """Per-token cost of the sampler features on SmolLM2's 49k vocabulary (no server)."""
+    from bench.sampler_cost import run as cost_run
+    return cost_run(out, quick)
+
+
 SCENARIOS = {
-    "scaleout": scaleout,
     "saturation": saturation,
     "m1-async-vs-sync": m1_async_vs_sync,
     "batching": batching,
@@ -329,6 +335,8 @@ SCENARIOS = {
     "overload": overload,
     "soak": soak,
     "http-floor": http_floor,
+    "scaleout": scaleout,
+    "sampler-cost": sampler_cost,
 }
 
 

@@ -185,6 +185,9 @@ class ServerConfig(_Strict):
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.
     trace_events: NonNeg = 4096
+    # Most choices one request may ask for (OpenAI `n`): n independent sequences of the prompt,
+    # each its own prefill (no KV fork), admitted and charged like n requests.
+    max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 8
     # --- Connections and protocol limits (calserve/api/listener.py, calserve/api/hygiene.py) ---
     # Both launchers unless marked "calserve serve only" (the hypercorn CLI owns its own Config:
     # there, --keep-alive (default 5 s) is both the idle and the header timeout, no connection cap).

@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 import trio
 
 from calserve.api.bodies import check_declared, too_large
+from calserve.api.choices import pump_choices, release_all, run_json_choices, submit_choices
 from calserve.api.convert import Prepared, prepare_body
 from calserve.api.errors import ApiError, to_api_error
 from calserve.api.hygiene import body_timeout, drain
@@ -173,9 +174,12 @@ class FastRoutes:
         body_read[0] = True
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         # Decode + prepare: a big body in the prompt worker thread (convert.prepare_body).
-        return eng, await prepare_body(kind, eng, data, tenant)
+        return eng, await prepare_body(kind, eng, data, tenant, server.max_n)
 
     async def _generate(self, eng: EngineLike, prep: Prepared, send: Send) -> None:
+        if prep.n > 1:
+            await self._generate_choices(eng, prep, send)
+            return
         try:
             handle = await eng.submit(prep.request)  # admission: 429/503 raise here
         except Exception as exc:
@@ -203,6 +207,32 @@ class FastRoutes:
             await self._send_json(send, 200, encode(body), [])
         finally:
             await lease.release()  # no-op once ended; else cancels, shielded
+
+    async def _generate_choices(self, eng: EngineLike, prep: Prepared, send: Send) -> None:
+        """``n`` > 1 (:mod:`calserve.api.choices`): every choice is its own engine request."""
+        try:
+            leases = await submit_choices(eng, prep)  # admission of every choice: 429/503 here
+        except Exception as exc:
+            await self._send_error(send, to_api_error(exc))
+            return
+        try:
+            metrics = self._state.metrics
+            tok = eng.tokenizer(prep.alias)
+            if prep.stream:
+                self._count(200)
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": _SSE_HEADERS})
+                await pump_choices(leases, send, metrics, prep, tok, self._state.pacer)
+                await send(_END_BODY)
+                return
+            try:
+                body = await run_json_choices(leases, metrics, prep, tok)
+            except Exception as exc:  # an ErrorEvent (500/503) or a bug
+                await self._send_error(send, to_api_error(exc))
+                return
+            await self._send_json(send, 200, encode(body), [])
+        finally:
+            await release_all(leases)  # no-op for the ended ones; else cancels, shielded
 
     async def _send_json(self, send: Send, status: int, body: bytes,
                          extra: list[tuple[bytes, bytes]]) -> None:

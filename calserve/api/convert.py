@@ -1,10 +1,14 @@
 """Turn a decoded OpenAI body into an engine ``GenerateRequest`` (or a 400 naming the field).
 
-Rejected because they would change results (spec §9.3: no fork / KV copy, so no n>1, best_of; no
-penalties or biases in the sampler): ``n``>1, ``best_of``>1, ``logit_bias``, ``presence_penalty`` /
-``frequency_penalty`` != 0, ``repetition_penalty`` != 1, ``suffix``, ``echo`` with ``logprobs``,
-``tools``/``functions``/``tool_choice``/``function_call``, ``response_format`` other than text,
-non-text content parts, tool messages. ``echo`` alone is supported (the prompt text is prepended).
+Served: ``n`` up to ``server.max_n`` (n independent sequences of the prompt, each its own prefill:
+there is no KV fork on this runtime, spec §9.3; choice i > 0 uses a seed derived from ``seed``),
+``presence_penalty``/``frequency_penalty``/``repetition_penalty``/``logit_bias``/``min_p``/``top_k``
+(the batched sampler's processors, ``engine/logits.py``) and ``response_format`` ``json_object`` /
+``json_schema`` (constrained decoding, ``engine/grammar.py``). Rejected because they would change
+results: ``best_of``>1 (no fork), ``suffix``, ``echo`` with ``logprobs``,
+``tools``/``functions``/``tool_choice``/``function_call``, non-text content parts, tool messages,
+and ``min_tokens``/``ignore_eos`` with a ``response_format`` (they sample past where the grammar
+ends). ``echo`` alone is supported (the prompt text is prepended).
 
 Hostile sizes (README "Per-request limits and slow readers"): a prompt longer than the context can
 hold is refused before any tokenizing (text: :func:`calserve.api.tokenizing.check_text_fits`;
@@ -29,11 +33,13 @@ from calserve.api.schemas import (
     SamplingFields,
 )
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
+from calserve.engine.grammar import compile_response_format
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
-           "prepare_chat", "prepare_body", "chat_messages", "encode_chat"]
+           "prepare_chat", "prepare_body", "chat_messages", "encode_chat", "render_chat",
+           "choice_seed"]
 
 MAX_STOP_STRINGS = 16
 _CHAT_ROLES = {"system", "developer", "user", "assistant"}
@@ -48,6 +54,32 @@ class Prepared:
     include_usage: bool
     echo_text: str  # "" unless completions echo=true
     logprobs: int | None  # None = none; k = chosen + top-k
+    n: int = 1  # choices: n independent sequences (``choice_requests``)
+
+    def choice_requests(self) -> list[GenerateRequest]:
+        """The engine request of every choice: choice 0 is ``request`` itself (so ``n: 1`` and
+        choice 0 of ``n: 3`` with the same seed are the same answer), choice i > 0 uses a seed
+        derived from the request's seed (reproducible, and different from the others'), or none
+        (the engine draws one) when the request has none."""
+        req = self.request
+        if self.n == 1:
+            return [req]
+        seed = req.sampling.seed
+        out = [req]
+        for i in range(1, self.n):
+            s = None if seed is None else choice_seed(seed, i)
+            out.append(dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=s)))
+        return out
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed`` (a signed 64-bit value)."""
+    m = (1 << 64) - 1
+    z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    z ^= z >> 31
+    return z - (1 << 64) if z >= 1 << 63 else z
 
 
 class ModelsLike(Protocol):
@@ -93,31 +125,23 @@ def resolve_model(engine: ModelsLike, name: str | None) -> ModelInfo:
     raise E.UnknownModel(f"The model `{alias}` does not exist (served: {known})", param="model")
 
 
-def _reject_unsupported(body: SamplingFields) -> None:
+def _reject_unsupported(body: SamplingFields, max_n: int) -> int:
+    """Refuse what cannot be served; returns ``n``."""
     def bad(param: str, why: str) -> E.UnsupportedParameter:
         return E.UnsupportedParameter(f"`{param}` is not supported: {why}", param=param)
 
-    if body.n not in (None, 1):
-        raise bad("n", "only n=1 (no KV fork/copy on this runtime, spec §9.3); send n requests")
+    n = body.n or 1
+    if n > max_n:
+        raise E.RequestError(f"`n` must be at most {max_n} (server.max_n)", param="n")
     if body.best_of not in (None, 1):
         raise bad("best_of", "only best_of=1 (no KV fork/copy on this runtime, spec §9.3)")
-    if body.logit_bias:
-        raise bad("logit_bias", "the sampler applies no biases")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(body, name)
-        if v not in (None, 0, 0.0):
-            raise bad(name, "penalties are not implemented (only 0 is accepted)")
-    if body.repetition_penalty not in (None, 1, 1.0):
-        raise bad("repetition_penalty", "penalties are not implemented (only 1 is accepted)")
     if body.tools or body.functions:
         raise bad("tools" if body.tools else "functions", "tool calling is not implemented")
     for name in ("tool_choice", "function_call"):
         v = getattr(body, name)
         if v not in (None, "none", "auto"):
             raise bad(name, "tool calling is not implemented")
-    rf = body.response_format
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("response_format", "only {\"type\": \"text\"} is supported")
+    return n
 
 
 def _stop(body: SamplingFields) -> tuple[str, ...]:
@@ -155,9 +179,33 @@ def check_token_ids(ids: Sequence[Any], vocab: int | None, param: str) -> tuple[
     return tuple(out)
 
 
+def _logit_bias(body: SamplingFields, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """``{"50256": -100, ...}`` -> ((50256, -100.0), ...) sorted by id; ids in the vocabulary,
+    biases finite in [-100, 100] (OpenAI's bounds)."""
+    if not body.logit_bias:
+        return ()
+    out: dict[int, float] = {}
+    for key, v in body.logit_bias.items():
+        where = f"logit_bias[{key[:32]}]"
+        try:
+            t = int(key)
+        except ValueError:
+            raise E.RequestError(f"`logit_bias` keys must be token ids, got {key[:32]!r}",
+                                 param=where) from None
+        if t < 0 or (vocab is not None and t >= vocab):
+            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise E.RequestError(f"`logit_bias` token {t} is not a token id in {limit}",
+                                 param=where)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise E.RequestError("`logit_bias` values must be numbers in [-100, 100]", param=where)
+        out[t] = float(v)
+    return tuple(sorted(out.items()))
+
+
 def _sampling(
     body: SamplingFields, *, prompt_len: int, max_seq: int, max_tokens: int | None,
     default_max: int, logprobs: int | None, prompt_param: str, vocab: int | None,
+    tok: TokenizerLike | None = None,
 ) -> SamplingParams:
     if prompt_len >= max_seq:
         raise _context_full(max_seq, prompt_len, prompt_param)
@@ -182,6 +230,16 @@ def _sampling(
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0  # greedy: dividing by a subnormal temperature overflows
+    grammar = None
+    if body.response_format is not None:
+        grammar = compile_response_format(body.response_format, tok, vocab or 0)
+        if grammar is not None and min_tokens:
+            raise E.UnsupportedParameter(
+                "`min_tokens` is not supported with a `response_format` (it would sample past"
+                " the end of the answer)", param="min_tokens")
+        if grammar is not None and body.ignore_eos:
+            raise E.UnsupportedParameter(
+                "`ignore_eos` is not supported with a `response_format`", param="ignore_eos")
     return SamplingParams(
         temperature=temperature,
         top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -193,6 +251,12 @@ def _sampling(
         stop=_stop(body),
         stop_token_ids=frozenset(check_token_ids(body.stop_token_ids or (), vocab, "stop_token_ids")),
         logprobs=logprobs,
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+        logit_bias=_logit_bias(body, vocab),
+        min_p=float(body.min_p or 0.0),
+        grammar=grammar,
     )
 
 
@@ -212,9 +276,9 @@ def _context_full(max_seq: int, prompt_len: int, param: str) -> E.RequestError:
 
 
 def prepare_completion(
-    engine: ModelsLike, body: CompletionBody, tenant: str
+    engine: ModelsLike, body: CompletionBody, tenant: str, max_n: int = 1
 ) -> Prepared:
-    _reject_unsupported(body)
+    n = _reject_unsupported(body, max_n)
     if body.suffix:
         raise E.UnsupportedParameter("`suffix` is not supported (no insertion mode)", param="suffix")
     if body.echo and body.logprobs is not None:
@@ -249,12 +313,12 @@ def prepare_completion(
     sampling = _sampling(
         body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=body.max_tokens,
         default_max=16, logprobs=body.logprobs, prompt_param="prompt",
-        vocab=_vocab_size(tok, info),
+        vocab=_vocab_size(tok, info), tok=tok,
     )
     req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
                           user=body.user)
     return Prepared("completion", info.alias, req, stream, usage,
-                    prompt_text if body.echo else "", body.logprobs)
+                    prompt_text if body.echo else "", body.logprobs, n)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -294,19 +358,26 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def encode_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool,
-                max_seq: int) -> tuple[int, ...]:
-    """Render and tokenize; a rendering longer than ``max_seq`` tokens can hold is refused before
-    it is tokenized (param ``messages``)."""
+def render_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool,
+                max_seq: int) -> tuple[str | None, tuple[int, ...]]:
+    """Render (the model's chat template) and tokenize: ``(prompt text, ids)``, the text None when
+    the tokenizer renders straight to ids. A rendering longer than ``max_seq`` tokens can hold is
+    refused before it is tokenized (param ``messages``), as is a template that fails."""
     rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     if isinstance(rendered, str):
         check_text_fits(tok, max_seq, len(rendered), "messages", "the rendered conversation")
-        return encode_text(tok, rendered)
-    return tuple(int(t) for t in rendered)
+        return rendered, encode_text(tok, rendered)
+    return None, tuple(int(t) for t in rendered)
 
 
-def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str) -> Prepared:
-    _reject_unsupported(body)
+def encode_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool,
+                max_seq: int) -> tuple[int, ...]:
+    """The token ids of :func:`render_chat`."""
+    return render_chat(tok, messages, add_generation_prompt, max_seq)[1]
+
+
+def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1) -> Prepared:
+    n = _reject_unsupported(body, max_n)
     if body.top_logprobs is not None and not body.logprobs:
         raise E.RequestError("`top_logprobs` requires `logprobs: true`", param="top_logprobs")
     info = resolve_model(engine, body.model)
@@ -321,26 +392,27 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str) -> Prepared:
     sampling = _sampling(
         body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=mt,
         default_max=info.max_seq, logprobs=k, prompt_param="messages",
-        vocab=_vocab_size(tok, info),
+        vocab=_vocab_size(tok, info), tok=tok,
     )
     req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
                           user=body.user)
-    return Prepared("chat", info.alias, req, stream, usage, "", k)
+    return Prepared("chat", info.alias, req, stream, usage, "", k, n)
 
 
 def _prepare(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,
-             tenant: str) -> Prepared:
+             tenant: str, max_n: int) -> Prepared:
     if kind == "completion":
-        return prepare_completion(engine, decode(CompletionBody, data), tenant)
-    return prepare_chat(engine, decode(ChatBody, data), tenant)
+        return prepare_completion(engine, decode(CompletionBody, data), tenant, max_n)
+    return prepare_chat(engine, decode(ChatBody, data), tenant, max_n)
 
 
 async def prepare_body(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,
-                       tenant: str) -> Prepared:
+                       tenant: str, max_n: int = 1) -> Prepared:
     """Decode and prepare a generation body (400/404 raise here): on the trio thread when it is
-    small (:data:`~calserve.api.tokenizing.INLINE_BODY_BYTES`), else in the prompt worker thread
-    over a :class:`ModelView` of the engine."""
-    if len(data) <= INLINE_BODY_BYTES:
-        return _prepare(kind, engine, data, tenant)
+    small (:data:`~calserve.api.tokenizing.INLINE_BODY_BYTES`) and asks for no constrained
+    decoding (compiling a grammar can take milliseconds), else in the prompt worker thread over a
+    :class:`ModelView` of the engine."""
+    if len(data) <= INLINE_BODY_BYTES and b"json_" not in data:
+        return _prepare(kind, engine, data, tenant, max_n)
     view = ModelView.of(engine)
-    return await run_in_worker(lambda: _prepare(kind, view, data, tenant))
+    return await run_in_worker(lambda: _prepare(kind, view, data, tenant, max_n))

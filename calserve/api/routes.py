@@ -26,7 +26,7 @@ from calserve.api.convert import (
     ModelView,
     chat_messages,
     check_token_ids,
-    encode_chat,
+    render_chat,
     resolve_model,
 )
 from calserve.api.errors import ApiError
@@ -115,9 +115,10 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
         if len(given) != 1:
             raise E.RequestError("send exactly one of `prompt`, `content` or `messages`",
                                  param=given[1] if len(given) > 1 else "prompt")
+        prompt: str | None = None  # with `messages`: the rendered conversation (chat template)
         if b.messages is not None:
-            ids = encode_chat(tok, chat_messages(b.messages), b.add_generation_prompt is not False,
-                              info.max_seq)
+            prompt, ids = render_chat(tok, chat_messages(b.messages),
+                                      b.add_generation_prompt is not False, info.max_seq)
         else:
             text = b.prompt if b.prompt is not None else b.content
             assert text is not None
@@ -127,6 +128,8 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
                                "tokens": list(ids)}
         if b.with_pieces:
             out["tokens"] = [{"id": i, "piece": tok.decode([i])} for i in ids]
+        if prompt is not None:
+            out["prompt"] = prompt
         return out
 
     def detokenize_work(b: DetokenizeBody, info: Any, tok: TokenizerLike) -> dict[str, Any]:

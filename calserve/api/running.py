@@ -24,9 +24,10 @@ from calserve.api.render import (
     LogprobFormatter, finish_reason, merge_completion_logprobs, new_id, now_s, usage_dict,
 )
 from calserve.api.stream_encoder import StreamEncoder
-from calserve.engine.types import ErrorEvent, FinishEvent, TokenEvent
+from calserve.engine.types import ErrorEvent, FinishEvent, TokenEvent, Usage
 
-__all__ = ["RequestLease", "cancel_request", "run_json", "pump_stream", "Send"]
+__all__ = ["RequestLease", "cancel_request", "run_json", "collect_choice", "response_body",
+           "pump_stream", "Send"]
 
 log = logging.getLogger("calserve.api")
 _CANCEL_TIMEOUT_S: Final = 5.0
@@ -110,6 +111,22 @@ class _Observer:
 async def run_json(lease: RequestLease, metrics: ApiMetrics, prep: Prepared,
                    fmt: LogprobFormatter) -> dict[str, Any]:
     """Collect the whole answer; returns the OpenAI response body (or raises ApiError)."""
+    choice, usage = await collect_choice(lease, metrics, prep, fmt, 0)
+    return response_body(prep, [choice], usage)
+
+
+def response_body(prep: Prepared, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    """The OpenAI response body of the collected ``choices``."""
+    if prep.kind == "completion":
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": now_s(),
+                "model": prep.alias, "choices": choices, "usage": usage_dict(usage)}
+    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
+            "model": prep.alias, "choices": choices, "usage": usage_dict(usage)}
+
+
+async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepared,
+                         fmt: LogprobFormatter, index: int) -> tuple[dict[str, Any], Usage]:
+    """Collect one choice's whole answer: (its OpenAI choice object, its usage); raises ApiError."""
     obs = _Observer(metrics, prep.alias, prep.request.tenant)
     receive_many = lease.handle.receive_many
     completion = prep.kind == "completion"
@@ -145,16 +162,11 @@ async def run_json(lease: RequestLease, metrics: ApiMetrics, prep: Prepared,
     fr = finish_reason(terminal.reason)
     if completion:
         logprobs = merge_completion_logprobs(lp_parts) if want_lps else None
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs,
-                                  "finish_reason": fr}
-        return {"id": new_id("cmpl"), "object": "text_completion", "created": now_s(),
-                "model": prep.alias, "choices": [choice], "usage": usage_dict(terminal.usage)}
+        return ({"index": index, "text": text, "logprobs": logprobs, "finish_reason": fr},
+                terminal.usage)
     chat_lp = {"content": [x for part in lp_parts for x in part]} if want_lps else None
-    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
-            "model": prep.alias,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": chat_lp, "finish_reason": fr}],
-            "usage": usage_dict(terminal.usage)}
+    return ({"index": index, "message": {"role": "assistant", "content": text},
+             "logprobs": chat_lp, "finish_reason": fr}, terminal.usage)
 
 
 async def pump_stream(lease: RequestLease, enc: StreamEncoder, send: Send, metrics: ApiMetrics,

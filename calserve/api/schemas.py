@@ -48,7 +48,9 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # n / best_of: only 1 is served (convert.py says why); the bound keeps the message about that
 Count = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=10.0)]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI's own cap is lower)
+RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=10.0)]  # below: logits overflow
 StopTokenIds = Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
 User = Annotated[str, msgspec.Meta(max_length=MAX_USER_CHARS)]
 
@@ -72,14 +74,16 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: User | None = None
     ignore_eos: bool | None = None  # vLLM / llama.cpp benchmark extension
     min_tokens: NonNegInt | None = None  # vLLM extension
-    # Known but not supported when they would change results (checked in convert.py):
-    n: Count | None = None
-    best_of: Count | None = None
-    logit_bias: dict[str, Any] | None = None
+    n: Count | None = None  # up to server.max_n (convert.py)
+    # token id (a decimal string) -> bias in [-100, 100] (convert.py checks ids and values)
+    logit_bias: Annotated[dict[str, Any], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    response_format: Any = None
+    repetition_penalty: RepetitionPenalty | None = None  # vLLM extension
+    min_p: MinP | None = None  # vLLM extension
+    response_format: Any = None  # text | json_object | json_schema (engine/grammar.py)
+    # Known but not supported when they would change results (checked in convert.py):
+    best_of: Count | None = None
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None

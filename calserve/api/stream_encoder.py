@@ -27,7 +27,7 @@ from calserve.api.errors import ApiError, error_event_to_api, from_exception
 from calserve.api.render import (
     DONE, LogprobFormatter, finish_reason, merge_completion_logprobs, new_id, now_s, sse,
 )
-from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent
+from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
 __all__ = ["StreamEncoder"]
 
@@ -59,13 +59,16 @@ class StreamEncoder:
     (a terminal event, or the end of the events). Invariant: nothing is encoded after
     ``finished``; events after a terminal event in the same batch are ignored."""
 
-    __slots__ = ("_chunks", "_text", "_fmt", "_chat", "_usage", "_echo", "tokens", "terminal",
-                 "finished")
+    __slots__ = ("_chunks", "_text", "_fmt", "_chat", "_usage", "_echo", "_last", "tokens",
+                 "terminal", "finished")
 
     def __init__(self, chunks: ChunkEncoder, *, include_usage: bool = False, echo_text: str = "",
-                 logprobs: LogprobFormatter | None = None) -> None:
+                 logprobs: LogprobFormatter | None = None, last: bool = True) -> None:
         """``chunks`` has the request's constant bytes; ``logprobs`` formats the token events'
-        logprobs (None: the request asked for none, they are not sent)."""
+        logprobs (None: the request asked for none, they are not sent). ``last`` False: one choice
+        of several (``n`` > 1): its finish chunk is followed by neither the usage chunk nor
+        ``[DONE]`` (the caller sends them once, after every choice finished)."""
+        self._last = last
         self._chunks = chunks
         self._text: Callable[[str], bytes] = chunks.text  # the per-token call, bound once
         self._fmt = logprobs
@@ -86,6 +89,15 @@ class StreamEncoder:
         return cls(chunks, include_usage=prep.include_usage, echo_text=prep.echo_text,
                    logprobs=fmt if prep.logprobs is not None else None)
 
+    @classmethod
+    def for_choice(cls, prep: Prepared, fmt: LogprobFormatter, *, rid: str, created: int,
+                   index: int) -> StreamEncoder:
+        """The encoder of choice ``index`` of an ``n`` > 1 stream (shared ``rid``/``created``)."""
+        chunks = ChunkEncoder(chat=prep.kind == "chat", rid=rid, created=created,
+                              model=prep.alias, include_usage=prep.include_usage, index=index)
+        return cls(chunks, include_usage=prep.include_usage, echo_text=prep.echo_text,
+                   logprobs=fmt if prep.logprobs is not None else None, last=False)
+
     def opening(self) -> bytes:
         """What goes out before any event: chat's role chunk, a completion's echoed prompt."""
         out = self._chunks.chunk("", None, None, role=True) if self._chat else b""
@@ -102,6 +114,10 @@ class StreamEncoder:
                 text = ev.text
                 return self._text(text) if text else b""
         return self._encode_batch(batch)
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        """The ``choices: []`` chunk carrying ``usage`` (an ``n`` > 1 stream sends it once)."""
+        return self._chunks.usage(usage)
 
     def failure(self, exc: BaseException) -> bytes:
         """The last event of a stream whose engine event stream raised ``exc``."""
@@ -137,6 +153,8 @@ class StreamEncoder:
             chunks = self._chunks
             out += chunks.chunk(terminal.text if (terminal.text or not chat) else None, None,
                                 finish_reason(terminal.reason))
+            if not self._last:
+                return out
             if self._usage:
                 out += chunks.usage(terminal.usage)
             return out + DONE

@@ -7,10 +7,11 @@ the fast continuation, which decides before the bookkeeping): they must agree, s
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
+from calserve.engine.logits import LaneLogits, lane_logits
 from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch
 from calserve.engine.state import DeviceJob, Seq
 from calserve.engine.types import FinishReason, TokenLogprob
@@ -51,10 +52,23 @@ def expect(job: DeviceJob) -> list[tuple[int, int]]:
     return [(s.seq_id, s.position + len(job.tokens) - 1)]
 
 
-def _lane_sampling(s: Seq) -> LaneSampling:
+def _lane_sampling(s: Seq, logits: LaneLogits | None = None) -> LaneSampling:
     sp = s.req.sampling
     return LaneSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, seed=s.seed,
-                        step=s.generated, logprobs=sp.logprobs)
+                        step=s.generated, logprobs=sp.logprobs, min_p=sp.min_p, logits=logits)
+
+
+def _lanes(seqs: list[Seq], vocab: int) -> list[LaneSampling]:
+    """The lanes' settings; processed requests get their :class:`LaneLogits` (penalty counts
+    caught up with their tokens, grammar masks computed together)."""
+    if not any(s.req.sampling.processed for s in seqs):
+        return [_lane_sampling(s) for s in seqs]
+    states = [s.sampling_state for s in seqs]
+    procs = lane_logits([s.prompt for s in seqs], [s.req.sampling for s in seqs],
+                        [s.tokens for s in seqs], states, vocab)
+    for s, st in zip(seqs, states, strict=True):
+        s.sampling_state = st
+    return [_lane_sampling(s, p) for s, p in zip(seqs, procs, strict=True)]
 
 
 def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
@@ -66,10 +80,15 @@ def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
         active = job.active
         n = len(active)
         rows = logits[:n] if active[-1] == n - 1 else logits[active]
-    if all(s.req.sampling.temperature == 0.0 and s.req.sampling.logprobs is None for s in seqs):
+    if all(s.req.sampling.temperature == 0.0 and s.req.sampling.logprobs is None
+           and not s.req.sampling.processed for s in seqs):
         # what sample_batch returns for such lanes, minus its setup
         return greedy_argmax(rows), [None] * len(seqs)
-    lanes = [_lane_sampling(s) for s in seqs]
+    vocab = rows.shape[1]
+    try:
+        lanes = _lanes(seqs, vocab)
+    except Exception:  # defence in depth (a processor failed): lane by lane, failures alone
+        return _sample_each(rows, [_one_lane(s, vocab) for s in seqs], [s.rid for s in seqs])
     try:
         res = sample_batch(rows, lanes)
     except Exception:  # defence in depth: one lane's failure must not stop the engine
@@ -77,12 +96,27 @@ def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
     return res.tokens.tolist(), res.logprobs
 
 
-def _sample_each(rows: np.ndarray, lanes: list[LaneSampling], rids: list[int]) -> Sampled:
-    """Sample lane by lane after a batch raised: lanes that raise again get
-    :data:`SAMPLE_FAILED` (their requests end with an error), the others their token."""
+def _one_lane(s: Seq, vocab: int) -> LaneSampling | None:
+    try:
+        return _lanes([s], vocab)[0]
+    except Exception:
+        log.exception("preparing the sampler failed for request %d", s.rid,
+                      extra={"request_id": s.rid})
+        return None
+
+
+def _sample_each(rows: np.ndarray, lanes: Sequence[LaneSampling | None], rids: list[int]
+                 ) -> Sampled:
+    """Sample lane by lane after a batch raised: lanes that raise again (or whose settings could
+    not be prepared: None) get :data:`SAMPLE_FAILED` (their requests end with an error), the
+    others their token."""
     tokens: list[int] = []
     lps: list[TokenLogprob | None] = []
     for i, ln in enumerate(lanes):
+        if ln is None:
+            tokens.append(SAMPLE_FAILED)
+            lps.append(None)
+            continue
         try:
             r = sample_batch(rows[i:i + 1], [ln])
         except Exception:

@@ -108,6 +108,22 @@ def _validate(req: GenerateRequest, vocab: int) -> None:
         raise RequestError("logprobs must be in [0, 20]", param="logprobs")
     if any(not s for s in sp.stop):
         raise RequestError("stop strings must be non-empty", param="stop")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sp, name)
+        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+            raise RequestError(f"{name} must be in [-2, 2]", param=name)
+    if not (math.isfinite(sp.repetition_penalty) and 0.01 <= sp.repetition_penalty <= 10):
+        raise RequestError("repetition_penalty must be in [0.01, 10]", param="repetition_penalty")
+    if not (math.isfinite(sp.min_p) and 0 <= sp.min_p <= 1):
+        raise RequestError("min_p must be in [0, 1]", param="min_p")
+    if len({t for t, _ in sp.logit_bias}) != len(sp.logit_bias) or any(
+            not (isinstance(t, int) and 0 <= t < vocab and math.isfinite(b) and -100 <= b <= 100)
+            for t, b in sp.logit_bias):
+        raise RequestError(f"logit_bias must map distinct token ids in [0, {vocab}) to biases in"
+                           " [-100, 100]", param="logit_bias")
+    if sp.grammar is not None and (sp.min_tokens or sp.ignore_eos):
+        raise RequestError("a grammar (response_format) ends where it may: no min_tokens or"
+                           " ignore_eos with it", param="response_format")
     if req.deadline_s is not None and not req.deadline_s > 0:
         raise RequestError("deadline must be > 0 seconds", param="deadline")
 

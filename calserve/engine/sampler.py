@@ -15,6 +15,11 @@ its batch-mates, or the batch size (tests/engine_parts/test_sampler.py pins this
 
 Logprobs are ``log_softmax`` of the RAW logits (before temperature), as OpenAI reports them: the
 chosen token's and the top ``k`` alternatives, highest first, ties broken by lowest token id.
+
+Logits processors (``LaneSampling.logits``: logit bias, repetition / frequency / presence penalties,
+the grammar mask; :mod:`calserve.engine.logits`) and ``min_p`` change the logits a lane draws from
+(greedy lanes too), batched over the lanes that have them; lanes without any take exactly the
+path they took before (same tokens for the same seed).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Final, final
 import numpy as np
 import numpy.typing as npt
 
+from calserve.engine.logits import LaneLogits, apply_processors
 from calserve.engine.types import SamplingParams, TokenLogprob
 
 __all__ = ["LaneSampling", "SampleResult", "sample_batch", "greedy_argmax", "resolve_seed", "uniform_for"]
@@ -56,8 +62,15 @@ class LaneSampling:
     seed: int | None = None
     step: int = 0
     logprobs: int | None = None  # None = none; k >= 0: chosen token's + top-k alternatives
+    min_p: float = 0.0  # [0, 1]: keep tokens with p >= min_p * p_max (after temperature)
+    logits: LaneLogits | None = dataclasses.field(default=None, compare=False)  # processors
+    # Derived: the lane's logits are changed before its draw (min_p or a processor).
+    processed: bool = dataclasses.field(init=False, default=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "processed", self.logits is not None or self.min_p > 0.0)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"LaneSampling.min_p must be in [0, 1], got {self.min_p!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise ValueError(f"LaneSampling.temperature must be finite and >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
@@ -80,6 +93,7 @@ class LaneSampling:
             seed=params.seed if seed is None else seed,
             step=step,
             logprobs=params.logprobs,
+            min_p=params.min_p,
         )
 
 
@@ -209,8 +223,11 @@ def _draw_top_k(
     top_k: npt.NDArray[np.int64],
     top_p: npt.NDArray[np.float64],
     u: npt.NDArray[np.float64],
+    min_p: npt.NDArray[np.float64] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """Top-k, then top-p on the renormalised top-k distribution (as vLLM does)."""
+    """Top-k, then top-p on the renormalised top-k distribution (as vLLM does). ``min_p`` drops
+    the candidates below min_p x the best one's probability first (the top-k holds the best token,
+    so this is exactly min-p over the vocabulary, then top-k)."""
     m, vocab = rows.shape
     k_eff = np.minimum(top_k, vocab)
     width = int(k_eff.max())
@@ -219,6 +236,8 @@ def _draw_top_k(
     smax = (rows.max(axis=1).astype(np.float64) / temps)[:, None]
     cand = np.exp(np.take_along_axis(rows, ids, axis=1).astype(np.float64) / temps[:, None] - smax)
     cand = np.where(np.arange(width)[None, :] < k_eff[:, None], cand, 0.0)
+    if min_p is not None:  # the best candidate's weight is exp(0) = 1
+        cand = np.where(cand >= min_p[:, None], cand, 0.0)
     q = cand / cand.sum(axis=1, keepdims=True)
     keep = _nucleus_of_sorted(q, top_p, np.zeros(m))
     # Draw in token-id order over the kept set (the same rule as every other path).
@@ -272,17 +291,41 @@ def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64]) ->
     return out
 
 
+def _drop_below(e: npt.NDArray[np.float64], min_p: npt.NDArray[np.float64]) -> None:
+    """min-p on weights ``e = exp(x/T - max(x/T))`` (the best token's is exactly 1, so
+    ``p_t >= min_p * p_max`` is ``e_t >= min_p``), in place; min_p 0 keeps the row."""
+    np.copyto(e, 0.0, where=e < min_p[:, None])
+
+
 def _draw_nucleus(
     rows: npt.NDArray[np.float32],
     temps: npt.NDArray[np.float64],
     top_p: npt.NDArray[np.float64],
     u: npt.NDArray[np.float64],
+    min_p: npt.NDArray[np.float64] | None = None,
 ) -> npt.NDArray[np.int64]:
-    """Top-p over the whole vocabulary (no top-k)."""
+    """Top-p over the whole vocabulary (no top-k), after min-p when given."""
     e = _exp_shifted(rows, temps)
+    if min_p is not None:
+        _drop_below(e, min_p)
     keep = _nucleus_mask(e, top_p)
     np.multiply(e, keep, out=e)
     return _draw_id_order(e, u)
+
+
+_SCRATCH: dict[tuple[int, ...], npt.NDArray[np.float32]] = {}
+
+
+def _scratch(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """A buffer of ``x``'s shape, reused from call to call (the sampler runs on the engine's one
+    thread and returns nothing that refers to it): a fresh [16, 49k] copy per step cost more in
+    page faults than the processing itself."""
+    buf = _SCRATCH.get(x.shape)
+    if buf is None:
+        if len(_SCRATCH) >= 8:
+            _SCRATCH.clear()
+        buf = _SCRATCH[x.shape] = np.empty(x.shape, dtype=np.float32)
+    return buf
 
 
 def greedy_argmax(x: npt.NDArray[np.float32]) -> list[int]:
@@ -304,9 +347,10 @@ def greedy_argmax(x: npt.NDArray[np.float32]) -> list[int]:
 def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleResult:
     """Sample one token for every row of ``logits`` ([n, vocab] float32) with ``lanes[i]``'s rules.
 
-    Greedy lanes (temperature 0) take the argmax of the raw logits, lowest id on ties. Other lanes
-    divide by the temperature, apply top-k, then top-p (keeping at least one token), and draw by
-    inverse CDF with their counter-based uniform. Raises ValueError naming the lane for NaN or an
+    A lane's processors (``lane.logits``: bias, penalties, grammar mask) change its logits first.
+    Greedy lanes (temperature 0) then take the argmax, lowest id on ties. Other lanes divide by the
+    temperature, apply min-p, top-k, then top-p (keeping at least one token), and draw by inverse
+    CDF with their counter-based uniform. Logprobs are always those of the raw logits. Raises ValueError naming the lane for NaN or an
     all ``-inf`` row, or a shape mismatch.
     """
     x = np.asarray(logits)
@@ -320,9 +364,14 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
     x = np.ascontiguousarray(x, dtype=np.float32)
     if n == 0:
         return SampleResult(tokens=np.zeros(0, dtype=np.int64), logprobs=[])
-    if all(ln.temperature == 0.0 and ln.logprobs is None for ln in lanes):
+    if all(ln.temperature == 0.0 and ln.logprobs is None and not ln.processed for ln in lanes):
         return SampleResult(tokens=np.array(greedy_argmax(x), dtype=np.int64), logprobs=[None] * n)
     tokens = np.zeros(n, dtype=np.int64)
+    raw = x  # logprobs are those of the raw logits
+    if any(ln.logits is not None for ln in lanes):
+        # Processors add finite values or -inf: a NaN or non-finite raw row stays one, and the
+        # row check below catches it (and a row the grammar mask bans entirely).
+        x = apply_processors(x, [ln.logits for ln in lanes], out=_scratch(x))
     rowmax = x.max(axis=1)
     bad = ~np.isfinite(rowmax)  # max propagates NaN; -inf means the row has no finite value
     if bad.any():
@@ -348,23 +397,31 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
         if not seeded.all():
             ui = np.flatnonzero(~seeded)
             u[ui] = _process_rng.random(len(ui))
+        min_p = np.array([ln.min_p for ln in lanes], dtype=np.float64)
         k_on = (top_k > 0) & (top_k < vocab)
         by_k = ~greedy & k_on
         by_p = ~greedy & ~k_on & (top_p < 1.0)
         full = ~greedy & ~k_on & ~by_p
+        # min-p works on each draw's own weights (min_p 0: no-op), before top-k/top-p
         if full.any():
             f = np.flatnonzero(full)
-            tokens[f] = _draw_id_order(_exp_shifted(x[f], temps[f]), u[f])
+            e = _exp_shifted(x[f], temps[f])
+            if (min_p[f] > 0.0).any():
+                _drop_below(e, min_p[f])
+            tokens[f] = _draw_id_order(e, u[f])
         if by_k.any():
             t = np.flatnonzero(by_k)
-            tokens[t] = _draw_top_k(x[t], temps[t], top_k[t], top_p[t], u[t])
+            tokens[t] = _draw_top_k(x[t], temps[t], top_k[t], top_p[t], u[t],
+                                    min_p[t] if (min_p[t] > 0.0).any() else None)
         if by_p.any():
             t = np.flatnonzero(by_p)
-            tokens[t] = _draw_nucleus(x[t], temps[t], top_p[t], u[t])
+            tokens[t] = _draw_nucleus(x[t], temps[t], top_p[t], u[t],
+                                      min_p[t] if (min_p[t] > 0.0).any() else None)
 
     out_lp: list[TokenLogprob | None] = [None] * n
     want = [i for i, ln in enumerate(lanes) if ln.logprobs is not None]
     if want:
+        x = raw
         w = np.array(want, dtype=np.int64)
         xw = x[w]
         lse = xw.max(axis=1).astype(np.float64) + np.log(_exp_shifted(xw, np.ones(len(w))).sum(axis=1))

@@ -107,6 +107,10 @@ class Seq:
     # sends this request anything else first delivers it (EngineCore end), so messages keep order.
     deferred: Any = None
     job_ids: list[int] = dataclasses.field(default_factory=list)  # recent job ids, for logs
+    # The sampler's per-request state when its logits are processed (penalty counts, grammar
+    # matcher: engine/logits.py), made on first use; a pure function of ``prompt`` + ``tokens``
+    # (it catches up with ``tokens`` before every draw), so a re-prefill needs nothing of it.
+    sampling_state: Any = None
 
     def prefill_input(self) -> np.ndarray:
         """What its prefill computes: the prompt, plus the generated tokens after a fault lost its

@@ -53,6 +53,22 @@ class SamplingParams:
     # checked once per sampled token: convert.py passes a frozenset (a lookup whatever its length)
     stop_token_ids: Collection[int] = ()
     logprobs: int | None = None  # None = no logprobs; k >= 0 = chosen token's + top-k alternatives
+    # Logits processors (OpenAI / vLLM meaning; engine/logits.py): penalties over the generated
+    # tokens (repetition: prompt and generated), additive biases, min-p; all off by default.
+    presence_penalty: float = 0.0  # [-2, 2]: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count so far
+    repetition_penalty: float = 1.0  # [0.01, 10]: positive logits / p, negative * p, seen tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), unique ids
+    min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the most likely one
+    # Constrained decoding (response_format): an ``engine.grammar.Grammar``, or None
+    grammar: Any = None
+    # Derived: any processor above is on (the all-greedy fast path checks this one flag).
+    processed: bool = dataclasses.field(init=False, default=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "processed", bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_p or self.grammar is not None))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,6 +93,7 @@ class VerifiedPackage:
             st.eos_token_ids,
             self.manifest.chat_template,
             st.pad_token_id,
+            st.bos_token_id,
         )
 
     def golden(self) -> Golden:

@@ -1,15 +1,15 @@
-"""The package tokenizer: a thin wrapper over HF ``tokenizers`` plus a fixed ChatML renderer.
+"""The package tokenizer: a thin wrapper over HF ``tokenizers`` plus the chat template.
 
-Chat template: calserve does not run Jinja. A package's ``chat_template`` may be ``None`` or
-``"chatml"`` (the only supported value, the documented default); any other string is treated as the
-ChatML form too, and the package validator warns nothing — Qwen3 checkpoints use ChatML, and the
-Jinja extras of real Qwen3 templates (tools, thinking blocks) are out of scope. The rendering is::
+Chat template: a package's ``chat_template`` string is its own Jinja template, rendered in a
+sandbox by :mod:`calserve.models.chat_template` (with ``bos_token``/``eos_token`` the strings of the
+manifest's BOS and first EOS ids). ``None`` or ``"chatml"`` select the fixed ChatML fallback::
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n      for every message, in order
     <|im_start|>assistant\\n                         when add_generation_prompt
 
-``role`` must be one of system/user/assistant/tool and ``content`` a string (or a list of
-``{"type": "text", "text": ...}`` parts, joined) — anything else is a RequestError naming the field.
+For both, ``content`` must be a string (or a list of ``{"type": "text", "text": ...}`` parts,
+joined); ChatML also wants ``role`` one of system/user/assistant/tool, a Jinja template any string
+role (the template decides) — anything else is a RequestError naming the field.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import tokenizers
 
 from calserve.errors import RequestError, ValidationError
+from calserve.models.chat_template import ChatTemplate, is_chatml
 
 __all__ = ["Tokenizer", "CHATML", "render_chatml"]
 
@@ -76,11 +77,19 @@ class Tokenizer:
         eos_token_ids: Iterable[int] = (),
         chat_template: str | None = None,
         pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
     ) -> None:
         self._tok = tok
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
         self.chat_template = chat_template or CHATML
+        self._jinja: ChatTemplate | None = None
+        if not is_chatml(chat_template):
+            assert chat_template is not None
+            bos = tok.id_to_token(bos_token_id) if bos_token_id is not None else None
+            eos = tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+            self._jinja = ChatTemplate(chat_template, bos_token=bos or "", eos_token=eos or "")
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         # Special (added) tokens are skipped by decode(skip_special_tokens=True).
         self.special_token_ids: frozenset[int] = frozenset(
@@ -94,13 +103,14 @@ class Tokenizer:
         eos_token_ids: Iterable[int] = (),
         chat_template: str | None = None,
         pad_token_id: int | None = None,
+        bos_token_id: int | None = None,
     ) -> Tokenizer:
         p = Path(path)
         try:
             tok = tokenizers.Tokenizer.from_file(str(p))
         except Exception as e:  # tokenizers raises a bare Exception on parse errors
             raise ValidationError(f"{p.name}: not a valid HF tokenizers file: {e}") from None
-        return cls(tok, eos_token_ids, chat_template, pad_token_id)
+        return cls(tok, eos_token_ids, chat_template, pad_token_id, bos_token_id)
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -124,4 +134,23 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        return render_chatml(messages, add_generation_prompt)
+        """The prompt text of ``messages``: the package's Jinja template, or ChatML."""
+        if self._jinja is None:
+            return render_chatml(messages, add_generation_prompt)
+        return self._jinja.render(_plain_messages(messages), add_generation_prompt)
+
+
+def _plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as the plain dicts a Jinja template gets (string role and content; the other
+    keys are passed through)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise RequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise RequestError(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
+        d = dict(m)
+        d["content"] = _content_text(m.get("content", ""), f"messages[{i}].content")
+        out.append(d)
+    return out

@@ -32,9 +32,26 @@ INT_EXTREMES = [-(2**70), -(2**64), -(2**63) - 1, -(2**63), -(2**31) - 1, -(2**3
 FLOAT_EXTREMES = [-1e308, -2.0000001, -2.0, -1e-300, -0.0, 0.0, 5e-324, 1e-300, 0.5, 1.0,
                   1.0000001, 2.0, 2.0000001, 10.0, 10.000001, 1e308]
 FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs",
-          "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+          "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"]
 LIST_FIELDS = ["stop_token_ids", "stop"]
 CHAT_FIELDS = ["max_completion_tokens", "top_logprobs"]
+# Object-valued fields and hostile values for them (the test model's vocabulary is 128 ids).
+OBJECT_FIELDS: dict[str, list[Any]] = {
+    "logit_bias": [
+        {"0": 100}, {"5": -100}, {"127": 0.5}, {"0": 100.0001}, {"0": -100.5}, {"0": 2**63},
+        {"0": 1e308}, {"0": -1e308}, {"0": "a"}, {"0": None}, {"0": True}, {"0": [1]},
+        {"-1": 1}, {"128": 1}, {str(2**63): 1}, {str(2**70): 1}, {"x": 1}, {"": 1}, {" 1": 2},
+        {str(i): 1 for i in range(1025)}, {str(i): -100 for i in range(128)}, [], "x", 3,
+    ],
+    "response_format": [
+        {"type": "text"}, {"type": "json_object"}, {"type": "xml"}, {"type": None}, {}, [], "x",
+        {"type": "json_schema"}, {"type": "json_schema", "json_schema": None},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "string", "maxLength": 2**70}}},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "array", "minItems": 2**63}}},
+        {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}, "strict": True}},
+        {"type": "json_schema", "json_schema": {"schema": {}, "strict": 2**63}},
+    ],
+}
 
 
 async def greedy_text(h: RealHarness) -> str:
@@ -100,11 +117,18 @@ async def test_every_field_at_and_past_its_bounds() -> None:
                     continue
                 st_ = await expect_bounded(h, C, doc, field)
                 statuses.setdefault(field, set()).add(st_)
+        for field, values in OBJECT_FIELDS.items():
+            for v in values:
+                doc = {"prompt": "hi", "max_tokens": 3, "temperature": 1.0, field: v}
+                st_ = await expect_bounded(h, C, doc, field)
+                statuses.setdefault(field, set()).add(st_)
         # every field both accepts a value and refuses one (the sweep reached both sides)
         for field, seen in statuses.items():
             assert 400 in seen, field
         for field in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens",
-                      "logprobs", "stop_token_ids", "stop"):
+                      "logprobs", "stop_token_ids", "stop", "n", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+                      "response_format"):
             assert 200 in statuses[field], field
         assert h.real_engine.ready()
         assert await greedy_text(h) == before
@@ -119,7 +143,10 @@ extreme = st.one_of(
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=40)
-@given(fields=st.dictionaries(st.sampled_from(FIELDS + CHAT_FIELDS + LIST_FIELDS), extreme,
+@given(fields=st.dictionaries(st.sampled_from(FIELDS + CHAT_FIELDS + LIST_FIELDS
+                                              + list(OBJECT_FIELDS)),
+                              st.one_of(extreme, st.sampled_from(
+                                  [v for vs in OBJECT_FIELDS.values() for v in vs])),
                               min_size=1, max_size=5),
        chat=st.booleans(), stream=st.booleans())
 async def test_random_extremes_answer_200_or_400_and_leave_the_engine_live(

@@ -65,7 +65,7 @@ CASES: list[tuple[str, Any]] = [
     (C, {"prompt": "hi", "model": "nope"}),
     (C, b'{"prompt": '),
     (CHAT, {"messages": [{"role": "tool", "content": "x"}]}),
-    (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 9, "stream": True}),
 ]
 
 

@@ -115,7 +115,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
 
 def test_errors_through_the_client(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="qwen3", prompt="x", max_tokens=5, n=2)
+        client.completions.create(model="qwen3", prompt="x", max_tokens=5, n=9)  # past server.max_n (8)
     assert e.value.body["param"] == "n"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=5)

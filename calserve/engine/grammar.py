@@ -1,0 +1,189 @@
+"""Constrained decoding for ``response_format`` (``json_object``, ``json_schema``) with llguidance.
+
+- :func:`compile_response_format` (HTTP layer, at request preparation): the OpenAI
+  ``response_format`` object -> a :class:`Grammar` (a JSON-schema grammar compiled for the model's
+  tokenizer and checked by building its matcher once), or None for ``text``. A malformed object, a
+  schema that is not valid JSON Schema, or one with a keyword llguidance cannot enforce exactly (it
+  runs with ``lenient`` off, so an accepted schema is always enforced in full) is a
+  :class:`~calserve.errors.RequestError` naming ``response_format``. ``strict`` is accepted either
+  way: the output is always held to the whole schema.
+- :class:`GrammarState` (engine, one per request, ``Seq.sampling_state``): a matcher that catches up
+  with the request's generated tokens before every draw (:meth:`GrammarState.sync`), so after a
+  re-prefill it simply continues; :meth:`GrammarState.rebuild` replays the tokens into a fresh
+  matcher (used when it ever sees a shorter token list than it consumed).
+- :func:`fill_masks`: the next-token bitmasks of every constrained lane of a batch in one
+  llguidance call (its own worker threads), which the sampler applies (``engine/logits.py``).
+
+EOS: the grammar's tokenizer is given the model's EOS ids, so a mask allows EOS exactly where the
+grammar may end, and nothing but EOS once it is complete; ``min_tokens`` and ``ignore_eos`` (which
+would make the engine sample past EOS) are refused with a ``response_format`` (``api/convert.py``).
+Whitespace between JSON tokens is not free (``whitespace_flexible`` off unless the schema's own
+``x-guidance`` says otherwise): a model must not be able to pad its answer forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any, Final, final
+
+import llguidance
+import llguidance.numpy as llg_np
+import numpy as np
+import numpy.typing as npt
+
+from calserve.errors import RequestError
+
+__all__ = ["Grammar", "GrammarState", "compile_response_format", "fill_masks", "grammar_tokenizer"]
+
+_PARAM: Final = "response_format"
+_JSON_DEFAULTS: Final[Any] = {"whitespace_flexible": False}
+
+_lock = threading.Lock()
+# tokenizer object -> {vocab size: its LLTokenizer} (building one reads the whole vocabulary: once)
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[int, llguidance.LLTokenizer]] = (
+    weakref.WeakKeyDictionary())
+_executor: llguidance.LLExecutor | None = None
+
+
+def _bad(msg: str) -> RequestError:
+    return RequestError(msg, param=_PARAM)
+
+
+def grammar_tokenizer(tok: Any, vocab: int) -> llguidance.LLTokenizer:
+    """The llguidance tokenizer of the package tokenizer ``tok`` (``tok.backend`` is its HF
+    ``tokenizers.Tokenizer``) for logits of width ``vocab``, EOS = the model's EOS ids; cached."""
+    with _lock:
+        per = _TOKENIZERS.setdefault(tok, {})
+        ll = per.get(vocab)
+        if ll is None:
+            backend = getattr(tok, "backend", None)
+            if backend is None or not hasattr(backend, "to_str"):
+                raise _bad("constrained decoding needs the model's tokenizer.json tokenizer")
+            eos = [int(t) for t in tok.eos_token_ids]
+            if not eos:
+                raise _bad("constrained decoding needs the model's EOS token")
+            try:
+                ll = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=eos)
+            except Exception as e:  # a tokenizer llguidance cannot read: no constrained decoding
+                raise _bad(f"constrained decoding is not available for this model's tokenizer:"
+                           f" {str(e)[:300]}") from None
+            per[vocab] = ll
+        return ll
+
+
+def _executor_() -> llguidance.LLExecutor:
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor(num_threads=max(1, min(4, os.cpu_count() or 1)))
+        return _executor
+
+
+@final
+class Grammar:
+    """A compiled grammar for one tokenizer; :meth:`new_state` gives each request its matcher."""
+
+    __slots__ = ("kind", "schema", "_template")
+
+    def __init__(self, kind: str, schema: Any, template: llguidance.LLMatcher) -> None:
+        self.kind = kind  # "json_object" | "json_schema"
+        self.schema = schema  # the JSON schema enforced (tests validate against it)
+        self._template = template  # never advanced: deep-copied per request
+
+    def new_state(self) -> GrammarState:
+        return GrammarState(self._template.deep_copy())
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.kind})"
+
+
+@final
+class GrammarState:
+    """One request's matcher and how many of its generated tokens it has consumed."""
+
+    __slots__ = ("matcher", "consumed")
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.consumed = 0
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Advance over the tokens generated since the last draw."""
+        if len(tokens) < self.consumed:
+            self.rebuild(tokens)
+            return
+        if len(tokens) > self.consumed:
+            self.matcher.consume_tokens(list(tokens[self.consumed:]))  # False: error state
+            self.consumed = len(tokens)
+
+    def rebuild(self, tokens: Sequence[int]) -> None:
+        """Start over and replay ``tokens`` (the matcher's state is a function of them)."""
+        self.matcher.reset()
+        self.consumed = 0
+        self.sync(tokens)
+
+    @property
+    def accepting(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+
+def fill_masks(states: Sequence[GrammarState], vocab: int) -> npt.NDArray[np.int32]:
+    """[len(states), ceil(vocab / 32)] int32 bitmasks of the tokens each may take next (all zero
+    for a matcher in its error state: that lane's draw then fails alone)."""
+    out = np.zeros(llg_np.get_bitmask_shape(len(states), vocab), dtype=np.int32)
+    live = [(g.matcher, i) for i, g in enumerate(states) if not g.matcher.is_error()]
+    if live:
+        llg_np.fill_next_token_bitmask_par(_executor_(), live, out)
+    return out
+
+
+def _schema_of(rf: Any) -> tuple[str, Any] | None:
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise _bad("`response_format` must be an object with a `type`")
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return kind, {"type": "object"}
+    if kind != "json_schema":
+        raise _bad("`response_format.type` must be one of text, json_object, json_schema")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise _bad("`response_format.json_schema` must be an object with a `schema`")
+    name = js.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _bad("`response_format.json_schema.name` must be a string")
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _bad("`response_format.json_schema.strict` must be a boolean")
+    schema = js.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise _bad("`response_format.json_schema.schema` must be a JSON Schema object")
+    return kind, schema
+
+
+def compile_response_format(rf: Any, tok: Any, vocab: int) -> Grammar | None:
+    """The grammar of an OpenAI ``response_format`` (None for text / absent); 400s name it."""
+    got = _schema_of(rf)
+    if got is None:
+        return None
+    kind, schema = got
+    try:
+        text = json.dumps(schema)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+    except Exception as e:  # ValueError/TypeError for a malformed schema; never a 500
+        raise _bad(f"`response_format` has an invalid schema: {str(e)[:500]}") from None
+    ll = grammar_tokenizer(tok, vocab)
+    is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll)
+    if is_err:
+        raise _bad(f"`response_format` schema cannot be enforced: {' '.join(msgs)[:500]}")
+    m = llguidance.LLMatcher(ll, grammar, log_level=0)
+    if m.is_error():
+        raise _bad(f"`response_format` schema cannot be enforced: {m.get_error()[:500]}")
+    return Grammar(kind, schema, m)

@@ -1,0 +1,63 @@
+"""The model's own chat template through the HTTP API: ``/tokenize`` returns the rendered prompt, a
+template that fails or runs away on the client's messages is a 400 naming ``messages``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from calserve.models.chat_template import ChatTemplate
+
+from .conftest import make_config
+from .real_engine import ChatCharTokenizer, api_source, real_app
+
+SMOLLM2 = (Path(__file__).parents[1] / "models" / "chat_templates" / "smollm2.jinja").read_text()
+
+
+class JinjaCharTokenizer(ChatCharTokenizer):
+    """The character tokenizer of the API tests with a Jinja chat template."""
+
+    def __init__(self, template: str) -> None:
+        self._t = ChatTemplate(template)
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        return self._t.render(messages, add_generation_prompt)
+
+
+MSGS = [{"role": "user", "content": "Hi"}]
+
+
+async def test_tokenize_messages_returns_the_rendered_prompt() -> None:
+    src = api_source(tokenizer=JinjaCharTokenizer(SMOLLM2))
+    async with real_app(make_config(), sources=[src]) as h:
+        status, body, _ = await h.post("/tokenize", {"messages": MSGS})
+        assert status == 200, body
+        want = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+        assert body["prompt"] == want
+        assert body["tokens"] == ChatCharTokenizer().encode(want)
+        status, body, _ = await h.post("/tokenize", {"prompt": "Hi"})
+        assert status == 200 and "prompt" not in body
+        status, body, _ = await h.post("/v1/chat/completions",
+                                       {"messages": MSGS, "max_tokens": 3, "temperature": 0})
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] == len(want)
+
+
+async def test_a_failing_template_is_a_400_naming_messages() -> None:
+    tmpl = ("{% for m in messages %}{% if m.role == 'user' and loop.index0 % 2 != 0 %}"
+            "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}"
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% if messages | length > 3 %}"
+            "{% endif %}{% endfor %}{% endfor %}")
+    src = api_source(tokenizer=JinjaCharTokenizer(tmpl))
+    async with real_app(make_config(), sources=[src]) as h:
+        for path, doc in [
+            ("/v1/chat/completions", {"messages": MSGS * 2, "max_tokens": 2}),  # raises
+            ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2, "stream": True}),  # loops
+            ("/tokenize", {"messages": MSGS * 2}),
+        ]:
+            status, body, _ = await h.post(path, doc)
+            assert status == 400, (path, body)
+            assert body["error"]["param"] == "messages"
+            assert "chat template" in body["error"]["message"]
+        assert h.real_engine.ready()
