@@ -36,6 +36,7 @@ from calserve.engine.backend import DeviceBackend, RuntimeBackend
 from calserve.engine.driver import CoreDriver
 from calserve.engine.generations import Generation, ModelManager, release_members
 from calserve.engine.registry import RequestHandle, RequestRegistry
+from calserve.engine.reset_budget import ResetBudget, open_budget
 from calserve.engine.stats import StatisticsSources, build_statistics
 from calserve.engine.types import EngineStatistics, GenerateRequest, ModelInfo, ProfileInfo
 from calserve.models.source import ModelSource, load_sources
@@ -45,12 +46,16 @@ __all__ = ["Engine", "RequestHandle"]
 
 log = logging.getLogger("calserve.engine")
 
+#: after the engine failed, its requests' terminal events may take this long to reach their handles
+FAILED_GRACE_S = 5.0
+
 
 class Engine:
     """Use :meth:`open`; the constructor only builds the parts (each gets what it needs at
     construction: nothing is wired afterwards)."""
 
-    def __init__(self, cfg: CalserveConfig, backend: DeviceBackend, nursery: trio.Nursery) -> None:
+    def __init__(self, cfg: CalserveConfig, backend: DeviceBackend, nursery: trio.Nursery,
+                 budget: ResetBudget | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.model_manager = ModelManager(cfg, backend)
@@ -58,7 +63,7 @@ class Engine:
         engines = [JobEngine.PING]
         if ex_cfg.max_inflight == 2 and not ex_cfg.fixed_engine and backend.capabilities.pingpong:
             engines.append(JobEngine.PONG)
-        self.driver = CoreDriver(cfg, backend, self.model_manager, engines)
+        self.driver = CoreDriver(cfg, backend, self.model_manager, engines, budget)
         self.core = self.driver.core
         self.registry = RequestRegistry(cfg, self.model_manager, self.core, self.driver, nursery)
         self._nursery = nursery
@@ -82,10 +87,13 @@ class Engine:
         *,
         backend: DeviceBackend | None = None,
         sources: Mapping[str, ModelSource] | None = None,
+        persist_budget: bool = False,
     ) -> AsyncIterator[Engine]:
         """Open the device (unless ``backend`` is given), load every configured model as its first
         generation (``sources`` overrides the packages, e.g. an in-memory test model), start the
-        tasks; on exit shut down cleanly (see the module docstring)."""
+        tasks; on exit shut down cleanly (see the module docstring). ``persist_budget``: keep the
+        reset budget in ``CALSERVE_HOME/state`` when ``recovery.state_dir`` is unset (the
+        server's engine does; tests and tools keep it in memory unless a state dir is configured)."""
         own_backend = backend is None
         if backend is None:
             r = cfg.runtime
@@ -98,7 +106,7 @@ class Engine:
                 load_sources, cfg
             )
             async with trio.open_nursery() as nursery:
-                eng = cls(cfg, backend, nursery)
+                eng = cls(cfg, backend, nursery, open_budget(cfg, persist_budget))
                 try:
                     for alias in cfg.models:
                         if alias not in srcs:
@@ -169,8 +177,12 @@ class Engine:
         return self.cfg.scheduler.model_alias
 
     async def wait_failed(self) -> None:
-        """Return when the engine can no longer serve (every model Failed, or a task crashed)."""
+        """Return when the engine can no longer serve (every model Failed with
+        ``recovery.exit_on_failed``, or a task crashed), once its requests got their terminal
+        events (at most a few seconds later): the HTTP side answers them before the host stops."""
         await self.failed.wait()
+        with trio.move_on_after(FAILED_GRACE_S):
+            await self.registry.wait_empty()
 
     def generation(self, alias: str | None = None) -> Generation:
         return self.model_manager.resolve(alias)
@@ -210,4 +222,6 @@ class Engine:
             counters={e.name.lower(): self.backend.counters(e) for e in self.driver.executors},
             requests_total=dict(self.registry.requests_total),
             rejected_total=dict(self.registry.rejected_total),
+            pingpong_state=self.driver.watch.guard.state,
+            pingpong_degradations_total=dict(self.driver.watch.guard.degradations_total),
         ))
