@@ -255,18 +255,6 @@ class EngineCore:
         self.st.paused = True
         self.st.epoch += 1
 
-    def degrade(self, only: JobEngine | None, batch_one: bool, admit_after: float) -> CoreOutput:
-        """Degradation (spec §14, the reset budget): new jobs only to ``only`` (None: any engine),
-        the smallest decode profile when ``batch_one``, no admission before ``admit_after``. Jobs
-        already on either engine drain. The output asks for a pass (an engine may be usable now);
-        none runs inside this call (it may come from an executor between a completion and its
-        bookkeeping)."""
-        st = self.st
-        st.only, st.batch_one, st.admit_after = only, batch_one, admit_after
-        out = CoreOutput()
-        out.wake = True
-        return out
-
     def bump_epoch(self) -> None:
         """A reset outside a recovery episode (the engine is shutting down and a wait timed out)."""
         self.st.epoch += 1

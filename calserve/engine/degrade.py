@@ -7,7 +7,7 @@ jobs: jobs already submitted on either engine drain.
 
 This module decides; it owns no engine and reads no clock (every method takes ``now``). The
 recovery shell feeds it the fault reports and the executors feed it their submits and steps; the
-core applies the verdict (:meth:`EngineCore.set_single_engine`). Conditions
+core applies the verdict (:meth:`Planner.degrade`, through the fault watch). Conditions
 (``scheduler.executor.degrade``):
 
 - ``crosstalk``: a job's echo/checksum showed another lane's data;
@@ -75,7 +75,7 @@ class PingPongGuard:
         self.last_trigger = -math.inf
         self.held = False  # reset_budget: single whatever the probation
         self.degradations_total: collections.Counter[str] = collections.Counter()
-        self._busy = 0
+        self._busy: dict[str, int] = {}
         self._faults = 0
 
     # ------------------------------------------------------------------------------ inputs
@@ -108,18 +108,17 @@ class PingPongGuard:
         return r if r is not None and self.trigger(r, now) else None
 
     def job_ok(self) -> None:
-        """A job completed OK: the fault and busy streaks restart."""
+        """A job completed OK: the fault streak restarts."""
         self._faults = 0
-        self._busy = 0
 
-    def busy(self, now: float) -> bool:
-        """A submit was refused with DeviceBusy. True when this turned PING/PONG off."""
-        self._busy += 1
-        return self._busy >= self.s.busy_streak and self.trigger(DegradeReason.BUSY, now)
+    def busy(self, now: float, engine: str = "") -> bool:
+        """A submit on ``engine`` was refused with DeviceBusy. True when this turned PING/PONG off."""
+        n = self._busy[engine] = self._busy.get(engine, 0) + 1
+        return n >= self.s.busy_streak and self.trigger(DegradeReason.BUSY, now)
 
-    def submitted(self) -> None:
-        """A submit was accepted: the busy streak restarts."""
-        self._busy = 0
+    def submitted(self, engine: str = "") -> None:
+        """A submit on ``engine`` was accepted: its busy streak restarts."""
+        self._busy[engine] = 0
 
     def step_p99(self, p99_s: float, samples: int, modeled_s: float | None, now: float) -> bool:
         """The recent P99 step time of a profile against its modeled step. True when this turned
@@ -155,7 +154,8 @@ class PingPongGuard:
             return False
         self.dual = True
         self.reason = None
-        self._busy = self._faults = 0
+        self._busy.clear()
+        self._faults = 0
         return True
 
     @property

@@ -130,7 +130,10 @@ class Engine:
         finally:
             if own_backend:
                 with trio.CancelScope(shield=True):
-                    await backend.aclose()
+                    try:
+                        await backend.aclose()
+                    except Exception as e:  # a lost device: logged, never a traceback at exit
+                        log.error("closing the device failed: %s", e)
 
     async def _drain(self) -> None:
         """Graceful part of shutdown: terminal events for all, submitted jobs drained."""
@@ -147,6 +150,11 @@ class Engine:
         for gen in self.model_manager.generations.values():
             await self.driver.free_released(gen)
         self.final_statistics = self.statistics()
+        if self.driver.watch.device_lost:
+            # uncertain recovery: jobs may still sit on the device and it cannot be trusted; the
+            # process is exiting (or serving 503) and the next one starts with a reset
+            log.error("the device is lost: its calbins and sequences are not released")
+            return
         for gen in self.model_manager.generations.values():
             leftover = self.core.leftover_sequences(gen)
             self.leaked_at_close += len(leftover)

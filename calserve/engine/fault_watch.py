@@ -4,7 +4,7 @@ It owns the :class:`~calserve.engine.degrade.PingPongGuard` (spec §14), the obs
 (:class:`~calserve.engine.step_times.StepTimes`, for the P99 condition and the hung-job timeout) and
 the timed trace ring's device-job records. The executors report each job (:meth:`observe`) and each
 DeviceBusy (:meth:`on_busy`); recovery reports faults, uncertain resets and the reset budget's level.
-The verdict reaches the scheduling state only through :meth:`EngineCore.degrade`: new jobs on one
+The verdict reaches the scheduling state only through the core's planner (:meth:`Planner.degrade`): new jobs on one
 engine (PING), the smallest profile and an admission cool-down while the reset budget is spent.
 Every change is logged once with its reason and counted (``calserve_pingpong_degradations_total``).
 """
@@ -88,6 +88,7 @@ class FaultWatch:
                               0.0, "refused")
             return
         status = "timeout" if outcome.timed_out else r.status.name.lower()
+        self.guard.submitted(engine.name)
         self.timeline.job(engine.name, job.kind, batch, len(job.seqs), job.job_id, t_submit, now,
                           r.device_us / 1e6, status)
         if r.status is not JobStatus.OK or outcome.timed_out:
@@ -103,7 +104,7 @@ class FaultWatch:
 
     def on_busy(self, engine: JobEngine) -> None:
         now = self._clock()
-        if self.guard.busy(now):
+        if self.guard.busy(now, engine.name):
             self._changed(DegradeReason.BUSY, now, f"{self.guard.s.busy_streak} DeviceBusy in a row")
 
     def _check_counters(self, now: float) -> None:
@@ -173,4 +174,4 @@ class FaultWatch:
         g = self.guard
         only = None if g.dual or not g.pingpong else JobEngine.PING
         batch_one = self.budget is BudgetLevel.DEGRADED
-        self._apply(self.core.degrade(only, batch_one, self._admit_after))
+        self._apply(self.core.planner.degrade(only, batch_one, self._admit_after))

@@ -19,7 +19,7 @@ from calserve.core.prefill import QueueClass, ServiceRoundRobin
 from calserve.engine.batches import JobBuilder
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import PREFILL_CLASSES, GenQueues, RequestTable
-from calserve.engine.state import DeviceJob
+from calserve.engine.state import CoreOutput, DeviceJob
 from calserve.engine.types import FinishReason
 from calserve.runtime.types import JobEngine
 
@@ -56,6 +56,16 @@ class Planner:
             if job is None:
                 return e
         return None
+
+    def degrade(self, only: JobEngine | None, batch_one: bool, admit_after: float) -> CoreOutput:
+        """Degradation (spec §14, the reset budget): new jobs only to ``only`` (None: any engine),
+        the smallest decode profile when ``batch_one``, no admission before ``admit_after`` (the
+        core's pass). Jobs already on either engine drain. The output asks for a pass (an engine
+        may be usable now); none runs inside this call (it may come from an executor between a
+        completion and its bookkeeping)."""
+        st = self.st
+        st.only, st.batch_one, st.admit_after = only, batch_one, admit_after
+        return CoreOutput(wake=True)
 
     def hand_over(self, engine: JobEngine, job: DeviceJob) -> None:
         self.st.slots[engine] = job
