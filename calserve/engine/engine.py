@@ -221,6 +221,10 @@ class Engine:
                                  g.created, {"serving_batch": g.compiled_batch}))
         return out
 
+    def trace_events(self) -> list[tuple[Any, ...]]:
+        """The timed trace ring (device jobs, request phases), oldest first (GET /admin/v1/trace)."""
+        return self.core.requests.timeline.snapshot()
+
     def statistics(self) -> EngineStatistics:
         return build_statistics(StatisticsSources(
             core=self.core.statistics(trio.current_time()),
