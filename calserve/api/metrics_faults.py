@@ -41,8 +41,14 @@ def fault_metrics(s: EngineStatistics) -> Iterator[Metric]:
                             "on this board (persisted across restarts)", value=s.resets_in_window)
     yield CounterMetricFamily("calserve_uncertain_recoveries", "Recoveries whose reset failed or "
                               "left the device faulted", value=s.uncertain_recoveries_total)
-    last = GaugeMetricFamily("calserve_recovery_last_seconds", "Fault report to end of recovery, "
-                             "last episode per fault reason", labels=["reason"])
-    for r, v in sorted(s.recovery_seconds_by_reason.items()):
-        last.add_metric([r], v)
-    yield last
+    eps = CounterMetricFamily("calserve_recovery_episodes", "Recovery episodes by the fault "
+                              "reason that started them", labels=["reason"])
+    secs = CounterMetricFamily("calserve_recovery_episode_seconds", "Fault report to end of "
+                               "recovery, summed per fault reason", labels=["reason"])
+    worst = GaugeMetricFamily("calserve_recovery_episode_max_seconds", "Longest recovery episode "
+                              "per fault reason", labels=["reason"])
+    for r, (n, total, mx) in sorted(s.recovery_seconds_by_reason.items()):
+        eps.add_metric([r], float(n))
+        secs.add_metric([r], total)
+        worst.add_metric([r], mx)
+    yield from (eps, secs, worst)

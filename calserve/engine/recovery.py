@@ -74,8 +74,10 @@ class RecoveryStats:
     resets_total: int
     quarantined_kv_total: int
     recovery_seconds_total: float
-    # by fault reason: seconds from the fault's report to the end of its recovery (last episode)
-    recovery_seconds_by_reason: dict[str, float] = dataclasses.field(default_factory=dict)
+    # by fault reason: (episodes, seconds summed, worst) from the fault's report to the end of its
+    # recovery
+    recovery_seconds_by_reason: dict[str, tuple[int, float, float]] = dataclasses.field(
+        default_factory=dict)
     uncertain_total: int = 0
     budget_level: str = "ok"
     resets_in_window: int = 0
@@ -101,7 +103,8 @@ class HealthRecovery:
         self.failed = trio.Event()
         self.gave_up = False
         self.uncertain_total = 0
-        self.recovery_seconds_by_reason: dict[str, float] = {}
+        # fault reason -> (episodes, seconds summed, worst): fault report to the end of its recovery
+        self.recovery_seconds_by_reason: dict[str, tuple[int, float, float]] = {}
         self.faults_total: collections.Counter[str] = collections.Counter()
         self.resets_total = 0
         self.quarantined_kv_total = 0
@@ -235,7 +238,9 @@ class HealthRecovery:
             self.watch.set_budget(level, now)
         self.shell.apply(core.resume(now))
         self.recovery_seconds_total += time.monotonic() - t0
-        self.recovery_seconds_by_reason[fault.reason] = now - fault.at
+        took = now - fault.at
+        n, total, worst = self.recovery_seconds_by_reason.get(fault.reason, (0, 0.0, 0.0))
+        self.recovery_seconds_by_reason[fault.reason] = (n + 1, total + took, max(worst, took))
 
     def _give_up(self, why: str) -> None:
         self.gave_up = True

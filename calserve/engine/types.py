@@ -212,7 +212,9 @@ class EngineStatistics:
     reset_budget_level: str = "ok"  # ok | degraded | failed
     resets_in_window: int = 0  # resets of the last 10 minutes on this board (persisted)
     uncertain_recoveries_total: int = 0
-    recovery_seconds_by_reason: dict[str, float] = dataclasses.field(default_factory=dict)
+    # fault reason -> (recovery episodes, seconds summed, worst episode)
+    recovery_seconds_by_reason: dict[str, tuple[int, float, float]] = dataclasses.field(
+        default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,8 @@ async def test_degradation_metrics_move_on_crosstalk(autojump_clock: Any) -> Non
         assert value(m, "calserve_pingpong_degradations_total", reason="crosstalk") == 1
         assert value(m, "calserve_resets_in_window") == 1
         # exported per fault reason (0 s here: the fake device's reset takes no fake time)
-        assert ("calserve_recovery_last_seconds", (("reason", "crosstalk"),)) in m
+        assert value(m, "calserve_recovery_episodes_total", reason="crosstalk") == 1
+        assert ("calserve_recovery_episode_max_seconds", (("reason", "crosstalk"),)) in m
         # the trace shows the faulted job and the requests the fault re-admitted
         r = await h.client.get("/admin/v1/trace", headers=TOKEN)
         doc = msgspec.json.decode(await r.get_data())
