@@ -5,7 +5,8 @@ core 1), writes per-point run directories (records.jsonl, summary.json, metrics.
 ``summary.json`` with the headline figures, PNGs and ``report.md`` under ``bench/out/NAME/``, and
 prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
 
-Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor.
+Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor, m2-pingpong,
+chaos.
 """
 
 from __future__ import annotations
@@ -315,6 +316,16 @@ def http_floor(out: Path, quick: bool) -> dict[str, Any]:
     return floor_run(out, quick)
 
 
+def m2_pingpong(out: Path, quick: bool) -> dict[str, Any]:
+    from bench.fault_scenarios import m2_pingpong as run
+    return run(out, quick)
+
+
+def chaos(out: Path, quick: bool) -> dict[str, Any]:
+    from bench.fault_scenarios import chaos as run
+    return run(out, quick)
+
+
 SCENARIOS = {
     "saturation": saturation,
     "m1-async-vs-sync": m1_async_vs_sync,
@@ -323,6 +334,8 @@ SCENARIOS = {
     "overload": overload,
     "soak": soak,
     "http-floor": http_floor,
+    "m2-pingpong": m2_pingpong,
+    "chaos": chaos,
 }
 
 
