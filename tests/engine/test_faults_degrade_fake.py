@@ -8,6 +8,7 @@ the fixed 30 s."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -216,3 +217,22 @@ async def test_device_that_stays_faulted_fails_the_model(autojump_clock: object)
         await trio.sleep(0.5)
         assert eng.failed.is_set() and eng.statistics().models["qwen3"][1] == "Failed"
         be.stays_faulted = False  # let the close path drain
+
+
+async def test_hung_job_without_timing_detected_from_observed_p99(autojump_clock: object) -> None:
+    """Timing ``none``: before 32 observed steps the fixed bound (wait_timeout_ms) applies; after,
+    20 x the recent P99 of the profile, at least hang_min_ms."""
+    be = FakeBackend("sim-next", seed=3)
+    src = dataclasses.replace(fake_source(profiles=(1,)), timing={})  # the device still takes 1 ms
+    cfg = config(recovery={"max_request_retries": 2},
+                 executor={"wait_timeout_ms": 10000, "hang_min_ms": 1500})
+    async with Engine.open(cfg, backend=be, sources={"qwen3": src}) as eng:
+        toks, term = await collect(eng, (1, 2, 3), 40, ignore_eos=True)  # 39 decode steps observed
+        assert isinstance(term, FinishEvent)
+        assert eng.driver.watch.times.p99("decode", 1) is not None
+        be.inject_fault(FaultKind.TIMEOUT, JobEngine.PING, 3)
+        t0 = trio.current_time()
+        toks, term = await collect(eng, (4, 5, 6), 6, ignore_eos=True)
+        took = trio.current_time() - t0
+        assert isinstance(term, FinishEvent) and toks == fake_greedy((4, 5, 6), 6)
+        assert 1.5 <= took < 3.0, took  # not the 10 s bound: 1 ms steps -> hang_min_ms
