@@ -1,8 +1,8 @@
 """The fault and degradation metrics (spec §14, §16 "recovery"), read from one statistics snapshot.
 
 Kept apart from :mod:`calserve.api.metrics` (the general collector calls :func:`fault_metrics`).
-Labels are bounded: ``state`` (dual/single/off), ``reason`` (the §14 conditions), ``level``
-(ok/degraded/failed), fault ``reason``.
+Labels are bounded: ``state`` (dual/single/off), ``reason`` (the §14 conditions), ``state`` of the
+reset budget (ok/degraded/failed), fault ``reason``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def fault_metrics(s: EngineStatistics) -> Iterator[Metric]:
     for r in DEGRADE_REASONS:
         deg.add_metric([r], float(s.pingpong_degradations_total.get(r, 0)))
     yield deg
-    lvl = GaugeMetricFamily("calserve_reset_budget_level", "1 for the reset budget's level",
-                            labels=["level"])
+    lvl = GaugeMetricFamily("calserve_reset_budget_state", "1 for the reset budget's level: ok, "
+                            "degraded (spent: one engine, smallest profile), failed",
+                            labels=["state"])
     for name in BUDGET_LEVELS:
         lvl.add_metric([name], 1.0 if s.reset_budget_level == name else 0.0)
     yield lvl

@@ -69,7 +69,7 @@ async def test_degradation_metrics_move_on_crosstalk(autojump_clock: Any) -> Non
     async with real_app(pp_config()) as h:
         m = await wait_idle(h)
         assert value(m, "calserve_pingpong_state", state="dual") == 1
-        assert value(m, "calserve_reset_budget_level", level="ok") == 1
+        assert value(m, "calserve_reset_budget_state", state="ok") == 1
         h.backend.inject_fault(FaultKind.CROSSTALK, JobEngine.PONG, 2)
 
         async def one(i: int) -> None:

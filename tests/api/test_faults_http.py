@@ -66,4 +66,4 @@ async def test_budget_spent_503_with_retry_after_and_ready_503(autojump_clock: A
         assert "Retry-After" in headers
         m = await h.metrics()
         assert m[("calserve_engine_up", ())] == 1  # still up, answering 503 (exit_on_failed off)
-        assert m[("calserve_reset_budget_level", (("level", "failed"),))] == 1
+        assert m[("calserve_reset_budget_state", (("state", "failed"),))] == 1

@@ -164,7 +164,7 @@ def test_budget_spent_clients_get_503_with_retry_after_and_ready_503(
     assert ready.status_code == 503 and "Retry-After" in ready.headers
     assert srv.proc.poll() is None  # still up: exit_on_failed is false
     m = scrape(srv.url)
-    assert m.get(("calserve_reset_budget_level", (("level", "failed"),))) == 1
+    assert m.get(("calserve_reset_budget_state", (("state", "failed"),))) == 1
 
 
 def test_budget_spent_process_answers_then_exits_1(servers: dict[str, ServerProcess]) -> None:
