@@ -232,6 +232,7 @@ class _Run:
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if tenant.api_key:
             headers["Authorization"] = f"Bearer {tenant.api_key}"
+        headers.update(tenant.headers)
         # Seeded hang-up point for soak runs: after this many content events (-1 = never).
         cut = -1
         if s.disconnect_prob and u < s.disconnect_prob:

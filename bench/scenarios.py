@@ -5,8 +5,8 @@ core 1), writes per-point run directories (records.jsonl, summary.json, metrics.
 ``summary.json`` with the headline figures, PNGs and ``report.md`` under ``bench/out/NAME/``, and
 prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
 
-Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor, m2-pingpong,
-chaos.
+Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor, scaleout,
+m2-pingpong, chaos.
 """
 
 from __future__ import annotations
@@ -316,6 +316,11 @@ def http_floor(out: Path, quick: bool) -> dict[str, Any]:
     return floor_run(out, quick)
 
 
+def scaleout(out: Path, quick: bool) -> dict[str, Any]:
+    from bench.scaleout import scaleout as run_scaleout
+    return run_scaleout(out, quick)
+
+
 def m2_pingpong(out: Path, quick: bool) -> dict[str, Any]:
     from bench.fault_scenarios import m2_pingpong as run
     return run(out, quick)
@@ -327,6 +332,7 @@ def chaos(out: Path, quick: bool) -> dict[str, Any]:
 
 
 SCENARIOS = {
+    "scaleout": scaleout,
     "saturation": saturation,
     "m1-async-vs-sync": m1_async_vs_sync,
     "batching": batching,

@@ -74,6 +74,7 @@ class TenantSpec:
     prompt_len: Lengths = Lengths(128, 128)
     output_len: Lengths = Lengths(128, 128)
     start_s: float = 0.0  # the tenant starts sending this long after the run started
+    headers: tuple[tuple[str, str], ...] = ()  # extra request headers (e.g. X-Calserve-Pool)
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):

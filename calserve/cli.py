@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the HTTP server (see `calserve serve --help`)", add_help=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)
+    c = sub.add_parser("cluster", help="N replicas (one per board) behind HAProxy (see `calserve "
+                       "cluster --help`)", add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
 
 
@@ -151,6 +154,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "serve":
         return _cmd_serve(args[1:])
+    if args and args[0] == "cluster":
+        from calserve import cluster
+
+        return cluster.main(args[1:])
     a = build_parser().parse_args(args)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, stream=sys.stderr)
     handlers = {

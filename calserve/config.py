@@ -237,6 +237,10 @@ class ServerConfig(_Strict):
     # connection is closed to make room, else the new one gets 503 + Retry-After and is closed.
     # Clamped to the open-file limit (RLIMIT_NOFILE) less a reserve for the process itself.
     max_connections: Pos = 1024
+    # Graceful drain on SIGTERM (calserve serve): /ready turns 503 at once, new generation requests
+    # get 503 + Retry-After, admitted ones may run this long (s) before they end with an error event;
+    # submitted jobs always drain. Under the hypercorn CLI set --graceful-timeout >= this.
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
 
 
 FaultName = Literal["timeout", "ccu", "unknown_dma", "busy", "crosstalk"]
@@ -253,6 +257,9 @@ class FaultsConfig(_Strict):
 
 class RuntimeConfig(_Strict):
     profile: Literal["calrt-0.7.6", "sim-next"] = "calrt-0.7.6"
+    # The board this process opens (index, 0-based; ``calserve serve --device N``). One process per
+    # board: several boards are several processes behind a load balancer (spec §3, deploy/).
+    device: NonNeg = 0
     dram_bytes: Pos = 32 << 30
     null_compute: bool = False
     # Seeded random completion delay (µs, 0 = off) that shuffles completion order (spec §17.3).

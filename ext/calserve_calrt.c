@@ -100,12 +100,13 @@ static int Device_init(DeviceObject *self, PyObject *args, PyObject *kw) {
   int null_compute;
   long long jitter;
   unsigned long long seed;
-  if (!PyArg_ParseTuple(args, "sKpLK", &profile, &dram, &null_compute, &jitter, &seed)) return -1;
+  int device = 0;
+  if (!PyArg_ParseTuple(args, "sKpLK|i", &profile, &dram, &null_compute, &jitter, &seed, &device)) return -1;
   if (self->dev) {
     PyErr_SetString(PyExc_RuntimeError, "already initialised");
     return -1;
   }
-  calrt_open_params p = {.profile = profile, .dram_bytes = dram};
+  calrt_open_params p = {.profile = profile, .dram_bytes = dram, .device = device};
   calrt_device *d = NULL;
   calrt_status st;
   char msg[256];
@@ -156,11 +157,12 @@ static PyObject *Device_capabilities(DeviceObject *self, PyObject *noargs) {
   NEED_DEV(self);
   calrt_device_info i;
   CALL(calrt_device_info_get(self->dev, &i));
-  return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "profile", i.profile, "runtime",
+  return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s}", "profile", i.profile, "runtime",
                        i.runtime, "chips", i.chips, "queue_depth", i.queue_depth, "batch_profiles",
                        i.batch_profiles, "multi_calbin", i.multi_calbin, "chip_scoped", i.chip_scoped,
                        "pingpong", i.pingpong, "do_shift", i.do_shift, "sim_debug", p_inject != NULL,
-                       "shared_kv", p_sharekv != NULL && i.shared_kv);
+                       "shared_kv", p_sharekv != NULL && i.shared_kv, "device", i.device,
+                       "serial", i.serial);
 }
 
 static PyObject *Device_dram(DeviceObject *self, PyObject *args) {

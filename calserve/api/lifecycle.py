@@ -11,11 +11,17 @@ What a crash does (ARCHITECTURE.md "Supervision"):
   supervisor restarts the process (hypercorn's own CLI would exit 0).
 A failure while starting propagates out of ``before_serving``: the lifespan start-up fails and the
 server refuses to start (message in the log and on stderr).
+
+Graceful drain (``SIGTERM`` to ``calserve serve``): :meth:`EngineHost.drain` marks the host draining
+(``/ready`` answers 503 ``reason: draining`` from that moment, :meth:`drain_status`) and runs the
+engine's drain (:mod:`calserve.engine.drain`). ``unclean`` says whether closing the engine left
+device resources behind (``calserve serve`` then exits non-zero).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, final
@@ -54,6 +60,8 @@ class EngineHost:
         self.failed = trio.Event()  # the engine died after start-up (not a deliberate stop)
         self._stop = trio.Event()
         self._done = trio.Event()
+        self.drain_deadline: float | None = None  # set when the drain began (trio time)
+        self.unclean: str | None = None  # why closing the engine did not release everything
 
     def statistics(self) -> EngineStatistics | None:
         eng = self.engine
@@ -99,6 +107,9 @@ class EngineHost:
         finally:
             self.engine = None
             self._done.set()
+        leaked = int(getattr(engine, "leaked_at_close", 0) or 0) if started else 0
+        if leaked:
+            self.unclean = f"{leaked} device KV sequences were still bound at close"
         if not self._stop.is_set() and not self.failed.is_set():
             self._mark_failed(None, "engine exited on its own")
 
@@ -109,3 +120,30 @@ class EngineHost:
             await self._done.wait()
         if scope.cancelled_caught:
             log.warning("engine did not stop within %.1fs", timeout_s)
+            self.unclean = self.unclean or f"the engine did not close within {timeout_s:g} s"
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline is not None
+
+    async def drain(self, timeout_s: float, hurry: trio.Event | None = None) -> Any:
+        """Begin the graceful drain (``/ready`` 503 from now on) and run the engine's: new
+        requests refused, admitted ones finish within ``timeout_s`` (less once ``hurry`` is set),
+        the rest end with an error event, every submitted job drains. Returns the engine's
+        :class:`~calserve.engine.drain.DrainReport` (None for an engine without a drain)."""
+        if self.drain_deadline is None:
+            self.drain_deadline = trio.current_time() + timeout_s
+        eng = self.engine
+        run = getattr(eng, "drain", None)
+        if run is None:
+            return None
+        return await run(timeout_s, hurry)
+
+    def drain_status(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """``/ready``'s 503 body and headers while draining (issue 20's not-ready shape)."""
+        left = max(0.0, (self.drain_deadline or 0.0) - trio.current_time())
+        retry = str(max(1, math.ceil(left)))
+        return ({"status": "not_ready", "reason": "draining",
+                 "message": "the server is draining (shutting down): admitted requests finish, "
+                            "new ones are refused", "drain_remaining_s": round(left, 3)},
+                {"Retry-After": retry})

@@ -158,6 +158,9 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
     async def ready() -> Response:
         alias = request.args.get("model") or None
         host = state.host
+        if host is not None and host.draining:  # SIGTERM: out of rotation at once
+            drain_body, drain_headers = host.drain_status()
+            return json_response(drain_body, 503, drain_headers)
         eng = host.engine if host is not None else None
         if eng is None:
             err = ApiError(503, "engine not running", type="service_unavailable",

@@ -4,7 +4,15 @@ Why not just ``hypercorn -k trio calserve:app``: hypercorn's CLI exits 0 even wh
 supervisor cannot tell a crash from a clean stop. Here we drive ``hypercorn.trio.serve`` ourselves and
 exit non-zero when the engine fails beyond recovery (or never started), 0 on SIGINT/SIGTERM.
 
-Exit codes: 0 clean shutdown; 1 engine failed / start-up refused / bad config; 2 usage.
+Exit codes: 0 clean shutdown; 1 engine failed / start-up refused / bad config / the device could
+not be released cleanly; 2 usage.
+
+SIGTERM/SIGINT drains (``server.drain_timeout_s``, :mod:`calserve.engine.drain`): ``/ready`` turns
+503 (``reason: draining``) at once so a load balancer takes the instance out of rotation, the
+listener stays open and new generation requests get 503 + Retry-After, admitted requests finish
+within the drain timeout, the rest end with an error event, every submitted job drains; then the
+listener closes, connections get ``_FLUSH_S`` to write what they hold, and the engine is closed. A
+second signal ends the wait for admitted requests early; the job drain is never skipped.
 
 Connections go through :mod:`calserve.api.listener` (hypercorn's trio worker with calserve's
 connection guard: keep-alive, header timeout and connection cap from ``server.``, hypercorn's own
@@ -31,6 +39,10 @@ __all__ = ["main", "build_parser", "apply_cli", "serve_app"]
 
 log = logging.getLogger("calserve.serve")
 
+#: After the drain: how long open connections may still write their last bytes (every request has
+#: its terminal event by then) before hypercorn cuts them.
+_FLUSH_S = 5.0
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="calserve serve",
@@ -46,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="trust this ed25519 public key (repeatable)")
     ap.add_argument("--host", help="listen address (default: server.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, help="listen port (default: server.port, 8000)")
+    ap.add_argument("--device", type=int, metavar="N",
+                    help="board index to open (default: runtime.device, 0); one process per board")
     ap.add_argument("--log-level", default="info",
                     choices=["debug", "info", "warning", "error"])
     ap.add_argument("--access-log", action="store_true", help="log every request to stderr")
@@ -71,6 +85,8 @@ def apply_cli(config: CalserveConfig, a: argparse.Namespace) -> CalserveConfig:
         data["server"]["host"] = a.host
     if a.port is not None:
         data["server"]["port"] = a.port
+    if getattr(a, "device", None) is not None:
+        data["runtime"]["device"] = a.device
     try:
         return decode_config(data, "command line")
     except ValueError as e:  # __post_init__ cross-checks
@@ -97,16 +113,35 @@ async def serve_app(
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.accesslog = logging.getLogger("hypercorn.access") if a.access_log else None
     hc.loglevel = a.log_level.upper()
+    hc.graceful_timeout = _FLUSH_S
     outcome = {"failed": False}
 
     async def shutdown_trigger() -> None:
         async with trio.open_nursery() as n:
+            hurry = trio.Event()
+
+            async def drain() -> None:
+                host = state.host
+                if host is not None:
+                    await host.drain(config.server.drain_timeout_s, hurry)
+                n.cancel_scope.cancel()
+
             async def on_signal() -> None:
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+                    draining = False
                     async for s in sigs:
-                        log.info("received %s: shutting down", signal.Signals(s).name)
-                        n.cancel_scope.cancel()
-                        return
+                        name = signal.Signals(s).name
+                        if not draining:
+                            draining = True
+                            log.info("received %s: draining (server.drain_timeout_s %g s; a second "
+                                     "signal shortens the wait)", name, config.server.drain_timeout_s)
+                            n.start_soon(drain)
+                        elif not hurry.is_set():
+                            log.warning("received %s again: ending the wait for admitted requests "
+                                        "now; submitted device jobs still drain", name)
+                            hurry.set()
+                        else:
+                            log.warning("received %s: still draining submitted device jobs", name)
 
             async def on_failure() -> None:
                 while state.host is None:
@@ -139,7 +174,13 @@ async def serve_app(
     if state.host is None:
         print("calserve serve: the engine never started", file=sys.stderr)
         return 1
-    return 1 if outcome["failed"] or state.host.failed.is_set() else 0
+    if outcome["failed"] or state.host.failed.is_set():
+        return 1
+    if state.host.unclean is not None:
+        print(f"calserve serve: the device was not released cleanly: {state.host.unclean}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

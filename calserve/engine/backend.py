@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 import trio
 
@@ -46,6 +48,8 @@ from calserve.runtime.types import (
 )
 
 __all__ = ["JobTicket", "BackendCalbin", "DeviceBackend", "RuntimeBackend", "row_checksums"]
+
+log = logging.getLogger("calserve.engine")
 
 # The waiting machinery lives in :mod:`calserve.engine.backend_waits`; the engine-part tests know the
 # engine thread by its name here.
@@ -402,7 +406,10 @@ class RuntimeBackend:
         seed: int = 0,
         faults: FaultsConfig | None = None,
         gc_gen0: int = SERVING_GC_GEN0,
+        device: int = 0,
     ) -> RuntimeBackend:
+        """Open board ``device`` (``runtime.device``). Each board draws its own injected faults:
+        the fault seed is mixed with the board index (board 0 keeps ``faults.seed`` as it is)."""
         from calserve.runtime import Device
 
         dev = Device.open(
@@ -411,7 +418,11 @@ class RuntimeBackend:
             null_compute=null_compute,
             completion_jitter_us=completion_jitter_us,
             seed=seed,
+            device=device,
         )
+        if faults is not None and device:
+            faults = msgspec.structs.replace(faults, seed=faults.seed + 1_000_003 * device)
+        log.info("opened board %d (%s, profile %s)", dev.device, dev.serial or "no serial", profile)
         return cls(dev, tune_gc=gc_gen0 > 0, faults=faults, gc_gen0=gc_gen0)
 
     async def load_calbin(

@@ -93,9 +93,9 @@ class EngineCore:
         self.requests.stop(seq, reason, error, now=now)
         return self._take()
 
-    def shutdown(self, now: float) -> CoreOutput:
+    def shutdown(self, now: float, message: str | None = None) -> CoreOutput:
         """Every live request ends with a shutdown error (those on the device when it drains)."""
-        err = ErrorEvent("the engine is shutting down", "shutdown")
+        err = ErrorEvent(message or "the engine is shutting down", "shutdown")
         for q in self.requests.all_queues():
             for seq in [*q.waiting.values(), *q.holders.values()]:
                 self.requests.stop(seq, error=err, now=now)

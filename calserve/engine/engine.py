@@ -33,6 +33,7 @@ import trio
 from calserve.config import CalserveConfig
 from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend, RuntimeBackend
+from calserve.engine.drain import DrainReport, drain_engine
 from calserve.engine.driver import CoreDriver
 from calserve.engine.generations import Generation, ModelManager, release_members
 from calserve.engine.registry import RequestHandle, RequestRegistry
@@ -99,7 +100,7 @@ class Engine:
             r = cfg.runtime
             backend = await RuntimeBackend.open(
                 r.profile, r.dram_bytes, r.null_compute, r.completion_jitter_us, r.seed, r.faults,
-                r.gc_gen0_threshold,
+                r.gc_gen0_threshold, device=r.device,
             )
         try:
             srcs = dict(sources) if sources is not None else await trio.to_thread.run_sync(
@@ -171,6 +172,10 @@ class Engine:
         handle = self.registry.create(req)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return handle
+
+    async def drain(self, timeout_s: float, hurry: trio.Event | None = None) -> DrainReport:
+        """Server-wide graceful drain before close (SIGTERM): :mod:`calserve.engine.drain`."""
+        return await drain_engine(self.registry, self.driver, timeout_s, hurry)
 
     def cancel(self, request_id: int | str) -> None:
         """Idempotent; unknown or finished ids are ignored (ids may come back as strings)."""

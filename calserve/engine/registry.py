@@ -122,6 +122,7 @@ class RequestRegistry:
         self.nursery = nursery  # the engine's: request actors are its children
         self.running = False  # the engine's tasks are up (set by the engine once started)
         self.closing = False
+        self.draining: str | None = None  # set by engine.drain: why new requests are refused (503)
         self._ids = itertools.count(1)
         self.live: dict[int, Seq] = {}
         self._empty = trio.Event()
@@ -132,6 +133,9 @@ class RequestRegistry:
     def create(self, req: GenerateRequest) -> RequestHandle:
         if not self.running or self.closing:
             raise EngineError("the engine is not running")
+        if self.draining is not None:
+            self.rejected_total["unavailable"] += 1
+            raise UnavailableError(self.draining, retry_after=1.0)
         gen = self.models.resolve(req.model)
         try:
             _validate(req, gen.source.model_config.vocab_size)
@@ -193,10 +197,10 @@ class RequestRegistry:
         """End ``seq`` early (the actor's stop string or abandoned stream, a cancel); idempotent."""
         self.shell.apply(self.core.abort(seq, reason, trio.current_time()))
 
-    def shutdown(self) -> None:
+    def shutdown(self, message: str | None = None) -> None:
         """No new requests; every live one ends with a shutdown error (on the device: when it drains)."""
         self.closing = True
-        self.shell.apply(self.core.shutdown(trio.current_time()))
+        self.shell.apply(self.core.shutdown(trio.current_time(), message))
 
     def done(self, seq: Seq, outcome: str) -> None:
         """Called once by the actor after it wrote the terminal event."""

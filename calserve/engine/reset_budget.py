@@ -138,8 +138,8 @@ class ResetBudget:
 
 
 def board_index(cfg: CalserveConfig) -> int:
-    """The board this process drives (``runtime.device`` where the configuration has it; 0)."""
-    return int(getattr(cfg.runtime, "device", 0) or 0)
+    """The board this process drives (``runtime.device``)."""
+    return cfg.runtime.device
 
 
 def open_budget(cfg: CalserveConfig, persist: bool) -> ResetBudget:

@@ -347,6 +347,9 @@ class Device:
         if self.capabilities.shared_kv != has_shared:
             self.capabilities = dataclasses.replace(self.capabilities, shared_kv=has_shared)
         self.chips: int = int(caps["chips"])
+        # The board this process opened (runtime.device) and its identity as the runtime reports it.
+        self.device: int = int(caps.get("device", 0))
+        self.serial: str = str(caps.get("serial", ""))
         self.queue_depth: int = int(caps["queue_depth"])
         self.sim_debug: bool = bool(caps["sim_debug"])
         self._calbins: list[Calbin] = []
@@ -359,11 +362,13 @@ class Device:
         null_compute: bool = False,
         completion_jitter_us: int = 0,
         seed: int = 0,
+        device: int = 0,
     ) -> Device:
-        """Open the VirtualDevice. ``dram_bytes`` is per chip.
+        """Open the VirtualDevice on board ``device`` (one board per process). ``dram_bytes`` is
+        per chip.
 
         :class:`DeviceAlreadyOpen` if one is open in this process; :class:`InvalidArgument` for an
-        unknown profile. ``completion_jitter_us`` adds a seeded random delay in ``[0, jitter]`` to each
+        unknown profile or a board index the runtime does not have. ``completion_jitter_us`` adds a seeded random delay in ``[0, jitter]`` to each
         completion (shuffles completion order across engines, spec §17.3).
         """
         if profile not in RUNTIME_PROFILES:
@@ -374,9 +379,11 @@ class Device:
             raise InvalidArgument("dram_bytes must be > 0", 1)
         if completion_jitter_us < 0:
             raise InvalidArgument("completion_jitter_us must be >= 0", 1)
+        if not 0 <= device < 2**31:
+            raise InvalidArgument(f"device: board index must be >= 0 (got {device})", 1)
         b = binding()
         h = call(b.Device, profile, int(dram_bytes), bool(null_compute), int(completion_jitter_us),
-                  int(seed) & 0xFFFFFFFFFFFFFFFF)
+                  int(seed) & 0xFFFFFFFFFFFFFFFF, int(device))
         return cls(h, profile, bool(null_compute))
 
     def close(self) -> None:

@@ -96,6 +96,10 @@ def test_cli_overrides(tmp_path: Any) -> None:
     assert cfg.trust.model_root == str(tmp_path)
     assert cfg.trust.trusted_keys == [str(tmp_path / "k.pub")]
     assert (cfg.server.port, cfg.server.host) == (9001, "0.0.0.0")
+    assert cfg.runtime.device == 0
+    assert apply_cli(CalserveConfig(), _args("--device", "3")).runtime.device == 3
+    with pytest.raises(CalserveError, match="device"):
+        apply_cli(CalserveConfig(), _args("--device", "-1"))
     cfg = apply_cli(CalserveConfig(), _args("--model", str(pkg), "--alias", "m"))
     assert list(cfg.models) == ["m"]
     with pytest.raises(CalserveError):

@@ -115,6 +115,9 @@ uint64_t calrt_checksum(const void *data, size_t n);
 typedef struct calrt_open_params {
   const char *profile; /* "calrt-0.7.6" | "sim-next" (a vendor build accepts its own name) */
   uint64_t dram_bytes; /* DRAM capacity per chip */
+  int32_t device;      /* board index in [0, calrt_device_count()); 0 when left zero-initialised.
+                        * One process opens one board (one process per board, spec §3); the vendor
+                        * API this stands for is the open-question in spec §20 item 6. */
 } calrt_open_params;
 
 typedef struct calrt_device_info {
@@ -128,6 +131,8 @@ typedef struct calrt_device_info {
   int pingpong;
   int do_shift; /* C1 */
   int shared_kv; /* C3, sim-next only: calrt_calbin_share_kv (KV groups across batch profiles) */
+  int device;     /* the board index this VirtualDevice was opened on (calrt_open_params.device) */
+  char serial[32]; /* a stable identity of that board (sim: "calrt-sim-board-<index>") */
 } calrt_device_info;
 
 typedef struct calrt_counters {
@@ -139,7 +144,10 @@ typedef struct calrt_counters {
   uint64_t inflight;  /* queued + running now */
 } calrt_counters;
 
+/* The number of boards this runtime can open (calrt_open_params.device is in [0, *out)). */
+calrt_status calrt_device_count(int *out);
 /* Open the VirtualDevice. CALRT_E_ALREADY_OPEN if one is open in this process (until close);
+ * CALRT_E_INVALID_ARGUMENT for a board index outside [0, calrt_device_count());
  * CALRT_E_INVALID_ARGUMENT for an unknown profile or zero DRAM. Starts the engine workers. */
 calrt_status calrt_device_open(const calrt_open_params *params, calrt_device **out);
 /* Close: CALRT_E_IN_USE while calbins exist (destroy them first; reset to abort their jobs). */

@@ -64,6 +64,20 @@ static calrt_status check_chip(calrt_device *dev, int chip) {
   return CALRT_OK;
 }
 
+/* calrt-sim's boards: each index is an independent simulated board. Its state (DRAM, queues, fault
+ * and reset domain) is this process's device, so boards are isolated by being opened in separate
+ * processes (one process per board); the index also seeds the chips' random streams (completion
+ * jitter), so two boards given the same runtime seed do not move in lockstep. Board 0 keeps the
+ * streams it always had. The simulator does not model one board being owned by another process. */
+#define SIM_BOARDS 16
+static const uint64_t BOARD_MIX = 0xA24BAED4963EE407ULL;
+
+calrt_status calrt_device_count(int *out) {
+  if (!out) return sim_err(CALRT_E_INVALID_ARGUMENT, "out must not be NULL");
+  *out = SIM_BOARDS;
+  return CALRT_OK;
+}
+
 calrt_status calrt_device_open(const calrt_open_params *params, calrt_device **out) {
   if (!params || !out || !params->profile)
     return sim_err(CALRT_E_INVALID_ARGUMENT, "params/out must not be NULL");
@@ -72,6 +86,9 @@ calrt_status calrt_device_open(const calrt_open_params *params, calrt_device **o
   else if (strcmp(params->profile, "sim-next") == 0) next = 1;
   else return sim_err(CALRT_E_INVALID_ARGUMENT, "profile: unknown runtime profile '%s'", params->profile);
   if (params->dram_bytes == 0) return sim_err(CALRT_E_INVALID_ARGUMENT, "dram_bytes must be > 0");
+  if (params->device < 0 || params->device >= SIM_BOARDS)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "device: board %d does not exist (this runtime has boards 0..%d)",
+                   (int)params->device, SIM_BOARDS - 1);
   pthread_mutex_lock(&g_open_mu);
   if (g_dev.open) {
     pthread_mutex_unlock(&g_open_mu);
@@ -89,6 +106,8 @@ calrt_status calrt_device_open(const calrt_open_params *params, calrt_device **o
   d->info.pingpong = 1;
   d->info.do_shift = 1;
   d->info.shared_kv = next;
+  d->info.device = params->device;
+  snprintf(d->info.serial, sizeof d->info.serial, "calrt-sim-board-%d", (int)params->device);
   pthread_mutex_init(&d->mu, NULL);
   d->next_calbin_id = 1;
   atomic_init(&d->next_job_id, 1);
@@ -100,7 +119,7 @@ calrt_status calrt_device_open(const calrt_open_params *params, calrt_device **o
     pthread_mutex_init(&ch->mu, NULL);
     sim_cond_init(&ch->changed);
     ch->dram_capacity = params->dram_bytes;
-    ch->rng = 0x9E3779B97F4A7C15ULL * (uint64_t)(c + 1);
+    ch->rng = (0x9E3779B97F4A7C15ULL * (uint64_t)(c + 1)) ^ ((uint64_t)params->device * BOARD_MIX);
     if (sim_engines_start(ch) != 0) {
       for (int k = 0; k < c; k++) sim_engines_stop(&d->chips[k]);
       pthread_mutex_unlock(&g_open_mu);
@@ -252,7 +271,8 @@ calrt_status calrt_sim_configure(calrt_device *dev, int null_compute, int64_t ji
   pthread_mutex_unlock(&dev->mu);
   for (int c = 0; c < dev->info.chips; c++) {
     pthread_mutex_lock(&dev->chips[c].mu);
-    dev->chips[c].rng = seed * 0x9E3779B97F4A7C15ULL + (uint64_t)c * 0xD1B54A32D192ED03ULL + 1;
+    dev->chips[c].rng = (seed * 0x9E3779B97F4A7C15ULL + (uint64_t)c * 0xD1B54A32D192ED03ULL + 1) ^
+                        ((uint64_t)dev->info.device * BOARD_MIX);
     pthread_mutex_unlock(&dev->chips[c].mu);
   }
   return CALRT_OK;

@@ -229,8 +229,30 @@ static int test_completion_fd(calrt_device *dev, test_model *tm) {
   return fd;
 }
 
+/* Board selection: every index in [0, calrt_device_count()) opens, reports itself, others are refused. */
+static void test_boards(void) {
+  int n = 0;
+  CHECK(calrt_device_count(&n) == CALRT_OK && n >= 2);
+  calrt_device *dev = NULL;
+  calrt_device_info di;
+  calrt_open_params bad = {"calrt-0.7.6", 64u << 20, n};
+  CHECK(calrt_device_open(&bad, &dev) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("board"));
+  bad.device = -1;
+  CHECK(calrt_device_open(&bad, &dev) == CALRT_E_INVALID_ARGUMENT);
+  calrt_open_params b1 = {"calrt-0.7.6", 64u << 20, 1};
+  CHECK(calrt_device_open(&b1, &dev) == CALRT_OK);
+  CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && di.device == 1);
+  CHECK(strcmp(di.serial, "calrt-sim-board-1") == 0);
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+  calrt_open_params b0 = {"calrt-0.7.6", 64u << 20};
+  CHECK(calrt_device_open(&b0, &dev) == CALRT_OK);
+  CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && di.device == 0);
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+}
+
 int main(void) {
   calrt_device *dev = NULL, *dev2 = NULL;
+  test_boards();
   calrt_open_params op = {"sim-next", 64u << 20};
   CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
   CHECK(calrt_device_open(&op, &dev2) == CALRT_E_ALREADY_OPEN);
