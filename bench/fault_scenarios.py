@@ -4,7 +4,8 @@
 two servers that differ only in ``executor.max_inflight`` (1 vs 2), in interleaved blocks
 (1, 2, 2, 1, 1, 2, ...) so that a drifting host load hits both alike. Per block: delivered output
 tok/s (steady window), TPOT P99, errors; the in-flight-2 server's trace (``GET /admin/v1/trace``)
-gives the PING/PONG overlap fraction (time both engines ran a job / time at least one did). The
+gives the PING/PONG overlap fraction (time both engines ran a job / time at least one did; each
+block's trace is saved as ``<timing>-if2-b<N>-trace.json`` for Perfetto). The
 verdict applies the spec's throughput and P99 conditions (aggregate ≥ +10 %, P99 ≤ +5 %, no errors);
 its 24 h condition is not shown by a run of minutes. The §14 P99 watch is off on the measured
 servers (``degrade.p99_factor: null``): on a loaded host it would switch the arm under test to one
@@ -108,7 +109,10 @@ def m2_pingpong(out: Path, quick: bool) -> dict[str, Any]:
                     row["errors"] = _errors(res)
                     rows.append(row)
                     if k == 2:
-                        ov = overlap_fraction(_get_json(servers[2], "/admin/v1/trace"))
+                        doc = _get_json(servers[2], "/admin/v1/trace")
+                        # Chrome trace JSON: open it in https://ui.perfetto.dev
+                        (out / f"{timing}-if2-b{b}-trace.json").write_text(json.dumps(doc))
+                        ov = overlap_fraction(doc)
                         overlaps.append(ov["overlap"])
                         row["overlap"] = ov["overlap"]
             after = {k: _metrics(s) for k, s in servers.items()}
