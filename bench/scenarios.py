@@ -6,7 +6,7 @@ core 1), writes per-point run directories (records.jsonl, summary.json, metrics.
 prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
 
 Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor, scaleout,
-sampler-cost.
+sampler-cost, m2-pingpong, chaos.
 """
 
 from __future__ import annotations
@@ -327,6 +327,16 @@ def sampler_cost(out: Path, quick: bool) -> dict[str, Any]:
     return cost_run(out, quick)
 
 
+def m2_pingpong(out: Path, quick: bool) -> dict[str, Any]:
+    from bench.fault_scenarios import m2_pingpong as run
+    return run(out, quick)
+
+
+def chaos(out: Path, quick: bool) -> dict[str, Any]:
+    from bench.fault_scenarios import chaos as run
+    return run(out, quick)
+
+
 SCENARIOS = {
     "saturation": saturation,
     "m1-async-vs-sync": m1_async_vs_sync,
@@ -337,6 +347,8 @@ SCENARIOS = {
     "http-floor": http_floor,
     "scaleout": scaleout,
     "sampler-cost": sampler_cost,
+    "m2-pingpong": m2_pingpong,
+    "chaos": chaos,
 }
 
 

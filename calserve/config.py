@@ -33,6 +33,7 @@ __all__ = [
     "FairnessConfig",
     "BatchConfig",
     "ExecutorConfig",
+    "DegradeConfig",
     "RecoveryConfig",
     "SchedulerConfig",
     "ServerConfig",
@@ -128,10 +129,30 @@ class BatchConfig(_Strict):
     instance_pool: BatchSize | None = None
 
 
+class DegradeConfig(_Strict):
+    """Extension (spec §14): automatic PING/PONG degradation (calserve/engine/degrade.py). Any
+    condition moves new jobs to one engine; jobs already submitted on both engines drain."""
+
+    enabled: bool = True
+    busy_streak: Pos = 4  # this many consecutive submits refused with DeviceBusy
+    fault_streak: Pos = 2  # this many consecutive jobs ending in a timeout or CCU fault
+    # recent P99 step time of a profile above this x its modeled step (null = never; timing known only)
+    p99_factor: PosFloat | None = 3.0
+    p99_min_samples: Pos = 64  # steps of a profile before its P99 counts
+    # PING/PONG is on again this long after the last trigger (null = never again until restart)
+    probation_s: PosFloat | None = 60.0
+
+
 class ExecutorConfig(_Strict):
     max_inflight: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
     fixed_engine: bool = False
-    wait_timeout_ms: Pos = 30000  # extension: a Wait past this is a device fault
+    # extension: a Wait past this is a device fault (the upper bound of the hung-job timeout)
+    wait_timeout_ms: Pos = 30000
+    # Extension: a job is hung after hang_factor x its modeled time (timing model), else x the recent
+    # P99 of its profile (observed), never below hang_min_ms nor above wait_timeout_ms.
+    hang_factor: PosFloat = 20.0
+    hang_min_ms: Pos = 1000
+    degrade: DegradeConfig = msgspec.field(default_factory=DegradeConfig)
 
 
 class RecoveryConfig(_Strict):
@@ -142,6 +163,20 @@ class RecoveryConfig(_Strict):
     # stopped; it ends with an error only after more than this many consecutive faults with no
     # token in between. 0 turns re-admission off (every request holding lost KV fails).
     max_request_retries: NonNeg = 2
+    # Extensions (calserve/engine/reset_budget.py): resets beyond max_resets_per_10min, up to this
+    # many more in the window, degrade (one engine, smallest profile, admission cool-down) before the
+    # generation goes Failed.
+    degraded_resets_per_10min: NonNeg = 2
+    degraded_admit_cooldown_ms: NonNeg = 1000  # no new admission this long after a degraded reset
+    # Where the reset budget is kept per board (runtime.device) across restarts. None = CALSERVE_HOME/state
+    # for the server's engine (an engine opened by tests or tools keeps it in memory).
+    state_dir: str | None = None
+    # A reset that raises or leaves the device faulted is tried this many times in all; then the
+    # recovery is uncertain and the generation goes Failed.
+    reset_attempts: Pos = 2
+    # Failed (reset budget spent, uncertain recovery): true = the process exits 1 once the HTTP side
+    # answered (a supervisor restarts it); false = it stays up answering 503.
+    exit_on_failed: bool = True
 
 
 class SchedulerConfig(_Strict):

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from calserve.api.metrics_faults import fault_metrics
 from calserve.engine.types import EngineStatistics
 
 __all__ = ["ApiMetrics", "EngineCollector", "CONTENT_TYPE"]
@@ -131,6 +132,7 @@ class EngineCollector(Collector):
         yield _c("calserve_quarantined_jobs", "Jobs quarantined by recovery", s.quarantined_jobs_total)
         yield _c("calserve_quarantined_kv", "KV sequences quarantined by recovery", s.quarantined_kv_total)
         yield _c("calserve_recovery_seconds", "Time spent recovering", s.recovery_seconds_total)
+        yield from fault_metrics(s)  # degradation, reset budget (calserve/api/metrics_faults.py)
 
 
 class ApiMetrics:

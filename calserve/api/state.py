@@ -111,7 +111,7 @@ def _default_factory(config: CalserveConfig) -> AbstractAsyncContextManager[Engi
     # Typed: mypy checks here that the real engine satisfies EngineLike (and its handle HandleLike).
     from calserve.engine.engine import Engine  # lazy: the web layer imports without the engine
 
-    return Engine.open(config)
+    return Engine.open(config, persist_budget=True)  # the reset budget survives a restart
 
 
 def resolve_default_packages(config: CalserveConfig) -> CalserveConfig:

@@ -185,6 +185,10 @@ class DeviceBackend(Protocol):
     @property
     def needs_reconfigure(self) -> bool: ...
 
+    def healthy(self) -> bool:
+        """False while the device (any chip) is faulted and needs a reset (checked after one)."""
+        ...
+
     def counters(self, engine: JobEngine) -> EngineCounters: ...
 
     def dram(self) -> tuple[int, int]: ...
@@ -447,6 +451,12 @@ class RuntimeBackend:
     @property
     def needs_reconfigure(self) -> bool:
         return bool(self._dev.needs_reconfigure)
+
+    def healthy(self) -> bool:
+        faulted = getattr(self._dev, "faulted", None)
+        if faulted is None:
+            return True
+        return not any(faulted(chip) for chip in range(int(getattr(self._dev, "chips", 1))))
 
     def counters(self, engine: JobEngine) -> EngineCounters:
         c: EngineCounters = self._dev.counters(engine)

@@ -149,7 +149,10 @@ class EngineCore:
                 elif gen not in out.release_gens:
                     out.release_gens.append(gen)
             if gen.state is ModelState.READY and not paused:
-                reqs.admit(gen, now)
+                if now >= self.st.admit_after:
+                    reqs.admit(gen, now)
+                elif q.waiting:  # degraded: admission cool-down after a reset
+                    timer = min(timer, self.st.admit_after)
             d = gen.admission.next_deadline()
             if d is not None:
                 timer = min(timer, d)
@@ -186,7 +189,8 @@ class EngineCore:
         slots = self.st.slots
         if slots.get(engine) is job:
             slots[engine] = None
-        cont = self.planner.continue_decode(job, now)
+        only = self.st.only
+        cont = self.planner.continue_decode(job, now) if only is None or only is engine else None
         if cont is not None:
             self.planner.hand_over(engine, cont)
         else:
@@ -274,22 +278,23 @@ class EngineCore:
         self.requests.rereserve(gen, reserved_only)
         return sum(1 for h in held if h.state is KvSequenceState.UNKNOWN)
 
-    def end_recovery(self, gen: Generation, failed: bool, reserved_only: list[Seq], now: float) -> None:
-        """``gen`` recovered, or failed (reset budget, unknown DMA): then its waiting,
-        reservation-only and re-admitted requests end as unavailable."""
+    def end_recovery(self, gen: Generation, failed: bool, reserved_only: list[Seq], now: float,
+                     why: str = "reset budget or unknown DMA") -> None:
+        """``gen`` recovered, or failed (``why``: reset budget, unknown DMA, a reset that failed):
+        then its waiting, reservation-only and re-admitted requests end as unavailable."""
         if gen.state is not ModelState.RECOVERING:
             return
         if not failed:
             gen.fire(ModelEvent.RECOVERED)
             return
         gen.fire(ModelEvent.FAIL)
-        log.error("model %s generation %d failed (reset budget or unknown DMA)", gen.alias, gen.id,
+        log.error("model %s generation %d failed (%s)", gen.alias, gen.id, why,
                   extra={"generation": gen.id})
-        err = ErrorEvent("the model failed and is unavailable", "unavailable")
+        err = ErrorEvent(f"the model failed and is unavailable: {why}", "unavailable")
         for seq in list(self.requests.queues(gen).waiting.values()):
             self.requests.stop(seq, error=err, now=now)
         for seq in [*reserved_only, *self.requests.queues(gen).holders.values()]:
-            self.requests.stop(seq, error=ErrorEvent("the model failed", "unavailable"), now=now)
+            self.requests.stop(seq, error=err, now=now)
 
     def resume(self, now: float) -> CoreOutput:
         """Recovery is over: new jobs again (a pass runs)."""

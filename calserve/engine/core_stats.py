@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from calserve.engine.completion import Sampled
 from calserve.engine.state import CoreOutput, DeviceJob, JobOutcome, Seq
@@ -19,6 +20,11 @@ class CoreState:
     # back (on_completion; the fast path's successor takes the slot at once).
     slots: dict[JobEngine, DeviceJob | None]
     paused: bool = False  # recovery in progress: no new jobs
+    # Degradation (calserve.engine.degrade / reset_budget): new jobs only to this engine (None: any),
+    # only the smallest decode profile, and no admission before admit_after.
+    only: JobEngine | None = None
+    batch_one: bool = False
+    admit_after: float = -math.inf
     # Invariant: epoch counts device resets; a job remembers the epoch it was handed over in.
     epoch: int = 0
     # what the current call into the core asks of its shells (EngineCore._take hands it out)

@@ -1,8 +1,9 @@
 """CoreDriver: the Trio shell that owns the engine core and applies what it returns.
 
-It builds the parts at construction (no wiring afterwards): the :class:`EngineCore`, one
-:class:`DeviceExecutor` per enabled job engine and the :class:`HealthRecovery`, handing each the
-core and itself (:class:`~calserve.engine.shell.Shell`). It also runs the scheduler task: a pass
+It builds the parts at construction (no wiring afterwards): the :class:`EngineCore`, the
+:class:`~calserve.engine.fault_watch.FaultWatch` (degradation, hung-job timeouts, the trace ring's
+jobs), one :class:`DeviceExecutor` per enabled job engine and the :class:`HealthRecovery`, handing
+each the core and itself (:class:`~calserve.engine.shell.Shell`). It also runs the scheduler task: a pass
 when something changed or a timer (deadline, batching window) is due, and the device round trip
 that frees ended requests' runtime sequences on runtimes whose free is not host bookkeeping.
 
@@ -23,7 +24,9 @@ from calserve.config import CalserveConfig
 from calserve.engine.backend import DeviceBackend
 from calserve.engine.core import EngineCore
 from calserve.engine.executor import DeviceExecutor
+from calserve.engine.fault_watch import FaultWatch
 from calserve.engine.recovery import HealthRecovery
+from calserve.engine.reset_budget import ResetBudget
 from calserve.engine.state import CoreOutput, DeviceJob
 from calserve.runtime.types import JobEngine
 
@@ -35,12 +38,12 @@ __all__ = ["CoreDriver"]
 
 class CoreDriver:
     def __init__(self, cfg: CalserveConfig, backend: DeviceBackend, models: ModelManager,
-                 engines: Sequence[JobEngine]) -> None:
+                 engines: Sequence[JobEngine], budget: ResetBudget | None = None) -> None:
         self.core = EngineCore(cfg, models, engines)
         self.models = models
-        self.recovery = HealthRecovery(cfg, backend, models, self.core, self)
-        timeout = cfg.scheduler.executor.wait_timeout_ms / 1000
-        self.executors = {e: DeviceExecutor(e, self.core, self, timeout) for e in engines}
+        self.watch = FaultWatch(cfg, self.core, backend, self.apply, list(engines), trio.current_time)
+        self.recovery = HealthRecovery(cfg, backend, models, self.core, self, self.watch, budget)
+        self.executors = {e: DeviceExecutor(e, self.core, self, self.watch) for e in engines}
         self._wake = trio.Event()
         # The timer the scheduler task sleeps with (-inf while it runs a pass itself).
         self._armed = -math.inf

@@ -37,6 +37,7 @@ from calserve.engine.drain import DrainReport, drain_engine
 from calserve.engine.driver import CoreDriver
 from calserve.engine.generations import Generation, ModelManager, release_members
 from calserve.engine.registry import RequestHandle, RequestRegistry
+from calserve.engine.reset_budget import ResetBudget, open_budget
 from calserve.engine.stats import StatisticsSources, build_statistics
 from calserve.engine.types import EngineStatistics, GenerateRequest, ModelInfo, ProfileInfo
 from calserve.models.source import ModelSource, load_sources
@@ -46,12 +47,16 @@ __all__ = ["Engine", "RequestHandle"]
 
 log = logging.getLogger("calserve.engine")
 
+#: after the engine failed, its requests' terminal events may take this long to reach their handles
+FAILED_GRACE_S = 5.0
+
 
 class Engine:
     """Use :meth:`open`; the constructor only builds the parts (each gets what it needs at
     construction: nothing is wired afterwards)."""
 
-    def __init__(self, cfg: CalserveConfig, backend: DeviceBackend, nursery: trio.Nursery) -> None:
+    def __init__(self, cfg: CalserveConfig, backend: DeviceBackend, nursery: trio.Nursery,
+                 budget: ResetBudget | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.model_manager = ModelManager(cfg, backend)
@@ -59,7 +64,7 @@ class Engine:
         engines = [JobEngine.PING]
         if ex_cfg.max_inflight == 2 and not ex_cfg.fixed_engine and backend.capabilities.pingpong:
             engines.append(JobEngine.PONG)
-        self.driver = CoreDriver(cfg, backend, self.model_manager, engines)
+        self.driver = CoreDriver(cfg, backend, self.model_manager, engines, budget)
         self.core = self.driver.core
         self.registry = RequestRegistry(cfg, self.model_manager, self.core, self.driver, nursery)
         self._nursery = nursery
@@ -83,10 +88,13 @@ class Engine:
         *,
         backend: DeviceBackend | None = None,
         sources: Mapping[str, ModelSource] | None = None,
+        persist_budget: bool = False,
     ) -> AsyncIterator[Engine]:
         """Open the device (unless ``backend`` is given), load every configured model as its first
         generation (``sources`` overrides the packages, e.g. an in-memory test model), start the
-        tasks; on exit shut down cleanly (see the module docstring)."""
+        tasks; on exit shut down cleanly (see the module docstring). ``persist_budget``: keep the
+        reset budget in ``CALSERVE_HOME/state`` when ``recovery.state_dir`` is unset (the
+        server's engine does; tests and tools keep it in memory unless a state dir is configured)."""
         own_backend = backend is None
         if backend is None:
             r = cfg.runtime
@@ -99,7 +107,7 @@ class Engine:
                 load_sources, cfg
             )
             async with trio.open_nursery() as nursery:
-                eng = cls(cfg, backend, nursery)
+                eng = cls(cfg, backend, nursery, open_budget(cfg, persist_budget))
                 try:
                     for alias in cfg.models:
                         if alias not in srcs:
@@ -123,7 +131,10 @@ class Engine:
         finally:
             if own_backend:
                 with trio.CancelScope(shield=True):
-                    await backend.aclose()
+                    try:
+                        await backend.aclose()
+                    except Exception as e:  # a lost device: logged, never a traceback at exit
+                        log.error("closing the device failed: %s", e)
 
     async def _drain(self) -> None:
         """Graceful part of shutdown: terminal events for all, submitted jobs drained."""
@@ -140,6 +151,11 @@ class Engine:
         for gen in self.model_manager.generations.values():
             await self.driver.free_released(gen)
         self.final_statistics = self.statistics()
+        if self.driver.watch.device_lost:
+            # uncertain recovery: jobs may still sit on the device and it cannot be trusted; the
+            # process is exiting (or serving 503) and the next one starts with a reset
+            log.error("the device is lost: its calbins and sequences are not released")
+            return
         for gen in self.model_manager.generations.values():
             leftover = self.core.leftover_sequences(gen)
             self.leaked_at_close += len(leftover)
@@ -174,8 +190,12 @@ class Engine:
         return self.cfg.scheduler.model_alias
 
     async def wait_failed(self) -> None:
-        """Return when the engine can no longer serve (every model Failed, or a task crashed)."""
+        """Return when the engine can no longer serve (every model Failed with
+        ``recovery.exit_on_failed``, or a task crashed), once its requests got their terminal
+        events (at most a few seconds later): the HTTP side answers them before the host stops."""
         await self.failed.wait()
+        with trio.move_on_after(FAILED_GRACE_S):
+            await self.registry.wait_empty()
 
     def generation(self, alias: str | None = None) -> Generation:
         return self.model_manager.resolve(alias)
@@ -206,6 +226,10 @@ class Engine:
                                  g.created, {"serving_batch": g.compiled_batch}))
         return out
 
+    def trace_events(self) -> list[tuple[Any, ...]]:
+        """The timed trace ring (device jobs, request phases), oldest first (GET /admin/v1/trace)."""
+        return self.core.requests.timeline.snapshot()
+
     def statistics(self) -> EngineStatistics:
         return build_statistics(StatisticsSources(
             core=self.core.statistics(trio.current_time()),
@@ -215,4 +239,6 @@ class Engine:
             counters={e.name.lower(): self.backend.counters(e) for e in self.driver.executors},
             requests_total=dict(self.registry.requests_total),
             rejected_total=dict(self.registry.rejected_total),
+            pingpong_state=self.driver.watch.guard.state,
+            pingpong_degradations_total=dict(self.driver.watch.guard.degradations_total),
         ))

@@ -8,7 +8,13 @@ Spec §12/§14 and STACK.md "Threads and cancellation": the whole submit + wait 
 so a job that reached the device is always waited for, even when the engine is being cancelled; KV
 transactions are committed or rolled back only after the device answered (in the core). A wait past
 ``executor.wait_timeout_ms`` is reported as a device fault; the executor keeps waiting (the job ends
-ABORTED once recovery reset the device) — a submitted job is never abandoned.
+ABORTED once recovery reset the device) — a submitted job is never abandoned, except when recovery
+declared the device lost (a reset that raised or left it faulted: the generation is Failed and the
+process is about to exit or stays up answering 503).
+
+Hung jobs: the wait's timeout is per job (:meth:`FaultWatch.hang_timeout`: a multiple of the
+modeled or observed job time, ``executor.wait_timeout_ms`` at most). Each job is reported to the
+:class:`~calserve.engine.fault_watch.FaultWatch` (trace ring, observed times, PING/PONG degradation).
 
 PING/PONG: with ``executor.max_inflight: 2`` and a runtime whose profile has ``pingpong``, two
 executors run independent batches with their own buffers; ``fixed_engine: true`` keeps a single
@@ -25,6 +31,7 @@ import trio
 
 from calserve.engine.backend import BackendCalbin, JobTicket
 from calserve.engine.core import EngineCore, FastStep
+from calserve.engine.fault_watch import FaultWatch
 from calserve.engine.shell import Shell
 from calserve.engine.state import DeviceJob, JobOutcome
 from calserve.runtime.types import CalrtError, DeviceBusy, DeviceFaulted, JobEngine, JobResult
@@ -47,11 +54,12 @@ class ExecutorStats:
 
 
 class DeviceExecutor:
-    def __init__(self, engine: JobEngine, core: EngineCore, shell: Shell, wait_timeout_s: float) -> None:
+    def __init__(self, engine: JobEngine, core: EngineCore, shell: Shell, watch: FaultWatch) -> None:
         self.engine = engine
         self.core = core
         self.shell = shell
-        self.wait_timeout_s = wait_timeout_s
+        self.watch = watch
+        self._t_submit = 0.0
         self._send, self._recv = trio.open_memory_channel[DeviceJob](1)
         self.jobs = 0
         self.submit_refused = 0
@@ -85,6 +93,7 @@ class DeviceExecutor:
                         # other tasks run before anything is retried
                         await trio.lowlevel.checkpoint()
                     now = trio.current_time()
+                    self.watch.observe(self.engine, job, outcome, self._t_submit, now)
                     fast = core.fast_decode(self.engine, job, outcome, now)
                     if fast is not None and fast.nxt is not None:
                         # Submit the continuation first; this completion is dispatched right after.
@@ -116,6 +125,9 @@ class DeviceExecutor:
         after: Callable[[], None] = (self.core.flush if pending is None
                                      else lambda: self._finish(pending))
         cb: BackendCalbin = job.calbin  # the batch's profile member
+        watch = self.watch
+        timeout = watch.hang_timeout(job)
+        self._t_submit = trio.current_time()
         try:
             if job.epoch != self.core.epoch:
                 raise DeviceFaulted("the device was reset after this job was built")
@@ -125,9 +137,10 @@ class DeviceExecutor:
                     raise DeviceFaulted("KV lane lost while the job was queued")
             for attempt in range(BUSY_RETRIES + 1):
                 try:
-                    ticket, r = await self._submit(job, after)
+                    ticket, r = await self._submit(job, after, timeout)
                     break
                 except DeviceBusy:
+                    watch.on_busy(self.engine)
                     if attempt == BUSY_RETRIES:
                         raise
                     after()  # nothing may wait behind the back-off
@@ -145,23 +158,29 @@ class DeviceExecutor:
             if not timed_out:
                 timed_out = True
                 self.timeouts += 1
-                log.warning("job %d: no completion after %.3fs", job.job_id, self.wait_timeout_s,
+                log.warning("job %d: no completion after %.3fs (hung)", job.job_id, timeout,
                             extra={"job_id": job.job_id})
                 await self.shell.on_timeout(job)
-            r = await cb.wait(ticket, self.wait_timeout_s)
+            if watch.device_lost:
+                # uncertain recovery: the device may never answer; its generation is Failed
+                log.error("job %d abandoned on %s: the device is lost", job.job_id, self.engine.name,
+                          extra={"job_id": job.job_id})
+                return JobOutcome(submit_error=DeviceFaulted("the device is lost"))
+            r = await cb.wait(ticket, timeout)
         return JobOutcome(result=r, timed_out=timed_out)
 
-    async def _submit(self, job: DeviceJob, after: Callable[[], None]) -> tuple[JobTicket, JobResult | None]:
+    async def _submit(self, job: DeviceJob, after: Callable[[], None], timeout: float
+                      ) -> tuple[JobTicket, JobResult | None]:
         cb: BackendCalbin = job.calbin
         if job.kind == "prefill":
             seq = job.seqs[0]
             assert seq.seq_id is not None
-            return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, self.wait_timeout_s,
+            return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, timeout,
                                                 after_submit=after)
         assert job.seq_ids is not None
         # The previous completion's deferred per-token work runs once this job is on its way.
         return await cb.submit_decode_wait(
-            job.seq_ids, job.tokens, job.positions, job.valid, self.engine, self.wait_timeout_s,
+            job.seq_ids, job.tokens, job.positions, job.valid, self.engine, timeout,
             after_submit=after,
         )
 

@@ -19,7 +19,7 @@ from calserve.core.prefill import QueueClass, ServiceRoundRobin
 from calserve.engine.batches import JobBuilder
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import PREFILL_CLASSES, GenQueues, RequestTable
-from calserve.engine.state import DeviceJob
+from calserve.engine.state import CoreOutput, DeviceJob
 from calserve.engine.types import FinishReason
 from calserve.runtime.types import JobEngine
 
@@ -49,10 +49,23 @@ class Planner:
         self.rr = ServiceRoundRobin.from_config(cfg.scheduler.queues)
 
     def _free_engine(self) -> JobEngine | None:
+        only = self.st.only
+        if only is not None:  # degraded (spec §14): new jobs to one engine, the other drains
+            return only if self.st.slots.get(only) is None else None
         for e, job in self.st.slots.items():
             if job is None:
                 return e
         return None
+
+    def degrade(self, only: JobEngine | None, batch_one: bool, admit_after: float) -> CoreOutput:
+        """Degradation (spec §14, the reset budget): new jobs only to ``only`` (None: any engine),
+        the smallest decode profile when ``batch_one``, no admission before ``admit_after`` (the
+        core's pass). Jobs already on either engine drain. The output asks for a pass (an engine
+        may be usable now); none runs inside this call (it may come from an executor between a
+        completion and its bookkeeping)."""
+        st = self.st
+        st.only, st.batch_one, st.admit_after = only, batch_one, admit_after
+        return CoreOutput(wake=True)
 
     def hand_over(self, engine: JobEngine, job: DeviceJob) -> None:
         self.st.slots[engine] = job
@@ -81,7 +94,9 @@ class Planner:
                 B = gen.compiled_batch
                 if q.decode_ready:
                     first = next(iter(q.decode_ready.values()))
-                    if gen.selecting:  # spec §8: the profile of this pass, by ready count
+                    if self.st.batch_one:  # reset budget spent: the smallest profile
+                        B = min(gen.calbins)
+                    elif gen.selecting:  # spec §8: the profile of this pass, by ready count
                         B = select_profile(len(q.decode_ready), now - first.ready_since, gen.calbins,
                                            self.cfg.scheduler.batch.selection)
                     deadlines = [s.deadline for s in q.decode_ready.values() if s.deadline is not None]
@@ -132,7 +147,7 @@ class Planner:
         every sequence gets a token every two steps (measured: fill 0.5, TPOT 2x the step, bench
         saturation at c=16). Holding for at most one step lets the halves merge. Never held when the
         largest profile could not take both, or when a deadline is at risk."""
-        if len(self.st.slots) < 2:
+        if len(self.st.slots) < 2 or self.st.only is not None:
             return False
         on_device = self._on_device(gen, "decode")
         if not on_device or ready + on_device > max(gen.calbins):
@@ -193,8 +208,11 @@ class Planner:
         A full pass could then only pick the same sequences on the same profile (they all fit, so
         fairness has nothing to arbitrate). Same decisions either way (tested)."""
         gen = done.gen
-        if self.st.paused or gen.state is not ModelState.READY or len(self.models.generations) != 1:
+        st = self.st
+        if st.paused or gen.state is not ModelState.READY or len(self.models.generations) != 1:
             return False
+        if st.batch_one or (st.only is not None and engine is not None and engine is not st.only):
+            return False  # degraded: a full pass picks the engine and the profile
         n = len(done.seqs)
         q = self.requests.queues(gen)
         if len(q.decode_ready) != ready_now or len(q.holders) != n:

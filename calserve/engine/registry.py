@@ -23,7 +23,7 @@ import trio
 
 from calserve.config import CalserveConfig
 from calserve.core.admission import Outcome, WorkItem
-from calserve.core.model_state import accepts_requests
+from calserve.core.model_state import ModelState, accepts_requests
 from calserve.core.prefill import classify
 from calserve.engine.actor import open_actor_inbox, run_actor
 from calserve.engine.sampler import resolve_seed
@@ -165,7 +165,11 @@ class RequestRegistry:
         deadline = now + rel
         prompt = np.asarray(req.prompt_tokens, np.int32)
         item = WorkItem(rid, req.tenant, len(prompt), req.sampling.max_tokens, now, deadline, gen.id)
-        d = gen.admission.offer(item, now, accepts_requests(gen.state))
+        # Recovering with re-admission on (issue 15): a new request waits for the reset like the
+        # re-admitted ones instead of a 503 (its waiting budget and deadline still hold).
+        accepting = accepts_requests(gen.state) or (
+            gen.state is ModelState.RECOVERING and self.cfg.scheduler.recovery.max_request_retries > 0)
+        d = gen.admission.offer(item, now, accepting)
         if d.outcome is not Outcome.QUEUE:
             if d.outcome is Outcome.REJECT_INVALID:
                 self.rejected_total["invalid"] += 1

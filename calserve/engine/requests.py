@@ -24,6 +24,7 @@ from calserve.core.kv_state import KvSequenceState
 from calserve.core.prefill import QueueClass
 from calserve.core.request_state import RUNNING, TRANSITIONS, RequestEvent, RequestState, fire
 from calserve.engine.state import Admitted, End, Release, Seq
+from calserve.engine.trace import Timeline
 from calserve.engine.types import ErrorEvent, FinishReason
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ class RequestTable:
         # entries it was ~6.6 MiB of tuples in a serving process (bench soak, issue 7).
         self.trace: collections.deque[tuple[str, tuple[int, ...]]] = collections.deque(
             maxlen=trace_events)
+        # The timed ring (device jobs, request phases) that GET /admin/v1/trace exports.
+        self.timeline = Timeline(trace_events)
 
     def queues(self, gen: Generation) -> GenQueues:
         q = self._queues.get(gen.id)
@@ -106,6 +109,7 @@ class RequestTable:
         """A request the admission controller queued (WaitingAdmission)."""
         seq.state = fire(seq.state, _E.ENQUEUE)
         self.queues(seq.gen).waiting[seq.rid] = seq
+        self.timeline.request(seq.arrival, "queued", seq.rid)
 
     def stop(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None,
              *, now: float) -> None:
@@ -158,6 +162,7 @@ class RequestTable:
             seq.inbox.send_nowait(msg)
         seq.inbox.send_nowait(End(reason, error) if error is None else End(None, error))
         self.wake = True
+        self.timeline.request(now, "end", seq.rid)
 
     def set_ready(self, seq: Seq, now: float, event: RequestEvent) -> None:
         """Decode-ready after its job: ``PREFILL_DONE`` / ``DECODE_DONE`` (a token came back) or
@@ -238,6 +243,7 @@ class RequestTable:
                 heapq.heappush(q.deadlines, (seq.deadline, seq.rid))
             seq.inbox.send_nowait(Admitted(now))
             self.trace.append(("admit", (seq.rid,)))
+            self.timeline.request(now, "admitted", seq.rid)
 
     def bind_sequence(self, seq: Seq, seq_id: int) -> None:
         """The runtime created the sequence of ``seq``'s prefill (it lives in ``seq``'s lane)."""
@@ -279,7 +285,9 @@ class RequestTable:
                 continue
             if info.state is not KvSequenceState.UNKNOWN:
                 gen.kv.mark_unknown(seq.lease.lane)
-            if not self.park_lost(seq, max_retries):
+            if self.park_lost(seq, max_retries):
+                self.timeline.request(now, "lost", seq.rid)
+            else:
                 self.end(seq, error=err if max_retries <= 0 else exhausted(err, seq), now=now)
         sids = sorted(set(gen.lane_seq.values()) | {r.seq_id for r in q.releases})
         q.releases.clear()

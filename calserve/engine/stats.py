@@ -30,6 +30,8 @@ class StatisticsSources:
     counters: dict[str, Any]  # engine name -> the runtime's EngineCounters
     requests_total: dict[str, int]
     rejected_total: dict[str, int]
+    pingpong_state: str = "off"
+    pingpong_degradations_total: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def build_statistics(src: StatisticsSources) -> EngineStatistics:
@@ -89,4 +91,10 @@ def build_statistics(src: StatisticsSources) -> EngineStatistics:
         quarantined_jobs_total=core.quarantined_jobs_total,
         quarantined_kv_total=rec.quarantined_kv_total,
         recovery_seconds_total=rec.recovery_seconds_total,
+        pingpong_state=src.pingpong_state,
+        pingpong_degradations_total=dict(src.pingpong_degradations_total),
+        reset_budget_level=rec.budget_level,
+        resets_in_window=rec.resets_in_window,
+        uncertain_recoveries_total=rec.uncertain_total,
+        recovery_seconds_by_reason=dict(rec.recovery_seconds_by_reason),
     )

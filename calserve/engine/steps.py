@@ -144,6 +144,7 @@ class StepHandler:
                 reqs.end(s, s.pending_reason, s.pending_error, now=now)  # drained: its ending stands
             elif reqs.park_lost(s, self.max_retries):
                 self.stats.readmitted_total += 1
+                reqs.timeline.request(now, "lost", s.rid)
             else:
                 reqs.end(s, error=exhausted(ev, s), now=now)
 
@@ -176,6 +177,7 @@ class StepHandler:
             s.retries = 0
             if first:
                 s.first_token_at = now
+                reqs.timeline.request(now, "first_token", s.rid)
             reason = ends(s, tok, s.generated, s.position, now, eos)
             # the EOS / stop token itself is not shown to the client
             msg = Tokens(tok, logprobs[i], first, reason is FinishReason.STOP)

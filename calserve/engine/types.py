@@ -222,6 +222,15 @@ class EngineStatistics:
     quarantined_jobs_total: int
     quarantined_kv_total: int
     recovery_seconds_total: float
+    # degradation and the reset budget (README "Device faults")
+    pingpong_state: str = "off"  # dual | single (degraded) | off (one engine configured)
+    pingpong_degradations_total: dict[str, int] = dataclasses.field(default_factory=dict)  # by reason
+    reset_budget_level: str = "ok"  # ok | degraded | failed
+    resets_in_window: int = 0  # resets of the last 10 minutes on this board (persisted)
+    uncertain_recoveries_total: int = 0
+    # fault reason -> (recovery episodes, seconds summed, worst episode)
+    recovery_seconds_by_reason: dict[str, tuple[int, float, float]] = dataclasses.field(
+        default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

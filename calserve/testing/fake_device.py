@@ -326,6 +326,10 @@ class FakeBackend:
         self.faulted = False
         self._needs_reconfigure = False
         self.resets = 0
+        # Uncertain recovery drills: the next ``reset_failures`` resets raise; ``stays_faulted``
+        # leaves the device faulted after every reset.
+        self.reset_failures = 0
+        self.stays_faulted = False
         self.closed = False
 
     # DeviceBackend ---------------------------------------------------------------------------------
@@ -368,9 +372,12 @@ class FakeBackend:
 
     async def reset(self) -> None:
         await trio.lowlevel.checkpoint()
+        if self.reset_failures > 0:
+            self.reset_failures -= 1
+            raise DeviceFaulted("reset failed (injected)")
         self._epoch += 1
         self.resets += 1
-        self.faulted = False
+        self.faulted = self.stays_faulted
         now = trio.current_time()
         for job in self._inflight.values():
             if job.result is None and job.complete_at > now:
@@ -387,6 +394,9 @@ class FakeBackend:
     @property
     def needs_reconfigure(self) -> bool:
         return self._needs_reconfigure
+
+    def healthy(self) -> bool:
+        return not self.faulted
 
     def _reconfigured(self) -> None:
         self._needs_reconfigure = False

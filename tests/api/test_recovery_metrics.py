@@ -165,6 +165,7 @@ async def test_reset_budget_spent_fails_the_model(autojump_clock: Any) -> None:
     reports failure, and the server answers 503 (not ready, not serving) instead of hanging."""
     cfg = make_config(scheduler={"executor": {"wait_timeout_ms": 200},
                                  "recovery": {"max_resets_per_10min": 1,
+                                              "degraded_resets_per_10min": 0,
                                               "max_request_retries": 0}})
     async with real_app(cfg) as h:
         states: list[dict[str, float]] = []

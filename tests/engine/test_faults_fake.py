@@ -85,7 +85,7 @@ async def test_unknown_dma_without_restart_fails_model(autojump_clock: object) -
 
 async def test_reset_budget_enforced(autojump_clock: object) -> None:
     be = FakeBackend("sim-next", seed=2)
-    cfg = b8_config(recovery={"max_resets_per_10min": 1})
+    cfg = b8_config(recovery={"max_resets_per_10min": 1, "degraded_resets_per_10min": 0})
     async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source()}) as eng:
         be.inject_fault(FaultKind.CCU_FAULT, JobEngine.PING, 10)
         await run_batch(eng)
@@ -156,7 +156,8 @@ async def test_readmission_gives_up_after_its_retries_with_a_retryable_error(aut
 
 async def test_reset_budget_spent_ends_readmitted_requests_as_unavailable(autojump_clock: object) -> None:
     be = FakeBackend("sim-next", seed=2)
-    cfg = b8_config(retries=2, recovery={"max_resets_per_10min": 0})
+    cfg = b8_config(retries=2, recovery={"max_resets_per_10min": 0,
+                                                "degraded_resets_per_10min": 0})
     async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source()}) as eng:
         be.inject_fault(FaultKind.CCU_FAULT, JobEngine.PING, 10)
         results = await run_batch(eng)
