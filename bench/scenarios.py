@@ -5,7 +5,8 @@ core 1), writes per-point run directories (records.jsonl, summary.json, metrics.
 ``summary.json`` with the headline figures, PNGs and ``report.md`` under ``bench/out/NAME/``, and
 prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
 
-Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor.
+Names: saturation, m1-async-vs-sync, batching, fairness, fairness-backlogged, overload, soak,
+http-floor.
 """
 
 from __future__ import annotations
@@ -310,6 +311,12 @@ def soak(out: Path, quick: bool, minutes: float | None = None) -> dict[str, Any]
     return soak_run(out, minutes)
 
 
+def fairness_backlogged(out: Path, quick: bool) -> dict[str, Any]:
+    """VTC's measurement: backlogged open-loop tenants, the service gap over time (bench/fairness_backlogged.py)."""
+    from bench.fairness_backlogged import run as backlogged_run
+    return backlogged_run(out, quick)
+
+
 def http_floor(out: Path, quick: bool) -> dict[str, Any]:
     from bench.http_floor import run as floor_run
     return floor_run(out, quick)
@@ -320,6 +327,7 @@ SCENARIOS = {
     "m1-async-vs-sync": m1_async_vs_sync,
     "batching": batching,
     "fairness": fairness,
+    "fairness-backlogged": fairness_backlogged,
     "overload": overload,
     "soak": soak,
     "http-floor": http_floor,
