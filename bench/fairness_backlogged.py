@@ -4,7 +4,8 @@
 Open-loop Poisson tenants whose combined demand exceeds what the server can serve for the whole run,
 VTC's request shape (256 prompt tokens, 256 output tokens) and VTC's cost units (input tokens + 2 x
 output tokens, calserve's ``output_token_cost`` 2). Cases, each with ``fairness.policy`` wfq and fcfs
-on the same arrival plan (same seed):
+on the same arrival plan (same seed), the two servers side by side at the same time (both on core 0,
+so a shared box loads both alike and their throughputs compare):
 
 - ``2c``: two clients, equal weights, arrival rates 1:2 (VTC's 1.5 and 3 requests/s);
 - ``8c``: eight clients, equal weights, rates 1:1:1:1:2:2:2:2;
@@ -34,13 +35,17 @@ run ends have none). A plot per case: cumulative weighted service per tenant ove
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.scenario_lib import calserve_config, run_point, sat_prefill_us, workload_limit, write_json
+import trio
+
+from bench.loadgen import LoadSpec, RunResult, headline, run_load, save_run
+from bench.scenario_lib import calserve_config, sat_prefill_us, workload_limit, write_json
 from bench.scrape import metric_value
 from bench.server import Server
 from bench.summary import latency_stats
@@ -57,6 +62,7 @@ RUNNING_SLOTS = B * 3  # admission.max_tpot_steps (default 3) x the largest prof
 MARGIN = 1.3  # each tenant sends this multiple of its weighted fair share of the capacity
 QUEUE_AT_START = 4  # requests per tenant queued beyond its share of the running slots at t = 0
 SHARE_WINDOW_S = 60.0
+POLICIES = ("wfq", "fcfs")
 SCRAPE_S = 0.25
 BACKLOG_FROM_S = 1.0  # the burst has arrived by then
 
@@ -187,8 +193,35 @@ def analyse(samples: Sequence[dict[str, Any]], weights: Mapping[str, float], dur
     }
 
 
+def _side_by_side(servers: Mapping[str, Server], specs: tuple[TenantSpec, ...],
+                  trace: tuple[TraceEntry, ...], duration: float) -> dict[str, RunResult]:
+    """The same load against every server at the same time (one trio run): on a shared box both
+    policies see the same machine load, so their throughputs compare."""
+    async def both() -> dict[str, RunResult]:
+        out: dict[str, RunResult] = {}
+
+        async def one(policy: str, srv: Server, progress: bool) -> None:
+            out[policy] = await run_load(LoadSpec(
+                base_url=srv.url, tenants=specs, duration_s=duration, drain_timeout_s=2.0,
+                trace=trace, request_timeout_s=duration + 60.0, scrape_interval_s=SCRAPE_S,
+                steady_start_s=BACKLOG_FROM_S, server_pid=srv.pid, progress=progress))
+        async with trio.open_nursery() as n:
+            for i, (policy, srv) in enumerate(servers.items()):
+                n.start_soon(one, policy, srv, i == 0)
+        return out
+    return trio.run(both)
+
+
+def _server_config(tenants_cfg: dict[str, Any], policy: str) -> dict[str, Any]:
+    return calserve_config(
+        profiles=[B], timing=TIMING, tenants=tenants_cfg, fairness={"policy": policy},
+        admission={"max_waiting_requests": 8192, "max_waiting_prompt_tokens": 8192 * PROMPT,
+                   "deadline_default_ms": 3_600_000})
+
+
 def run(out: Path, quick: bool) -> dict[str, Any]:
-    """Every case under WFQ and FCFS; figures, plots and the VTC comparison."""
+    """Every case under WFQ and FCFS, the two side by side on the same arrival plan at the same time;
+    figures, plots and the VTC comparison."""
     from bench import plots
 
     duration = 30.0 if quick else 90.0
@@ -204,18 +237,17 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
                                 "demand_over_capacity": round(sum(rate.values()) / cap, 3),
                                 "requests_planned": len(trace)}
         series: dict[str, dict[str, list[float]]] = {}
-        for policy in ("wfq", "fcfs"):
-            cfg = calserve_config(
-                profiles=[B], timing=TIMING, tenants=tenants_cfg, fairness={"policy": policy},
-                admission={"max_waiting_requests": 8192, "max_waiting_prompt_tokens": 8192 * PROMPT,
-                           "deadline_default_ms": 3_600_000})
-            with Server.calserve(cfg, out / f"server-{name}-{policy}") as srv:
-                res = run_point(srv, out / f"{name}-{policy}", tenants=specs, duration=duration,
-                                drain=2.0, trace=trace, request_timeout_s=duration + 60.0,
-                                scrape_interval_s=SCRAPE_S, steady_start_s=BACKLOG_FROM_S)
+        with contextlib.ExitStack() as stack:
+            servers = {p: stack.enter_context(Server.calserve(_server_config(tenants_cfg, p),
+                                                              out / f"server-{name}-{p}"))
+                       for p in POLICIES}
+            runs = _side_by_side(servers, specs, trace, duration)
+        for policy in POLICIES:
+            res = runs[policy]
+            save_run(res, out / f"{name}-{policy}")
+            print(f"--- {name}-{policy}\n{headline(res.summary)}", flush=True)
             fig = analyse(res.metrics, weights, duration)
             series[policy] = fig.pop("series", {})
-            s = res.summary
             # TTFT of every request that got its first token (most are still streaming or queued
             # when sending stops and are cut after the short drain)
             fig["ttft_p99_ms"] = {
@@ -223,22 +255,27 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
                                  ).get("p99") for n in sorted(weights)}
             fig["first_tokens"] = {n: sum(1 for r in res.records if r.tenant == n and r.ttft is not None)
                                    for n in sorted(weights)}
-            fig["outcomes"] = s["outcomes"]
+            fig["outcomes"] = res.summary["outcomes"]
+            fig["server_cpu_s"] = (res.summary.get("server_proc") or {}).get("cpu_s")
             case[policy] = fig
         w, f = case["wfq"], case["fcfs"]
-        if w.get("cost_throughput") and f.get("cost_throughput"):
-            case["throughput_wfq_over_fcfs"] = round(w["cost_throughput"] / f["cost_throughput"], 4)
+        for key, out_key in (("output_tok_s", "throughput_wfq_over_fcfs"),
+                             ("cost_throughput", "cost_throughput_wfq_over_fcfs")):
+            if w.get(key) and f.get(key):
+                case[out_key] = round(w[key] / f[key], 4)
         write_json(out / f"series_{name}.json", series)
         plots.cumulative_weighted_service(series, out / f"service_{name}.png",
             f"{name}: weights {weights}, rates {case['rates_req_s']} req/s (capacity {cap:.2f})")
         results[name] = case
-    summary = {n: {p: {k: c[p].get(k) for k in ("max_gap", "gap_slope_last_half_per_s",
-                                                "max_share_rel_error", "cost_throughput", "backlogged")}
-                   for p in ("wfq", "fcfs")} | {"throughput_wfq_over_fcfs": c.get("throughput_wfq_over_fcfs")}
+    keys = ("max_gap", "gap_slope_last_half_per_s", "max_share_rel_error", "output_tok_s",
+            "cost_throughput", "backlogged")
+    summary = {n: {p: {k: c[p].get(k) for k in keys} for p in POLICIES}
+               | {"throughput_wfq_over_fcfs": c.get("throughput_wfq_over_fcfs")}
                for n, c in results.items()}
     return {"timing": TIMING, "capacity_req_s": round(cap, 3),
             "capacity_cost_units_s": round(cap * (PROMPT + OUT_COST * OUTPUT), 1),
-            "duration_s": duration, "summary": summary, "vtc_published": VTC_PUBLISHED,
+            "duration_s": duration, "policies_side_by_side": True, "summary": summary,
+            "vtc_published": VTC_PUBLISHED,
             "goals": {"2c_max_gap": 4000, "8c_max_gap": 2000, "share_rel_error": 0.05,
                       "throughput_vs_fcfs": 0.02},
             "cases": results}
