@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from bench.fairness_backlogged import (CASES, PROMPT, RUNNING_SLOTS, analyse, capacity_req_s,
-                                       plan, rates)
+from bench.fairness_backlogged import (CASES, MARGIN, PROMPT, QUEUE_AT_START, RUNNING_SLOTS,
+                                       analyse, capacity_req_s, plan, rates)
 
 
 def sample(t: float, svc: dict[str, float], waiting: dict[str, float], tokens: float) -> dict[str, Any]:
@@ -20,12 +20,12 @@ def sample(t: float, svc: dict[str, float], waiting: dict[str, float], tokens: f
 
 def test_capacity_and_rates_keep_every_tenant_over_its_fair_share() -> None:
     cap = capacity_req_s()
-    assert cap == pytest.approx(1e6 / (8000 + 80 * 256 + 255 * 1000), rel=1e-9)  # 283.5 ms each
+    assert cap == pytest.approx(1e6 / (16000 + 160 * 256 + 255 * 2000), rel=1e-9)  # 567 ms each
     for _, weights, rel in CASES:
         r = rates(weights, rel, cap)
         wsum = sum(weights.values())
         over = [r[n] / (weights[n] / wsum * cap) for n in weights]
-        assert min(over) == pytest.approx(1.3) and all(o >= 1.3 - 1e-9 for o in over)
+        assert min(over) == pytest.approx(MARGIN) and all(o >= MARGIN - 1e-9 for o in over)
         k = {r[n] / rel[n] for n in weights}
         assert max(k) == pytest.approx(min(k))  # the rate ratios are kept
 
@@ -36,7 +36,7 @@ def test_plan_bursts_by_fair_share_then_poisson() -> None:
     assert all(e.prompt_len == PROMPT and e.output_len == 256 for e in p)
     burst = [e for e in p if (e.at or 0) < 0.5]
     assert [e.tenant for e in burst][:4] == ["a", "b", "a", "b"]  # interleaved
-    assert sum(e.tenant == "a" for e in burst) == math.ceil(RUNNING_SLOTS * 2 / 3) + 4
+    assert sum(e.tenant == "a" for e in burst) == math.ceil(RUNNING_SLOTS * 2 / 3) + QUEUE_AT_START
     late = [e for e in p if (e.at or 0) >= 0.5]
     n_b = sum(e.tenant == "b" for e in late)
     assert 2 * 200 * 0.8 < n_b < 2 * 200 * 1.2  # Poisson at 2/s
@@ -44,7 +44,7 @@ def test_plan_bursts_by_fair_share_then_poisson() -> None:
 
 
 def test_analyse_gap_slope_shares_backlog() -> None:
-    # b is served twice as fast as a; both always have something waiting but a at 10 s
+    # b is served twice as fast as a; both have something waiting from 0.25 s on, but a at 10 s
     samples = [sample(0.0, {"a": 100.0, "b": 100.0}, {"a": 0, "b": 0}, 0.0)]
     for i in range(1, 81):
         t = i * 0.25
@@ -56,6 +56,7 @@ def test_analyse_gap_slope_shares_backlog() -> None:
     assert f["shares"] == {"a": pytest.approx(1 / 3, abs=1e-3), "b": pytest.approx(2 / 3, abs=1e-3)}
     assert f["max_share_rel_error"] == pytest.approx(1 / 3, abs=1e-3)
     assert f["min_waiting"] == {"a": 0, "b": 5} and f["backlogged"] is False
+    assert f["backlogged_from_s"] == 0.25
     assert f["cost_throughput"] == pytest.approx(300.0)
     assert f["output_tok_s"] == pytest.approx(300.0)
     # weights 1:2 make the same service fair: no gap
