@@ -39,6 +39,7 @@ run ends have none). A plot per case: cumulative weighted service per tenant ove
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -272,6 +273,9 @@ def run(out: Path, quick: bool) -> dict[str, Any]:
         plots.cumulative_weighted_service(series, out / f"service_{name}.png",
             f"{name}: weights {weights}, rates {case['rates_req_s']} req/s (capacity {cap:.2f})")
         results[name] = case
+    plots.cumulative_weighted_service_grid(
+        [(n, json.loads((out / f"series_{n}.json").read_text())) for n in results],
+        out / "service_all.png")
     keys = ("max_gap", "gap_slope_last_half_per_s", "max_share_rel_error", "output_tok_s",
             "cost_throughput", "backlogged", "backlogged_from_s")
     summary = {n: {p: {k: c[p].get(k) for k in keys} for p in POLICIES}
