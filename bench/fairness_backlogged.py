@@ -98,17 +98,16 @@ def rates(weights: Mapping[str, float], rel: Mapping[str, float], cap: float) ->
 def plan(weights: Mapping[str, float], rate: Mapping[str, float], duration: float,
          seed: int = 19) -> list[TraceEntry]:
     """The arrival plan: each tenant's burst at t ~ 0 (its share of the running slots plus
-    ``QUEUE_AT_START``, interleaved across tenants), then Poisson arrivals at its rate."""
+    ``QUEUE_AT_START``), interleaved in proportion to the burst sizes so that the free slots, which
+    admission fills in arrival order (nothing competes yet), go to each tenant by its weighted share;
+    then Poisson arrivals at its rate."""
     wsum = sum(weights.values())
     names = sorted(weights)
-    burst = {n: math.ceil(RUNNING_SLOTS * weights[n] / wsum) + QUEUE_AT_START for n in names}
-    out: list[TraceEntry] = []
-    slot = 0
-    for i in range(max(burst.values())):
-        for n in names:
-            if i < burst[n]:
-                slot += 1
-                out.append(TraceEntry(prompt_len=PROMPT, output_len=OUTPUT, tenant=n, at=slot * 1e-3))
+    slots = {n: math.ceil(RUNNING_SLOTS * weights[n] / wsum) for n in names}
+    order = sorted(((i + 0.5) / slots[n], k, n) for k, n in enumerate(names) for i in range(slots[n]))
+    order += [(0.0, k, n) for _ in range(QUEUE_AT_START) for k, n in enumerate(names)]
+    out = [TraceEntry(prompt_len=PROMPT, output_len=OUTPUT, tenant=n, at=(j + 1) * 1e-3)
+           for j, (_, _, n) in enumerate(order)]
     for n in names:
         rng = random.Random(f"{seed}:{n}")
         at = BACKLOG_FROM_S / 2
