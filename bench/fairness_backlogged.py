@@ -68,7 +68,8 @@ QUEUE_AT_START = 8  # requests per tenant queued beyond its share of the running
 SHARE_WINDOW_S = 60.0
 POLICIES = ("wfq", "fcfs")
 SCRAPE_S = 0.25
-BACKLOG_FROM_S = 1.0  # Poisson arrivals start at half of it; throughput is counted from it
+BURST_GAP_S = 0.02  # between the start-up burst's requests: the load generator keeps their order
+BACKLOG_FROM_S = 1.5  # Poisson arrivals start here (after the burst); throughput is counted from it
 
 # (name, weights, relative arrival rates)
 CASES: list[tuple[str, dict[str, float], dict[str, float]]] = [
@@ -105,12 +106,18 @@ def plan(weights: Mapping[str, float], rate: Mapping[str, float], duration: floa
     names = sorted(weights)
     slots = {n: math.ceil(RUNNING_SLOTS * weights[n] / wsum) for n in names}
     order = sorted(((i + 0.5) / slots[n], k, n) for k, n in enumerate(names) for i in range(slots[n]))
-    order += [(0.0, k, n) for _ in range(QUEUE_AT_START) for k, n in enumerate(names)]
-    out = [TraceEntry(prompt_len=PROMPT, output_len=OUTPUT, tenant=n, at=(j + 1) * 1e-3)
+    extras = [n for _ in range(QUEUE_AT_START) for n in names]
+    # 20 ms apart: at 1 ms the requests' connections raced and one tenant's burst arrived first
+    # (the weight-1 tenant took 24 of the 48 slots instead of 16); the queued extras 5 ms apart
+    out = [TraceEntry(prompt_len=PROMPT, output_len=OUTPUT, tenant=n, at=(j + 1) * BURST_GAP_S)
            for j, (_, _, n) in enumerate(order)]
+    t_end = len(out) * BURST_GAP_S
+    out += [TraceEntry(prompt_len=PROMPT, output_len=OUTPUT, tenant=n, at=t_end + (j + 1) * 0.005)
+            for j, n in enumerate(extras)]
+    assert (out[-1].at or 0.0) < BACKLOG_FROM_S
     for n in names:
         rng = random.Random(f"{seed}:{n}")
-        at = BACKLOG_FROM_S / 2
+        at = BACKLOG_FROM_S
         while True:
             at += rng.expovariate(rate[n])
             if at >= duration:

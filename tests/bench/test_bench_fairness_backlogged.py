@@ -34,12 +34,12 @@ def test_plan_bursts_by_fair_share_then_poisson() -> None:
     weights = {"a": 2.0, "b": 1.0}
     p = plan(weights, {"a": 1.0, "b": 2.0}, duration=200.0)
     assert all(e.prompt_len == PROMPT and e.output_len == 256 for e in p)
-    burst = [e for e in p if (e.at or 0) < 0.5]
+    burst = [e for e in p if (e.at or 0) < 1.5]
     head = [e.tenant for e in burst][:RUNNING_SLOTS]
     assert abs(head.count("a") - 2 * RUNNING_SLOTS / 3) <= 1  # interleaved by weighted share
     assert [e.tenant for e in plan({"a": 1, "b": 1}, {"a": 1, "b": 2}, 10.0)][:4] == ["a", "b"] * 2
     assert sum(e.tenant == "a" for e in burst) == math.ceil(RUNNING_SLOTS * 2 / 3) + QUEUE_AT_START
-    late = [e for e in p if (e.at or 0) >= 0.5]
+    late = [e for e in p if (e.at or 0) >= 1.5]
     n_b = sum(e.tenant == "b" for e in late)
     assert 2 * 200 * 0.8 < n_b < 2 * 200 * 1.2  # Poisson at 2/s
     assert p == plan(weights, {"a": 1.0, "b": 2.0}, duration=200.0)  # seeded
