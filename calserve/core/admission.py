@@ -22,8 +22,7 @@ requests; the estimate shrinks as :meth:`charge` turns it into delivered service
 idleness banks no credit. The global virtual time is the *delivered* virtual time of the tenant
 admitted last (monotone): reservations (the estimates of running requests) never lift anybody, so a
 tenant that took every free lane at once leaves the tenants arriving after it behind by exactly the
-service it then gets, which they are given back while backlogged (VTC's no-credit rule without its
-debit). Weights and limits come from the control plane (config), never from request
+service it then gets, which they are given back while backlogged. Weights and limits come from the control plane (config), never from request
 parameters.
 
 Inside a tenant the queue is split by prefill class (short/medium/long, spec §6) and the classes share
