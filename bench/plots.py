@@ -15,7 +15,8 @@ import numpy as np  # noqa: E402
 
 from bench.summary import Record  # noqa: E402
 
-__all__ = ["latency_cdfs", "sweep_plot", "tenant_service", "batch_fill", "proc_series"]
+__all__ = ["latency_cdfs", "sweep_plot", "tenant_service", "cumulative_weighted_service",
+           "cumulative_weighted_service_grid", "batch_fill", "proc_series"]
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -88,6 +89,50 @@ def tenant_service(summary: dict[str, Any], path: Path, title: str = "") -> Path
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def _service_row(axes: Sequence[Any], by_policy: dict[str, dict[str, list[float]]], title: str) -> None:
+    for ax, (policy, series) in zip(axes, by_policy.items()):
+        t = series.get("t", [])
+        names = sorted(k for k in series if k != "t")
+        for n in names:
+            ax.plot(t, series[n], label=n, lw=1)
+        ax.set_title(f"{title} {policy}: cumulative service / weight", fontsize=9)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("cost units / weight")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+        if names and t:
+            gap = [max(series[n][i] for n in names) - min(series[n][i] for n in names)
+                   for i in range(len(t))]
+            axes[-1].plot(t, gap, label=policy)
+    axes[-1].set_title(f"{title} gap: max - min of service / weight", fontsize=9)
+    axes[-1].set_xlabel("time (s)")
+    axes[-1].set_ylabel("cost units")
+    axes[-1].set_yscale("symlog", linthresh=100)
+    axes[-1].grid(alpha=0.3)
+    axes[-1].legend(fontsize=7)
+
+
+def cumulative_weighted_service(by_policy: dict[str, dict[str, list[float]]], path: Path,
+                                title: str = "") -> Path:
+    """Cumulative weighted service per tenant over time (cost units / weight), one panel per
+    policy, and the gap (max - min across tenants) of every policy in a third panel.
+    ``by_policy``: policy -> ``{"t": [...], tenant: [...]}``."""
+    fig, axes = plt.subplots(1, len(by_policy) + 1, figsize=(5 * (len(by_policy) + 1), 3.8))
+    _service_row(axes, by_policy, "")
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def cumulative_weighted_service_grid(cases: Sequence[tuple[str, dict[str, dict[str, list[float]]]]],
+                                     path: Path) -> Path:
+    """:func:`cumulative_weighted_service` for several cases, one row each, in one PNG."""
+    cols = max(len(bp) for _, bp in cases) + 1
+    fig, axes = plt.subplots(len(cases), cols, figsize=(4.6 * cols, 3.3 * len(cases)), squeeze=False)
+    for row, (title, by_policy) in zip(axes, cases):
+        _service_row(row, by_policy, title)
     return _save(fig, path)
 
 

@@ -19,7 +19,10 @@ virtual
 time is its delivered service divided by its weight plus the not-yet-delivered estimate of its active
 requests; the estimate shrinks as :meth:`charge` turns it into delivered service and is dropped on
 :meth:`release`. A tenant that arrives with an empty queue is lifted to the global virtual time, so
-idleness banks no credit. Weights and limits come from the control plane (config), never from request
+idleness banks no credit. The global virtual time is the *delivered* virtual time of the tenant
+admitted last (monotone): reservations (the estimates of running requests) never lift anybody, so a
+tenant that took every free lane at once leaves the tenants arriving after it behind by exactly the
+service it then gets, which they are given back while backlogged. Weights and limits come from the control plane (config), never from request
 parameters.
 
 Inside a tenant the queue is split by prefill class (short/medium/long, spec §6) and the classes share

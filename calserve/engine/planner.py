@@ -9,17 +9,18 @@ is). Owned by :class:`~calserve.engine.core.EngineCore`; no trio, no clock (``no
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import TYPE_CHECKING
 
 from calserve.config import CalserveConfig
 from calserve.core.decode import batching_window, select_profile
 from calserve.core.model_state import ModelState
-from calserve.core.prefill import QueueClass, ServiceRoundRobin
+from calserve.core.prefill import QueueClass, ServiceRoundRobin, fair_prefill_index
 from calserve.engine.batches import JobBuilder
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import PREFILL_CLASSES, GenQueues, RequestTable
-from calserve.engine.state import CoreOutput, DeviceJob
+from calserve.engine.state import CoreOutput, DeviceJob, Seq
 from calserve.engine.types import FinishReason
 from calserve.runtime.types import JobEngine
 
@@ -170,8 +171,22 @@ class Planner:
             return False
         return self._may_hold(now, earliest)
 
+    def _next_prefill(self, gen: Generation, dq: collections.deque[Seq]) -> Seq:
+        """The prompt of a prefill class to run next (its head is live): a re-admitted one keeps
+        its place in front; otherwise, under the fair policy, the least-served tenant's first
+        (:func:`~calserve.core.prefill.fair_prefill_index`)."""
+        if len(dq) == 1 or dq[0].retries or self.cfg.scheduler.fairness.policy == "fcfs":
+            return dq.popleft()
+        live = [i for i, s in enumerate(dq) if not s.ended and s.inflight is None]
+        adm = gen.admission
+        names = [dq[i].tenant for i in live]
+        pick = live[fair_prefill_index(names, {t: adm.lane_virtual_time(t) for t in set(names)})]
+        seq = dq[pick]
+        del dq[pick]
+        return seq
+
     def _prefill_job(self, gen: Generation, q: GenQueues, cls: QueueClass, now: float) -> DeviceJob:
-        seq = q.prefill[cls].popleft()
+        seq = self._next_prefill(gen, q.prefill[cls])
         job = self.builder.prefill_job(gen, seq, now)
         self.requests.submitted(seq, job)
         self.requests.trace.append(("prefill", (seq.rid,)))

@@ -216,6 +216,29 @@ def test_returning_from_idle_gets_no_banked_credit() -> None:
     assert 4 <= order.count("a") <= 6
 
 
+def test_reservations_of_a_tenant_that_took_every_free_lane_lift_nobody() -> None:
+    """a takes four free lanes at once (nothing waits, so nothing competes); b arrives while they
+    run. b must not be lifted to a's reservations: once a's four requests delivered, b is the one
+    behind and gets the next lanes until it caught up (before, the global virtual time counted a's
+    undelivered estimate, b started level with a's four requests and never got them back)."""
+    a = ctl(budget=CapacityBudget(16, 10**6, 10**4, 10**7, 1))
+    for i in range(4):
+        a.offer(item("a", rid=i), 0.0, True)
+    assert len(a.pop_admissible(0.0, 4, 10**9)) == 4
+    for i in range(6):
+        a.offer(item("b", rid=100 + i), 0.1, True)  # no free lane: b waits behind a's four
+    for i in range(4):
+        a.charge("a", 10, 10, request_id=i)
+        a.release(i)
+    for i in range(6):
+        a.offer(item("a", rid=10 + i), 1.0, True)
+    order = _drain(a, 8)
+    assert order[:4] == ["b"] * 4, order  # b is owed a's four requests first
+    assert order[4:] == ["a", "b", "a", "b"] or order[4:] == ["b", "a", "b", "a"], order
+    s = a.statistics().tenants
+    assert s["a"].service == s["b"].service
+
+
 def test_charge_without_request_id_and_release_idempotent() -> None:
     a = ctl()
     x = item("a", rid=1)

@@ -76,3 +76,13 @@ def test_continuously_available_class_gets_its_share(
             n += 1
             count += got is q
         assert count >= (n * w[q]) // total - 1
+
+
+def test_fair_prefill_pick_is_the_least_served_tenants_first_prompt() -> None:
+    from calserve.core.prefill import fair_prefill_index
+
+    queue = ["a", "a", "b", "c", "b"]
+    assert fair_prefill_index(queue, {"a": 5.0, "b": 2.0, "c": 2.0}) == 2  # b's first (ties: queue order)
+    assert fair_prefill_index(queue, {"a": 1.0, "b": 2.0, "c": 0.5}) == 3
+    assert fair_prefill_index(queue, {"a": 1.0, "b": 2.0}) == 3  # c never served: counts as 0.0
+    assert fair_prefill_index(["x"], {}) == 0
