@@ -43,6 +43,7 @@ __all__ = [
     "TenantConfig",
     "CalserveConfig",
     "calserve_home",
+    "default_alias",
     "load_config",
     "decode_config",
 ]
@@ -146,7 +147,8 @@ class RecoveryConfig(_Strict):
 
 class SchedulerConfig(_Strict):
     schema: Literal["calculet-scheduler/v1"] = "calculet-scheduler/v1"
-    model_alias: str = "qwen3"
+    # The default alias (requests without ``model``). None = the first key of ``models``.
+    model_alias: str | None = None
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     queues: QueuesConfig = msgspec.field(default_factory=QueuesConfig)
     fairness: FairnessConfig = msgspec.field(default_factory=FairnessConfig)
@@ -274,7 +276,10 @@ class CalserveConfig(_Strict):
     tenants: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.scheduler.model_alias not in self.models:
+        if not self.models:
+            raise ValueError("models: at least one alias is needed (more are loaded at run time "
+                             "through POST /admin/v1/models/{alias}/load)")
+        if self.scheduler.model_alias is not None and self.scheduler.model_alias not in self.models:
             raise ValueError(
                 f"scheduler.model_alias {self.scheduler.model_alias!r} is not a key of models"
             )
@@ -289,6 +294,12 @@ class CalserveConfig(_Strict):
                 if k in seen:
                     raise ValueError(f"tenants.{name}.api_keys: key also used by tenant {seen[k]!r}")
                 seen[k] = name
+
+
+def default_alias(cfg: CalserveConfig) -> str:
+    """The alias a request without ``model`` goes to: ``scheduler.model_alias``, else the first key
+    of ``models``."""
+    return cfg.scheduler.model_alias if cfg.scheduler.model_alias is not None else next(iter(cfg.models))
 
 
 def calserve_home() -> Path:

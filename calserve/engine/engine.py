@@ -30,7 +30,7 @@ from typing import Any
 
 import trio
 
-from calserve.config import CalserveConfig
+from calserve.config import CalserveConfig, default_alias
 from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend, RuntimeBackend
 from calserve.engine.driver import CoreDriver
@@ -166,7 +166,7 @@ class Engine:
 
     @property
     def default_alias(self) -> str:
-        return self.cfg.scheduler.model_alias
+        return default_alias(self.cfg)
 
     async def wait_failed(self) -> None:
         """Return when the engine can no longer serve (every model Failed, or a task crashed)."""

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from calserve.config import CalserveConfig
+from calserve.config import CalserveConfig, default_alias
 from calserve.core.model_state import ModelEvent, ModelState
 from calserve.core.model_state import fire as model_fire
 from calserve.core.admission import AdmissionController, CapacityBudget, TenantPolicy
@@ -178,7 +178,7 @@ class ModelManager:
         self._next_id = 1
 
     def resolve(self, alias: str | None) -> Generation:
-        name = alias or self.cfg.scheduler.model_alias
+        name = alias or default_alias(self.cfg)
         gid = self.aliases.get(name)
         if gid is None:
             raise UnknownModel(f"model {name!r} does not exist", param="model")
