@@ -253,6 +253,9 @@ class ModelEntry(_Strict):
     package: str | None = None
     # Timing profile name for the software runtime, overriding the package's (None = package's).
     timing: str | None = None
+    # Share of the device's job engines against the other co-resident aliases (sim-next; default
+    # equal): generations with work are served in weighted fair order of their device time.
+    weight: PosFloat = 1.0
 
 
 class TenantConfig(_Strict):

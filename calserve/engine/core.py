@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Final
 
 from calserve.config import CalserveConfig
 from calserve.core.kv_state import KvSequenceState
-from calserve.core.model_state import TRANSITIONS, ModelEvent, ModelState
+from calserve.core.model_state import TRANSITIONS, ModelEvent, ModelState, is_loading
 from calserve.engine.batches import JobBuilder
 from calserve.engine.completion import SAMPLE_FAILED, ends, expect, sample
 from calserve.engine.core_stats import CoreState, CoreStatistics, CoreStats, FastStep
@@ -148,7 +148,8 @@ class EngineCore:
                     reqs.confirm_released(gen, batch, now)
                 elif gen not in out.release_gens:
                     out.release_gens.append(gen)
-            if gen.state is ModelState.READY and not paused:
+            if not paused and (gen.state is ModelState.READY or (
+                    gen.state is ModelState.DRAINING and gen.admit_waiting)):
                 reqs.admit(gen, now)
             d = gen.admission.next_deadline()
             if d is not None:
@@ -246,6 +247,8 @@ class EngineCore:
         """A fault is being recovered: every generation goes Recovering, no new job, a new epoch
         (results of jobs handed over before it are no new faults)."""
         for g in self.models.generations.values():
+            if is_loading(g.state):
+                continue  # still being built (its golden job fails on the reset: the load fails)
             if g.state is not ModelState.FAILED and ModelEvent.FAULT in TRANSITIONS[g.state]:
                 g.fire(ModelEvent.FAULT)
         self.st.paused = True
@@ -280,8 +283,11 @@ class EngineCore:
         if gen.state is not ModelState.RECOVERING:
             return
         if not failed:
-            gen.fire(ModelEvent.RECOVERED)
-            return
+            if not gen.retiring:
+                gen.fire(ModelEvent.RECOVERED)
+            elif not gen.drain_expired:  # a draining generation goes on draining
+                gen.fire(ModelEvent.DRAIN)
+            return  # past its drain deadline it stays Recovering until its jobs drained
         gen.fire(ModelEvent.FAIL)
         log.error("model %s generation %d failed (reset budget or unknown DMA)", gen.alias, gen.id,
                   extra={"generation": gen.id})
@@ -305,6 +311,37 @@ class EngineCore:
         sids = sorted(set(gen.lane_seq.values()))
         gen.lane_seq.clear()
         return sids
+
+    # ------------------------------------------------------------------------------ drain / unload
+    def end_waiting(self, gen: Generation, err: ErrorEvent, now: float) -> CoreOutput:
+        """An unload: the requests still waiting for admission on ``gen`` end with ``err``."""
+        for seq in list(self.requests.queues(gen).waiting.values()):
+            self.requests.stop(seq, error=err, now=now)
+        return self._take()
+
+    def cancel_generation(self, gen: Generation, err: ErrorEvent, now: float) -> CoreOutput:
+        """The drain deadline passed: every request of ``gen`` ends with ``err`` (those with a job
+        on the device when it drains: a submitted job always drains)."""
+        q = self.requests.queues(gen)
+        for seq in [*q.waiting.values(), *q.holders.values()]:
+            self.requests.stop(seq, error=err, now=now)
+        return self._take()
+
+    def generation_load(self, gen: Generation) -> tuple[int, int]:
+        """(requests of ``gen`` not ended, jobs of ``gen`` on the device)."""
+        active = self.requests.load_of(gen)
+        jobs = sum(1 for j in self.st.slots.values() if j is not None and j.gen is gen)
+        return active, jobs
+
+    def pending_releases(self, gen: Generation) -> bool:
+        return bool(self.requests.queues(gen).releases)
+
+    def forget(self, gen: Generation) -> None:
+        """``gen`` was unloaded: drop its queues, cached profiles and share (nothing of it is left:
+        the caller checked :meth:`generation_load` is (0, 0) and its releases were confirmed)."""
+        self.requests.forget(gen)
+        self.builder.forget(gen)
+        self.planner.share.forget(gen.id)
 
     # ------------------------------------------------------------------------------ reading
     def inflight_jobs(self) -> int:

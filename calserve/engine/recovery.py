@@ -115,7 +115,9 @@ class HealthRecovery:
                 if fault.epoch < self.core.epoch:
                     continue  # already covered by a later reset
                 with trio.CancelScope(shield=True):
-                    await self._recover(fault)
+                    # not while the control plane frees a generation's calbins (engine/control.py)
+                    async with self.models.device_lock:
+                        await self._recover(fault)
         finally:
             self._running = False
 
