@@ -22,6 +22,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from calserve.api.admin import register_admin_routes, status_routes
+from calserve.api.admin_models import model_routes
 from calserve.api.asgi import FastRoutes, fast_route
 from calserve.api.bodies import too_large
 from calserve.api.errors import ApiError, from_exception, to_api_error
@@ -193,6 +194,6 @@ def create_app(
         return resp
 
     register_routes(app, state)
-    register_admin_routes(app, state, [status_routes])
+    register_admin_routes(app, state, [status_routes, model_routes])
     app.fast = FastRoutes(state)
     return app

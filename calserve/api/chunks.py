@@ -31,13 +31,15 @@ class ChunkEncoder:
     __slots__ = ("chat", "_head", "_choice", "_usage_null", "_tok_head", "_tok_tail")
 
     def __init__(self, *, chat: bool, rid: str, created: int, model: str,
-                 include_usage: bool) -> None:
+                 include_usage: bool, system_fingerprint: str | None = None) -> None:
         self.chat = chat
         obj = "chat.completion.chunk" if chat else "text_completion"
-        # data: {"id":..,"object":..,"created":..,"model":..
+        # data: {"id":..,"object":..,"created":..,"model":..[,"system_fingerprint":..]
         self._head = (b'data: {"id":' + _ENC.encode(rid) + b',"object":' + _ENC.encode(obj)
                       + b',"created":' + _ENC.encode(created) + b',"model":'
                       + _ENC.encode(model))
+        if system_fingerprint is not None:  # the generation that serves it (issue 14)
+            self._head += b',"system_fingerprint":' + _ENC.encode(system_fingerprint)
         self._choice = self._head + b',"choices":[{"index":0,'
         self._usage_null = b',"usage":null' if include_usage else b""
         # The hot case: a token chunk without logprobs and without finish_reason.

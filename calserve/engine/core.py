@@ -312,37 +312,6 @@ class EngineCore:
         gen.lane_seq.clear()
         return sids
 
-    # ------------------------------------------------------------------------------ drain / unload
-    def end_waiting(self, gen: Generation, err: ErrorEvent, now: float) -> CoreOutput:
-        """An unload: the requests still waiting for admission on ``gen`` end with ``err``."""
-        for seq in list(self.requests.queues(gen).waiting.values()):
-            self.requests.stop(seq, error=err, now=now)
-        return self._take()
-
-    def cancel_generation(self, gen: Generation, err: ErrorEvent, now: float) -> CoreOutput:
-        """The drain deadline passed: every request of ``gen`` ends with ``err`` (those with a job
-        on the device when it drains: a submitted job always drains)."""
-        q = self.requests.queues(gen)
-        for seq in [*q.waiting.values(), *q.holders.values()]:
-            self.requests.stop(seq, error=err, now=now)
-        return self._take()
-
-    def generation_load(self, gen: Generation) -> tuple[int, int]:
-        """(requests of ``gen`` not ended, jobs of ``gen`` on the device)."""
-        active = self.requests.load_of(gen)
-        jobs = sum(1 for j in self.st.slots.values() if j is not None and j.gen is gen)
-        return active, jobs
-
-    def pending_releases(self, gen: Generation) -> bool:
-        return bool(self.requests.queues(gen).releases)
-
-    def forget(self, gen: Generation) -> None:
-        """``gen`` was unloaded: drop its queues, cached profiles and share (nothing of it is left:
-        the caller checked :meth:`generation_load` is (0, 0) and its releases were confirmed)."""
-        self.requests.forget(gen)
-        self.builder.forget(gen)
-        self.planner.share.forget(gen.id)
-
     # ------------------------------------------------------------------------------ reading
     def inflight_jobs(self) -> int:
         return sum(1 for j in self.st.slots.values() if j is not None)

@@ -33,6 +33,7 @@ import trio
 from calserve.config import CalserveConfig, default_alias
 from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend, RuntimeBackend
+from calserve.engine.control import ModelControl
 from calserve.engine.driver import CoreDriver
 from calserve.engine.generations import Generation, ModelManager, release_members
 from calserve.engine.registry import RequestHandle, RequestRegistry
@@ -61,6 +62,7 @@ class Engine:
         self.driver = CoreDriver(cfg, backend, self.model_manager, engines)
         self.core = self.driver.core
         self.registry = RequestRegistry(cfg, self.model_manager, self.core, self.driver, nursery)
+        self.control = ModelControl(cfg, backend, self.model_manager, self.driver, nursery)
         self._nursery = nursery
         # Set when the engine can no longer serve (crash, or every model Failed).
         self.failed = self.driver.recovery.failed
@@ -100,10 +102,12 @@ class Engine:
             async with trio.open_nursery() as nursery:
                 eng = cls(cfg, backend, nursery)
                 try:
-                    for alias in cfg.models:
+                    for alias, entry in cfg.models.items():
                         if alias not in srcs:
                             raise KeyError(f"no model source for alias {alias!r}")
-                        await eng.model_manager.load(srcs[alias])
+                        package = "" if sources is not None else (entry.package or "")
+                        gen = await eng.model_manager.load(srcs[alias], package)
+                        eng.control.adopt(gen, package)
                     await nursery.start(eng.driver.recovery.run)
                     for ex in eng.executors:
                         await nursery.start(ex.run)
@@ -136,10 +140,12 @@ class Engine:
         ``leaked_at_close`` counts runtime sequences still bound to a lane of a request that never
         ended (only after a crash/outside cancellation); a clean shutdown leaves it 0."""
         await self.driver.wait_idle()
-        for gen in self.model_manager.generations.values():
+        gens = [g for g in self.model_manager.generations.values()
+                if g.state is not ModelState.UNLOADED]
+        for gen in gens:
             await self.driver.free_released(gen)
         self.final_statistics = self.statistics()
-        for gen in self.model_manager.generations.values():
+        for gen in gens:
             leftover = self.core.leftover_sequences(gen)
             self.leaked_at_close += len(leftover)
             await gen.calbin.free_sequences(leftover)
@@ -152,6 +158,8 @@ class Engine:
         # Create first (admission and, when a lane and an executor are free, the prefill dispatch
         # happen right here), then yield without a cancellation point: a request that was accepted
         # always reaches its caller, which owns its handle.
+        if self.control.switching:  # WaitingModel: a single-resident switch of its alias runs
+            req = await self.control.wait_for_alias(req)
         handle = self.registry.create(req)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return handle
@@ -191,7 +199,9 @@ class Engine:
         out = []
         caps = self.backend.capabilities
         for alias, gid in self.model_manager.aliases.items():
-            g = self.model_manager.generations[gid]
+            g = self.model_manager.generations.get(gid)
+            if g is None:
+                continue
             profiles = tuple(
                 ProfileInfo(b, g.source.tiers.get(b, "C0" if b == 1 else "C3"),
                             b == 1 or caps.batch_profiles)

@@ -32,7 +32,7 @@ from calserve.errors import ConfigError, UnknownModel, ValidationError
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import JobEngine, JobStatus, ProfileSpec, Timing
 
-__all__ = ["Generation", "ModelManager", "release_members"]
+__all__ = ["Generation", "ModelManager", "BuildProgress", "release_members"]
 
 log = logging.getLogger("calserve.engine.generations")
 
@@ -100,6 +100,14 @@ class Generation:
 
     def fire(self, event: ModelEvent) -> None:
         self.state = model_fire(self.state, event)
+
+
+@dataclasses.dataclass
+class BuildProgress:
+    """Where :meth:`ModelManager.build` is (a refusal names its step)."""
+
+    step: str = "configure"  # configure | introspection | golden
+    configured_at: float = 0.0  # monotonic time configure + introspection ended
 
 
 def make_admission(
@@ -214,11 +222,18 @@ class ModelManager:
         self._next_id += 1
         return gid
 
-    async def build(self, source: ModelSource, package: str = "") -> Generation:
+    @property
+    def default(self) -> str:
+        return default_alias(self.cfg)
+
+    async def build(self, source: ModelSource, package: str = "",
+                    progress: BuildProgress | None = None) -> Generation:
         """Spec §11 steps 7-9: configure every member, inspect, golden + warmup. The generation is
         registered (its state visible, its DRAM charged) but not published; a failure releases what
         was loaded and leaves it Failed and unregistered."""
         t0 = time.monotonic()
+        progress = progress if progress is not None else BuildProgress()
+        progress.step = "configure"
         members = serving_profiles(self.cfg, source, self.backend)
         b = members[-1]
         spec = source.profiles[b]
@@ -245,12 +260,15 @@ class ModelManager:
         gen.fire(ModelEvent.VALIDATED)
         self.generations[gid] = gen  # listed (Configuring...) while it loads; never dispatched
         try:
+            progress.step = "introspection"
             for mb, cb in calbins.items():  # introspection per member (spec §11 step 8)
                 info = cb.introspect()
                 gen.dram_bytes += int(info.get("dram_bytes", 0))
                 if source.verify is not None:
                     source.verify(info, mb)
             gen.fire(ModelEvent.CONFIGURED)
+            progress.step = "golden"
+            progress.configured_at = time.monotonic()
             await self._golden(gen)
             gen.fire(ModelEvent.WARMED)
         except BaseException:

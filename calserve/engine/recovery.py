@@ -127,7 +127,8 @@ class HealthRecovery:
         core = self.core
         log.warning("device fault %s (job %d): resetting", fault.reason, fault.job_id,
                     extra={"job_id": fault.job_id, "reason": fault.reason})
-        gens = list(self.models.generations.values())
+        # (an Unloaded generation still listed during a single-resident switch has no calbin)
+        gens = [g for g in self.models.generations.values() if g.state is not ModelState.UNLOADED]
         core.begin_recovery()
         while self._resets and self._resets[0] <= now - WINDOW_S:
             self._resets.popleft()
