@@ -199,6 +199,9 @@ class ModelControl:
             raise ControlError(400, "invalid_alias", f"alias {alias!r}: 1-64 characters of "
                                "letters, digits, '.', '_', ':' or '-'", param="alias")
         t0 = time.monotonic()
+        entry = self.cfg.models.get(alias)
+        if timing is None and entry is not None:
+            timing = entry.timing  # models.<alias>.timing applies to every generation of it
         try:
             source, manifest = await trio.to_thread.run_sync(self._open, alias, package, timing)
             if expect_sha256 is not None and source.sha256 != expect_sha256:
