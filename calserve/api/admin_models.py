@@ -29,6 +29,7 @@ from quart_trio import QuartTrio
 from calserve.api.admin import ADMIN_PREFIX
 from calserve.api.bodies import decode
 from calserve.api.errors import ApiError
+from calserve.api.metrics_models import ModelControlCollector
 from calserve.api.routes import json_response
 from calserve.api.state import ApiState
 
@@ -65,6 +66,10 @@ def _refusal(exc: BaseException) -> ApiError | None:
 
 
 def model_routes(app: QuartTrio, state: ApiState, require_admin: Callable[[], None]) -> None:
+    # the control plane's metric families (spec §16 model row) ride with its routes
+    state.metrics.registry.register(ModelControlCollector(
+        lambda: state.host.engine if state.host is not None else None))
+
     def control() -> Any:
         eng = state.engine()
         ctl = getattr(eng, "control", None)

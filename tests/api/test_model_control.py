@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 
+from .real_engine import parse_metrics, value
 from .model_control_util import (PROMPTS, Packages, control_app, control_config, packages,
                                  stream_text, wait_until)
 
@@ -94,6 +95,16 @@ async def test_hot_replace_under_closed_loop_then_rollback(packages: Packages) -
         assert entry["package"] == "a" and fp_a.endswith(entry["sha256"][:8])
         fp_r, solo_r = await h.solo()
         assert fp_r != fp_a and fp_r.endswith(fp_a[-8:]) and solo_r == solo_a
+        await wait_until(old_gone)
+        m = parse_metrics((await (await h.client.get("/metrics")).get_data()).decode())
+        assert value(m, "calserve_model_switches_total", alias="qwen3") == 2
+        assert value(m, "calserve_model_operations_total", op="load", result="ok") == 1
+        assert value(m, "calserve_model_operations_total", op="rollback", result="ok") == 1
+        for phase in ("load", "configure", "warmup", "drain", "unload"):
+            assert value(m, "calserve_model_phase_seconds_count", phase=phase) == 2, phase
+        assert value(m, "calserve_device_dram_used_bytes") == dram0 == h.real.backend.dram()[1]
+        assert value(m, "calserve_model_generations", state="Ready") == 1
+        assert value(m, "calserve_model_generation", alias="qwen3") == (await h.entry())["generation"]  # type: ignore[index]
 
 
 async def _true_after(results: list[Any], n: int) -> bool:
