@@ -5,7 +5,7 @@ core 1), writes per-point run directories (records.jsonl, summary.json, metrics.
 ``summary.json`` with the headline figures, PNGs and ``report.md`` under ``bench/out/NAME/``, and
 prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
 
-Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor.
+Names: saturation, m1-async-vs-sync, batching, fairness, overload, soak, http-floor, lifecycle.
 """
 
 from __future__ import annotations
@@ -315,6 +315,13 @@ def http_floor(out: Path, quick: bool) -> dict[str, Any]:
     return floor_run(out, quick)
 
 
+def lifecycle(out: Path, quick: bool, minutes: float | None = None) -> dict[str, Any]:
+    """Model load/serve/unload cycles via the admin API (DRAM back to baseline, RSS) and a switching
+    soak with replacements every 3 s (bench/lifecycle.py)."""
+    from bench.lifecycle import run as lifecycle_run
+    return lifecycle_run(out, quick, minutes)
+
+
 SCENARIOS = {
     "saturation": saturation,
     "m1-async-vs-sync": m1_async_vs_sync,
@@ -323,6 +330,7 @@ SCENARIOS = {
     "overload": overload,
     "soak": soak,
     "http-floor": http_floor,
+    "lifecycle": lifecycle,
 }
 
 
@@ -331,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=sorted(SCENARIOS))
     ap.add_argument("--quick", action="store_true", help="shorter points (a smoke run)")
-    ap.add_argument("--minutes", type=float, help="soak length")
+    ap.add_argument("--minutes", type=float, help="soak length (soak, lifecycle's switching soak)")
     ap.add_argument("--out", type=Path, help="default bench/out/NAME")
     a = ap.parse_args(argv)
     out = a.out or BENCH_OUT / a.name
@@ -339,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     pinned = pin_self(1)
     t0 = time.monotonic()
     fn = SCENARIOS[a.name]
-    doc = soak(out, a.quick, a.minutes) if a.name == "soak" else fn(out, a.quick)
+    if a.name in ("soak", "lifecycle"):
+        doc = (soak if a.name == "soak" else lifecycle)(out, a.quick, a.minutes)
+    else:
+        doc = fn(out, a.quick)
     doc = {"scenario": a.name, "quick": a.quick, "loadgen_pinned_core1": pinned,
            "wall_s": round(time.monotonic() - t0, 1), **doc}
     write_json(out / "summary.json", doc)
