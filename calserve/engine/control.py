@@ -314,6 +314,7 @@ class ModelControl:
             return gen
         finally:
             self.models.generations.pop(old.id, None)
+            self.core.requests.forget(old)  # a pass may have re-created its (empty) queues
             if self.models.aliases.get(alias) == old.id:  # nothing could be re-published
                 del self.models.aliases[alias]
             del self.switching[alias]

@@ -370,7 +370,8 @@ class ModelManager:
                     await cb.free_sequences([sid])
 
     def statistics(self) -> dict[str, tuple[int, str]]:
-        return {a: (g, self.generations[g].state.value) for a, g in self.aliases.items()}
+        return {a: (g, self.generations[g].state.value) for a, g in self.aliases.items()
+                if g in self.generations}
 
 
 async def release_members(gen: Generation) -> None:

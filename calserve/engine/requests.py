@@ -208,7 +208,9 @@ class RequestTable:
 
     def take_releases(self, gen: Generation) -> list[Release]:
         """The ended requests' runtime sequences to free now (the caller frees, then confirms)."""
-        q = self.queues(gen)
+        q = self._queues.get(gen.id)  # an unloaded generation has none (and gets no queues back)
+        if q is None:
+            return []
         batch, q.releases = q.releases, []
         return batch
 

@@ -144,6 +144,8 @@ class Unloader:
             leftover = core.leftover_sequences(gen)
             if leftover:
                 await gen.calbin.free_sequences(leftover)
+            if not keep_listed:  # no pass sees it any more (it would re-create its queues)
+                self.models.generations.pop(gen.id, None)
             core.requests.forget(gen)
             core.builder.forget(gen)
             core.planner.share.forget(gen.id)
@@ -158,8 +160,6 @@ class Unloader:
             log.error("model %s generation %d: unload freed %d bytes of device DRAM, %d were "
                       "charged", gen.alias, gen.id, freed, gen.dram_bytes,
                       extra={"model": gen.alias, "generation": gen.id})
-        if not keep_listed:
-            self.models.generations.pop(gen.id, None)
         self.phases["unload"].observe(time.monotonic() - t0)
         log.info("model %s generation %d unloaded (%d bytes of device DRAM freed)", gen.alias,
                  gen.id, freed, extra={"model": gen.alias, "generation": gen.id})

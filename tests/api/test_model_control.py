@@ -88,6 +88,8 @@ async def test_hot_replace_under_closed_loop_then_rollback(packages: Packages) -
             return e is not None and len(e["generations"]) == 1
         await wait_until(old_gone)
         assert h.real.backend.dram()[1] == dram0
+        # nothing of the unloaded generation is left in the core (queues, profiles, share)
+        assert len(h.real.core.requests.all_queues()) <= len(h.real.model_manager.generations)
 
         # rollback: the old artifact re-verified, a new generation with the old sha256 and output
         status, entry = await h.admin("POST", "/models/qwen3/rollback", {})
