@@ -40,6 +40,7 @@ __all__ = [
     "TrustConfig",
     "AdminConfig",
     "ModelEntry",
+    "SwitchingConfig",
     "TenantConfig",
     "CalserveConfig",
     "calserve_home",
@@ -51,6 +52,7 @@ __all__ = [
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Share = Annotated[float, msgspec.Meta(gt=0, le=1)]
 BatchSize = Literal[1, 4, 8, 16]
 
@@ -248,6 +250,15 @@ class AdminConfig(_Strict):
     token: str | None = None
 
 
+class SwitchingConfig(_Strict):
+    # calrt-0.7.6 with several aliases (one resident calbin, spec §13 time-switching): a resident
+    # alias is switched out for another one with waiting requests only after it was resident this
+    # long, or as soon as it has no work left (anti-thrashing; its queued requests are served first).
+    min_residency_s: NonNegFloat = 2.0
+    # Drain deadline of the alias switched out (its running requests finish or are cancelled then).
+    drain_timeout_s: NonNegFloat = 30.0
+
+
 class ModelEntry(_Strict):
     # Package directory. None = the built-in demo package (built on first start).
     package: str | None = None
@@ -273,6 +284,7 @@ class CalserveConfig(_Strict):
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
     trust: TrustConfig = msgspec.field(default_factory=TrustConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    switching: SwitchingConfig = msgspec.field(default_factory=SwitchingConfig)
     models: dict[str, ModelEntry] = msgspec.field(
         default_factory=lambda: {"qwen3": ModelEntry()}
     )

@@ -44,6 +44,7 @@ from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend
 from calserve.engine.generations import BuildProgress, Generation, ModelManager, serving_profiles
 from calserve.engine.types import GenerateRequest
+from calserve.engine.timeswitch import Artifact, TimeSwitcher
 from calserve.engine.unload import PHASES, Unloader
 from calserve.errors import (CalserveError, ConfigError, EngineError, IntegrityError,
                              PackagePathError, SignatureError, UnavailableError, UnknownModel,
@@ -71,16 +72,6 @@ class ControlError(CalserveError):
         super().__init__(message, param=param)
         self.status = status
         self.code = code
-
-
-@dataclasses.dataclass(frozen=True)
-class Artifact:
-    """A signed package a generation was loaded from (kept for rollback; re-verified on use)."""
-
-    generation: int
-    package: str  # as given: relative to trust.model_root (or absolute inside it)
-    sha256: str
-    timing: str | None
 
 
 def _package_error(exc: BaseException) -> ControlError:
@@ -120,6 +111,7 @@ class ModelControl:
         self.waiting_model = 0  # requests waiting for a switch now
         self.waiting_model_tokens = 0
         self.unloader = Unloader(backend, models, driver, nursery)
+        self.switcher = TimeSwitcher(self)
         self.phases = self.unloader.phases
         self.switches_total: collections.Counter[str] = collections.Counter()
         self.operations_total: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -151,20 +143,23 @@ class ModelControl:
     # ------------------------------------------------------------------------------ operations
     async def load(self, alias: str, package: str, drain_timeout_s: float = 30.0, *,
                    expect_sha256: str | None = None, timing: str | None = None,
-                   op: str = "load") -> Generation:
+                   op: str = "load") -> Generation | None:
         """Spec §11 for ``package`` under ``alias`` (new alias, or a replacement). Runs to its end
-        even if the caller goes away (a half-done replacement is worse than a late answer)."""
+        even if the caller goes away (a half-done replacement is worse than a late answer).
+        None: registered non-resident (time-switching, loaded on demand)."""
         return await self._detached(lambda: self._load(alias, package, drain_timeout_s,
                                                        expect_sha256, timing, op))
 
     async def unload(self, alias: str, drain_timeout_s: float = 30.0) -> dict[str, Any]:
         return await self._detached(lambda: self._unload(alias, drain_timeout_s))
 
-    async def rollback(self, alias: str, drain_timeout_s: float = 30.0) -> Generation:
+    async def rollback(self, alias: str, drain_timeout_s: float = 30.0) -> Generation | None:
         """Re-publish the previous generation's retained artifact (re-verified) through the same
         steps as a load; 409 ``no_previous`` when there is none."""
-        art = self.previous.get(alias)
-        if alias not in self.models.aliases and alias not in self.switching:
+        parked = self.switcher.parked.get(alias)
+        art = parked.previous if parked is not None else self.previous.get(alias)
+        if (alias not in self.models.aliases and alias not in self.switching
+                and parked is None):
             raise UnknownModel(f"model {alias!r} does not exist", param="alias")
         if art is None:
             raise ControlError(409, "no_previous",
@@ -194,7 +189,7 @@ class ModelControl:
         return result
 
     async def _load(self, alias: str, package: str, drain_timeout_s: float,
-                    expect_sha256: str | None, timing: str | None, op: str) -> Generation:
+                    expect_sha256: str | None, timing: str | None, op: str) -> Generation | None:
         if not _ALIAS.match(alias):
             raise ControlError(400, "invalid_alias", f"alias {alias!r}: 1-64 characters of "
                                "letters, digits, '.', '_', ':' or '-'", param="alias")
@@ -203,7 +198,7 @@ class ModelControl:
         if timing is None and entry is not None:
             timing = entry.timing  # models.<alias>.timing applies to every generation of it
         try:
-            source, manifest = await trio.to_thread.run_sync(self._open, alias, package, timing)
+            source, manifest = await trio.to_thread.run_sync(self.open_source, alias, package, timing)
             if expect_sha256 is not None and source.sha256 != expect_sha256:
                 raise ControlError(409, "integrity", f"{package}: the retained artifact changed "
                                    f"(sha256 {source.sha256[:12]}..., expected "
@@ -213,19 +208,21 @@ class ModelControl:
             except ConfigError as e:
                 raise _package_error(e) from None
             old = self._current_gen(alias)
-            if not self.co_resident:
-                others = [g for g in self.models.generations.values()
-                          if g.alias != alias and g.state is not ModelState.UNLOADED]
-                if others:
-                    raise ControlError(409, "single_resident", (
-                        f"runtime {self.backend.capabilities.name} keeps one calbin resident and "
-                        f"model {others[0].alias!r} is loaded: unload it first"), param="alias")
-            self._plan(manifest, members, old)  # step 4, outside the lock
+            if not self.co_resident and old is None and (
+                    alias in self.switcher.parked or self.switcher.resident() is not None):
+                # one resident calbin, taken by another alias: registered, loaded on demand (§13)
+                self.plan(manifest, members, None, alone=True)
+                async with self._acquire(alias):
+                    self.switcher.park_new(alias, source, Artifact(0, package, source.sha256,
+                                                                   timing))
+                self.operations_total[(op, "ok")] += 1
+                return None
+            self.plan(manifest, members, old)  # step 4, outside the lock
             lock = self._acquire(alias)  # step 5
             async with lock:
                 if self.co_resident or old is None:
-                    gen = await self._build(source, package)
-                    self._publish(gen, timing)
+                    gen = await self.build(source, package)
+                    self.publish(gen, timing)
                     if old is not None:
                         self.unloader.in_background(old, drain_timeout_s)
                 else:
@@ -237,7 +234,7 @@ class ModelControl:
         self.phases["load"].observe(time.monotonic() - t0)
         return gen
 
-    def _open(self, alias: str, package: str, timing: str | None) -> tuple[ModelSource, Any]:
+    def open_source(self, alias: str, package: str, timing: str | None) -> tuple[ModelSource, Any]:
         """Steps 1-3 (file I/O: a worker thread)."""
         from calserve.models.package import open_package
         from calserve.models.signing import TrustStore
@@ -250,11 +247,15 @@ class ModelControl:
         except CalserveError as e:
             raise _package_error(e) from None
 
-    def _plan(self, manifest: Any, members: list[int], old: Generation | None) -> None:
+    def plan(self, manifest: Any, members: list[int], old: Generation | None, *,
+             alone: bool = False) -> None:
+        """Step 4; ``alone``: as the one resident calbin (a time-switched alias)."""
         from calserve.models.capacity import plan_capacity
 
         cap, used = self.backend.dram()
-        if old is not None and not self.co_resident:
+        if alone:
+            used = 0
+        elif old is not None and not self.co_resident:
             used -= old.dram_bytes  # it is unloaded before the new one is configured
         plan = plan_capacity(manifest, members, cap, max(used, 0), self.cfg.scheduler.admission,
                              max_inflight=self.cfg.scheduler.executor.max_inflight,
@@ -263,7 +264,7 @@ class ModelControl:
             raise ControlError(409, "insufficient_capacity", f"capacity plan: {plan.reason}",
                                param="package")
 
-    async def _build(self, source: ModelSource, package: str) -> Generation:
+    async def build(self, source: ModelSource, package: str) -> Generation:
         """Steps 7-9, refusals named by the step."""
         progress = BuildProgress()
         t0 = time.monotonic()
@@ -279,7 +280,7 @@ class ModelControl:
         self.phases["warmup"].observe(time.monotonic() - progress.configured_at)
         return gen
 
-    def _publish(self, gen: Generation, timing: str | None) -> None:
+    def publish(self, gen: Generation, timing: str | None) -> None:
         old = self.current.get(gen.alias)
         self.models.publish(gen)  # step 10
         if old is not None:  # step 11: keep the replaced artifact
@@ -302,7 +303,7 @@ class ModelControl:
         try:
             await self.unloader.retire(old, drain_timeout_s, admit_waiting=True, keep_listed=True)
             try:
-                gen = await self._build(source, package)
+                gen = await self.build(source, package)
             except ControlError as e:
                 restored = await self._restore(alias, self.current[alias])
                 e.message = (f"{e.message}; the previous package was re-published as generation "
@@ -310,7 +311,7 @@ class ModelControl:
                 e.args = (e.message,)
                 log.error("model %s: %s", alias, e.message, extra={"model": alias})
                 raise
-            self._publish(gen, timing)
+            self.publish(gen, timing)
             return gen
         finally:
             self.models.generations.pop(old.id, None)
@@ -322,7 +323,7 @@ class ModelControl:
 
     async def _restore(self, alias: str, art: Artifact) -> Generation:
         """Re-publish ``art`` (re-verified) after a refused switch: a new generation id."""
-        source, _ = await trio.to_thread.run_sync(self._open, alias, art.package, art.timing)
+        source, _ = await trio.to_thread.run_sync(self.open_source, alias, art.package, art.timing)
         if source.sha256 != art.sha256:
             raise ControlError(500, "rollback_failed", f"{art.package}: the retained artifact "
                                "changed; nothing is serving this model")
@@ -334,6 +335,11 @@ class ModelControl:
 
     async def _unload(self, alias: str, drain_timeout_s: float) -> dict[str, Any]:
         gen = self._current_gen(alias)
+        if gen is None and alias in self.switcher.parked:  # not resident: nothing on the device
+            async with self._acquire(alias):
+                self.switcher.parked.pop(alias)
+            self.operations_total[("unload", "ok")] += 1
+            return {"alias": alias, "generation": None, "state": "Unloaded", "dram_freed_bytes": 0}
         if gen is None:
             raise UnknownModel(f"model {alias!r} does not exist", param="alias")
         lock = self._acquire(alias)
@@ -349,33 +355,44 @@ class ModelControl:
 
     # ------------------------------------------------------------------------------ requests
     async def wait_for_alias(self, req: GenerateRequest) -> GenerateRequest:
-        """WaitingModel: a request for an alias whose single resident calbin is being switched
-        waits for the new generation, bounded by its deadline and the waiting budgets (else 503 +
-        Retry-After). Returns the request with the time it waited taken off its deadline."""
+        """WaitingModel: a request for an alias that is being switched (its one resident calbin
+        replaced) or is not resident (time-switching, spec §13) waits until its generation is
+        Ready, bounded by its deadline and the waiting budgets (else 503 + Retry-After). Returns
+        the request with the time it waited taken off its deadline."""
         alias = req.model or self.models.default
-        ev = self.switching.get(alias)
-        if ev is None:
+        if alias not in self.switching and alias not in self.switcher.parked:
             return req
         adm = self.cfg.scheduler.admission
         n = len(req.prompt_tokens)
         if (self.waiting_model + 1 > adm.max_waiting_requests
                 or self.waiting_model_tokens + n > adm.max_waiting_prompt_tokens):
-            raise UnavailableError(f"model {alias!r} is being replaced and too many requests wait "
-                                   "for it", retry_after=WAIT_MODEL_RETRY_S)
+            raise UnavailableError(f"model {alias!r} is being switched in and too many requests "
+                                   "wait for it", retry_after=WAIT_MODEL_RETRY_S)
         rel = req.deadline_s if req.deadline_s is not None else adm.deadline_default_ms / 1000.0
         t0 = trio.current_time()
+        deadline = t0 + rel
         self.waiting_model += 1
         self.waiting_model_tokens += n
         try:
-            with trio.move_on_after(rel):
-                await ev.wait()
+            while trio.current_time() < deadline:
+                ev = self.switching.get(alias)
+                if ev is not None:
+                    with trio.move_on_at(deadline):
+                        await ev.wait()
+                elif alias in self.switcher.parked:
+                    refusal = await self.switcher.wait_resident(alias, deadline)
+                    if refusal is not None:
+                        raise UnavailableError(f"model {alias!r} could not be loaded: {refusal}",
+                                               retry_after=WAIT_MODEL_RETRY_S)
+                else:
+                    break
         finally:
             self.waiting_model -= 1
             self.waiting_model_tokens -= n
-        left = rel - (trio.current_time() - t0)
-        if not ev.is_set() or left <= 0:
-            raise UnavailableError(f"model {alias!r} is being replaced and was not ready within "
-                                   "the request's deadline", retry_after=WAIT_MODEL_RETRY_S)
+        left = deadline - trio.current_time()
+        if left <= 0 or alias in self.switching or alias in self.switcher.parked:
+            raise UnavailableError(f"model {alias!r} is being switched in and was not ready "
+                                   "within the request's deadline", retry_after=WAIT_MODEL_RETRY_S)
         return dataclasses.replace(req, deadline_s=left)
 
     # ------------------------------------------------------------------------------ reading
@@ -399,6 +416,7 @@ class ModelControl:
                 "resident": gen is not None and gen.state is not ModelState.UNLOADED,
                 "generations": [self.generation_entry(g) for g in gens],
             })
+        out.extend(self.switcher.entries())
         return out
 
     def generation_entry(self, g: Generation) -> dict[str, Any]:

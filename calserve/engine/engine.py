@@ -34,8 +34,10 @@ from calserve.config import CalserveConfig, default_alias
 from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend, RuntimeBackend
 from calserve.engine.control import ModelControl
+from calserve.engine.timeswitch import Artifact
 from calserve.engine.driver import CoreDriver
-from calserve.engine.generations import Generation, ModelManager, release_members
+from calserve.engine.generations import (Generation, ModelManager, release_members,
+                                         serving_profile)
 from calserve.engine.registry import RequestHandle, RequestRegistry
 from calserve.engine.stats import StatisticsSources, build_statistics
 from calserve.engine.types import EngineStatistics, GenerateRequest, ModelInfo, ProfileInfo
@@ -102,16 +104,12 @@ class Engine:
             async with trio.open_nursery() as nursery:
                 eng = cls(cfg, backend, nursery)
                 try:
-                    for alias, entry in cfg.models.items():
-                        if alias not in srcs:
-                            raise KeyError(f"no model source for alias {alias!r}")
-                        package = "" if sources is not None else (entry.package or "")
-                        gen = await eng.model_manager.load(srcs[alias], package)
-                        eng.control.adopt(gen, package)
+                    await eng._load_configured(srcs, own_sources=sources is None)
                     await nursery.start(eng.driver.recovery.run)
                     for ex in eng.executors:
                         await nursery.start(ex.run)
                     await nursery.start(eng.driver.run)
+                    await nursery.start(eng.control.switcher.run)
                     eng.registry.running = True
                     yield eng
                     await eng._drain()
@@ -127,6 +125,25 @@ class Engine:
             if own_backend:
                 with trio.CancelScope(shield=True):
                     await backend.aclose()
+
+    async def _load_configured(self, srcs: Mapping[str, ModelSource], own_sources: bool) -> None:
+        """Every configured model as its first generation; on a runtime with one resident calbin
+        and several aliases only the default one is loaded, the others are registered non-resident
+        (time-switching, :mod:`calserve.engine.timeswitch`)."""
+        cfg = self.cfg
+        single = not self.backend.capabilities.multi_calbin
+        order = sorted(cfg.models, key=lambda a: a != self.default_alias)  # the default first
+        for i, alias in enumerate(order):
+            entry = cfg.models[alias]
+            if alias not in srcs:
+                raise KeyError(f"no model source for alias {alias!r}")
+            package = "" if not own_sources else (entry.package or "")
+            if single and i > 0:
+                self.control.switcher.park_new(alias, srcs[alias], Artifact(
+                    0, package, srcs[alias].sha256, entry.timing))
+                continue
+            gen = await self.model_manager.load(srcs[alias], package)
+            self.control.adopt(gen, package)
 
     async def _drain(self) -> None:
         """Graceful part of shutdown: terminal events for all, submitted jobs drained."""
@@ -158,7 +175,7 @@ class Engine:
         # Create first (admission and, when a lane and an executor are free, the prefill dispatch
         # happen right here), then yield without a cancellation point: a request that was accepted
         # always reaches its caller, which owns its handle.
-        if self.control.switching:  # WaitingModel: a single-resident switch of its alias runs
+        if self.control.switching or self.control.switcher.parked:  # WaitingModel (switching)
             req = await self.control.wait_for_alias(req)
         handle = self.registry.create(req)
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -184,11 +201,21 @@ class Engine:
         return self.model_manager.resolve(alias)
 
     def tokenizer(self, alias: str | None = None) -> Any:
+        parked = self.control.switcher.parked.get(alias or self.default_alias)
+        if parked is not None:
+            return parked.source.tokenizer
         return self.model_manager.resolve(alias).source.tokenizer
 
     def ready(self, alias: str | None = None) -> bool:
+        """Whether ``alias`` can be served now (a non-resident alias is loaded on demand: yes);
+        without ``alias``: whether any alias can."""
         if self.failed.is_set() or self.registry.closing or not self.registry.running:
             return False
+        parked = self.control.switcher.parked
+        if alias is None:
+            return bool(parked) or any(self.ready(a) for a in self.model_manager.aliases)
+        if alias in parked:
+            return True
         try:
             return self.model_manager.resolve(alias).state is ModelState.READY
         except Exception:
@@ -208,7 +235,17 @@ class Engine:
                 for b in sorted(g.source.profiles)
             )
             out.append(ModelInfo(alias, gid, g.state.value, g.max_seq, profiles, g.source.sha256,
-                                 g.created, {"serving_batch": g.compiled_batch}))
+                                 g.created, {"serving_batch": g.compiled_batch, "resident": True}))
+        for alias, p in sorted(self.control.switcher.parked.items()):  # loaded on demand
+            src = p.source
+            spec = src.profiles[serving_profile(self.cfg, src, self.backend)]
+            profiles = tuple(
+                ProfileInfo(b, src.tiers.get(b, "C0" if b == 1 else "C3"),
+                            b == 1 or caps.batch_profiles)
+                for b in sorted(src.profiles)
+            )
+            out.append(ModelInfo(alias, 0, ModelState.UNLOADED.value, spec.max_seq, profiles,
+                                 src.sha256, 0, {"resident": False}))
         return out
 
     def statistics(self) -> EngineStatistics:
