@@ -14,7 +14,9 @@
 Every refusal is a 4xx in the OpenAI error body whose ``code`` names the step that refused:
 ``package_path`` / ``signature`` / ``integrity`` / ``validation`` / ``compatibility`` /
 ``introspection`` / ``golden`` (400), ``configure`` / ``lifecycle_busy`` / ``insufficient_capacity`` /
-``single_resident`` / ``no_previous`` (409), ``model_not_found`` (404).
+``no_previous`` (409), ``model_not_found`` (404). On a runtime with one resident calbin, loading an
+alias while another is resident registers it non-resident (answer ``"resident": false``; loaded when a
+request for it arrives, :mod:`calserve.engine.timeswitch`).
 """
 
 from __future__ import annotations

@@ -228,9 +228,9 @@ class ModelManager:
 
     async def build(self, source: ModelSource, package: str = "",
                     progress: BuildProgress | None = None) -> Generation:
-        """Spec §11 steps 7-9: configure every member, inspect, golden + warmup. The generation is
-        registered (its state visible, its DRAM charged) but not published; a failure releases what
-        was loaded and leaves it Failed and unregistered."""
+        """Spec §11 steps 7-9: configure every member, inspect, golden + warmup. The Ready generation
+        is registered but not published; a failure releases what was loaded (Failed, never
+        registered: no pass or recovery episode sees a generation being built)."""
         t0 = time.monotonic()
         progress = progress if progress is not None else BuildProgress()
         progress.step = "configure"
@@ -258,7 +258,6 @@ class ModelManager:
         )
         gen.fire(ModelEvent.LOAD)
         gen.fire(ModelEvent.VALIDATED)
-        self.generations[gid] = gen  # listed (Configuring...) while it loads; never dispatched
         try:
             progress.step = "introspection"
             for mb, cb in calbins.items():  # introspection per member (spec §11 step 8)
@@ -273,12 +272,12 @@ class ModelManager:
             gen.fire(ModelEvent.WARMED)
         except BaseException:
             gen.fire(ModelEvent.FAIL)
-            self.generations.pop(gid, None)
             with trio.CancelScope(shield=True):
                 await release_members(gen)
             raise
         gen.created = int(time.time())
         gen.load_seconds = time.monotonic() - t0
+        self.generations[gid] = gen  # Ready: listed (and passed over until published)
         if gen.selecting:
             how = "per-tick profile selection over one shared-KV group"
         else:
