@@ -131,3 +131,29 @@ async def _active(h: Any, n: int) -> bool:
 
 async def _switching(h: Any) -> bool:
     return bool(h.real.control.switching)
+
+
+async def test_waiting_budget_bounds_the_requests_waiting_for_a_switch(packages: Packages) -> None:
+    cfg = control_config(packages, "calrt-0.7.6", timing="fast",
+                         scheduler={"admission": {"max_waiting_requests": 2}})
+    async with control_app(cfg) as h:
+        got: list[tuple[int, Any, Any]] = []
+
+        async def long_one() -> None:
+            await h.stream("x", 600, ignore_eos=True)
+
+        async def short(p: str) -> None:
+            got.append(await h.complete(p, 8))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(long_one)
+            await wait_until(lambda: _active(h, 1))
+            n.start_soon(h.admin, "POST", "/models/qwen3/load", {"package": "b"})
+            await wait_until(lambda: _switching(h))
+            for p in PROMPTS:
+                n.start_soon(short, p)
+        statuses = sorted(s for s, _, _ in got)
+        assert statuses == [200, 200, 503, 503, 503], statuses
+        for s, body, headers in got:
+            if s == 503:
+                assert "Retry-After" in headers and "too many" in body["error"]["message"]
