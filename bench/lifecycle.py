@@ -6,8 +6,11 @@ through the admin API of a real server (sim-next, demo architecture, ``fast`` ti
    device DRAM in use (``calserve_device_dram_used_bytes``) must be back to its baseline exactly,
    and the serving process's RSS is sampled (``/proc``).
 2. **Switching soak**: closed-loop streaming clients on two aliases while ``qwen3`` is hot-replaced
-   every few seconds (a <-> b) and ``cyc`` is loaded/unloaded; every request must end 200 with
-   ``[DONE]`` (0 lost), and each replacement is counted.
+   every few seconds (a <-> b); every request must end 200 with ``[DONE]`` (0 lost), and each
+   replacement is counted.
+3. **Time-switching soak** (calrt-0.7.6, one resident calbin, two aliases, spec §13): closed-loop
+   clients on both aliases; every request must end 200 (0 lost); the switches are counted
+   (``calserve_model_switches_total``; bounded by the minimum residency, 1 s here).
 """
 
 from __future__ import annotations
@@ -138,6 +141,45 @@ def _soak(srv: Server, seconds: float, every_s: float) -> dict[str, Any]:
             "requests_lost": counts["lost"]}
 
 
+def _metric_sum(c: httpx.Client, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def _timeswitch_soak(out: Path, root: Path, seconds: float) -> dict[str, Any]:
+    cfg = {
+        "runtime": {"profile": "calrt-0.7.6"},
+        "trust": {"model_root": str(root)},
+        "admin": {"token": TOKEN},
+        "switching": {"min_residency_s": 1.0},
+        "models": {"m1": {"package": "a", "timing": "fast"},
+                   "m2": {"package": "b", "timing": "fast"}},
+    }
+    stop = threading.Event()
+    counts = {"ok": 0, "lost": 0}
+    lock = threading.Lock()
+    with Server.calserve(cfg, out / "server-timeswitch") as srv:
+        def client(model: str) -> None:
+            with httpx.Client(base_url=srv.url, timeout=120) as c:
+                while not stop.is_set():
+                    ok = _stream_ok(c, model, 24)
+                    with lock:
+                        counts["ok" if ok else "lost"] += 1
+
+        threads = [threading.Thread(target=client, args=(m,), daemon=True)
+                   for m in ("m1", "m1", "m2", "m2")]
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            switches = _metric_sum(c, "calserve_model_switches_total")
+    return {"seconds": seconds, "min_residency_s": 1.0, "switches": int(switches),
+            "requests_ok": counts["ok"], "requests_lost": counts["lost"]}
+
+
 def run(out: Path, quick: bool, minutes: float | None = None) -> dict[str, Any]:
     root = out / "models"
     _packages(root)
@@ -155,6 +197,7 @@ def run(out: Path, quick: bool, minutes: float | None = None) -> dict[str, Any]:
         with httpx.Client(base_url=srv.url, timeout=120) as c:
             cyc = _cycles(srv, c, n)
         soak = _soak(srv, soak_s, 3.0)
-    doc = {"cycles": cyc, "switching_soak": soak}
+    ts = _timeswitch_soak(out, root, 15.0 if quick else 60.0)
+    doc = {"cycles": cyc, "switching_soak": soak, "timeswitch_soak_calrt_076": ts}
     (out / "lifecycle.json").write_text(json.dumps(doc, indent=1))
     return doc
