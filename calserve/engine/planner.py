@@ -67,10 +67,20 @@ class Planner:
         self.share = ModelShare()
 
     def _free_engine(self) -> JobEngine | None:
+        """A job engine with no job, unless ``admission.max_inflight_jobs`` jobs are on the device
+        already (the capacity plan's in-flight budget; unset = one per enabled engine)."""
+        free = None
+        busy = 0
         for e, job in self.st.slots.items():
             if job is None:
-                return e
-        return None
+                if free is None:
+                    free = e
+            else:
+                busy += 1
+        limit = self.cfg.scheduler.admission.max_inflight_jobs
+        if limit is not None and busy >= limit:
+            return None
+        return free
 
     def hand_over(self, engine: JobEngine, job: DeviceJob) -> None:
         self.st.slots[engine] = job
