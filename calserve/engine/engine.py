@@ -139,6 +139,7 @@ class Engine:
                 raise KeyError(f"no model source for alias {alias!r}")
             package = "" if not own_sources else (entry.package or "")
             if single and i > 0:
+                serving_profile(cfg, srcs[alias], self.backend)  # an impossible config fails now
                 self.control.switcher.park_new(alias, srcs[alias], Artifact(
                     0, package, srcs[alias].sha256, entry.timing))
                 continue
