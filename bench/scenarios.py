@@ -6,7 +6,7 @@ core 1), writes per-point run directories (records.jsonl, summary.json, metrics.
 prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
 
 Names: saturation, m1-async-vs-sync, batching, fairness, fairness-backlogged, overload, soak,
-http-floor, scaleout, sampler-cost, m2-pingpong, chaos.
+http-floor, scaleout, sampler-cost, m2-pingpong, chaos, lifecycle.
 """
 
 from __future__ import annotations
@@ -352,6 +352,13 @@ def chaos(out: Path, quick: bool) -> dict[str, Any]:
     return run(out, quick)
 
 
+def lifecycle(out: Path, quick: bool, minutes: float | None = None) -> dict[str, Any]:
+    """Model load/serve/unload cycles via the admin API (DRAM back to baseline, RSS) and a switching
+    soak with replacements every 3 s (bench/lifecycle.py)."""
+    from bench.lifecycle import run as lifecycle_run
+    return lifecycle_run(out, quick, minutes)
+
+
 SCENARIOS = {
     "saturation": saturation,
     "m1-async-vs-sync": m1_async_vs_sync,
@@ -365,6 +372,7 @@ SCENARIOS = {
     "sampler-cost": sampler_cost,
     "m2-pingpong": m2_pingpong,
     "chaos": chaos,
+    "lifecycle": lifecycle,
 }
 
 
@@ -373,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=sorted(SCENARIOS))
     ap.add_argument("--quick", action="store_true", help="shorter points (a smoke run)")
-    ap.add_argument("--minutes", type=float, help="soak length")
+    ap.add_argument("--minutes", type=float, help="soak length (soak, lifecycle's switching soak)")
     ap.add_argument("--out", type=Path, help="default bench/out/NAME")
     a = ap.parse_args(argv)
     out = a.out or BENCH_OUT / a.name
@@ -381,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     pinned = pin_self(1)
     t0 = time.monotonic()
     fn = SCENARIOS[a.name]
-    doc = soak(out, a.quick, a.minutes) if a.name == "soak" else fn(out, a.quick)
+    if a.name in ("soak", "lifecycle"):
+        doc = (soak if a.name == "soak" else lifecycle)(out, a.quick, a.minutes)
+    else:
+        doc = fn(out, a.quick)
     doc = {"scenario": a.name, "quick": a.quick, "loadgen_pinned_core1": pinned,
            "wall_s": round(time.monotonic() - t0, 1), **doc}
     write_json(out / "summary.json", doc)

@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--runtime", choices=["calrt-0.7.6", "sim-next"], default=None)
     d.add_argument("--soak", type=int, default=10, metavar="N", help="load/unload cycles")
 
+    from calserve.cli_models import add_models_parser  # the admin API client (issue 14)
+
+    add_models_parser(sub)
+
     s = sub.add_parser("serve", help="run the HTTP server (see `calserve serve --help`)", add_help=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)
     c = sub.add_parser("cluster", help="N replicas (one per board) behind HAProxy (see `calserve "
@@ -144,6 +148,12 @@ def _cmd_device_check(a: argparse.Namespace) -> int:
     return 1 if any(r.status == "FAIL" for r in rows) else 0
 
 
+def _cmd_models(a: argparse.Namespace) -> int:
+    from calserve.cli_models import run_models
+
+    return run_models(a)
+
+
 def _cmd_serve(rest: Sequence[str]) -> int:
     from calserve.api import serve
 
@@ -165,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "keygen": _cmd_keygen,
         "verify": _cmd_verify,
         "device-check": _cmd_device_check,
+        "models": _cmd_models,
     }
     try:
         return handlers[a.cmd](a)

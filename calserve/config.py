@@ -41,9 +41,11 @@ __all__ = [
     "TrustConfig",
     "AdminConfig",
     "ModelEntry",
+    "SwitchingConfig",
     "TenantConfig",
     "CalserveConfig",
     "calserve_home",
+    "default_alias",
     "load_config",
     "decode_config",
 ]
@@ -51,6 +53,7 @@ __all__ = [
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Share = Annotated[float, msgspec.Meta(gt=0, le=1)]
 BatchSize = Literal[1, 4, 8, 16]
 
@@ -181,7 +184,8 @@ class RecoveryConfig(_Strict):
 
 class SchedulerConfig(_Strict):
     schema: Literal["calculet-scheduler/v1"] = "calculet-scheduler/v1"
-    model_alias: str = "qwen3"
+    # The default alias (requests without ``model``). None = the first key of ``models``.
+    model_alias: str | None = None
     admission: AdmissionConfig = msgspec.field(default_factory=AdmissionConfig)
     queues: QueuesConfig = msgspec.field(default_factory=QueuesConfig)
     fairness: FairnessConfig = msgspec.field(default_factory=FairnessConfig)
@@ -291,11 +295,23 @@ class AdminConfig(_Strict):
     token: str | None = None
 
 
+class SwitchingConfig(_Strict):
+    # calrt-0.7.6 with several aliases (one resident calbin, spec §13 time-switching): a resident
+    # alias is switched out for another one with waiting requests only after it was resident this
+    # long, or as soon as it has no work left (anti-thrashing; its queued requests are served first).
+    min_residency_s: NonNegFloat = 2.0
+    # Drain deadline of the alias switched out (its running requests finish or are cancelled then).
+    drain_timeout_s: NonNegFloat = 30.0
+
+
 class ModelEntry(_Strict):
     # Package directory. None = the built-in demo package (built on first start).
     package: str | None = None
     # Timing profile name for the software runtime, overriding the package's (None = package's).
     timing: str | None = None
+    # Share of the device's job engines against the other co-resident aliases (sim-next; default
+    # equal): generations with work are served in weighted fair order of their device time.
+    weight: PosFloat = 1.0
 
 
 class TenantConfig(_Strict):
@@ -313,13 +329,17 @@ class CalserveConfig(_Strict):
     runtime: RuntimeConfig = msgspec.field(default_factory=RuntimeConfig)
     trust: TrustConfig = msgspec.field(default_factory=TrustConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    switching: SwitchingConfig = msgspec.field(default_factory=SwitchingConfig)
     models: dict[str, ModelEntry] = msgspec.field(
         default_factory=lambda: {"qwen3": ModelEntry()}
     )
     tenants: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.scheduler.model_alias not in self.models:
+        if not self.models:
+            raise ValueError("models: at least one alias is needed (more are loaded at run time "
+                             "through POST /admin/v1/models/{alias}/load)")
+        if self.scheduler.model_alias is not None and self.scheduler.model_alias not in self.models:
             raise ValueError(
                 f"scheduler.model_alias {self.scheduler.model_alias!r} is not a key of models"
             )
@@ -334,6 +354,12 @@ class CalserveConfig(_Strict):
                 if k in seen:
                     raise ValueError(f"tenants.{name}.api_keys: key also used by tenant {seen[k]!r}")
                 seen[k] = name
+
+
+def default_alias(cfg: CalserveConfig) -> str:
+    """The alias a request without ``model`` goes to: ``scheduler.model_alias``, else the first key
+    of ``models``."""
+    return cfg.scheduler.model_alias if cfg.scheduler.model_alias is not None else next(iter(cfg.models))
 
 
 def calserve_home() -> Path:

@@ -22,6 +22,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from calserve.api.admin import register_admin_routes, status_routes
+from calserve.api.admin_models import model_routes
 from calserve.api.admin_trace import trace_routes
 from calserve.api.asgi import FastRoutes, fast_route
 from calserve.api.bodies import too_large
@@ -194,6 +195,6 @@ def create_app(
         return resp
 
     register_routes(app, state)
-    register_admin_routes(app, state, [status_routes, trace_routes])
+    register_admin_routes(app, state, [status_routes, trace_routes, model_routes])
     app.fast = FastRoutes(state)
     return app

@@ -191,8 +191,10 @@ class FastRoutes:
         try:
             metrics = self._state.metrics
             fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
+            # the generation the request is pinned to (engines without one: no such field)
+            fingerprint: str | None = getattr(handle, "system_fingerprint", None)
             if prep.stream:
-                enc = StreamEncoder.for_request(prep, fmt)
+                enc = StreamEncoder.for_request(prep, fmt, fingerprint)
                 self._count(200)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
@@ -201,6 +203,8 @@ class FastRoutes:
                 return
             try:
                 body = await run_json(lease, metrics, prep, fmt)
+                if fingerprint is not None:
+                    body["system_fingerprint"] = fingerprint
             except Exception as exc:  # an ErrorEvent (500/503) or a bug
                 await self._send_error(send, to_api_error(exc))
                 return

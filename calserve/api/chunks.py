@@ -31,15 +31,18 @@ class ChunkEncoder:
     __slots__ = ("chat", "_head", "_choice", "_usage_null", "_tok_head", "_tok_tail")
 
     def __init__(self, *, chat: bool, rid: str, created: int, model: str,
-                 include_usage: bool, index: int = 0) -> None:
+                 include_usage: bool, index: int = 0,
+                 system_fingerprint: str | None = None) -> None:
         """``index``: the choice this encoder's chunks carry (``n`` > 1: one encoder per choice,
-        same ``rid`` and ``created``)."""
+        same ``rid`` and ``created``); ``system_fingerprint``: the generation that serves it."""
         self.chat = chat
         obj = "chat.completion.chunk" if chat else "text_completion"
-        # data: {"id":..,"object":..,"created":..,"model":..
+        # data: {"id":..,"object":..,"created":..,"model":..[,"system_fingerprint":..]
         self._head = (b'data: {"id":' + _ENC.encode(rid) + b',"object":' + _ENC.encode(obj)
                       + b',"created":' + _ENC.encode(created) + b',"model":'
                       + _ENC.encode(model))
+        if system_fingerprint is not None:  # the generation that serves it (issue 14)
+            self._head += b',"system_fingerprint":' + _ENC.encode(system_fingerprint)
         self._choice = self._head + b',"choices":[{"index":' + str(index).encode() + b','
         self._usage_null = b',"usage":null' if include_usage else b""
         # The hot case: a token chunk without logprobs and without finish_reason.

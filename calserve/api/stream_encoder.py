@@ -80,12 +80,15 @@ class StreamEncoder:
         self.finished = False
 
     @classmethod
-    def for_request(cls, prep: Prepared, fmt: LogprobFormatter) -> StreamEncoder:
-        """The encoder of an accepted streaming request (a fresh id, ``created`` = now)."""
+    def for_request(cls, prep: Prepared, fmt: LogprobFormatter,
+                    system_fingerprint: str | None = None) -> StreamEncoder:
+        """The encoder of an accepted streaming request (a fresh id, ``created`` = now;
+        ``system_fingerprint``: the generation the request is pinned to)."""
         chat = prep.kind == "chat"
         chunks = ChunkEncoder(chat=chat, rid=new_id("chatcmpl" if chat else "cmpl"),
                               created=now_s(), model=prep.alias,
-                              include_usage=prep.include_usage)
+                              include_usage=prep.include_usage,
+                              system_fingerprint=system_fingerprint)
         return cls(chunks, include_usage=prep.include_usage, echo_text=prep.echo_text,
                    logprobs=fmt if prep.logprobs is not None else None)
 

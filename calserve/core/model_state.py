@@ -6,6 +6,7 @@
     Ready ─DRAIN─> Draining ─DRAINED─> Unloading ─UNLOADED─> Unloaded
     Configuring/Warming/Ready/Draining/Unloading ─FAULT─> Recovering ─RECOVERED─> Ready
     Recovering ─DRAINED─> Unloading          (the fault happened while unloading/draining)
+    Recovering ─DRAIN─> Draining             (a draining generation recovered before its deadline)
     any but Failed ─FAIL─> Failed            (terminal for this generation; a new one is built)
 
 Spec §12: a drain deadline with a submitted job still on the device goes to Recovering (FAULT), never
@@ -27,6 +28,7 @@ __all__ = [
     "fire",
     "accepts_requests",
     "is_loading",
+    "serves_jobs",
 ]
 
 
@@ -69,7 +71,7 @@ _t[S.DRAINING][E.DRAINED] = S.UNLOADING
 _t[S.UNLOADING][E.UNLOADED] = S.UNLOADED
 for _s in (S.CONFIGURING, S.WARMING, S.READY, S.DRAINING, S.UNLOADING):
     _t[_s][E.FAULT] = S.RECOVERING
-_t[S.RECOVERING].update({E.RECOVERED: S.READY, E.DRAINED: S.UNLOADING})
+_t[S.RECOVERING].update({E.RECOVERED: S.READY, E.DRAINED: S.UNLOADING, E.DRAIN: S.DRAINING})
 for _s in ModelState:
     if _s not in TERMINAL:
         _t[_s][E.FAIL] = S.FAILED
@@ -91,3 +93,9 @@ def accepts_requests(state: ModelState) -> bool:
 def is_loading(state: ModelState) -> bool:
     """A generation on its way to Ready: requests pinned to it wait (WaitingModel) instead of 503."""
     return state in (S.VALIDATING, S.CONFIGURING, S.WARMING)
+
+
+def serves_jobs(state: ModelState) -> bool:
+    """Jobs of the generation's admitted requests are dispatched: Ready, and Draining (its running
+    requests finish on it, spec §12)."""
+    return state is S.READY or state is S.DRAINING

@@ -62,6 +62,11 @@ class JobBuilder:
                 inactive_writes_kv=cb.spec.inactive_writes_kv)
         return profile
 
+    def forget(self, gen: Generation) -> None:
+        """A generation was unloaded: drop its cached profiles."""
+        for key in [k for k in self._profiles if k[0] == gen.id]:
+            del self._profiles[key]
+
     def prefill_job(self, gen: Generation, seq: Seq, now: float) -> DeviceJob:
         self.prefill_jobs_total += 1
         return DeviceJob("prefill", gen, [seq], seq.prefill_input(), np.zeros(1, np.int32),

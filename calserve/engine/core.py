@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Final
 
 from calserve.config import CalserveConfig
 from calserve.core.kv_state import KvSequenceState
-from calserve.core.model_state import TRANSITIONS, ModelEvent, ModelState
+from calserve.core.model_state import TRANSITIONS, ModelEvent, ModelState, is_loading
 from calserve.engine.batches import JobBuilder
 from calserve.engine.completion import SAMPLE_FAILED, ends, expect, sample
 from calserve.engine.core_stats import CoreState, CoreStatistics, CoreStats, FastStep
@@ -148,7 +148,8 @@ class EngineCore:
                     reqs.confirm_released(gen, batch, now)
                 elif gen not in out.release_gens:
                     out.release_gens.append(gen)
-            if gen.state is ModelState.READY and not paused:
+            if not paused and (gen.state is ModelState.READY or (
+                    gen.state is ModelState.DRAINING and gen.admit_waiting)):
                 if now >= self.st.admit_after:
                     reqs.admit(gen, now)
                 elif q.waiting:  # degraded: admission cool-down after a reset
@@ -250,6 +251,8 @@ class EngineCore:
         """A fault is being recovered: every generation goes Recovering, no new job, a new epoch
         (results of jobs handed over before it are no new faults)."""
         for g in self.models.generations.values():
+            if is_loading(g.state):
+                continue  # still being built (its golden job fails on the reset: the load fails)
             if g.state is not ModelState.FAILED and ModelEvent.FAULT in TRANSITIONS[g.state]:
                 g.fire(ModelEvent.FAULT)
         self.st.paused = True
@@ -285,8 +288,11 @@ class EngineCore:
         if gen.state is not ModelState.RECOVERING:
             return
         if not failed:
-            gen.fire(ModelEvent.RECOVERED)
-            return
+            if not gen.retiring:
+                gen.fire(ModelEvent.RECOVERED)
+            elif not gen.drain_expired:  # a draining generation goes on draining
+                gen.fire(ModelEvent.DRAIN)
+            return  # past its drain deadline it stays Recovering until its jobs drained
         gen.fire(ModelEvent.FAIL)
         log.error("model %s generation %d failed (%s)", gen.alias, gen.id, why,
                   extra={"generation": gen.id})

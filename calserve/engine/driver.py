@@ -48,9 +48,14 @@ class CoreDriver:
         # The timer the scheduler task sleeps with (-inf while it runs a pass itself).
         self._armed = -math.inf
         self._idle: trio.Event | None = None  # created only when someone waits
+        self._progress: trio.Event | None = None  # set by the next output (the control plane waits)
+        self._freeing: set[int] = set()  # generations whose sequences are being freed right now
 
     # ------------------------------------------------------------------------------ Shell
     def apply(self, out: CoreOutput) -> None:
+        if self._progress is not None:
+            self._progress.set()
+            self._progress = None
         executors = self.executors
         for engine, job in out.jobs:
             executors[engine].start(job)
@@ -61,6 +66,9 @@ class CoreDriver:
             self._wake.set()
 
     def engine_idle(self) -> None:
+        if self._progress is not None:
+            self._progress.set()
+            self._progress = None
         if self._idle is not None and not self.core.inflight_jobs():
             self._idle.set()
             self._idle = None
@@ -70,6 +78,13 @@ class CoreDriver:
             if self._idle is None:
                 self._idle = trio.Event()
             await self._idle.wait()
+
+    async def wait_progress(self) -> None:
+        """Return after the next core output was applied or a job came back (the control plane
+        re-checks a draining generation then: no polling)."""
+        if self._progress is None:
+            self._progress = trio.Event()
+        await self._progress.wait()
 
     async def on_timeout(self, job: DeviceJob) -> None:
         await self.recovery.on_timeout(job)
@@ -102,6 +117,14 @@ class CoreDriver:
             return
         # Shielded: once taken from the core the lanes must reach Free even if the engine is being
         # cancelled (else they would stay Releasing forever).
-        with trio.CancelScope(shield=True):
-            await gen.calbin.free_sequences([r.seq_id for r in batch])
+        self._freeing.add(gen.id)
+        try:
+            with trio.CancelScope(shield=True):
+                await gen.calbin.free_sequences([r.seq_id for r in batch])
+        finally:
+            self._freeing.discard(gen.id)
         self.apply(self.core.confirm_released(gen, batch, trio.current_time()))
+
+    def freeing(self, gen: Generation) -> bool:
+        """A device round trip freeing ``gen``'s sequences is under way."""
+        return gen.id in self._freeing

@@ -30,12 +30,15 @@ from typing import Any
 
 import trio
 
-from calserve.config import CalserveConfig
+from calserve.config import CalserveConfig, default_alias
 from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend, RuntimeBackend
+from calserve.engine.control import ModelControl
 from calserve.engine.drain import DrainReport, drain_engine
+from calserve.engine.timeswitch import Artifact
 from calserve.engine.driver import CoreDriver
-from calserve.engine.generations import Generation, ModelManager, release_members
+from calserve.engine.generations import (Generation, ModelManager, release_members,
+                                         serving_profile)
 from calserve.engine.registry import RequestHandle, RequestRegistry
 from calserve.engine.reset_budget import ResetBudget, open_budget
 from calserve.engine.stats import StatisticsSources, build_statistics
@@ -67,6 +70,7 @@ class Engine:
         self.driver = CoreDriver(cfg, backend, self.model_manager, engines, budget)
         self.core = self.driver.core
         self.registry = RequestRegistry(cfg, self.model_manager, self.core, self.driver, nursery)
+        self.control = ModelControl(cfg, backend, self.model_manager, self.driver, nursery)
         self._nursery = nursery
         # Set when the engine can no longer serve (crash, or every model Failed).
         self.failed = self.driver.recovery.failed
@@ -109,14 +113,12 @@ class Engine:
             async with trio.open_nursery() as nursery:
                 eng = cls(cfg, backend, nursery, open_budget(cfg, persist_budget))
                 try:
-                    for alias in cfg.models:
-                        if alias not in srcs:
-                            raise KeyError(f"no model source for alias {alias!r}")
-                        await eng.model_manager.load(srcs[alias])
+                    await eng._load_configured(srcs, own_sources=sources is None)
                     await nursery.start(eng.driver.recovery.run)
                     for ex in eng.executors:
                         await nursery.start(ex.run)
                     await nursery.start(eng.driver.run)
+                    await nursery.start(eng.control.switcher.run)
                     eng.registry.running = True
                     yield eng
                     await eng._drain()
@@ -136,6 +138,26 @@ class Engine:
                     except Exception as e:  # a lost device: logged, never a traceback at exit
                         log.error("closing the device failed: %s", e)
 
+    async def _load_configured(self, srcs: Mapping[str, ModelSource], own_sources: bool) -> None:
+        """Every configured model as its first generation; on a runtime with one resident calbin
+        and several aliases only the default one is loaded, the others are registered non-resident
+        (time-switching, :mod:`calserve.engine.timeswitch`)."""
+        cfg = self.cfg
+        single = not self.backend.capabilities.multi_calbin
+        order = sorted(cfg.models, key=lambda a: a != self.default_alias)  # the default first
+        for i, alias in enumerate(order):
+            entry = cfg.models[alias]
+            if alias not in srcs:
+                raise KeyError(f"no model source for alias {alias!r}")
+            package = "" if not own_sources else (entry.package or "")
+            if single and i > 0:
+                serving_profile(cfg, srcs[alias], self.backend)  # an impossible config fails now
+                self.control.switcher.park_new(alias, srcs[alias], Artifact(
+                    0, package, srcs[alias].sha256, entry.timing))
+                continue
+            gen = await self.model_manager.load(srcs[alias], package)
+            self.control.adopt(gen, package)
+
     async def _drain(self) -> None:
         """Graceful part of shutdown: terminal events for all, submitted jobs drained."""
         self.registry.shutdown()
@@ -148,7 +170,9 @@ class Engine:
         ``leaked_at_close`` counts runtime sequences still bound to a lane of a request that never
         ended (only after a crash/outside cancellation); a clean shutdown leaves it 0."""
         await self.driver.wait_idle()
-        for gen in self.model_manager.generations.values():
+        gens = [g for g in self.model_manager.generations.values()
+                if g.state is not ModelState.UNLOADED]
+        for gen in gens:
             await self.driver.free_released(gen)
         self.final_statistics = self.statistics()
         if self.driver.watch.device_lost:
@@ -156,7 +180,7 @@ class Engine:
             # process is exiting (or serving 503) and the next one starts with a reset
             log.error("the device is lost: its calbins and sequences are not released")
             return
-        for gen in self.model_manager.generations.values():
+        for gen in gens:
             leftover = self.core.leftover_sequences(gen)
             self.leaked_at_close += len(leftover)
             await gen.calbin.free_sequences(leftover)
@@ -169,6 +193,8 @@ class Engine:
         # Create first (admission and, when a lane and an executor are free, the prefill dispatch
         # happen right here), then yield without a cancellation point: a request that was accepted
         # always reaches its caller, which owns its handle.
+        if self.control.switching or self.control.switcher.parked:  # WaitingModel (switching)
+            req = await self.control.wait_for_alias(req)
         handle = self.registry.create(req)
         await trio.lowlevel.cancel_shielded_checkpoint()
         return handle
@@ -187,7 +213,7 @@ class Engine:
 
     @property
     def default_alias(self) -> str:
-        return self.cfg.scheduler.model_alias
+        return default_alias(self.cfg)
 
     async def wait_failed(self) -> None:
         """Return when the engine can no longer serve (every model Failed with
@@ -201,11 +227,21 @@ class Engine:
         return self.model_manager.resolve(alias)
 
     def tokenizer(self, alias: str | None = None) -> Any:
+        parked = self.control.switcher.parked.get(alias or self.default_alias)
+        if parked is not None:
+            return parked.source.tokenizer
         return self.model_manager.resolve(alias).source.tokenizer
 
     def ready(self, alias: str | None = None) -> bool:
+        """Whether ``alias`` can be served now (a non-resident alias is loaded on demand: yes);
+        without ``alias``: whether any alias can."""
         if self.failed.is_set() or self.registry.closing or not self.registry.running:
             return False
+        parked = self.control.switcher.parked
+        if alias is None:
+            return bool(parked) or any(self.ready(a) for a in self.model_manager.aliases)
+        if alias in parked:
+            return True
         try:
             return self.model_manager.resolve(alias).state is ModelState.READY
         except Exception:
@@ -216,14 +252,26 @@ class Engine:
         out = []
         caps = self.backend.capabilities
         for alias, gid in self.model_manager.aliases.items():
-            g = self.model_manager.generations[gid]
+            g = self.model_manager.generations.get(gid)
+            if g is None:
+                continue
             profiles = tuple(
                 ProfileInfo(b, g.source.tiers.get(b, "C0" if b == 1 else "C3"),
                             b == 1 or caps.batch_profiles)
                 for b in sorted(g.source.profiles)
             )
             out.append(ModelInfo(alias, gid, g.state.value, g.max_seq, profiles, g.source.sha256,
-                                 g.created, {"serving_batch": g.compiled_batch}))
+                                 g.created, {"serving_batch": g.compiled_batch, "resident": True}))
+        for alias, p in sorted(self.control.switcher.parked.items()):  # loaded on demand
+            src = p.source
+            spec = src.profiles[serving_profile(self.cfg, src, self.backend)]
+            profiles = tuple(
+                ProfileInfo(b, src.tiers.get(b, "C0" if b == 1 else "C3"),
+                            b == 1 or caps.batch_profiles)
+                for b in sorted(src.profiles)
+            )
+            out.append(ModelInfo(alias, 0, ModelState.UNLOADED.value, spec.max_seq, profiles,
+                                 src.sha256, 0, {"resident": False}))
         return out
 
     def trace_events(self) -> list[tuple[Any, ...]]:

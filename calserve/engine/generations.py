@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from calserve.config import CalserveConfig
+from calserve.config import CalserveConfig, default_alias
 from calserve.core.model_state import ModelEvent, ModelState
 from calserve.core.model_state import fire as model_fire
 from calserve.core.admission import AdmissionController, CapacityBudget, TenantPolicy
@@ -32,7 +32,7 @@ from calserve.errors import ConfigError, UnknownModel, ValidationError
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import JobEngine, JobStatus, ProfileSpec, Timing
 
-__all__ = ["Generation", "ModelManager", "release_members"]
+__all__ = ["Generation", "ModelManager", "BuildProgress", "release_members"]
 
 log = logging.getLogger("calserve.engine.generations")
 
@@ -57,6 +57,17 @@ class Generation:
     # chosen per tick among these). One entry (B -> ``calbin``) when the runtime has no shared KV.
     # Invariant: every member shares ``calbin``'s KvManager; any member runs any sequence's job.
     calbins: dict[int, BackendCalbin] = dataclasses.field(default_factory=dict)
+    # --- the control plane's (engine/control.py) ------------------------------------------------
+    package: str = ""  # the package path it was loaded from (as given, relative to trust.model_root)
+    dram_bytes: int = 0  # device DRAM its members were charged (introspection), freed at unload
+    weight: float = 1.0  # models.<alias>.weight: its share of the device against other generations
+    # Being drained for an unload or a replacement: never Ready again (recovery leaves it Draining).
+    retiring: bool = False
+    # While Draining: requests already queued for it are still admitted (a replacement: they finish
+    # here); False for an unload (they end with an error at once).
+    admit_waiting: bool = True
+    # The drain deadline passed: whatever is left is cancelled, the jobs on the device still drain.
+    drain_expired: bool = False
 
     def __post_init__(self) -> None:
         if not self.calbins:
@@ -75,6 +86,11 @@ class Generation:
         return all(t.pingpong_overlap == 0.0 for t in self.source.timing.values())
 
     @property
+    def fingerprint(self) -> str:
+        """``system_fingerprint`` of every response it serves: generation id + package identity."""
+        return f"calserve-g{self.id}-{self.source.sha256[:8]}"
+
+    @property
     def compiled_batch(self) -> int:
         return self.spec.compiled_batch
 
@@ -84,6 +100,14 @@ class Generation:
 
     def fire(self, event: ModelEvent) -> None:
         self.state = model_fire(self.state, event)
+
+
+@dataclasses.dataclass
+class BuildProgress:
+    """Where :meth:`ModelManager.build` is (a refusal names its step)."""
+
+    step: str = "configure"  # configure | introspection | golden
+    configured_at: float = 0.0  # monotonic time configure + introspection ended
 
 
 def make_admission(
@@ -167,78 +191,109 @@ def _checked_profiles(cfg: CalserveConfig, source: ModelSource, backend: DeviceB
 
 
 class ModelManager:
-    """Owns generations and aliases; one lifecycle lock serialises load/recovery changes."""
+    """Owns generations and aliases (the per-alias lifecycle locks are the control plane's,
+    :mod:`calserve.engine.control`)."""
 
     def __init__(self, cfg: CalserveConfig, backend: DeviceBackend) -> None:
         self.cfg = cfg
         self.backend = backend
         self.generations: dict[int, Generation] = {}
         self.aliases: dict[str, int] = {}
-        self.lifecycle = trio.Lock()
         self._next_id = 1
+        # Held by a recovery episode and while the control plane frees a generation's sequences and
+        # calbins: a reset never runs while a calbin is being destroyed, nor a free under a reset.
+        self.device_lock = trio.Lock()
 
     def resolve(self, alias: str | None) -> Generation:
-        name = alias or self.cfg.scheduler.model_alias
+        name = alias or default_alias(self.cfg)
         gid = self.aliases.get(name)
         if gid is None:
             raise UnknownModel(f"model {name!r} does not exist", param="model")
         return self.generations[gid]
 
-    async def load(self, source: ModelSource) -> Generation:
-        """Spec §11 steps 4-10 for an already verified source: configure, inspect, golden, publish."""
-        async with self.lifecycle:
-            t0 = time.monotonic()
-            members = serving_profiles(self.cfg, source, self.backend)
-            b = members[-1]
-            spec = source.profiles[b]
-            gid = self._next_id
-            self._next_id += 1
-            adm_cfg = self.cfg.scheduler.admission
-            max_sequences = min(spec.max_sequences, adm_cfg.max_sequences or spec.max_sequences)
-            max_kv = adm_cfg.max_kv_tokens or max_sequences * spec.max_seq
-            calbins = await self._load_group(source, members)
-            gen = Generation(
-                id=gid,
-                alias=source.alias,
-                source=source,
-                spec=spec,
-                calbin=calbins[members[0]],
-                admission=make_admission(self.cfg, max_sequences, max_kv, spec.max_seq,
-                                         source.timing.get(b), b),
-                kv=KvLaneManager(max_sequences, spec.max_seq, max_kv),
-                calbins=calbins,
-            )
-            gen.fire(ModelEvent.LOAD)
-            gen.fire(ModelEvent.VALIDATED)
-            try:
-                for mb, cb in calbins.items():  # introspection per member (spec §11 step 8)
-                    info = cb.introspect()
-                    if source.verify is not None:
-                        source.verify(info, mb)
-                gen.fire(ModelEvent.CONFIGURED)
-                await self._golden(gen)
-                gen.fire(ModelEvent.WARMED)
-            except BaseException:
-                gen.fire(ModelEvent.FAIL)
-                with trio.CancelScope(shield=True):
-                    await release_members(gen)
-                raise
-            gen.created = int(time.time())
-            gen.load_seconds = time.monotonic() - t0
-            self.generations[gid] = gen
-            self.aliases[source.alias] = gid  # publish (spec §11 step 10)
-            if gen.selecting:
-                how = "per-tick profile selection over one shared-KV group"
-            else:
-                pool = self.cfg.scheduler.batch.instance_pool
-                how = (f"instance pool B{b} (batch.instance_pool)" if pool is not None
-                       else f"instance pool B{b} (the largest configured profile)")
-            log.info(
-                "model %s generation %d ready (B%s: %s, %.2fs)", source.alias, gid,
-                "/B".join(str(m) for m in members), how, gen.load_seconds,
-                extra={"model": source.alias, "generation": gid},
-            )
-            return gen
+    async def load(self, source: ModelSource, package: str = "") -> Generation:
+        """Spec §11 steps 7-10 for an already verified source (start-up): build, then publish."""
+        gen = await self.build(source, package)
+        self.publish(gen)
+        return gen
+
+    def new_id(self) -> int:
+        gid = self._next_id
+        self._next_id += 1
+        return gid
+
+    @property
+    def default(self) -> str:
+        return default_alias(self.cfg)
+
+    async def build(self, source: ModelSource, package: str = "",
+                    progress: BuildProgress | None = None) -> Generation:
+        """Spec §11 steps 7-9: configure every member, inspect, golden + warmup. The Ready generation
+        is registered but not published; a failure releases what was loaded (Failed, never
+        registered: no pass or recovery episode sees a generation being built)."""
+        t0 = time.monotonic()
+        progress = progress if progress is not None else BuildProgress()
+        progress.step = "configure"
+        members = serving_profiles(self.cfg, source, self.backend)
+        b = members[-1]
+        spec = source.profiles[b]
+        gid = self.new_id()
+        adm_cfg = self.cfg.scheduler.admission
+        max_sequences = min(spec.max_sequences, adm_cfg.max_sequences or spec.max_sequences)
+        max_kv = adm_cfg.max_kv_tokens or max_sequences * spec.max_seq
+        calbins = await self._load_group(source, members)
+        entry = self.cfg.models.get(source.alias)
+        gen = Generation(
+            id=gid,
+            alias=source.alias,
+            source=source,
+            spec=spec,
+            calbin=calbins[members[0]],
+            admission=make_admission(self.cfg, max_sequences, max_kv, spec.max_seq,
+                                     source.timing.get(b), b),
+            kv=KvLaneManager(max_sequences, spec.max_seq, max_kv),
+            calbins=calbins,
+            package=package,
+            weight=entry.weight if entry is not None else 1.0,
+        )
+        gen.fire(ModelEvent.LOAD)
+        gen.fire(ModelEvent.VALIDATED)
+        try:
+            progress.step = "introspection"
+            for mb, cb in calbins.items():  # introspection per member (spec §11 step 8)
+                info = cb.introspect()
+                gen.dram_bytes += int(info.get("dram_bytes", 0))
+                if source.verify is not None:
+                    source.verify(info, mb)
+            gen.fire(ModelEvent.CONFIGURED)
+            progress.step = "golden"
+            progress.configured_at = time.monotonic()
+            await self._golden(gen)
+            gen.fire(ModelEvent.WARMED)
+        except BaseException:
+            gen.fire(ModelEvent.FAIL)
+            with trio.CancelScope(shield=True):
+                await release_members(gen)
+            raise
+        gen.created = int(time.time())
+        gen.load_seconds = time.monotonic() - t0
+        self.generations[gid] = gen  # Ready: listed (and passed over until published)
+        if gen.selecting:
+            how = "per-tick profile selection over one shared-KV group"
+        else:
+            pool = self.cfg.scheduler.batch.instance_pool
+            how = (f"instance pool B{b} (batch.instance_pool)" if pool is not None
+                   else f"instance pool B{b} (the largest configured profile)")
+        log.info(
+            "model %s generation %d ready (B%s: %s, %.2fs)", source.alias, gid,
+            "/B".join(str(m) for m in members), how, gen.load_seconds,
+            extra={"model": source.alias, "generation": gid},
+        )
+        return gen
+
+    def publish(self, gen: Generation) -> None:
+        """Spec §11 step 10: the alias points at ``gen`` (one assignment: atomic for every reader)."""
+        self.aliases[gen.alias] = gen.id
 
     async def _load_group(self, source: ModelSource, members: Sequence[int]) -> dict[int, BackendCalbin]:
         """Load ``members`` (ascending): the first alone, the others into its KV group (same weights
@@ -314,7 +369,8 @@ class ModelManager:
                     await cb.free_sequences([sid])
 
     def statistics(self) -> dict[str, tuple[int, str]]:
-        return {a: (g, self.generations[g].state.value) for a, g in self.aliases.items()}
+        return {a: (g, self.generations[g].state.value) for a, g in self.aliases.items()
+                if g in self.generations}
 
 
 async def release_members(gen: Generation) -> None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from calserve.config import CalserveConfig
 from calserve.core.decode import batching_window, select_profile
-from calserve.core.model_state import ModelState
+from calserve.core.model_share import ModelShare, may_take_engine
+from calserve.core.model_state import serves_jobs
 from calserve.core.prefill import QueueClass, ServiceRoundRobin, fair_prefill_index
 from calserve.engine.batches import JobBuilder
 from calserve.engine.core_stats import CoreState, CoreStats
@@ -27,7 +28,7 @@ from calserve.runtime.types import JobEngine
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation, ModelManager
 
-__all__ = ["Planner", "STARVATION_PASSES"]
+__all__ = ["Planner", "STARVATION_PASSES", "job_device_s"]
 
 # A starvation event: a decode-ready sequence passed over (lanes full or its tenant at the lane cap)
 # by this many consecutive decode batches of its generation. Counted once per streak.
@@ -36,6 +37,21 @@ STARVATION_PASSES = 32
 log = logging.getLogger("calserve.engine.planner")
 
 _DECODE_ONLY = frozenset((QueueClass.DECODE,))
+
+
+def job_device_s(gen: Generation, job: DeviceJob) -> float:
+    """The modelled device time of ``job`` (the package's timing; without timing figures a
+    token-count proxy), what the cross-model share charges."""
+    B = len(job.lanes)
+    t = gen.source.timing.get(B) or gen.source.timing.get(gen.compiled_batch)
+    if job.kind == "prefill":
+        n = len(job.tokens)
+        if t is not None and (t.prefill_base_us or t.prefill_us_per_token):
+            return (t.prefill_base_us + t.prefill_us_per_token * n) * 1e-6
+        return 1e-4 + 1e-5 * n
+    if t is not None and t.decode_step_us:
+        return t.decode_step_us.get(B, max(t.decode_step_us.values())) * 1e-6
+    return 1e-4
 
 
 class Planner:
@@ -48,15 +64,28 @@ class Planner:
         self.st = st
         self.stats = stats
         self.rr = ServiceRoundRobin.from_config(cfg.scheduler.queues)
+        # the device's share between co-resident generations (core/model_share.py)
+        self.share = ModelShare()
 
     def _free_engine(self) -> JobEngine | None:
+        """A job engine with no job, unless ``admission.max_inflight_jobs`` jobs are on the device
+        already (the capacity plan's in-flight budget; unset = one per enabled engine). Degraded
+        (spec §14): new jobs only to ``st.only``, the other engine drains."""
         only = self.st.only
-        if only is not None:  # degraded (spec §14): new jobs to one engine, the other drains
+        if only is not None:
             return only if self.st.slots.get(only) is None else None
+        free = None
+        busy = 0
         for e, job in self.st.slots.items():
             if job is None:
-                return e
-        return None
+                if free is None:
+                    free = e
+            else:
+                busy += 1
+        limit = self.cfg.scheduler.admission.max_inflight_jobs
+        if limit is not None and busy >= limit:
+            return None
+        return free
 
     def degrade(self, only: JobEngine | None, batch_one: bool, admit_after: float) -> CoreOutput:
         """Degradation (spec §14, the reset budget): new jobs only to ``only`` (None: any engine),
@@ -81,10 +110,15 @@ class Planner:
             if engine is None:
                 return
             progressed = False
-            for gen in list(self.models.generations.values()):
-                if gen.state is not ModelState.READY:
-                    continue
+            gens = [g for g in self.models.generations.values() if serves_jobs(g.state)]
+            multi = len(gens) > 1
+            if multi:  # several generations: weighted fair order of device time + engine cap
+                gens = [g for gid in self.share.order(g.id for g in gens) for g in gens if g.id == gid]
+            for gen in gens:
                 q = self.requests.queues(gen)
+                if multi and not may_take_engine(self._held(gen), len(self.st.slots),
+                                                 self._others_have_work(gen, gens)):
+                    continue
                 available: set[QueueClass] = set()
                 for c in PREFILL_CLASSES:
                     dq = q.prefill[c]
@@ -121,10 +155,24 @@ class Planner:
                 if job is None:
                     continue
                 self.hand_over(engine, job)
+                if multi:
+                    self.share.charge(gen.id, gen.weight, job_device_s(gen, job))
                 progressed = True
                 break
             if not progressed:
                 return
+
+    def _held(self, gen: Generation) -> int:
+        return sum(1 for j in self.st.slots.values() if j is not None and j.gen is gen)
+
+    def _others_have_work(self, gen: Generation, gens: list[Generation]) -> bool:
+        for g in gens:
+            if g is gen:
+                continue
+            q = self.requests.queues(g)
+            if q.decode_ready or q.waiting or any(q.prefill[c] for c in PREFILL_CLASSES):
+                return True
+        return False
 
     def _on_device(self, gen: Generation, kind: str) -> int:
         """Sequences of ``gen`` in the ``kind`` jobs the engines hold now (a prefill has one)."""
@@ -224,7 +272,7 @@ class Planner:
         fairness has nothing to arbitrate). Same decisions either way (tested)."""
         gen = done.gen
         st = self.st
-        if st.paused or gen.state is not ModelState.READY or len(self.models.generations) != 1:
+        if st.paused or not serves_jobs(gen.state) or len(self.models.generations) != 1:
             return False
         if st.batch_one or (st.only is not None and engine is not None and engine is not st.only):
             return False  # degraded: a full pass picks the engine and the profile

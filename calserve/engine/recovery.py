@@ -153,7 +153,10 @@ class HealthRecovery:
                     if fault.epoch < self.core.epoch or self.watch.device_lost:
                         continue  # already covered by a later reset / nothing left to recover
                     with trio.CancelScope(shield=True):
-                        await self._recover(fault)
+                        # not while the control plane frees a generation's calbins
+                        # (engine/control.py)
+                        async with self.models.device_lock:
+                            await self._recover(fault)
                     continue
                 now = trio.current_time()
                 self.watch.poll(now)  # PING/PONG probation
@@ -198,7 +201,8 @@ class HealthRecovery:
         core = self.core
         log.warning("device fault %s (job %d): resetting", fault.reason, fault.job_id,
                     extra={"job_id": fault.job_id, "reason": fault.reason})
-        gens = list(self.models.generations.values())
+        # (an Unloaded generation still listed during a single-resident switch has no calbin)
+        gens = [g for g in self.models.generations.values() if g.state is not ModelState.UNLOADED]
         core.begin_recovery()
         level = self.budget.record(self.budget.clock())
         ok = await self._reset_device()

@@ -50,8 +50,11 @@ log = logging.getLogger("calserve.engine.registry")
 class RequestHandle:
     """What ``Engine.submit`` returns: the request id and its event stream."""
 
-    def __init__(self, request_id: int, writer: StreamWriter, registry: RequestRegistry) -> None:
+    def __init__(self, request_id: int, writer: StreamWriter, registry: RequestRegistry,
+                 system_fingerprint: str | None = None) -> None:
         self.request_id = request_id
+        #: names the generation the request is pinned to (``calserve-g<id>-<sha256[:8]>``)
+        self.system_fingerprint = system_fingerprint
         self._writer = writer
         self._registry = registry
         #: ``await receive_many()``: everything buffered (at least one event); ``[]`` after the
@@ -201,7 +204,7 @@ class RequestRegistry:
         self.shell.apply(self.core.add(seq, now))
         log.debug("request %d accepted (tenant %s, gen %d)", rid, req.tenant, gen.id,
                   extra={"request_id": rid, "generation": gen.id})
-        return RequestHandle(rid, writer, self)
+        return RequestHandle(rid, writer, self, gen.fingerprint)
 
     def cancel(self, request_id: int) -> None:
         """Idempotent; unknown or finished ids are ignored."""

@@ -102,6 +102,15 @@ class RequestTable:
             q = self._queues[gen.id] = GenQueues()
         return q
 
+    def forget(self, gen: Generation) -> None:
+        """The generation was unloaded (nothing of it is left)."""
+        self._queues.pop(gen.id, None)
+
+    def load_of(self, gen: Generation) -> int:
+        """Requests of ``gen`` not ended (waiting + admitted)."""
+        q = self._queues.get(gen.id)
+        return 0 if q is None else len(q.waiting) + len(q.holders)
+
     def all_queues(self) -> list[GenQueues]:
         return list(self._queues.values())
 
@@ -204,7 +213,9 @@ class RequestTable:
 
     def take_releases(self, gen: Generation) -> list[Release]:
         """The ended requests' runtime sequences to free now (the caller frees, then confirms)."""
-        q = self.queues(gen)
+        q = self._queues.get(gen.id)  # an unloaded generation has none (and gets no queues back)
+        if q is None:
+            return []
         batch, q.releases = q.releases, []
         return batch
 

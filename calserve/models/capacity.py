@@ -99,17 +99,21 @@ def plan_capacity(
     overrides: AdmissionConfig,
     *,
     max_inflight: int = 1,
+    shared_kv: bool = False,
 ) -> CapacityPlan:
     """Plan loading ``profiles`` of ``manifest`` next to ``dram_used`` bytes already resident.
 
     A shortfall is an answer (``fits=False`` + ``reason``), not an exception: the model manager
     decides (refuse the load, or drain the old generation first). An admission override larger than
-    what the package's KV can hold also makes ``fits`` false.
+    what the package's KV can hold also makes ``fits`` false. ``shared_kv``: the profiles load as one
+    shared-KV group (one set of weights and KV, charged once; each further member adds its pools).
     """
     if not profiles:
         raise ValueError("plan_capacity: no profiles")
     res = tuple(_reservation(manifest, b) for b in sorted(set(profiles)))
     total = sum(r.total_bytes for r in res)
+    if shared_kv and len(res) > 1:
+        total = res[0].total_bytes + sum(r.pool_bytes for r in res[1:])
     specs = [manifest.profile(r.compiled_batch) for r in res]
     plan_seqs = min(p.max_sequences for p in specs)
     plan_kv = min(p.max_sequences * p.max_seq for p in specs)

@@ -88,3 +88,26 @@ def ensure_demo_package(home: str | os.PathLike[str] | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def pack_demo_variant(
+    out: str | os.PathLike[str],
+    key: str | os.PathLike[str],
+    seed: int,
+    profiles: tuple[int, ...] = (1, 4, 8, 16),
+    timing: str = "none",
+) -> Path:
+    """The demo architecture and tokenizer with weights drawn from ``seed``: a second, different
+    model (its own outputs, golden and sha256) for replacement and multi-model tests and benches."""
+    from calserve.models import demo_model
+    from calserve.models.pack import build_package
+    from calserve.runtime.reference import random_weights
+
+    tok_json = demo_model.demo_tokenizer_json()
+    cfg = demo_model.demo_model_config(demo_model.tokenizer_vocab_size(tok_json))
+    return build_package(
+        out, key, name=f"{DEMO_NAME}-seed{seed}", config=cfg, weights=random_weights(cfg, seed=seed),
+        tokenizer_json=tok_json, special=demo_model.demo_special_tokens(tok_json),
+        profiles=profiles, timing=timing, max_seq=DEMO_MAX_SEQ, max_sequences=DEMO_MAX_SEQUENCES,
+        source=f"calserve demo architecture, seeded random weights (seed {seed})", replace=True,
+    )

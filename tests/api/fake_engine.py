@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from calserve import errors as E
-from calserve.config import CalserveConfig
+from calserve.config import CalserveConfig, default_alias
 from calserve.engine.types import (
     EngineStatistics, ErrorEvent, Event, ExecutorEngineStats, FinishEvent, FinishReason,
     GenerateRequest, ModelInfo, ProfileInfo, RequestTimings, TenantStats, TokenEvent,
@@ -122,7 +122,7 @@ class FakeEngine:
         self.coalesce = coalesce
         self.batches: list[int] = []  # sizes of receive_many() answers
         self.config = config
-        self.default_alias = config.scheduler.model_alias
+        self.default_alias = default_alias(config)
         self.max_running = max_running
         self.token_delay = token_delay
         self.max_seq = max_seq

@@ -26,7 +26,7 @@ completion_lps = st.none() | st.fixed_dictionaries(
 
 
 def reference(chat: bool, rid: str, created: int, model: str, usage: bool, text: str | None,
-              lps: Any, fr: str | None, role: bool = False) -> bytes:
+              lps: Any, fr: str | None, role: bool = False, fp: str | None = None) -> bytes:
     """The chunk as a dict, encoded whole (what the HTTP layer sent before ChunkEncoder)."""
     if chat:
         delta: dict[str, Any] = {}
@@ -40,23 +40,27 @@ def reference(chat: bool, rid: str, created: int, model: str, usage: bool, text:
     else:
         c = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": fr}
     obj = "chat.completion.chunk" if chat else "text_completion"
-    return sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [c],
+    return sse({"id": rid, "object": obj, "created": created, "model": model,
+                **({"system_fingerprint": fp} if fp is not None else {}), "choices": [c],
                 **({"usage": None} if usage else {})})
 
 
 @given(chat=st.booleans(), rid=ids, created=st.integers(0, 2**40), model=models,
        usage=st.booleans(), text=st.none() | texts, fr=reasons, role=st.booleans(),
+       fp=st.none() | st.from_regex(r"calserve-g[0-9]{1,4}-[0-9a-f]{8}", fullmatch=True),
        data=st.data())
 def test_chunks_match_the_reference(chat: bool, rid: str, created: int, model: str, usage: bool,
-                                    text: str | None, fr: str | None, role: bool,
+                                    text: str | None, fr: str | None, role: bool, fp: str | None,
                                     data: st.DataObject) -> None:
     lps = data.draw(chat_lps if chat else completion_lps)
     role = role and chat
-    enc = ChunkEncoder(chat=chat, rid=rid, created=created, model=model, include_usage=usage)
+    enc = ChunkEncoder(chat=chat, rid=rid, created=created, model=model, include_usage=usage,
+                       system_fingerprint=fp)
     assert enc.chunk(text, lps, fr, role=role) == reference(chat, rid, created, model, usage,
-                                                            text, lps, fr, role)
+                                                            text, lps, fr, role, fp)
     if text is not None:
-        assert enc.text(text) == reference(chat, rid, created, model, usage, text, None, None)
+        assert enc.text(text) == reference(chat, rid, created, model, usage, text, None, None,
+                                           fp=fp)
     out = enc.chunk(text, lps, fr, role=role)
     assert out.startswith(b"data: ") and out.endswith(b"\n\n")
     assert msgspec.json.decode(out[6:-2])["id"] == rid

@@ -147,7 +147,8 @@ def test_metric_families_move(server: ServerProcess) -> None:
     # labels stay bounded: no request/job ids anywhere
     for name, labels in after:
         assert all(k in {"alias", "tenant", "outcome", "state", "class", "engine", "reason",
-                         "compiled_batch", "le"} for k, _ in labels), (name, labels)
+                         "compiled_batch", "le", "phase", "op", "result"}
+                   for k, _ in labels), (name, labels)
 
 
 @pytest.fixture(scope="module")

@@ -43,3 +43,17 @@ def test_bad_config_names_key(tmp_path: Path, text: str, match: str) -> None:
     f.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_config(f)
+
+
+def test_default_alias_is_the_first_model_when_unset(tmp_path: Path) -> None:
+    from calserve.config import default_alias
+
+    p = tmp_path / "c.yaml"
+    p.write_text("models:\n  m:\n    package: null\n  n:\n    package: null\n")
+    c = load_config(p)
+    assert c.scheduler.model_alias is None and default_alias(c) == "m"
+    p.write_text("scheduler:\n  model_alias: n\nmodels:\n  m: {}\n  n: {}\n")
+    assert default_alias(load_config(p)) == "n"
+    p.write_text("scheduler:\n  model_alias: x\nmodels:\n  m: {}\n")
+    with pytest.raises(ConfigError, match="model_alias"):
+        load_config(p)
