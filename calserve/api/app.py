@@ -11,9 +11,10 @@ the others quart routes (:mod:`calserve.api.routes`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import msgspec
 import trio
@@ -27,7 +28,7 @@ from calserve.api.bodies import too_large
 from calserve.api.errors import ApiError, from_exception, to_api_error
 from calserve.api.hygiene import (RateLimitedLog, body_timeout, head_error, refuse,
                                   shield_final_send)
-from calserve.api.lifecycle import EngineFactory
+from calserve.api.lifecycle import EngineFactory, EngineHost, describe
 from calserve.api.routes import error_response, register_routes
 from calserve.api.state import ApiState
 from calserve.config import CalserveConfig, ServerConfig
@@ -115,6 +116,23 @@ class CalserveApp(QuartTrio):
             await send({"type": "http.response.body", "body": body})
 
 
+def _exit_after(message: str | None, exc: BaseException | None) -> NoReturn:
+    """End this (hypercorn CLI worker) process with exit code 1 after saying why once: the
+    hypercorn CLI has no other way to stop a worker whose model cannot be served."""
+    if message is not None:
+        log.critical("%s", message, exc_info=None if exc is None or _expected(exc) else exc)
+    for h in [*logging.getLogger().handlers, *log.handlers]:
+        h.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+async def _exit_on_start_failure(host: EngineHost) -> None:
+    await host.opened.wait()
+    if host.start_failure is not None:  # already logged once by the host
+        _exit_after(None, None)
+
+
 def get_state(app: QuartTrio) -> ApiState:
     st = app.extensions["calserve"]
     assert isinstance(st, ApiState)
@@ -126,10 +144,14 @@ def create_app(
     *,
     engine_factory: EngineFactory | None = None,
     prepare_config: Callable[[CalserveConfig], CalserveConfig] | None = None,
+    exit_on_start_failure: bool = False,
 ) -> CalserveApp:
     """Build the app. ``config`` None = ``load_config()`` at start-up (``CALSERVE_CONFIG`` or the
     embedded default); ``engine_factory(config)`` returns the engine's async context manager
-    (default ``Engine.open``); ``prepare_config`` lets ``calserve serve`` rewrite the loaded config."""
+    (default ``Engine.open``); ``prepare_config`` lets ``calserve serve`` rewrite the loaded config.
+    ``exit_on_start_failure`` (``calserve:app`` under the hypercorn CLI): a config that cannot be
+    loaded or a model that fails to load at start-up ends the process with exit code 1 after one
+    log line (``calserve serve`` exits 1 through its own shutdown trigger instead)."""
     app = CalserveApp("calserve")
     app.refusals = RateLimitedLog(log)
     app.config["RESPONSE_TIMEOUT"] = None  # streams are never cut (STACK.md)
@@ -141,21 +163,24 @@ def create_app(
     async def _start() -> None:
         # A thread only when building the demo package may block (seconds of file I/O); with an
         # injected engine the start-up stays trio-native (autojump_clock-friendly, STACK.md).
-        if state.needs_thread:
-            host = await trio.to_thread.run_sync(state.build_host)
-        else:
-            host = state.build_host()
+        try:
+            if state.needs_thread:
+                host = await trio.to_thread.run_sync(state.build_host)
+            else:
+                host = state.build_host()
+        except BaseException as e:
+            state.startup_error = e
+            if exit_on_start_failure and not isinstance(e, trio.Cancelled):
+                _exit_after(f"calserve: could not start: {describe(e)}", e)
+            raise  # `calserve serve` prints it once
         app.config["MAX_CONTENT_LENGTH"] = host.config.server.max_body_bytes
         app.config["BODY_TIMEOUT"] = host.config.server.body_timeout_s  # quart routes' bodies
         app.limits = host.config.server
-        try:
-            await app.nursery.start(host.run)
-        except BaseException as e:
-            state.startup_error = e
-            log.critical("calserve: the engine could not start: %s", e,
-                         exc_info=None if _expected(e) else e)
-            raise
-        log.info("calserve: engine started (models: %s)", ", ".join(host.config.models))
+        # Listen first: the engine opens (the model loads) in the background; host.run returns
+        # at once and never raises (a start-up failure is host.start_failure, logged once).
+        await app.nursery.start(host.run)
+        if exit_on_start_failure:
+            app.nursery.start_soon(_exit_on_start_failure, host)
 
     @app.after_serving
     async def _stop() -> None:

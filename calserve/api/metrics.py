@@ -8,6 +8,7 @@ job ids (spec §16: those go to logs only).
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Iterator
 from typing import Final
 
@@ -15,9 +16,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from calserve import __version__
 from calserve.engine.types import EngineStatistics
 
-__all__ = ["ApiMetrics", "EngineCollector", "CONTENT_TYPE"]
+__all__ = ["ApiMetrics", "EngineCollector", "CONTENT_TYPE", "version_info"]
+
+def version_info() -> dict[str, str]:
+    """What ``GET /version`` answers and ``calserve_build_info`` labels (bounded: one series)."""
+    return {"version": __version__, "python": platform.python_version(),
+            "implementation": platform.python_implementation()}
+
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 import trio
 
+from calserve import __version__
 from calserve.config import CalserveConfig, ModelEntry, decode_config, load_config
 from calserve.errors import CalserveError
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="trust this ed25519 public key (repeatable)")
     ap.add_argument("--host", help="listen address (default: server.host, 127.0.0.1)")
     ap.add_argument("--port", type=int, help="listen port (default: server.port, 8000)")
+    ap.add_argument("--version", action="version", version=f"calserve {__version__}")
     ap.add_argument("--log-level", default="info",
                     choices=["debug", "info", "warning", "error"])
     ap.add_argument("--access-log", action="store_true", help="log every request to stderr")
@@ -113,7 +115,10 @@ async def serve_app(
                     await trio.sleep(0.05)
                 await state.host.failed.wait()
                 outcome["failed"] = True
-                log.critical("engine failed beyond recovery: stopping with exit code 1")
+                # The reason was logged once where it happened (the host).
+                log.critical("stopping with exit code 1 (%s)",
+                             "start-up failed" if state.host.start_failure is not None
+                             else "the engine failed beyond recovery")
                 n.cancel_scope.cancel()
 
             n.start_soon(on_signal)

@@ -10,7 +10,9 @@ from pathlib import Path
 import httpx
 import openai
 
-from .server import server_env, start_calserve_serve, start_hypercorn
+import calserve
+
+from .server import ServerProcess, server_env, start_calserve_serve, start_hypercorn
 
 
 def test_asyncio_worker_refuses_with_a_message(calserve_home: Path, tmp_path: Path) -> None:
@@ -48,4 +50,60 @@ def test_calserve_serve_refused_package_exits_1(calserve_home: Path, tmp_path: P
         env=server_env(calserve_home), cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 1, r.stderr
-    assert "missing-pkg" in r.stderr and "Traceback" not in r.stderr.split("could not serve")[-1]
+    # Listen first: the port opened, then the load failed; the reason is said once, then nothing
+    # claims to serve.
+    assert r.stderr.count("no such package directory") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "Running on" not in r.stderr.split("no such package directory")[1], r.stderr
+
+
+def test_hypercorn_cli_worker_exits_when_the_model_cannot_load(calserve_home: Path,
+                                                              tmp_path: Path) -> None:
+    """Under the hypercorn CLI the worker ends itself (exit 1) after saying why once, instead of
+    serving 503s for ever; hypercorn's own parent process then exits 0 (hypercorn 0.18)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"models:\n  qwen3:\n    package: {tmp_path / 'missing-pkg'}\n"
+                      f"trust:\n  model_root: {tmp_path}\n")
+    proc = start_hypercorn(calserve_home, config, cwd=tmp_path)
+    try:
+        proc.proc.wait(120)
+    finally:
+        proc.stop()
+    assert proc.stderr.count("no such package directory") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "Running on" not in proc.stderr.split("no such package directory")[1], proc.stderr
+
+
+def test_hypercorn_cli_bad_config_said_once_and_no_running_line(calserve_home: Path,
+                                                               tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("server: {port: -3}\n")
+    proc = start_hypercorn(calserve_home, config, cwd=tmp_path)
+    try:
+        proc.proc.wait(120)
+    finally:
+        proc.stop()
+    assert proc.stderr.count("$.server.port") == 1, proc.stderr
+    assert "Running on" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_version_flag_and_routes(server: ServerProcess) -> None:
+    r = subprocess.run([sys.executable, "-m", "calserve.cli", "--version"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"calserve {calserve.__version__}"
+    assert httpx.get(server.url + "/version").json()["version"] == calserve.__version__
+    models = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [m["server_version"] for m in models] == [calserve.__version__]
+
+
+def test_demo_package_built_message_only_on_the_start_that_builds_it(server: ServerProcess) -> None:
+    # The session's server started on a home whose demo package already existed.
+    assert "first start" not in server.stderr, server.stderr
+
+
+def test_one_version_number() -> None:
+    import tomllib
+
+    root = Path(calserve.__file__).resolve().parent.parent
+    with open(root / "pyproject.toml", "rb") as f:
+        assert tomllib.load(f)["project"]["version"] == calserve.__version__
