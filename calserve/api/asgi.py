@@ -186,6 +186,8 @@ class FastRoutes:
         lease = RequestLease(handle)
         try:
             metrics = self._state.metrics
+            metrics.prompt_tokens.labels(prep.alias, prep.request.tenant).inc(
+                len(prep.request.prompt_tokens))
             fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
             if prep.stream:
                 enc = StreamEncoder.for_request(prep, fmt)

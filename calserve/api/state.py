@@ -105,6 +105,7 @@ class ApiState:
         if self._prepare is not None:
             config = self._prepare(config)
         self.api_keys = {k: name for name, t in config.tenants.items() for k in t.api_keys}
+        self.metrics.init_labels(list(config.models), list(config.tenants) or ["default"])
         self.host = EngineHost(config, factory)
         return self.host
 

@@ -64,6 +64,7 @@ class RecoveryStats:
     resets_total: int
     quarantined_kv_total: int
     recovery_seconds_total: float
+    device_restarts_total: int = 0  # calbins reconfigured after DMA_UNKNOWN (restart_on_unknown_dma)
 
 
 class HealthRecovery:
@@ -80,6 +81,7 @@ class HealthRecovery:
         self.failed = trio.Event()
         self.faults_total: collections.Counter[str] = collections.Counter()
         self.resets_total = 0
+        self.device_restarts_total = 0
         self.quarantined_kv_total = 0
         self.recovery_seconds_total = 0.0
 
@@ -146,6 +148,7 @@ class HealthRecovery:
                 if self.cfg.scheduler.recovery.restart_on_unknown_dma:
                     for cb in g.calbins.values():  # after DMA_UNKNOWN each group member
                         await cb.reconfigure()
+                    self.device_restarts_total += 1
                 else:
                     failed = True
             core.end_recovery(g, failed, reserved_only, trio.current_time())
@@ -156,4 +159,4 @@ class HealthRecovery:
 
     def statistics(self) -> RecoveryStats:
         return RecoveryStats(dict(self.faults_total), self.resets_total, self.quarantined_kv_total,
-                             self.recovery_seconds_total)
+                             self.recovery_seconds_total, self.device_restarts_total)

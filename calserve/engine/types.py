@@ -206,6 +206,12 @@ class EngineStatistics:
     quarantined_jobs_total: int
     quarantined_kv_total: int
     recovery_seconds_total: float
+    # operator metrics (defaults: engines that do not report them)
+    kv_tokens_capacity: int = 0  # max KV tokens over the generations (the usage ratio's base)
+    kv_lanes_total: int = 0
+    job_status_total: dict[str, int] = dataclasses.field(default_factory=dict)
+    model_phase_seconds: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    device_restarts_total: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
