@@ -202,6 +202,10 @@ class ServerConfig(_Strict):
     # connection is closed to make room, else the new one gets 503 + Retry-After and is closed.
     # Clamped to the open-file limit (RLIMIT_NOFILE) less a reserve for the process itself.
     max_connections: Pos = 1024
+    # Log records as text lines or one JSON object per line (for log shippers: ts, level, logger,
+    # message, request_id, ...; access lines as fields). calserve serve only (the hypercorn CLI
+    # configures its own logging).
+    log_format: Literal["text", "json"] = "text"
 
 
 FaultName = Literal["timeout", "ccu", "unknown_dma", "busy", "crosstalk"]

@@ -29,6 +29,7 @@ from calserve.api.errors import ApiError, from_exception, to_api_error
 from calserve.api.hygiene import (RateLimitedLog, body_timeout, head_error, refuse,
                                   shield_final_send)
 from calserve.api.lifecycle import EngineFactory, EngineHost, describe
+from calserve.api.request_ids import REQUEST_ID, echo_request_id, request_id_of
 from calserve.api.routes import error_response, register_routes
 from calserve.api.state import ApiState
 from calserve.config import CalserveConfig, ServerConfig
@@ -79,25 +80,37 @@ class CalserveApp(QuartTrio):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if _trio_running():
-            fast = self.fast
             if scope["type"] == "http":
-                send = shield_final_send(send)  # else keep-alive connections never time out
-                limits = self.limits
-                if limits is not None:
-                    err = head_error(scope, limits.max_header_bytes)
-                    if err is not None:
-                        self.refusals.warning(str(err.code), "refused a request head: %s",
-                                              err.message)
-                        get_state(self).metrics.responses.labels(str(err.status)).inc()
-                        await refuse(send, receive, err, limits.body_timeout_s)
-                        return
-            if fast is not None and scope["type"] == "http":
-                kind = fast_route(scope)
-                if kind is not None:
-                    await fast(kind, scope, receive, send)
-                    return
+                rid = request_id_of(scope)
+                token = REQUEST_ID.set(rid)
+                try:
+                    await self._serve_http(scope, receive, echo_request_id(send, rid))
+                finally:
+                    REQUEST_ID.reset(token)
+                return
             await super().__call__(scope, receive, send)
             return
+        await self._refuse_asyncio(scope, receive, send)
+
+    async def _serve_http(self, scope: Any, receive: Any, send: Any) -> None:
+        send = shield_final_send(send)  # else keep-alive connections never time out
+        limits = self.limits
+        if limits is not None:
+            err = head_error(scope, limits.max_header_bytes)
+            if err is not None:
+                self.refusals.warning(str(err.code), "refused a request head: %s", err.message)
+                get_state(self).metrics.responses.labels(str(err.status)).inc()
+                await refuse(send, receive, err, limits.body_timeout_s)
+                return
+        fast = self.fast
+        if fast is not None:
+            kind = fast_route(scope)
+            if kind is not None:
+                await fast(kind, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    async def _refuse_asyncio(self, scope: Any, receive: Any, send: Any) -> None:
         print(f"error: {ASYNCIO_REFUSAL}", file=sys.stderr, flush=True)
         if scope["type"] == "lifespan":
             while True:

@@ -217,4 +217,4 @@ class FastRoutes:
     async def _send_error(self, send: Send, err: ApiError) -> None:
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                  for k, v in err.headers().items()]
-        await self._send_json(send, err.status, encode(err.body()), extra)
+        await self._send_json(send, err.status, encode(err.response_body()), extra)

@@ -50,7 +50,7 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 def error_response(err: ApiError) -> Response:
-    return json_response(err.body(), err.status, err.headers())
+    return json_response(err.response_body(), err.status, err.headers())
 
 
 async def _served_by_asgi() -> NoReturn:

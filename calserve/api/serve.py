@@ -25,6 +25,7 @@ import msgspec
 import trio
 
 from calserve import __version__
+from calserve.api.logs import ACCESS_LOG_FORMAT, configure_logging
 from calserve.config import CalserveConfig, ModelEntry, decode_config, load_config
 from calserve.errors import CalserveError
 
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default="info",
                     choices=["debug", "info", "warning", "error"])
     ap.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    ap.add_argument("--log-format", choices=["text", "json"], default=None,
+                    help="text lines or one JSON object per line (default: server.log_format)")
     return ap
 
 
@@ -98,6 +101,7 @@ async def serve_app(
     # Logger objects, not "-": hypercorn would add its own stderr handler next to basicConfig's.
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.accesslog = logging.getLogger("hypercorn.access") if a.access_log else None
+    hc.access_log_format = ACCESS_LOG_FORMAT
     hc.loglevel = a.log_level.upper()
     outcome = {"failed": False}
 
@@ -149,13 +153,13 @@ async def serve_app(
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(a.log_level, "text")
     try:
         config = apply_cli(load_config(a.config), a)
     except CalserveError as e:
         print(f"calserve serve: {e.message}", file=sys.stderr)
         return 1
+    configure_logging(a.log_level, a.log_format or config.server.log_format)
     return trio.run(serve_app, a, config)
 
 

@@ -107,3 +107,31 @@ def test_one_version_number() -> None:
     root = Path(calserve.__file__).resolve().parent.parent
     with open(root / "pyproject.toml", "rb") as f:
         assert tomllib.load(f)["project"]["version"] == calserve.__version__
+
+
+def test_json_logs_and_request_ids_in_the_access_log(calserve_home: Path, tmp_path: Path) -> None:
+    import json
+
+    from calserve.models.demo import demo_package_path
+
+    pkg = demo_package_path(calserve_home)
+    proc = start_calserve_serve(calserve_home, "--model", str(pkg), "--alias", "qwen3",
+                                "--log-format", "json", "--access-log", cwd=tmp_path)
+    try:
+        # ServerProcess finds the port in hypercorn's "Running on" message, inside the JSON line
+        proc.wait_ready()
+        r = httpx.post(proc.url + "/v1/completions", headers={"X-Request-Id": "trace-7"},
+                       json={"model": "qwen3", "prompt": "x", "max_tokens": 0})
+        assert r.status_code == 400 and r.headers["x-request-id"] == "trace-7"
+        assert r.json()["request_id"] == "trace-7"
+        r = httpx.get(proc.url + "/health")
+        generated = r.headers["x-request-id"]
+    finally:
+        rc = proc.stop(signal.SIGTERM)
+    assert rc == 0, proc.stderr
+    records = [json.loads(line) for line in proc.lines if line.strip()]  # every line is JSON
+    assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
+    access = [r for r in records if r["logger"] == "hypercorn.access"]
+    mine = [r for r in access if r.get("request_id") == "trace-7"]
+    assert len(mine) == 1 and mine[0]["status"] == "400" and mine[0]["path"] == "/v1/completions"
+    assert any(r.get("request_id") == generated and r["path"] == "/health" for r in access)
