@@ -135,3 +135,34 @@ def test_json_logs_and_request_ids_in_the_access_log(calserve_home: Path, tmp_pa
     mine = [r for r in access if r.get("request_id") == "trace-7"]
     assert len(mine) == 1 and mine[0]["status"] == "400" and mine[0]["path"] == "/v1/completions"
     assert any(r.get("request_id") == generated and r["path"] == "/health" for r in access)
+
+
+def _serve_config(home: Path, tmp_path: Path, yaml: str) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml)
+    return subprocess.run(
+        [sys.executable, "-m", "calserve.cli", "serve", "--port", "0", "--config", str(config)],
+        env=server_env(home), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+
+
+def test_serve_config_with_a_profile_the_package_lacks_fails_start_up(calserve_home: Path,
+                                                                      tmp_path: Path) -> None:
+    """Spec §15: a B8 in the config that the package lacks fails start-up, through the path a
+    user takes (`calserve serve --config`), before any weight is read — the cross-check of the
+    configured profiles with the package's manifest (models.validate.check_scheduler_config)."""
+    pkg = tmp_path / "b1b4"
+    r = subprocess.run([sys.executable, "-m", "calserve.cli", "pack", "--demo", "--out", str(pkg),
+                        "--profiles", "1,4"], env=server_env(calserve_home), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    base = (f"models:\n  qwen3:\n    package: {pkg}\ntrust:\n  model_root: {tmp_path}\n")
+    r = _serve_config(calserve_home, tmp_path, base + "runtime:\n  profile: sim-next\n"
+                      "scheduler:\n  batch:\n    profiles: [8]\n")
+    assert r.returncode == 1, r.stderr
+    why = "$.scheduler.batch.profiles: B8 requested but package 'demo-qwen3' has only ['B1', 'B4']"
+    assert r.stderr.count(why) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    # the runtime side of the same check: B4 is in the package, but not runnable on CalRT 0.7.6
+    r = _serve_config(calserve_home, tmp_path, base + "scheduler:\n  batch:\n    profiles: [4]\n")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("$.scheduler.batch.profiles: B4 cannot run on runtime calrt-0.7.6") == 1
