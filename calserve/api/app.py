@@ -167,7 +167,7 @@ def create_app(
     log line (``calserve serve`` exits 1 through its own shutdown trigger instead)."""
     app = CalserveApp("calserve")
     app.refusals = RateLimitedLog(log)
-    app.config["RESPONSE_TIMEOUT"] = None  # streams are never cut (STACK.md)
+    app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default would end streams without [DONE]
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 5
     state = ApiState(config, engine_factory, prepare_config)
     app.extensions["calserve"] = state
@@ -175,7 +175,7 @@ def create_app(
     @app.before_serving
     async def _start() -> None:
         # A thread only when building the demo package may block (seconds of file I/O); with an
-        # injected engine the start-up stays trio-native (autojump_clock-friendly, STACK.md).
+        # injected engine the start-up stays trio-native (autojump_clock-friendly: the fake clock jumps while a thread runs).
         try:
             if state.needs_thread:
                 host = await trio.to_thread.run_sync(state.build_host)

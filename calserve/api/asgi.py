@@ -20,7 +20,7 @@ Behaviour, shared with the quart routes where both have it:
 - OpenAI bodies: ``running.run_json`` (JSON) and ``running.pump_stream`` + ``stream_encoder`` (SSE);
 - disconnect: a watcher task reads ASGI ``receive`` after the body; ``http.disconnect`` (or the
   server cancelling the handler) cancels the handler scope and the engine request is cancelled at
-  once, shielded (``running.RequestLease``; STACK.md "Serving").
+  once, shielded (``running.RequestLease``; quart-trio cancels a handler the same way).
 
 Cheap refusals: everything before ``engine.submit`` is what deciding needs (auth, body, decode,
 tokenize); logprob formatters, observers and chunk encoders are built only for accepted requests.

@@ -1,10 +1,10 @@
 """Runs the engine for the app's lifespan, in its own nursery, and decides what a crash does.
 
 Why its own nursery: an exception escaping a task started directly in quart-trio's ``app.nursery``
-closes that nursery and every later request that touches it fails with 500 (STACK.md). Here the
+closes that nursery and every later request that touches it fails with 500 (quart-trio 0.12). Here the
 engine runs inside :meth:`EngineHost.run`, which catches everything the engine raises after start-up.
 
-What a crash does (ARCHITECTURE.md "Supervision"):
+What a crash does (supervision):
 - ``engine`` becomes None: ``/ready`` answers 503, new requests get 503 ``engine_unavailable``,
   ``calserve_engine_up`` drops to 0;
 - ``failed`` is set: ``calserve serve`` waits on it, shuts hypercorn down and exits non-zero so a
