@@ -175,7 +175,8 @@ def create_app(
     @app.before_serving
     async def _start() -> None:
         # A thread only when building the demo package may block (seconds of file I/O); with an
-        # injected engine the start-up stays trio-native (autojump_clock-friendly: the fake clock jumps while a thread runs).
+        # injected engine the start-up stays trio-native (autojump_clock-friendly: the fake
+        # clock jumps while a worker thread runs).
         try:
             if state.needs_thread:
                 host = await trio.to_thread.run_sync(state.build_host)
