@@ -6,6 +6,13 @@ Build variables (environment):
   CALRT_IMPL=vendor         link a vendor ``libcalrt`` instead: headers from ``$CALRT_HOME/include``,
                             library from ``$CALRT_HOME/lib`` (rpath set to it). No Python change needed.
 The metadata lives in pyproject.toml; this file only declares the extension.
+
+Every build output that lands where a running server may have it mapped (``calserve/`` of the source
+tree, for ``build_ext --inplace`` and editable installs) is written under a temporary name in the
+same directory and moved over the old one with ``os.replace``: a server that runs from this tree
+keeps its mapped (now unlinked) copy instead of executing a file rewritten under it (which crashes
+it on its next call into the C runtime). Never ``shutil.copy`` over a ``.so``: it truncates the file
+in place (same inode).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import tempfile
 
 import numpy
 from setuptools import Extension, setup
@@ -40,28 +48,73 @@ else:
     raise SystemExit(f"CALRT_IMPL must be 'sim' or 'vendor', not {IMPL!r}")
 
 
+def replace_file(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` atomically: a temporary file beside ``dst``, then ``os.replace``
+    (a new inode; whoever has the old file mapped keeps it)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dst)}.", dir=os.path.dirname(os.path.abspath(dst)))
+    try:
+        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+            shutil.copyfileobj(inp, out)
+        shutil.copystat(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 class BuildCalrt(build_ext):
-    """Builds libcalrt_sim.so (sim builds) into the extension's output directory before linking."""
+    """Builds libcalrt_sim.so (sim builds) into the extension's output directory before linking;
+    every output is moved into place atomically (module docstring)."""
+
+    def copy_file(self, infile, outfile, preserve_mode=1, preserve_times=1, link=None, level=1):  # type: ignore[no-untyped-def,override]
+        # setuptools copies the built extension into the source tree (--inplace, editable
+        # installs) with distutils' copy_file, which rewrites the target in place.
+        if os.path.isdir(outfile):
+            outfile = os.path.join(outfile, os.path.basename(infile))
+        replace_file(infile, outfile)
+        return outfile, True
 
     def build_extension(self, ext: Extension) -> None:
         if IMPL == "sim":
-            out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
-            os.makedirs(out_dir, exist_ok=True)
-            srcs = sorted(glob.glob(os.path.join("ext", "calrt", "sim", "*.c")))
-            objs = self.compiler.compile(
-                srcs,
-                output_dir=self.build_temp,
-                include_dirs=[os.path.join("ext", "calrt", "include"), os.path.join("ext", "calrt", "sim")],
-                extra_postargs=CFLAGS + ["-fPIC"],
-            )
-            lib = os.path.join(out_dir, "libcalrt_sim.so")
-            self.compiler.link_shared_object(objs, lib, libraries=["m"], extra_postargs=["-pthread"])
-            ext.library_dirs = [out_dir]
-            # Editable installs run the extension from the source tree: keep a copy there too.
-            src_pkg = os.path.join(HERE, "calserve")
-            if os.path.abspath(out_dir) != os.path.abspath(src_pkg):
-                shutil.copy2(lib, os.path.join(src_pkg, "libcalrt_sim.so"))
-        super().build_extension(ext)
+            self._build_sim(ext)
+        out = os.path.abspath(self.get_ext_fullpath(ext.name))
+        # The extension links to a temporary name, then replaces the old one.
+        base, suffix = os.path.splitext(out)
+        tmp = f"{base}.tmp-{os.getpid()}{suffix}"
+        self._ext_tmp = tmp
+        try:
+            super().build_extension(ext)
+            if os.path.exists(tmp):
+                os.replace(tmp, out)
+        finally:
+            self._ext_tmp = None
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def get_ext_fullpath(self, ext_name: str) -> str:
+        tmp = getattr(self, "_ext_tmp", None)
+        return tmp if tmp else super().get_ext_fullpath(ext_name)
+
+    def _build_sim(self, ext: Extension) -> None:
+        out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath(ext.name)))
+        os.makedirs(out_dir, exist_ok=True)
+        srcs = sorted(glob.glob(os.path.join("ext", "calrt", "sim", "*.c")))
+        objs = self.compiler.compile(
+            srcs,
+            output_dir=self.build_temp,
+            include_dirs=[os.path.join("ext", "calrt", "include"), os.path.join("ext", "calrt", "sim")],
+            extra_postargs=CFLAGS + ["-fPIC"],
+        )
+        lib = os.path.join(out_dir, "libcalrt_sim.so")
+        tmp = os.path.join(out_dir, f".libcalrt_sim.so.tmp-{os.getpid()}")
+        self.compiler.link_shared_object(objs, tmp, libraries=["m"], extra_postargs=["-pthread"])
+        os.replace(tmp, lib)
+        ext.library_dirs = [out_dir]
+        # Editable installs run the extension from the source tree: keep a copy there too.
+        src_pkg = os.path.join(HERE, "calserve")
+        if os.path.abspath(out_dir) != os.path.abspath(src_pkg):
+            replace_file(lib, os.path.join(src_pkg, "libcalrt_sim.so"))
 
 
 setup(

@@ -208,12 +208,17 @@ class _Run:
         with trio.move_on_at(self.t0 + tenant.start_s):
             await self.stop_sending.wait()
         while True:
+            # The sending window ends on the clock, as for the open loop: a worker whose request
+            # ended just after the duration may run before the task that sets stop_sending at
+            # the deadline (a loaded box runs them in either order).
+            now = trio.current_time() - self.t0
+            if self.spec.duration_s is not None and now >= self.spec.duration_s:
+                return
             i = counter[0]
             counter[0] += 1
             p = self._plan(tenant, rng, i)
             if p is None or not self._take():
                 return
-            now = trio.current_time() - self.t0
             p = dataclasses.replace(p, index=self.sent, at=now)
             self.sent += 1
             retry_after = await self.one(p, rng.random())

@@ -28,7 +28,9 @@ class _LazyApp:
         if self._app is None:
             from calserve.api.app import create_app
 
-            self._app = create_app()
+            # The hypercorn CLI exits 0 whatever its worker does: a start-up failure ends the
+            # worker itself (exit code 1, one log line), not a server answering 503 for ever.
+            self._app = create_app(exit_on_start_failure=True)
         return self._app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

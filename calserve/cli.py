@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from calserve import __version__
 from calserve.errors import CalserveError
 
 __all__ = ["main", "build_parser"]
@@ -30,6 +31,7 @@ def _profiles(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="calserve", description="Calculet NPU LLM server tools")
     ap.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    ap.add_argument("--version", action="version", version=f"calserve {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("pack", help="build a signed calculet-calbin/v1 package")

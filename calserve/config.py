@@ -248,6 +248,10 @@ class ServerConfig(_Strict):
     # get 503 + Retry-After, admitted ones may run this long (s) before they end with an error event;
     # submitted jobs always drain. Under the hypercorn CLI set --graceful-timeout >= this.
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
+    # Log records as text lines or one JSON object per line (for log shippers: ts, level, logger,
+    # message, request_id, ...; access lines as fields). calserve serve only (the hypercorn CLI
+    # configures its own logging).
+    log_format: Literal["text", "json"] = "text"
 
 
 FaultName = Literal["timeout", "ccu", "unknown_dma", "busy", "crosstalk"]

@@ -11,9 +11,10 @@ the others quart routes (:mod:`calserve.api.routes`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import msgspec
 import trio
@@ -29,7 +30,8 @@ from calserve.api.bodies import too_large
 from calserve.api.errors import ApiError, from_exception, to_api_error
 from calserve.api.hygiene import (RateLimitedLog, body_timeout, head_error, refuse,
                                   shield_final_send)
-from calserve.api.lifecycle import EngineFactory
+from calserve.api.lifecycle import EngineFactory, EngineHost, describe
+from calserve.api.request_ids import REQUEST_ID, echo_request_id, request_id_of
 from calserve.api.routes import error_response, register_routes
 from calserve.api.state import ApiState
 from calserve.config import CalserveConfig, ServerConfig
@@ -80,25 +82,37 @@ class CalserveApp(QuartTrio):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if _trio_running():
-            fast = self.fast
             if scope["type"] == "http":
-                send = shield_final_send(send)  # else keep-alive connections never time out
-                limits = self.limits
-                if limits is not None:
-                    err = head_error(scope, limits.max_header_bytes)
-                    if err is not None:
-                        self.refusals.warning(str(err.code), "refused a request head: %s",
-                                              err.message)
-                        get_state(self).metrics.responses.labels(str(err.status)).inc()
-                        await refuse(send, receive, err, limits.body_timeout_s)
-                        return
-            if fast is not None and scope["type"] == "http":
-                kind = fast_route(scope)
-                if kind is not None:
-                    await fast(kind, scope, receive, send)
-                    return
+                rid = request_id_of(scope)
+                token = REQUEST_ID.set(rid)
+                try:
+                    await self._serve_http(scope, receive, echo_request_id(send, rid))
+                finally:
+                    REQUEST_ID.reset(token)
+                return
             await super().__call__(scope, receive, send)
             return
+        await self._refuse_asyncio(scope, receive, send)
+
+    async def _serve_http(self, scope: Any, receive: Any, send: Any) -> None:
+        send = shield_final_send(send)  # else keep-alive connections never time out
+        limits = self.limits
+        if limits is not None:
+            err = head_error(scope, limits.max_header_bytes)
+            if err is not None:
+                self.refusals.warning(str(err.code), "refused a request head: %s", err.message)
+                get_state(self).metrics.responses.labels(str(err.status)).inc()
+                await refuse(send, receive, err, limits.body_timeout_s)
+                return
+        fast = self.fast
+        if fast is not None:
+            kind = fast_route(scope)
+            if kind is not None:
+                await fast(kind, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    async def _refuse_asyncio(self, scope: Any, receive: Any, send: Any) -> None:
         print(f"error: {ASYNCIO_REFUSAL}", file=sys.stderr, flush=True)
         if scope["type"] == "lifespan":
             while True:
@@ -117,6 +131,23 @@ class CalserveApp(QuartTrio):
             await send({"type": "http.response.body", "body": body})
 
 
+def _exit_after(message: str | None, exc: BaseException | None) -> NoReturn:
+    """End this (hypercorn CLI worker) process with exit code 1 after saying why once: the
+    hypercorn CLI has no other way to stop a worker whose model cannot be served."""
+    if message is not None:
+        log.critical("%s", message, exc_info=None if exc is None or _expected(exc) else exc)
+    for h in [*logging.getLogger().handlers, *log.handlers]:
+        h.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+async def _exit_on_start_failure(host: EngineHost) -> None:
+    await host.opened.wait()
+    if host.start_failure is not None:  # already logged once by the host
+        _exit_after(None, None)
+
+
 def get_state(app: QuartTrio) -> ApiState:
     st = app.extensions["calserve"]
     assert isinstance(st, ApiState)
@@ -128,13 +159,17 @@ def create_app(
     *,
     engine_factory: EngineFactory | None = None,
     prepare_config: Callable[[CalserveConfig], CalserveConfig] | None = None,
+    exit_on_start_failure: bool = False,
 ) -> CalserveApp:
     """Build the app. ``config`` None = ``load_config()`` at start-up (``CALSERVE_CONFIG`` or the
     embedded default); ``engine_factory(config)`` returns the engine's async context manager
-    (default ``Engine.open``); ``prepare_config`` lets ``calserve serve`` rewrite the loaded config."""
+    (default ``Engine.open``); ``prepare_config`` lets ``calserve serve`` rewrite the loaded config.
+    ``exit_on_start_failure`` (``calserve:app`` under the hypercorn CLI): a config that cannot be
+    loaded or a model that fails to load at start-up ends the process with exit code 1 after one
+    log line (``calserve serve`` exits 1 through its own shutdown trigger instead)."""
     app = CalserveApp("calserve")
     app.refusals = RateLimitedLog(log)
-    app.config["RESPONSE_TIMEOUT"] = None  # streams are never cut (STACK.md)
+    app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default would end streams without [DONE]
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 5
     state = ApiState(config, engine_factory, prepare_config)
     app.extensions["calserve"] = state
@@ -142,22 +177,26 @@ def create_app(
     @app.before_serving
     async def _start() -> None:
         # A thread only when building the demo package may block (seconds of file I/O); with an
-        # injected engine the start-up stays trio-native (autojump_clock-friendly, STACK.md).
-        if state.needs_thread:
-            host = await trio.to_thread.run_sync(state.build_host)
-        else:
-            host = state.build_host()
+        # injected engine the start-up stays trio-native (autojump_clock-friendly: the fake
+        # clock jumps while a worker thread runs).
+        try:
+            if state.needs_thread:
+                host = await trio.to_thread.run_sync(state.build_host)
+            else:
+                host = state.build_host()
+        except BaseException as e:
+            state.startup_error = e
+            if exit_on_start_failure and not isinstance(e, trio.Cancelled):
+                _exit_after(f"calserve: could not start: {describe(e)}", e)
+            raise  # `calserve serve` prints it once
         app.config["MAX_CONTENT_LENGTH"] = host.config.server.max_body_bytes
         app.config["BODY_TIMEOUT"] = host.config.server.body_timeout_s  # quart routes' bodies
         app.limits = host.config.server
-        try:
-            await app.nursery.start(host.run)
-        except BaseException as e:
-            state.startup_error = e
-            log.critical("calserve: the engine could not start: %s", e,
-                         exc_info=None if _expected(e) else e)
-            raise
-        log.info("calserve: engine started (models: %s)", ", ".join(host.config.models))
+        # Listen first: the engine opens (the model loads) in the background; host.run returns
+        # at once and never raises (a start-up failure is host.start_failure, logged once).
+        await app.nursery.start(host.run)
+        if exit_on_start_failure:
+            app.nursery.start_soon(_exit_on_start_failure, host)
 
     @app.after_serving
     async def _stop() -> None:

@@ -20,7 +20,7 @@ Behaviour, shared with the quart routes where both have it:
 - OpenAI bodies: ``running.run_json`` (JSON) and ``running.pump_stream`` + ``stream_encoder`` (SSE);
 - disconnect: a watcher task reads ASGI ``receive`` after the body; ``http.disconnect`` (or the
   server cancelling the handler) cancels the handler scope and the engine request is cancelled at
-  once, shielded (``running.RequestLease``; STACK.md "Serving").
+  once, shielded (``running.RequestLease``; quart-trio cancels a handler the same way).
 
 Cheap refusals: everything before ``engine.submit`` is what deciding needs (auth, body, decode,
 tokenize); logprob formatters, observers and chunk encoders are built only for accepted requests.
@@ -190,6 +190,8 @@ class FastRoutes:
         lease = RequestLease(handle)
         try:
             metrics = self._state.metrics
+            metrics.prompt_tokens.labels(prep.alias, prep.request.tenant).inc(
+                len(prep.request.prompt_tokens))
             fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
             # the generation the request is pinned to (engines without one: no such field)
             fingerprint: str | None = getattr(handle, "system_fingerprint", None)
@@ -249,4 +251,4 @@ class FastRoutes:
     async def _send_error(self, send: Send, err: ApiError) -> None:
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                  for k, v in err.headers().items()]
-        await self._send_json(send, err.status, encode(err.body()), extra)
+        await self._send_json(send, err.status, encode(err.response_body()), extra)

@@ -28,6 +28,7 @@ from typing import Any, Final, final
 import msgspec
 
 from calserve import errors as E
+from calserve.api.request_ids import REQUEST_ID
 from calserve.engine.types import ErrorEvent
 
 __all__ = ["ApiError", "from_exception", "to_api_error", "error_event_to_api", "error_body",
@@ -62,6 +63,15 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def response_body(self) -> dict[str, Any]:
+        """The body of a JSON error response: :meth:`body` plus the request's ``request_id``
+        (beside ``error``, whose shape stays OpenAI's)."""
+        b = self.body()
+        rid = REQUEST_ID.get()
+        if rid is not None:
+            b["request_id"] = rid
+        return b
 
     def headers(self) -> dict[str, str]:
         h = {} if self.retry_after is None else {"Retry-After": retry_after_header(self.retry_after)}

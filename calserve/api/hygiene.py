@@ -85,7 +85,7 @@ def body_timeout(timeout_s: float) -> ApiError:
 
 
 def _encode(err: ApiError) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-    body = msgspec.json.encode(err.body())
+    body = msgspec.json.encode(err.response_body())
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in err.headers().items()]

@@ -8,17 +8,28 @@ job ids (spec §16: those go to logs only).
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GCCollector, CollectorRegistry, Counter, Gauge, Histogram, Info, PlatformCollector,
+    ProcessCollector, generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from calserve import __version__
 from calserve.api.metrics_faults import fault_metrics
 from calserve.engine.types import EngineStatistics
 
-__all__ = ["ApiMetrics", "EngineCollector", "CONTENT_TYPE"]
+__all__ = ["ApiMetrics", "EngineCollector", "CONTENT_TYPE", "version_info"]
+
+def version_info() -> dict[str, str]:
+    """What ``GET /version`` answers and ``calserve_build_info`` labels (bounded: one series)."""
+    return {"version": __version__, "python": platform.python_version(),
+            "implementation": platform.python_implementation()}
+
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -67,8 +78,10 @@ class EngineCollector(Collector):
         yield _g("calserve_requests_waiting", "Requests waiting for admission or model", s.requests_waiting)
         yield _g("calserve_waiting_prompt_tokens", "Prompt tokens of waiting requests", s.waiting_prompt_tokens)
         yield _c("calserve_admitted", "Requests admitted", s.admitted_total)
-        yield _labelled(C, "calserve_rejected", "Requests rejected at admission by outcome", "outcome", s.rejected_total)
-        yield _labelled(C, "calserve_requests_finished", "Terminal requests by outcome", "outcome", s.requests_total)
+        yield _labelled(C, "calserve_rejected", "Requests rejected at admission by outcome", "outcome",
+                        with_known(s.rejected_total, REJECT_OUTCOMES))
+        yield _labelled(C, "calserve_requests_finished", "Terminal requests by outcome", "outcome",
+                        with_known(s.requests_total, FINISH_OUTCOMES))
         # fairness (per tenant)
         tw = G("calserve_tenant_waiting_requests", "Waiting requests per tenant", labels=["tenant"])
         tt = G("calserve_tenant_waiting_tokens", "Waiting prompt tokens per tenant", labels=["tenant"])
@@ -101,7 +114,8 @@ class EngineCollector(Collector):
         yield _c("calserve_batch_wait_seconds", "Time spent waiting to fill batches", s.batch_wait_s_total)
         yield _c("calserve_prefill_jobs", "Prefill jobs submitted", s.prefill_jobs_total)
         # KV
-        yield _labelled(G, "calserve_kv_sequences", "KV sequences by state", "state", s.kv_sequences)
+        yield _labelled(G, "calserve_kv_sequences", "KV sequences by state", "state",
+                        with_known(s.kv_sequences, KV_STATES))
         yield _g("calserve_kv_tokens_reserved", "KV tokens reserved", s.kv_tokens_reserved)
         yield _g("calserve_kv_tokens_used", "KV tokens used", s.kv_tokens_used)
         yield _c("calserve_kv_free_seconds", "Time spent freeing KV sequences", s.kv_free_seconds_total)
@@ -123,16 +137,69 @@ class EngineCollector(Collector):
         st = G("calserve_model_state", "1 for the current state of the alias' generation", labels=["alias", "state"])
         for alias, (g, state) in sorted(s.models.items()):
             gen.add_metric([alias], g)
-            st.add_metric([alias, state], 1)
+            for known in MODEL_STATES:  # one series per state: 1 for the current one, else 0
+                st.add_metric([alias, known], 1 if known == state else 0)
         yield from (gen, st)
         yield _labelled(G, "calserve_model_load_seconds", "Last load duration per alias", "alias", s.model_load_seconds)
         # recovery
-        yield _labelled(C, "calserve_faults", "Device faults by reason", "reason", s.faults_total)
+        yield _labelled(C, "calserve_faults", "Device faults by reason", "reason",
+                        with_known(s.faults_total, FAULT_REASONS))
         yield _c("calserve_resets", "Device resets", s.resets_total)
         yield _c("calserve_quarantined_jobs", "Jobs quarantined by recovery", s.quarantined_jobs_total)
         yield _c("calserve_quarantined_kv", "KV sequences quarantined by recovery", s.quarantined_kv_total)
         yield _c("calserve_recovery_seconds", "Time spent recovering", s.recovery_seconds_total)
         yield from fault_metrics(s)  # degradation, reset budget (calserve/api/metrics_faults.py)
+        yield from ops_metrics(s)
+
+
+#: Known label values, exported as 0 before their first event (a fault counter shows 0 before the
+#: first fault; dashboards and alerts need the series to exist). Bounded: nothing else is a value.
+FAULT_REASONS: Final = ("timeout", "crosstalk", "ccu_fault", "dma_unknown", "aborted", "invalid")
+JOB_STATUSES: Final = ("ok", "aborted", "ccu_fault", "dma_unknown", "invalid", "timeout", "refused")
+REJECT_OUTCOMES: Final = ("invalid", "capacity", "quota", "unavailable", "deadline")
+FINISH_OUTCOMES: Final = ("completed", "cancelled", "deadline", "failed", "shutdown")
+KV_STATES: Final = ("Free", "Reserved", "Active", "Updating", "Unknown", "Releasing")
+MODEL_STATES: Final = ("Unloaded", "Validating", "Configuring", "Warming", "Ready", "Draining",
+                       "Unloading", "Recovering", "Failed")
+LOAD_PHASES: Final = ("configure", "inspect", "warmup")
+
+
+def with_known(values: dict[str, int], known: tuple[str, ...]) -> dict[str, int]:
+    """``values`` with every known label value present (0 when it never happened)."""
+    return {**dict.fromkeys(known, 0), **values}
+
+
+def ops_metrics(s: EngineStatistics) -> Iterator[Metric]:
+    """The operator metrics of issue 20 (spec §16 items the families above lack)."""
+    G, C = GaugeMetricFamily, CounterMetricFamily
+    cap = s.kv_tokens_capacity
+    yield _g("calserve_kv_usage_ratio", "KV tokens reserved / KV token capacity (0-1)",
+             s.kv_tokens_reserved / cap if cap else 0.0)
+    free = s.kv_sequences.get("Free", 0)
+    yield _g("calserve_kv_lanes_usage_ratio", "KV lanes not Free / KV lanes (0-1)",
+             (s.kv_lanes_total - free) / s.kv_lanes_total if s.kv_lanes_total else 0.0)
+    yield _labelled(C, "calserve_executor_job_status", "Jobs handed back by how they ended "
+                    "(the Wait status; timeout: the wait passed executor.wait_timeout_ms; "
+                    "refused: at submit)", "status", with_known(s.job_status_total, JOB_STATUSES))
+    ph = G("calserve_model_load_phase_seconds", "Duration of each load phase of the alias' "
+           "current generation (its load; calserve_model_phase_seconds: the histograms)",
+           labels=["alias", "phase"])
+    for alias, phases in sorted(s.model_phase_seconds.items()):
+        for phase, v in sorted(phases.items()):
+            ph.add_metric([alias, phase], v)
+    yield ph
+    yield _c("calserve_device_restarts", "Calbins reconfigured after a DMA_UNKNOWN fault "
+             "(recovery.restart_on_unknown_dma)", s.device_restarts_total)
+
+
+def register_process_metrics(registry: CollectorRegistry) -> None:
+    """prometheus-client's own collectors on the app's registry: ``process_*`` (CPU, RSS, fds,
+    start time: ``changes(process_start_time_seconds[1h])`` counts restarts), ``python_gc_*``,
+    ``python_info``; and ``calserve_build_info``."""
+    ProcessCollector(registry=registry)
+    GCCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    Info("calserve_build", "calserve build: version, Python", registry=registry).info(version_info())
 
 
 class ApiMetrics:
@@ -159,6 +226,18 @@ class ApiMetrics:
                                     registry=r)
         self.completion_tokens = Counter("calserve_completion_tokens", "Tokens sent to clients",
                                          ["alias", "tenant"], registry=r)
+        self.prompt_tokens = Counter("calserve_prompt_tokens", "Prompt tokens of accepted requests",
+                                     ["alias", "tenant"], registry=r)
+        register_process_metrics(r)
+
+    def init_labels(self, aliases: list[str], tenants: list[str]) -> None:
+        """Create the labelled series of the known aliases and tenants (0 before first use)."""
+        for alias in aliases:
+            for h in (self.ttft, self.itl, self.e2e, self.queue, self.streams_disconnected):
+                h.labels(alias)
+            for tenant in tenants:
+                self.completion_tokens.labels(alias, tenant)
+                self.prompt_tokens.labels(alias, tenant)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

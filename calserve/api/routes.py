@@ -19,6 +19,7 @@ import msgspec
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from calserve import __version__
 from calserve import errors as E
 from calserve.api.asgi import FAST_ROUTES
 from calserve.api.bodies import check_declared, decode, too_large
@@ -29,9 +30,10 @@ from calserve.api.convert import (
     render_chat,
     resolve_model,
 )
-from calserve.api.errors import ApiError
-from calserve.api.metrics import CONTENT_TYPE
+from calserve.api.errors import ApiError, retry_after_header
+from calserve.api.metrics import CONTENT_TYPE, version_info
 from calserve.api.protocol import TokenizerLike
+from calserve.api.readiness import RETRY_AFTER_S, not_ready_reason
 from calserve.api.schemas import DetokenizeBody, TokenizeBody
 from calserve.api.state import ApiState
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
@@ -48,7 +50,7 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
 
 
 def error_response(err: ApiError) -> Response:
-    return json_response(err.body(), err.status, err.headers())
+    return json_response(err.response_body(), err.status, err.headers())
 
 
 async def _served_by_asgi() -> NoReturn:
@@ -78,7 +80,7 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
         return {
             "id": info.alias, "object": "model", "created": info.created, "owned_by": "calserve",
             "generation": info.generation, "state": info.state, "max_model_len": info.max_seq,
-            "package_sha256": info.package_sha256,
+            "package_sha256": info.package_sha256, "server_version": __version__,
             "profiles": [{"compiled_batch": p.compiled_batch, "tier": p.tier,
                           "available": p.available} for p in info.profiles],
         }
@@ -151,11 +153,16 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
 
     @app.get("/health")
     async def health() -> Response:
+        """Liveness: 200 whenever the process serves HTTP (also while the model loads)."""
         host = state.host
         status = "ok"
         if host is None or host.engine is None:
             status = "failed" if host is not None and host.failed.is_set() else "starting"
-        return json_response({"status": "alive", "engine": status})
+        return json_response({"status": "alive", "engine": status, "version": __version__})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response(version_info())
 
     @app.get("/ready")
     async def ready() -> Response:
@@ -165,15 +172,17 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
             drain_body, drain_headers = host.drain_status()
             return json_response(drain_body, 503, drain_headers)
         eng = host.engine if host is not None else None
-        if eng is None:
-            err = ApiError(503, "engine not running", type="service_unavailable",
-                           code="engine_unavailable", retry_after=5.0)
-            return error_response(err)
-        info = resolve_model(eng, alias)
-        ok = bool(eng.ready(info.alias))
-        body_ = {"status": "ready" if ok else "not_ready", "model": info.alias,
-                 "generation": info.generation, "state": info.state}
-        return json_response(body_, 200 if ok else 503, None if ok else {"Retry-After": "1"})
+        body_: dict[str, Any] = {}
+        ok = False
+        if eng is not None:
+            info = resolve_model(eng, alias)
+            ok = bool(eng.ready(info.alias))
+            body_ = {"model": info.alias, "generation": info.generation, "state": info.state}
+        reason = not_ready_reason(host, eng, body_.get("state"), ok)
+        if reason is None:
+            return json_response({"status": "ready", **body_})
+        return json_response({"status": "not_ready", "reason": reason, **body_}, 503,
+                             {"Retry-After": retry_after_header(RETRY_AFTER_S[reason])})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -32,6 +32,8 @@ from pathlib import Path
 import msgspec
 import trio
 
+from calserve import __version__
+from calserve.api.logs import ACCESS_LOG_FORMAT, configure_logging
 from calserve.config import CalserveConfig, ModelEntry, decode_config, load_config
 from calserve.errors import CalserveError
 
@@ -60,9 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, help="listen port (default: server.port, 8000)")
     ap.add_argument("--device", type=int, metavar="N",
                     help="board index to open (default: runtime.device, 0); one process per board")
+    ap.add_argument("--version", action="version", version=f"calserve {__version__}")
     ap.add_argument("--log-level", default="info",
                     choices=["debug", "info", "warning", "error"])
     ap.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    ap.add_argument("--log-format", choices=["text", "json"], default=None,
+                    help="text lines or one JSON object per line (default: server.log_format)")
     return ap
 
 
@@ -112,6 +117,7 @@ async def serve_app(
     # Logger objects, not "-": hypercorn would add its own stderr handler next to basicConfig's.
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.accesslog = logging.getLogger("hypercorn.access") if a.access_log else None
+    hc.access_log_format = ACCESS_LOG_FORMAT
     hc.loglevel = a.log_level.upper()
     hc.graceful_timeout = _FLUSH_S
     outcome = {"failed": False}
@@ -148,7 +154,10 @@ async def serve_app(
                     await trio.sleep(0.05)
                 await state.host.failed.wait()
                 outcome["failed"] = True
-                log.critical("engine failed beyond recovery: stopping with exit code 1")
+                # The reason was logged once where it happened (the host).
+                log.critical("stopping with exit code 1 (%s)",
+                             "start-up failed" if state.host.start_failure is not None
+                             else "the engine failed beyond recovery")
                 n.cancel_scope.cancel()
 
             n.start_soon(on_signal)
@@ -185,13 +194,13 @@ async def serve_app(
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(a.log_level, "text")
     try:
         config = apply_cli(load_config(a.config), a)
     except CalserveError as e:
         print(f"calserve serve: {e.message}", file=sys.stderr)
         return 1
+    configure_logging(a.log_level, a.log_format or config.server.log_format)
     return trio.run(serve_app, a, config)
 
 

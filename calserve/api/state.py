@@ -70,13 +70,15 @@ class ApiState:
         return p
 
     def engine(self) -> EngineLike:
-        """The running engine, or EngineError (503 ``engine_unavailable``)."""
+        """The running engine, or EngineError (503 ``engine_unavailable`` + Retry-After)."""
         host = self.host
         eng = host.engine if host is not None else None
         if eng is None:
             if host is not None and host.failed.is_set():
                 raise EngineError("the engine failed and is not serving; restart the server")
-            raise EngineError("the engine is not running (starting or stopping)")
+            if host is None or host.loading:
+                raise EngineError("the model is loading (the server is starting)", retry_after=1.0)
+            raise EngineError("the engine is not running (stopping)")
         return eng
 
     def tenant_of(self, authorization: str) -> str:
@@ -103,6 +105,7 @@ class ApiState:
         if self._prepare is not None:
             config = self._prepare(config)
         self.api_keys = {k: name for name, t in config.tenants.items() for k in t.api_keys}
+        self.metrics.init_labels(list(config.models), list(config.tenants) or ["default"])
         self.host = EngineHost(config, factory)
         return self.host
 
@@ -119,11 +122,15 @@ def resolve_default_packages(config: CalserveConfig) -> CalserveConfig:
     if all(m.package is not None for m in config.models.values()):
         return config
     try:
-        from calserve.models.demo import ensure_demo_package
+        from calserve.models.demo import demo_package_path, ensure_demo_package
     except ImportError:  # the engine resolves ``package: null`` itself
         return config
+    built = not (demo_package_path() / "SHA256SUMS.sig").exists()
     path = ensure_demo_package()
-    log.warning("calserve: using the demo package at %s (built on first start)", path)
+    if built:  # said once, on the start that built it
+        log.warning("calserve: built the demo package at %s (first start)", path)
+    else:
+        log.info("calserve: using the demo package at %s", path)
     models = {
         alias: (msgspec.structs.replace(m, package=str(path)) if m.package is None else m)
         for alias, m in config.models.items()

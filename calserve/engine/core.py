@@ -349,5 +349,5 @@ class EngineCore:
             stale_total=st.stale_total, requeued_busy=st.requeued_busy,
             fast_steps_total=st.fast_steps_total, quarantined_jobs_total=st.quarantined_jobs_total,
             readmitted_total=st.readmitted_total,
-            epoch=self.st.epoch,
+            epoch=self.st.epoch, job_status_total=dict(st.job_status_total),
         )

@@ -49,6 +49,9 @@ class CoreStats:
     fast_steps_total: int = 0  # decode jobs submitted before their predecessor's bookkeeping
     quarantined_jobs_total: int = 0  # jobs whose KV state a fault left unknown
     readmitted_total: int = 0  # requests re-prefilled after a fault lost their KV
+    # how each handed-back job ended (spec §16 executor "Wait rc/status"): ok, the JobStatus
+    # names (aborted, ccu_fault, dma_unknown, invalid), timeout, refused (at submit)
+    job_status_total: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,7 @@ class CoreStatistics:
     quarantined_jobs_total: int
     readmitted_total: int
     epoch: int
+    job_status_total: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class FastStep:

@@ -108,7 +108,7 @@ class Engine:
             )
         try:
             srcs = dict(sources) if sources is not None else await trio.to_thread.run_sync(
-                load_sources, cfg
+                load_sources, cfg, backend.capabilities
             )
             async with trio.open_nursery() as nursery:
                 eng = cls(cfg, backend, nursery, open_budget(cfg, persist_budget))

@@ -51,6 +51,8 @@ class Generation:
     state: ModelState = ModelState.UNLOADED
     created: int = 0
     load_seconds: float = 0.0
+    # load phase -> seconds (spec §16 model durations): configure, inspect, warmup
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     # lane -> runtime sequence id of every lane holding a device sequence (recovery frees them)
     lane_seq: dict[int, int] = dataclasses.field(default_factory=dict)
     # compiled B -> member calbin of the generation's shared-KV group (spec §8: the decode profile is
@@ -242,6 +244,7 @@ class ModelManager:
         max_sequences = min(spec.max_sequences, adm_cfg.max_sequences or spec.max_sequences)
         max_kv = adm_cfg.max_kv_tokens or max_sequences * spec.max_seq
         calbins = await self._load_group(source, members)
+        t_configured = time.monotonic()
         entry = self.cfg.models.get(source.alias)
         gen = Generation(
             id=gid,
@@ -267,9 +270,12 @@ class ModelManager:
                     source.verify(info, mb)
             gen.fire(ModelEvent.CONFIGURED)
             progress.step = "golden"
-            progress.configured_at = time.monotonic()
+            progress.configured_at = t_inspected = time.monotonic()
             await self._golden(gen)
             gen.fire(ModelEvent.WARMED)
+            gen.phase_seconds = {"configure": t_configured - t0,
+                                 "inspect": t_inspected - t_configured,
+                                 "warmup": time.monotonic() - t_inspected}
         except BaseException:
             gen.fire(ModelEvent.FAIL)
             with trio.CancelScope(shield=True):

@@ -81,6 +81,7 @@ class RecoveryStats:
     uncertain_total: int = 0
     budget_level: str = "ok"
     resets_in_window: int = 0
+    device_restarts_total: int = 0  # calbins reconfigured after DMA_UNKNOWN (restart_on_unknown_dma)
 
 
 class HealthRecovery:
@@ -107,6 +108,7 @@ class HealthRecovery:
         self.recovery_seconds_by_reason: dict[str, tuple[int, float, float]] = {}
         self.faults_total: collections.Counter[str] = collections.Counter()
         self.resets_total = 0
+        self.device_restarts_total = 0
         self.quarantined_kv_total = 0
         self.recovery_seconds_total = 0.0
 
@@ -228,6 +230,7 @@ class HealthRecovery:
                     try:
                         for cb in g.calbins.values():  # after DMA_UNKNOWN each group member
                             await cb.reconfigure()
+                        self.device_restarts_total += 1
                     except Exception as e:
                         log.error("reconfigure after DMA_UNKNOWN failed: %s", e)
                         failed = True
@@ -261,4 +264,4 @@ class HealthRecovery:
                              self.recovery_seconds_total, dict(self.recovery_seconds_by_reason),
                              self.uncertain_total,
                              "failed" if self.gave_up else self.watch.budget.value,
-                             self.budget.count(wall))
+                             self.budget.count(wall), self.device_restarts_total)

@@ -39,7 +39,7 @@ def build_statistics(src: StatisticsSources) -> EngineStatistics:
     rec = src.recovery
     tenants: dict[str, TenantStats] = {}
     kv_states: collections.Counter[str] = collections.Counter()
-    kv_reserved = kv_used = 0
+    kv_reserved = kv_used = kv_capacity = kv_lanes = 0
     admitted = 0
     waiting_tokens = 0
     for gen in src.generations:
@@ -55,6 +55,8 @@ def build_statistics(src: StatisticsSources) -> EngineStatistics:
             kv_states[state] += n
         kv_reserved += k.tokens_reserved
         kv_used += k.tokens_committed
+        kv_capacity += k.max_kv_tokens
+        kv_lanes += k.num_lanes
     depth = {"decode": core.decode_ready, **core.prefill_ready}
     executors = {
         name: ExecutorEngineStats(c.submitted, c.completed, c.failed, c.busy, c.timeouts, c.inflight)
@@ -97,4 +99,9 @@ def build_statistics(src: StatisticsSources) -> EngineStatistics:
         resets_in_window=rec.resets_in_window,
         uncertain_recoveries_total=rec.uncertain_total,
         recovery_seconds_by_reason=dict(rec.recovery_seconds_by_reason),
+        kv_tokens_capacity=kv_capacity,
+        kv_lanes_total=kv_lanes,
+        job_status_total=core.job_status_total,
+        model_phase_seconds={g.alias: dict(g.phase_seconds) for g in src.generations},
+        device_restarts_total=rec.device_restarts_total,
     )

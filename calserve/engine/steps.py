@@ -54,11 +54,15 @@ class StepHandler:
         seqs = job.seqs
         for s in seqs:
             s.inflight = None
+        counts = self.stats.job_status_total
         if outcome.submit_error is not None:
+            counts["refused"] = counts.get("refused", 0) + 1
             self._refused(job, seqs, outcome.submit_error, now)
             return
         r = outcome.result
         assert r is not None
+        key = "timeout" if outcome.timed_out else r.status.name.lower()
+        counts[key] = counts.get(key, 0) + 1
         if r.status is not JobStatus.OK:
             reason: str | None = r.status.name.lower()
         else:

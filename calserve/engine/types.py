@@ -231,6 +231,12 @@ class EngineStatistics:
     # fault reason -> (recovery episodes, seconds summed, worst episode)
     recovery_seconds_by_reason: dict[str, tuple[int, float, float]] = dataclasses.field(
         default_factory=dict)
+    # operator metrics (defaults: engines that do not report them)
+    kv_tokens_capacity: int = 0  # max KV tokens over the generations (the usage ratio's base)
+    kv_lanes_total: int = 0
+    job_status_total: dict[str, int] = dataclasses.field(default_factory=dict)
+    model_phase_seconds: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    device_restarts_total: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

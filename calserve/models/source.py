@@ -15,7 +15,7 @@ import numpy as np
 
 from calserve.config import CalserveConfig
 from calserve.runtime.reference import ModelConfig
-from calserve.runtime.types import ProfileSpec, Timing
+from calserve.runtime.types import ProfileSpec, RuntimeCapabilities, Timing
 
 __all__ = ["ModelSource", "source_from_package", "load_sources"]
 
@@ -70,14 +70,18 @@ def source_from_package(pkg: Any, alias: str, timing_name: str | None = None) ->
     )
 
 
-def load_sources(cfg: CalserveConfig) -> dict[str, ModelSource]:
+def load_sources(cfg: CalserveConfig, caps: RuntimeCapabilities | None = None
+                 ) -> dict[str, ModelSource]:
     """Spec §11 steps 1-3 for every configured model (blocking file I/O: call from a thread).
 
-    ``package: null`` means the built-in demo package, built on first use."""
+    ``package: null`` means the built-in demo package, built on first use. With the runtime's
+    ``caps``, the configured batch profiles are cross-checked with each package's manifest before
+    its weights are read (spec §15: a B8 the package lacks fails start-up, naming the key)."""
     from calserve.config import calserve_home
     from calserve.models.demo import ensure_demo_package
     from calserve.models.package import open_package
     from calserve.models.signing import TrustStore
+    from calserve.models.validate import check_scheduler_config
 
     trust = TrustStore.from_config(cfg.trust)
     root = cfg.trust.model_root or str(calserve_home() / "models")
@@ -85,5 +89,7 @@ def load_sources(cfg: CalserveConfig) -> dict[str, ModelSource]:
     for alias, entry in cfg.models.items():
         path = entry.package if entry.package is not None else str(ensure_demo_package())
         pkg = open_package(path, trust, root)
+        if caps is not None:
+            check_scheduler_config(pkg.manifest, cfg, caps)
         out[alias] = source_from_package(pkg, alias, entry.timing)
     return out

@@ -25,6 +25,13 @@ def make_config(**sections: Any) -> CalserveConfig:
     return decode_config(data)
 
 
+async def engine_opened(app: CalserveApp) -> None:
+    """Wait until the app's engine opened (listen first: start-up returns while it opens)."""
+    host = get_state(app).host
+    assert host is not None
+    await host.opened.wait()
+
+
 class Harness:
     def __init__(self, app: CalserveApp, client: Any) -> None:
         self.app = app
@@ -57,6 +64,7 @@ def harness_factory() -> Callable[..., Any]:
     async def make(config: CalserveConfig | None = None, **engine_kw: Any) -> AsyncIterator[Harness]:
         app = create_app(config or make_config(), engine_factory=fake_factory(**engine_kw))
         async with app.test_app() as t:
+            await engine_opened(app)
             yield Harness(app, t.test_client())
 
     return make

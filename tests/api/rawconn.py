@@ -26,6 +26,16 @@ def post(path: str, body: bytes, extra: bytes = b"", length: int | None = None) 
             b"Content-Length: %d\r\n%s\r\n" % (path.encode(), n, extra)) + body
 
 
+async def wait_ready(url: str, timeout: float = 30.0) -> None:
+    """Poll ``GET /ready`` until 200, as a supervisor does."""
+    import httpx
+
+    with trio.fail_after(timeout):
+        async with httpx.AsyncClient(base_url=url) as client:
+            while (await client.get("/ready")).status_code != 200:
+                await trio.sleep(0.01)
+
+
 @contextlib.asynccontextmanager
 async def guarded_server(**server: Any) -> AsyncIterator[int]:
     """``calserve serve`` in this trio run with ``server.`` overrides; yields its port."""
@@ -36,6 +46,7 @@ async def guarded_server(**server: Any) -> AsyncIterator[int]:
         binds = await n.start(partial(serve_app, args, cfg,
                                       engine_factory=fake_factory(token_delay=0.001)))
         try:
+            await wait_ready(binds[0])  # listen first: the engine opens after the port
             yield int(binds[0].rsplit(":", 1)[1])
         finally:
             while len(_OPEN) > opened:  # the test's client sockets

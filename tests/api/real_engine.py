@@ -20,7 +20,7 @@ from calserve.models.source import ModelSource
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import ProfileSpec, Timing
 
-from .conftest import Harness
+from .conftest import Harness, engine_opened
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -107,4 +107,5 @@ async def real_app(config: CalserveConfig, *, sources: Sequence[ModelSource] | N
 
     app = create_app(config, engine_factory=factory)
     async with app.test_app() as t:
+        await engine_opened(app)
         yield RealHarness(app, t.test_client(), backend)

@@ -13,7 +13,7 @@ import trio
 
 from calserve.api.app import create_app, get_state
 
-from .conftest import make_config
+from .conftest import engine_opened, make_config
 from .fake_engine import FakeEngine, fake_factory
 
 
@@ -39,6 +39,7 @@ async def test_disconnect_before_the_body_starts_cancels(autojump_clock: Any, pa
         return send
 
     async with app.test_app() as t:
+        await engine_opened(app)
         client = t.test_client()
         host = get_state(app).host
         assert host is not None and isinstance(host.engine, FakeEngine)

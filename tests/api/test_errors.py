@@ -1,4 +1,5 @@
-"""Every error status with OpenAI's exact body shape {"error": {message, type, param, code}}."""
+"""Every error status with OpenAI's exact body shape {"error": {message, type, param, code}}
+(plus the request's ``request_id`` beside it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ KEYS = {"message", "type", "param", "code"}
 def assert_error(status: int, body: Any, want_status: int, param: str | None,
                  code: str | None = None) -> dict[str, Any]:
     assert status == want_status, body
-    assert isinstance(body, dict) and set(body) == {"error"}, body
+    assert isinstance(body, dict) and set(body) == {"error", "request_id"}, body
+    assert isinstance(body["request_id"], str) and body["request_id"]
     err = body["error"]
     assert set(err) == KEYS, err
     assert isinstance(err["message"], str) and err["message"]

@@ -49,8 +49,10 @@ def check(status: int, headers: Any, raw: bytes) -> None:
     assert status < 500, raw[:500]
     if status >= 400:
         body = msgspec.json.decode(raw)
-        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param",
-                                                                  "code"}
+        assert set(body) == {"error", "request_id"} and set(body["error"]) == {
+            "message", "type", "param", "code"}
+        if headers is not None:
+            assert body["request_id"] == headers["x-request-id"]
         assert "Traceback" not in body["error"]["message"]
 
 

@@ -20,6 +20,7 @@ from calserve.errors import CalserveError
 
 from .conftest import Harness, make_config
 from .fake_engine import FakeEngine, fake_factory
+from .rawconn import wait_ready
 
 
 async def test_crash_drops_readiness_and_503s(h: Harness) -> None:
@@ -48,9 +49,9 @@ async def test_model_not_ready_is_503_on_ready(h: Harness) -> None:
     assert msgspec.json.decode(await r.get_data())["state"] == "Loading"
 
 
-async def test_startup_failure_refuses_to_start(capsys: Any) -> None:
-    """A refused package at start-up: the lifespan start-up fails and `calserve serve` exits 1
-    with the reason (quart-trio's test_app cannot host this case: hypercorn's lifespan can)."""
+async def test_startup_failure_refuses_to_start(caplog: Any) -> None:
+    """A refused package at start-up: `calserve serve` exits 1 after logging the reason once
+    (quart-trio's test_app cannot host this case: hypercorn's lifespan can)."""
 
     @contextlib.asynccontextmanager
     async def broken(config: CalserveConfig) -> AsyncIterator[Any]:
@@ -60,7 +61,8 @@ async def test_startup_failure_refuses_to_start(capsys: Any) -> None:
     with trio.fail_after(30):
         rc = await serve_app(_args(), make_config(server={"port": 0}), engine_factory=broken)
     assert rc == 1
-    assert "bad signature" in capsys.readouterr().err
+    said = [r for r in caplog.records if "bad signature" in r.getMessage()]
+    assert len(said) == 1 and said[0].exc_info is None, caplog.text  # once, no traceback
 
 
 def test_asyncio_worker_is_refused_with_a_message() -> None:
@@ -134,6 +136,7 @@ async def test_serve_exits_nonzero_when_engine_fails() -> None:
         async with trio.open_nursery() as n:
             binds = await n.start(run)
             url = binds[0]
+            await wait_ready(url)
             async with httpx.AsyncClient(base_url=url) as client:
                 r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
                 assert r.status_code == 200

@@ -231,3 +231,22 @@ async def test_closed_loop_honours_retry_after(nursery: trio.Nursery) -> None:
     polite = await sent(0.25)
     assert 2 <= polite <= 2 * (1.0 / 0.25 + 2)
     assert await sent(0.0) > 4 * polite
+
+
+async def test_closed_loop_sends_nothing_after_the_duration_whoever_runs_first() -> None:
+    """The flaky ``planned <= 2.0``: a closed-loop worker whose request ended just after the
+    duration ran before the task that sets ``stop_sending`` at the deadline and planned one more
+    request. The window now ends on the clock: here ``stop_sending`` is never set at all."""
+    from bench.loadgen import _Run
+
+    run = _Run(LoadSpec(base_url="http://127.0.0.1:9", duration_s=1.0,
+                        tenants=(TenantSpec("c", None, concurrency=1),)))
+    run.t0 = trio.current_time() - 1.0001  # the duration is over; stop_sending not yet set
+
+    async def one(p: object, u: float) -> None:
+        raise AssertionError(f"planned a request at {p.at:.4f} s, after the 1 s duration")  # type: ignore[attr-defined]
+
+    run.one = one  # type: ignore[method-assign]
+    with trio.fail_after(5):
+        await run.closed_loop(run.spec.tenants[0], 0, [0])
+    assert run.sent == 0

@@ -45,10 +45,15 @@ def storm_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[ServerProcess]:
     """The default server with every request admitted and time-shared: no running cap, no queue-wait
     SLO and a deadline far enough that the expected wait never refuses (100 concurrent 1,500-token
-    streams on B1 would otherwise mostly get 429: the estimate cannot know they hang up early)."""
+    streams on B1 would otherwise mostly get 429: the estimate cannot know they hang up early).
+
+    Far enough means 30 days: the estimate uses the observed step time, and on a contended 2-core
+    box (load ~14) it reached 5,015 s for this storm, past the 1 h deadline this used to have: a
+    few clients got 429 (before idle keep-alive connections were closed, such a client waited for
+    chunks that never came: the TooSlowError at 120 s)."""
     yield from _admission_server(calserve_home, tmp_path_factory, "storm",
                                  max_expected_wait_ms="null", max_tpot_steps="null",
-                                 deadline_default_ms=3600000)
+                                 deadline_default_ms=30 * 86_400_000)
 
 
 async def test_100_streaming_clients_disconnect_mid_stream(storm_server: ServerProcess) -> None:
@@ -71,7 +76,8 @@ async def test_100_streaming_clients_disconnect_mid_stream(storm_server: ServerP
                 data = await stream.receive_some(65536)
                 assert data, got
                 got += data
-            assert got.startswith(b"HTTP/1.1 200")
+                # a refusal fails here, with its body, not as a client waiting for chunks
+                assert len(got) < 12 or got.startswith(b"HTTP/1.1 200"), got.decode()[-400:]
             got_chunks.append(2)
         # leaving the block closes the socket mid-stream
 
@@ -144,10 +150,14 @@ def test_metric_families_move(server: ServerProcess) -> None:
         assert moved(h, alias="qwen3") == 3, h
     assert moved("calserve_request_inter_token_seconds_count", alias="qwen3") >= 3 * 7
     assert moved("calserve_http_responses_total", outcome="400") == 1
-    # labels stay bounded: no request/job ids anywhere
+    # labels stay bounded: no request/job ids anywhere (the *_info series: one each, constant)
     for name, labels in after:
+        if name in ("calserve_build_info", "python_info"):
+            assert sum(n == name for n, _ in after) == 1
+            continue
         assert all(k in {"alias", "tenant", "outcome", "state", "class", "engine", "reason",
-                         "compiled_batch", "le", "phase", "op", "result"}
+                         "compiled_batch", "le", "phase", "op", "result", "status",
+                         "generation"}
                    for k, _ in labels), (name, labels)
 
 
