@@ -22,7 +22,7 @@ from calserve.engine.engine import Engine
 from calserve.models.demo import pack_demo_variant
 from calserve.models.signing import dev_key, sign_package
 
-from .conftest import Harness, make_config
+from .conftest import Harness, engine_opened, make_config
 from .sse_util import parse_sse, stream_post
 
 TOKEN = "admin-secret"
@@ -148,6 +148,7 @@ def stream_text(events: list[Any]) -> tuple[str, set[str], bool]:
 async def control_app(config: Any) -> AsyncIterator[ControlHarness]:
     app = create_app(config, engine_factory=lambda cfg: Engine.open(cfg))
     async with app.test_app() as t:
+        await engine_opened(app)  # the app listens first; the model loads behind it
         yield ControlHarness(app, t.test_client())
 
 
