@@ -54,9 +54,15 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ArchitectureManifest(_Strict, kw_only=True):
-    """The fields of :class:`calserve.runtime.reference.ModelConfig` (HF ``config.json`` names)."""
+    """The fields of :class:`calserve.runtime.reference.ModelConfig` (HF ``config.json`` names).
 
-    architecture: Literal["Qwen3ForCausalLM"] = "Qwen3ForCausalLM"
+    ``architecture`` says which decoder: ``Qwen3ForCausalLM`` (per-head q/k RMSNorm) or
+    ``LlamaForCausalLM`` (none; HF's rotate-half RoPE layout). ``rope_theta`` is the model's RoPE base
+    and ``tie_word_embeddings`` whether the head is the embedding (else ``lm_head.weight`` is stored).
+    Packages written before Llama support name no architecture and are Qwen3.
+    """
+
+    architecture: Literal["Qwen3ForCausalLM", "LlamaForCausalLM"] = "Qwen3ForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -187,6 +193,7 @@ class Manifest(_Strict, kw_only=True):
             rope_theta=m.rope_theta,
             tie_word_embeddings=m.tie_word_embeddings,
             max_position_embeddings=m.max_position_embeddings,
+            architecture=m.architecture,
         )
 
     @property

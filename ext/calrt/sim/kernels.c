@@ -108,6 +108,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute) {
   const int h = m->hidden_size, H = m->num_attention_heads, KVH = m->num_key_value_heads;
   const int D = m->head_dim, I = m->intermediate_size, V = m->vocab_size, group = H / KVH;
   const int S = cb->p.max_seq, bf16 = cb->p.kv_dtype == CALRT_KV_BF16;
+  const int qkn = m->arch != CALRT_ARCH_LLAMA; /* Qwen3: per-head q/k RMSNorm; Llama: none */
   int R = 0;
   row_info *rows;
   if (job->kind == JOB_PREFILL) {
@@ -168,13 +169,13 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute) {
       const float *c_ = cs + (size_t)r * (D / 2), *s_ = sn + (size_t)r * (D / 2);
       for (int hh = 0; hh < H; hh++) {
         float *qh = q + ((size_t)r * H + hh) * D;
-        rmsnorm(qh, w->q_norm, D, m->rms_norm_eps, qh);
+        if (qkn) rmsnorm(qh, w->q_norm, D, m->rms_norm_eps, qh);
         rope(qh, D, c_, s_);
       }
       sim_seq *sq = &cb->seqs[rows[r].seq];
       for (int kh = 0; kh < KVH; kh++) {
         float *khp = k + ((size_t)r * KVH + kh) * D, *vhp = v + ((size_t)r * KVH + kh) * D;
-        rmsnorm(khp, w->k_norm, D, m->rms_norm_eps, khp);
+        if (qkn) rmsnorm(khp, w->k_norm, D, m->rms_norm_eps, khp);
         rope(khp, D, c_, s_);
         for (int kv = 0; kv < 2; kv++) {
           const float *src = kv ? vhp : khp;
