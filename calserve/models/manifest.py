@@ -145,9 +145,16 @@ class CapacityManifest(_Strict, kw_only=True):
 
 
 class SpecialTokens(_Strict, kw_only=True):
+    """The model's special tokens. ``bos_token``/``eos_token`` are the strings a chat template names
+    (``{{ bos_token }}``); ``add_bos_token`` says whether the model expects BOS before a plain prompt
+    (the tokenizer's post-processor adds it with ``add_special_tokens=True``; false for SmolLM2)."""
+
     eos_token_ids: list[int]
     pad_token_id: int | None = None
     bos_token_id: int | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos_token: bool = False
 
 
 class GoldenCase(_Strict, kw_only=True):
