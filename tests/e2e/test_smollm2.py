@@ -6,7 +6,7 @@
   package's own chat template (the prompt the template renders is checked against what the server
   tokenized).
 - Its greedy tokens and their logprobs equal those of a numpy Llama forward written for this test
-  from the GGUF tensors in llama.cpp's layout and RoPE convention (``gguf_llama.py``, no code shared
+  from the GGUF tensors in llama.cpp's layout and RoPE convention (``tests/gguf_llama.py``, no code shared
   with the importer or ``runtime/reference.py``).
 """
 
@@ -24,7 +24,7 @@ import pytest
 
 from calserve.models.tokenizer import Tokenizer
 
-from .gguf_llama import GGUFLlama
+from gguf_llama import GGUFLlama  # tests/gguf_llama.py (tests/ is on sys.path: its conftest)
 from .server import ServerProcess, start_calserve_serve
 
 pytestmark = pytest.mark.timeout(600)
