@@ -26,13 +26,13 @@
  * operations per lane either way (no FMA: -ffp-contract=off, and the avx2 clone does not enable it). */
 typedef float v8f __attribute__((vector_size(32)));
 
-static inline v8f ld8(const float *p) {
+static inline __attribute__((always_inline)) v8f ld8(const float *p) {
   v8f v;
   memcpy(&v, p, sizeof v);
   return v;
 }
 
-static inline float hsum8(v8f a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+static inline __attribute__((always_inline)) float hsum8(v8f a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
 
 static inline __attribute__((always_inline)) void tile(const float *restrict W, const float *restrict X,
                                                        float *restrict Y, int in, int out, int o0, int r0,
@@ -59,9 +59,17 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
 
 #define ROW_BLOCK 32 /* rows of X kept hot in cache while a weight group streams past them */
 
+/* An AVX2 clone beside the baseline one, picked at load time (an ifunc). Not under ThreadSanitizer,
+ * whose runtime is not initialised yet when ifunc resolvers run. */
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
+#define SIM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SIM_CLONES
+#endif
+
 /* Y[r, o] = sum_k W[o, k] * X[r, k] for o in [o0, o1), every row. Within a row block, each group of
  * 4 weight rows is loaded once for all the block's rows. */
-__attribute__((target_clones("avx2", "default"))) static void matmul_range(const float *W, int out, int in,
+SIM_CLONES static void matmul_range(const float *W, int out, int in,
                                                                           const float *X, int R, float *Y,
                                                                           int o0, int o1) {
   for (int rb = 0; rb < R; rb += ROW_BLOCK) {
@@ -293,6 +301,8 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     }
   }
   attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, sqrtf((float)D)};
+  long long attn_work = 0; /* multiply-adds of one layer's attention: small ones run inline */
+  for (int r = 0; r < R; r++) attn_work += 2LL * (rows[r].pos + 1) * H * D;
   for (int L = 0; L < m->num_hidden_layers; L++) {
     const sim_layer *w = &cb->layers[L];
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->in_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
@@ -327,7 +337,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     }
     /* Every row's K/V is in the cache before any row attends (a prefill row reads earlier rows'). */
     ar.L = L;
-    sim_pool_run(R * H >= 2 ? pool : NULL, attn_task, &ar, R * H);
+    sim_pool_run(attn_work >= (1 << 16) ? pool : NULL, attn_task, &ar, R * H);
     matmul(pool, w->o, h, H * D, att, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->post_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
