@@ -32,7 +32,7 @@ static inline __attribute__((always_inline)) v8f ld8(const float *p) {
   return v;
 }
 
-static inline __attribute__((always_inline)) float hsum8(v8f a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+#define hsum8(a) ((((a)[0] + (a)[4]) + ((a)[2] + (a)[6])) + (((a)[1] + (a)[5]) + ((a)[3] + (a)[7])))
 
 static inline __attribute__((always_inline)) void tile(const float *restrict W, const float *restrict X,
                                                        float *restrict Y, int in, int out, int o0, int r0,
