@@ -230,3 +230,20 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
         read_gguf(tmp_path / "x.gguf")
     with pytest.raises(ValidationError, match="no installed Python package"):
         read_gguf("pkg:no_such_pkg_xyz/a.gguf")
+
+
+def test_cli_pack_from_gguf_bf16_then_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from calserve.cli import main
+    from calserve.models.hf import tensor_index
+
+    write_gguf(tmp_path / "t.gguf", TINY, random_weights(TINY, seed=2))
+    key = tmp_path / "k"
+    assert main(["keygen", "--out", str(key)]) == 0
+    out = tmp_path / "pkg"
+    assert main(["pack", "--from-gguf", str(tmp_path / "t.gguf"), "--out", str(out), "--key", str(key),
+                 "--profiles", "1,4", "--dtype", "BF16"]) == 0
+    assert {dt for dt, _ in tensor_index(out / "model.safetensors").values()} == {"BF16"}
+    assert main(["verify", str(out), "--trusted-key", str(key) + ".pub", "--runtime", "sim-next"]) == 0
+    assert main(["pack", "--from-gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "p2"),
+                 "--key", str(key)]) == 1
+    assert "missing.gguf" in capsys.readouterr().err
