@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from calserve.errors import ValidationError
-from calserve.runtime.reference import ARCHITECTURES, ModelConfig, bf16_round
+from calserve.runtime.reference import ARCHITECTURES, ModelConfig, bf16_round, weight_shapes
 
 __all__ = [
     "read_safetensors_header",
@@ -202,6 +202,11 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
             weights[k] = v
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    want = weight_shapes(config)
+    extra, missing = sorted(set(weights) - set(want)), sorted(set(want) - set(weights))
+    if extra or missing:
+        what = f"unexpected tensor {extra[0]}" if extra else f"tensor {missing[0]} missing"
+        raise ValidationError(f"{d}: {what} for a {config.architecture}")
     tok = d / "tokenizer.json"
     if not tok.exists():
         raise ValidationError(f"{d}: tokenizer.json missing")
