@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
     }
 }
 
-#define ROW_BLOCK 8 /* rows of X kept in L1 while a task's weight rows (L2-sized) stream past them */
+#define ROW_BLOCK 4 /* rows of X kept in L1 while a task's weight rows (L2-sized) stream past them */
 #define CHUNK_FLOATS 32768 /* a task's weight rows: at most ~128 KiB, so they stay in L2 across row blocks */
 
 /* An AVX2 clone beside the baseline one, picked at load time (an ifunc). Not under ThreadSanitizer,
@@ -77,10 +77,6 @@ SIM_CLONES static void matmul_range(const float *W, int out, int in,
     const int re = rb + ROW_BLOCK < R ? rb + ROW_BLOCK : R;
     int o = o0;
     for (; o + 4 <= o1; o += 4) {
-      /* Ask for the next group's weight rows now, so DRAM streams while this group computes. */
-      if (rb == 0 && o + 8 <= o1)
-        for (int i = 4; i < 8; i++)
-          for (int k = 0; k < in; k += 16) __builtin_prefetch(W + (size_t)(o + i) * in + k, 0, 3);
       int r = rb;
       for (; r + 2 <= re; r += 2) tile(W, X, Y, in, out, o, r, 4, 2);
       for (; r < re; r++) tile(W, X, Y, in, out, o, r, 4, 1);
