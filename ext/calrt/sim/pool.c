@@ -2,8 +2,10 @@
  *
  * An engine's worker thread owns its pool: it creates it on the first job that computes, runs every
  * parallel region itself (it takes tasks too, as worker 0) and destroys it when it exits. A region is
- * a set of independent tasks claimed with an atomic counter; sim_pool_run returns once every task has
- * finished, so the caller sees every task's writes (the helpers' last step is under the pool mutex).
+ * a set of independent tasks claimed with an atomic counter tagged with the region's number;
+ * sim_pool_run returns once every task has finished (an atomic count each task bumps after its
+ * writes), so the caller sees every task's writes. It never waits for a helper that has not started
+ * a task: on a loaded host a helper may wake late, and then simply finds nothing left to do.
  * Which thread runs a task never changes what it computes: each task writes its own outputs with its
  * own fixed order of operations.
  *
@@ -22,13 +24,15 @@ struct sim_pool {
   pthread_t *th;
   pthread_mutex_t mu;
   pthread_cond_t go, done;
-  uint64_t gen;     /* region number (mu) */
-  int busy_helpers; /* helpers still in the current region (mu) */
-  int stop;         /* (mu) */
-  sim_task_fn fn;   /* current region (mu) */
+  uint64_t gen;   /* region number (mu) */
+  int stop;       /* (mu) */
+  sim_task_fn fn; /* current region (mu) */
   void *ctx;
   int n_tasks;
-  atomic_int next; /* next task to claim */
+  /* (region number << 32) | next task: a claim succeeds only for the region it was read for, so a
+   * helper that wakes late can never run a task of a newer region with an older region's fn/ctx. */
+  atomic_ullong claim;
+  atomic_int finished; /* tasks of the current region that have returned */
 };
 
 typedef struct helper_arg {
@@ -36,11 +40,19 @@ typedef struct helper_arg {
   int worker;
 } helper_arg;
 
-static void claim_tasks(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks, int worker) {
+/* Run tasks of region `gen` until none is left. Returns how many this thread ran. */
+static void claim_tasks(sim_pool *p, uint64_t gen, sim_task_fn fn, void *ctx, int n_tasks, int worker) {
+  unsigned long long c = atomic_load(&p->claim);
   for (;;) {
-    int t = atomic_fetch_add(&p->next, 1);
-    if (t >= n_tasks) return;
-    fn(ctx, t, worker);
+    if ((c >> 32) != (gen & 0xFFFFFFFFu) || (int)(c & 0xFFFFFFFFu) >= n_tasks) return;
+    if (!atomic_compare_exchange_weak(&p->claim, &c, c + 1)) continue; /* c reloaded */
+    fn(ctx, (int)(c & 0xFFFFFFFFu), worker);
+    if (atomic_fetch_add(&p->finished, 1) + 1 == n_tasks) { /* the region's last task */
+      pthread_mutex_lock(&p->mu);
+      pthread_cond_signal(&p->done);
+      pthread_mutex_unlock(&p->mu);
+    }
+    c = atomic_load(&p->claim);
   }
 }
 
@@ -58,9 +70,8 @@ static void *helper(void *arg) {
     void *ctx = p->ctx;
     int n = p->n_tasks;
     pthread_mutex_unlock(&p->mu);
-    claim_tasks(p, fn, ctx, n, a.worker);
+    claim_tasks(p, seen, fn, ctx, n, a.worker); /* nothing left if it woke after the others ran all */
     pthread_mutex_lock(&p->mu);
-    if (--p->busy_helpers == 0) pthread_cond_signal(&p->done);
   }
   pthread_mutex_unlock(&p->mu);
   return NULL;
@@ -84,7 +95,8 @@ sim_pool *sim_pool_new(int n_threads) {
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->go, NULL);
   pthread_cond_init(&p->done, NULL);
-  atomic_init(&p->next, 0);
+  atomic_init(&p->claim, 0);
+  atomic_init(&p->finished, 0);
   if (n_threads > 1) {
     p->th = calloc((size_t)n_threads - 1, sizeof *p->th);
     if (!p->th) return p; /* runs single-threaded */
@@ -104,6 +116,8 @@ sim_pool *sim_pool_new(int n_threads) {
 
 int sim_pool_threads(const sim_pool *p) { return p ? p->n_threads : 1; }
 
+/* The owner never waits for a helper to wake up: it runs every task nobody else claimed, and waits
+ * only for tasks a helper has started (whose outputs it is about to read). */
 void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
   if (n_tasks <= 0) return;
   if (!p || p->n_threads == 1 || n_tasks == 1) {
@@ -111,18 +125,20 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
     return;
   }
   pthread_mutex_lock(&p->mu);
+  uint64_t gen = ++p->gen;
   p->fn = fn;
   p->ctx = ctx;
   p->n_tasks = n_tasks;
-  atomic_store(&p->next, 0);
-  p->busy_helpers = p->n_threads - 1;
-  p->gen++;
+  atomic_store(&p->finished, 0);
+  atomic_store(&p->claim, (unsigned long long)(gen & 0xFFFFFFFFu) << 32);
   pthread_cond_broadcast(&p->go);
   pthread_mutex_unlock(&p->mu);
-  claim_tasks(p, fn, ctx, n_tasks, 0);
-  pthread_mutex_lock(&p->mu);
-  while (p->busy_helpers > 0) pthread_cond_wait(&p->done, &p->mu);
-  pthread_mutex_unlock(&p->mu);
+  claim_tasks(p, gen, fn, ctx, n_tasks, 0);
+  if (atomic_load(&p->finished) < n_tasks) {
+    pthread_mutex_lock(&p->mu);
+    while (atomic_load(&p->finished) < n_tasks) pthread_cond_wait(&p->done, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+  }
 }
 
 void sim_pool_free(sim_pool *p) {
