@@ -113,8 +113,12 @@ static void mm_task(void *ctx, int task, int worker) {
   matmul_range(op->W, op->out, op->in, op->X, op->R, op->Y, o0, o1);
 }
 
-/* Run the region's matmuls on the pool. Small ones (below ~64k multiply-adds in all) run inline: a
- * thread hand-off would cost more than they do. */
+/* Below this many multiply-adds a region runs inline on the engine thread: handing it to the pool
+ * would cost more than it saves (a loaded host wakes a helper late). SmolLM2's decode matmuls are all
+ * above it; the tiny demo model's jobs stay below it unless the prompt is long. */
+#define SIM_PARALLEL_MIN (1LL << 18)
+
+/* Run the region's matmuls on the pool (small regions inline, see SIM_PARALLEL_MIN). */
 static void matmuls(sim_pool *pool, mm_region *g) {
   long long work = 0;
   for (int i = 0; i < g->n_ops; i++) work += (long long)g->op[i].out * g->op[i].in * g->op[i].R;
@@ -122,7 +126,7 @@ static void matmuls(sim_pool *pool, mm_region *g) {
   int tasks = 0;
   for (int i = 0; i < g->n_ops; i++) {
     mm_op *op = &g->op[i];
-    int want = threads > 1 && work >= (1 << 16) ? 8 * threads : 1;
+    int want = threads > 1 && work >= SIM_PARALLEL_MIN ? 8 * threads : 1;
     int chunk = (op->out + want - 1) / want;
     if (op->R > ROW_BLOCK && chunk > CHUNK_FLOATS / op->in) chunk = CHUNK_FLOATS / op->in;
     chunk = (chunk + 3) & ~3;
@@ -131,7 +135,7 @@ static void matmuls(sim_pool *pool, mm_region *g) {
     op->first_task = tasks;
     tasks += (op->out + chunk - 1) / chunk;
   }
-  if (threads > 1 && work >= (1 << 16)) sim_pool_run(pool, mm_task, g, tasks);
+  if (threads > 1 && work >= SIM_PARALLEL_MIN) sim_pool_run(pool, mm_task, g, tasks);
   else
     for (int t = 0; t < tasks; t++) mm_task(g, t, 0);
 }
@@ -339,7 +343,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     }
     /* Every row's K/V is in the cache before any row attends (a prefill row reads earlier rows'). */
     ar.L = L;
-    sim_pool_run(attn_work >= (1 << 16) ? pool : NULL, attn_task, &ar, R * H);
+    sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * H);
     matmul(pool, w->o, h, H * D, att, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->post_norm, h, m->rms_norm_eps, hn + (size_t)r * h);

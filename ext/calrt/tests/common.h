@@ -75,9 +75,9 @@ static inline void make_model(test_model *tm, int tie) {
   make_model_desc(tm, (calrt_model_desc){61, 24, 40, 2, 4, 2, 8, 1e-6f, 10000.0, tie, CALRT_ARCH_QWEN3});
 }
 
-/* A Llama big enough that its matmuls and prefill attention run on the engine's worker threads. */
+/* A Llama big enough that its gate/up matmuls (decode too) and prefill attention run on the pool. */
 static inline void make_llama(test_model *tm, int tie) {
-  make_model_desc(tm, (calrt_model_desc){300, 128, 512, 2, 4, 2, 32, 1e-5f, 100000.0, tie, CALRT_ARCH_LLAMA});
+  make_model_desc(tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-5f, 100000.0, tie, CALRT_ARCH_LLAMA});
 }
 
 static void free_model(test_model *tm) {
