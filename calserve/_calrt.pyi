@@ -28,7 +28,7 @@ class Device:
     def load_calbin(
         self,
         chip: int,
-        model: tuple[int, int, int, int, int, int, int, float, float, bool],
+        model: tuple[int, int, int, int, int, int, int, float, float, bool, int],
         tensors: list[tuple[str, np.ndarray]],
         profile: tuple[int, int, int, int, bool, bool],
         timing: tuple[float, float, float, float],

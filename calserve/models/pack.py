@@ -1,4 +1,5 @@
-"""Building signed packages: from a HF Qwen3 checkpoint, or the built-in demo model.
+"""Building signed packages: from a HF Qwen3/Llama checkpoint, or the built-in demo model
+(GGUF files: :mod:`calserve.models.gguf_import`).
 
 A package is assembled in a temp dir next to ``out`` and atomically renamed into place, so a reader
 never sees a half-written package. Golden outputs are computed with the numpy reference
@@ -245,12 +246,13 @@ def pack_from_hf(
     """Pack the checkpoint directory ``src`` into the package directory ``out``, signed with ``key``.
 
     Weights are stored in the checkpoint's dtype (BF16 for real Qwen3), so nothing is rounded twice.
-    The chat template is recorded as ``chatml`` (Qwen3 uses ChatML; see models.tokenizer).
+    The chat template is the checkpoint's (``tokenizer_config.json`` ``chat_template``; ChatML when
+    it has none), EOS ids come from ``generation_config.json`` (else config / tokenizer_config).
     """
     ck = load_hf_checkpoint(src)
     eos = ck.eos_token_ids
+    tok = Tokenizer.from_file(ck.tokenizer_json)
     if not eos:
-        tok = Tokenizer.from_file(ck.tokenizer_json)
         i = tok.token_to_id("<|im_end|>") or tok.token_to_id("<|endoftext|>")
         eos = () if i is None else (i,)
     return build_package(
@@ -261,7 +263,12 @@ def pack_from_hf(
         weights=ck.weights,
         tokenizer_json=ck.tokenizer_json.read_text("utf-8"),
         special=SpecialTokens(
-            eos_token_ids=list(eos), pad_token_id=ck.pad_token_id, bos_token_id=ck.bos_token_id
+            eos_token_ids=list(eos),
+            pad_token_id=ck.pad_token_id,
+            bos_token_id=ck.bos_token_id,
+            bos_token=None if ck.bos_token_id is None else tok.id_to_token(ck.bos_token_id),
+            eos_token=tok.id_to_token(eos[0]) if eos else None,
+            add_bos_token=ck.add_bos_token,
         ),
         profiles=profiles,
         timing=timing,
@@ -269,6 +276,7 @@ def pack_from_hf(
         max_sequences=max_sequences,
         kv_dtype=kv_dtype,
         weights_dtype=ck.source_dtype or "BF16",
+        chat_template=ck.chat_template or CHATML,
         source=f"hf:{Path(src).absolute()}",
         replace=replace,
     )

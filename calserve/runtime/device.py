@@ -465,7 +465,8 @@ class Device:
         c = config
         model = (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
                  c.num_attention_heads, c.num_key_value_heads, c.head_dim, float(c.rms_norm_eps),
-                 float(c.rope_theta), bool(c.tie_word_embeddings))
+                 float(c.rope_theta), bool(c.tie_word_embeddings),
+                 1 if c.architecture == "LlamaForCausalLM" else 0)
         prof = (spec.compiled_batch, spec.max_seq, spec.max_sequences,
                 1 if spec.kv_dtype == "bf16" else 0, bool(spec.valid_mask), bool(spec.inactive_logits))
         t = timing or Timing()

@@ -1,10 +1,11 @@
-"""Numpy reference of the Qwen3 decoder that the software CalRT computes.
+"""Numpy reference of the decoders (Qwen3, Llama) that the software CalRT computes.
 
 This is the definition of "correct" for every other implementation in the tree: the C kernels of
 calrt-sim are checked against it (tests/runtime), golden files of model packages are produced with it
 (calserve/models), and a future ``calserve device-check`` compares a board with it.
 
-Architecture (Hugging Face ``Qwen3ForCausalLM``):
+Architecture (Hugging Face ``Qwen3ForCausalLM``; ``LlamaForCausalLM`` is the same decoder without the
+per-head q/k RMSNorm — ``ModelConfig.qk_norm`` — with its own RoPE base and a tied or untied head):
 
     x = embed[token]
     for each layer:
@@ -19,7 +20,8 @@ Architecture (Hugging Face ``Qwen3ForCausalLM``):
         x = x + (silu(h @ Wg.T) * (h @ Wu.T)) @ Wd.T
     logits = rmsnorm(x, norm) @ lm_head.T      (lm_head = embed when tie_word_embeddings)
 
-RoPE uses the "neox" layout (rotate_half over the two halves of head_dim). All math is float32.
+RoPE uses the "neox" layout (rotate_half over the two halves of head_dim), which is Hugging Face's for
+both families (a GGUF Llama's Q/K rows are un-permuted into it on import). All math is float32.
 Weight names and shapes are Hugging Face's; see :func:`weight_shapes`.
 """
 
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "ARCHITECTURES",
     "ModelConfig",
     "weight_shapes",
     "random_weights",
@@ -41,9 +44,14 @@ __all__ = [
 ]
 
 
+QWEN3 = "Qwen3ForCausalLM"
+LLAMA = "LlamaForCausalLM"
+ARCHITECTURES: tuple[str, ...] = (QWEN3, LLAMA)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The architecture figures of a Qwen3 decoder (names follow HF ``config.json``)."""
+    """The architecture figures of a Qwen3 or Llama decoder (names follow HF ``config.json``)."""
 
     vocab_size: int
     hidden_size: int
@@ -56,8 +64,11 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 40960
+    architecture: str = QWEN3
 
     def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"ModelConfig.architecture must be one of {list(ARCHITECTURES)}")
         for name in (
             "vocab_size",
             "hidden_size",
@@ -78,7 +89,9 @@ class ModelConfig:
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (extra keys ignored)."""
         heads = int(cfg["num_attention_heads"])
+        archs = cfg.get("architectures") or [QWEN3]
         return cls(
+            architecture=str(archs[0]),
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(cfg["intermediate_size"]),
@@ -91,6 +104,11 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
         )
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 RMS-normalises each head of q and k before RoPE; Llama does not."""
+        return self.architecture == QWEN3
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -105,7 +123,7 @@ class ModelConfig:
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3 checkpoint must have, HF names -> shape (out_features first)."""
+    """Every tensor a Qwen3/Llama checkpoint must have, HF names -> shape (out_features first)."""
     h, d = cfg.hidden_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_hidden_layers):
@@ -115,8 +133,9 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (cfg.num_key_value_heads * d, h)
         shapes[p + "self_attn.v_proj.weight"] = (cfg.num_key_value_heads * d, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
@@ -179,7 +198,7 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 class ReferenceModel:
-    """A Qwen3 forward pass with a KV cache for one sequence.
+    """A Qwen3/Llama forward pass with a KV cache for one sequence.
 
     ``kv_dtype="bf16"`` rounds cached K and V to bfloat16 exactly as a bf16 KV cache would.
     """
@@ -225,8 +244,11 @@ class ReferenceModel:
             q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, H, D)
             k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, KV, D)
             v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, KV, D)
-            q = _rope(_rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
-            k = _rope(_rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps), pos, cfg.rope_theta)
+            if cfg.qk_norm:
+                q = _rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
+                k = _rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
+            q = _rope(q, pos, cfg.rope_theta)
+            k = _rope(k, pos, cfg.rope_theta)
             if self.kv_dtype == "bf16":
                 k, v = bf16_round(k), bf16_round(v)
             self.k_cache[i] = np.concatenate([self.k_cache[i], k.astype(np.float32)])

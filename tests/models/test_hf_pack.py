@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from calserve.config import TrustConfig
+from calserve.errors import ValidationError
 from calserve.models.demo import demo_tokenizer_json
 from calserve.models.hf import load_hf_checkpoint, load_safetensors, write_safetensors
 from calserve.models.pack import pack_from_hf
@@ -73,6 +74,24 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+def test_hf_llama_checkpoint_is_the_llama_family(hf_dir: Path, tmp_path: Path) -> None:
+    """An HF ``LlamaForCausalLM`` (rotate-half layout already: nothing to un-permute) reads as the
+    Llama family: no q/k norm tensors expected; biases and RoPE scaling are refused by name."""
+    import shutil
+
+    d = tmp_path / "llama"
+    shutil.copytree(hf_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValidationError, match="unexpected tensor .*_norm.* for a LlamaForCausalLM"):
+        load_hf_checkpoint(d)  # the Qwen3 shards carry q_norm/k_norm: not a Llama's tensors
+    for key, val in (("attention_bias", True), ("rope_scaling", {"type": "linear", "factor": 2.0})):
+        (d / "config.json").write_text(json.dumps({**cfg, key: val}))
+        with pytest.raises(ValidationError, match=key):
+            load_hf_checkpoint(d)
+
+
 def test_hf_checkpoint_reads_bf16_exactly(hf_dir: Path) -> None:
     ck = load_hf_checkpoint(hf_dir)
     ref = random_weights(ck.config, seed=7)
@@ -100,6 +119,10 @@ def test_pack_verify_golden_equals_reference(hf_dir: Path, packed: tuple[Path, P
     assert all(p.kv_dtype == "bf16" and p.max_seq == 256 for p in m.profiles)
     ck = load_hf_checkpoint(hf_dir)
     assert m.model_config() == ck.config
+    # The checkpoint's own chat template and generation_config EOS ids travel into the package.
+    assert m.chat_template == "{% for m in messages %}<|im_start|>..."
+    assert m.special_tokens.eos_token_ids == [2, 0] and m.special_tokens.pad_token_id == 0
+    assert m.special_tokens.eos_token == vp.tokenizer().id_to_token(2)
     w = vp.weights()
     for k in w:
         np.testing.assert_array_equal(w[k], ck.weights[k])  # stored BF16 as given: no double rounding

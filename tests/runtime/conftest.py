@@ -20,6 +20,21 @@ SMALL = ModelConfig(
     tie_word_embeddings=False,
 )
 
+# The Llama family at the same size (no q/k norm tensors, RoPE base 1e5 like SmolLM2).
+SMALL_LLAMA = ModelConfig(
+    vocab_size=101,
+    hidden_size=40,
+    intermediate_size=72,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=12,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    architecture="LlamaForCausalLM",
+)
+
 
 @pytest.fixture
 def small_weights() -> dict:

@@ -9,7 +9,9 @@ import pytest
 from calserve.runtime import Calbin, Device, JobStatus, ProfileSpec
 from calserve.runtime.reference import greedy_generate
 
-from .conftest import SMALL
+from calserve.runtime.reference import ModelConfig, random_weights
+
+from .conftest import SMALL, SMALL_LLAMA
 
 
 def _prefill(cb: Calbin, seq: int, prompt: list[int]) -> int:
@@ -35,14 +37,25 @@ def _alone(cb1: Calbin, prompt: list[int], steps: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("batch", [4, 8, 16])
 def test_batch_lanes_bitwise_equal_b1(next_device: Device, small_weights: dict, batch: int,
                                       kv_dtype: str) -> None:
+    _check_lanes_equal_b1(next_device, SMALL, small_weights, batch, kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_llama_batch_lanes_bitwise_equal_b1(next_device: Device, kv_dtype: str) -> None:
+    """The Llama path (no q/k norm, its RoPE base) keeps the same B1 vs B16 bitwise invariance."""
+    _check_lanes_equal_b1(next_device, SMALL_LLAMA, random_weights(SMALL_LLAMA, seed=11), 16, kv_dtype)
+
+
+def _check_lanes_equal_b1(next_device: Device, cfg: ModelConfig, weights: dict, batch: int,
+                          kv_dtype: str) -> None:
     steps = 6
     rng = np.random.default_rng(batch)
-    cb1 = next_device.load_calbin(SMALL, small_weights, ProfileSpec(1, 64, 2, kv_dtype=kv_dtype))
-    cbb = next_device.load_calbin(SMALL, small_weights,
+    cb1 = next_device.load_calbin(cfg, weights, ProfileSpec(1, 64, 2, kv_dtype=kv_dtype))
+    cbb = next_device.load_calbin(cfg, weights,
                                   ProfileSpec(batch, 64, batch + 1, kv_dtype=kv_dtype))
     # Active lanes: every other lane plus lane 1 (so inactive lanes sit between active ones).
     active = sorted({*range(0, batch, 2), 1})
-    prompts = {lane: [int(t) for t in rng.integers(0, SMALL.vocab_size, 3 + 2 * lane)] for lane in active}
+    prompts = {lane: [int(t) for t in rng.integers(0, cfg.vocab_size, 3 + 2 * lane)] for lane in active}
     expect = {lane: _alone(cb1, prompts[lane], steps) for lane in active}
 
     seqs = {lane: cbb.create_sequence() for lane in active}

@@ -17,6 +17,16 @@ CONFIGS = {
     "mha-untied": ModelConfig(89, 32, 64, 3, 4, 4, 10, tie_word_embeddings=False),
     # MQA (6:1), tied
     "mqa-tied": ModelConfig(131, 24, 40, 2, 6, 1, 8, tie_word_embeddings=True, rope_theta=10000.0),
+    # Llama (no q/k norm), GQA 3:1 like SmolLM2, its RoPE base, tied
+    "llama-gqa3-tied": ModelConfig(
+        103, 36, 64, 2, 6, 2, 6, tie_word_embeddings=True, rope_theta=100000.0,
+        rms_norm_eps=1e-5, architecture="LlamaForCausalLM",
+    ),
+    # Llama, untied head, head_dim 10
+    "llama-untied": ModelConfig(
+        91, 40, 56, 2, 4, 4, 10, tie_word_embeddings=False, rope_theta=500000.0,
+        architecture="LlamaForCausalLM",
+    ),
 }
 
 

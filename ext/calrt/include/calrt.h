@@ -165,12 +165,17 @@ calrt_status calrt_engine_counters(calrt_device *dev, int chip, calrt_engine eng
 
 /* ---- calbin -------------------------------------------------------------------------------- */
 
-typedef struct calrt_model_desc { /* Qwen3 decoder (Hugging Face names) */
+/* The decoder family. Llama is Qwen3 without the per-head q/k RMSNorm (no q_norm/k_norm tensors);
+ * both use the rotate-half ("neox") RoPE layout of Hugging Face checkpoints with base rope_theta. */
+typedef enum calrt_arch { CALRT_ARCH_QWEN3 = 0, CALRT_ARCH_LLAMA = 1 } calrt_arch;
+
+typedef struct calrt_model_desc { /* Qwen3 / Llama decoder (Hugging Face names) */
   int32_t vocab_size, hidden_size, intermediate_size, num_hidden_layers;
   int32_t num_attention_heads, num_key_value_heads, head_dim;
   float rms_norm_eps;
   double rope_theta;
-  int32_t tie_word_embeddings;
+  int32_t tie_word_embeddings; /* 0: an lm_head.weight tensor is given */
+  int32_t arch;                /* calrt_arch; 0 (Qwen3) when left zero */
 } calrt_model_desc;
 
 typedef struct calrt_tensor {

@@ -11,6 +11,19 @@ static const char *LAYER_NAMES[11] = {
     "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
     "mlp.up_proj.weight", "mlp.down_proj.weight"};
 
+/* Which of LAYER_NAMES a layer of the family has, in order (Llama has no q_norm/k_norm). */
+static const int QWEN3_SLOTS[11] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+static const int LLAMA_SLOTS[9] = {0, 1, 2, 3, 4, 7, 8, 9, 10};
+
+static int layer_slots(const calrt_model_desc *m, const int **slots) {
+  if (m->arch == CALRT_ARCH_LLAMA) {
+    *slots = LLAMA_SLOTS;
+    return 9;
+  }
+  *slots = QWEN3_SLOTS;
+  return 11;
+}
+
 /* Expected tensors in weight_shapes() order (reference.py). Returns the count. */
 static int32_t expected_tensors(const calrt_model_desc *m, calrt_tensor_info *out) {
   int32_t n = 0;
@@ -25,7 +38,10 @@ static int32_t expected_tensors(const calrt_model_desc *m, calrt_tensor_info *ou
   for (int i = 0; i < m->num_hidden_layers; i++) {
     int64_t shp[11][2] = {{h, 0}, {H * d, h}, {KV * d, h}, {KV * d, h}, {h, H * d}, {d, 0},
                           {d, 0}, {h, 0}, {I, h}, {I, h}, {h, I}};
-    for (int j = 0; j < 11; j++) {
+    const int *slots;
+    const int nl = layer_slots(m, &slots);
+    for (int jj = 0; jj < nl; jj++) {
+      const int j = slots[jj];
       snprintf(buf, sizeof buf, "model.layers.%d.%s", i, LAYER_NAMES[j]);
       if (shp[j][1] == 0) T1(buf, shp[j][0]);
       else T2(buf, shp[j][0], shp[j][1]);
@@ -71,7 +87,8 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
   const calrt_model_desc *m = model;
   if (m->vocab_size < 1 || m->hidden_size < 1 || m->intermediate_size < 1 || m->num_hidden_layers < 1 ||
       m->num_attention_heads < 1 || m->num_key_value_heads < 1 || m->head_dim < 2 || m->head_dim % 2 ||
-      m->num_attention_heads % m->num_key_value_heads || !(m->rms_norm_eps > 0) || !(m->rope_theta > 0))
+      m->num_attention_heads % m->num_key_value_heads || !(m->rms_norm_eps > 0) || !(m->rope_theta > 0) ||
+      (m->arch != CALRT_ARCH_QWEN3 && m->arch != CALRT_ARCH_LLAMA))
     return sim_err(CALRT_E_INVALID_ARGUMENT, "model: invalid model description");
   const calrt_profile *p = profile;
   if (p->compiled_batch < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.compiled_batch must be >= 1");
@@ -130,15 +147,17 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
       }
       /* map by position in weight_shapes() order */
       const float *dp = found->data;
+      const int *lslots;
+      const int nl = layer_slots(m, &lslots);
       if (i == 0) cb->embed = dp;
-      else if (i <= 11 * m->num_hidden_layers) {
-        int L = (i - 1) / 11, j = (i - 1) % 11;
+      else if (i <= nl * m->num_hidden_layers) {
+        int L = (i - 1) / nl, j = lslots[(i - 1) % nl];
         const float **slots[11] = {&cb->layers[L].in_norm, &cb->layers[L].q, &cb->layers[L].k,
                                    &cb->layers[L].v, &cb->layers[L].o, &cb->layers[L].q_norm,
                                    &cb->layers[L].k_norm, &cb->layers[L].post_norm, &cb->layers[L].gate,
                                    &cb->layers[L].up, &cb->layers[L].down};
         *slots[j] = dp;
-      } else if (i == 11 * m->num_hidden_layers + 1) cb->final_norm = dp;
+      } else if (i == nl * m->num_hidden_layers + 1) cb->final_norm = dp;
       else cb->lm_head = dp;
     }
     if (st == CALRT_OK && m->tie_word_embeddings) cb->lm_head = cb->embed;

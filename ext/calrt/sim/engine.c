@@ -327,7 +327,8 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io) {
   set_busy(j, 1);
   int null = cb->dev->null_compute;
   pthread_mutex_unlock(&ch->mu);
-  int rc = sim_forward(cb, j, null);
+  if (!e->pool && !null && cb->has_weights) e->pool = sim_pool_new(sim_pool_default_threads());
+  int rc = sim_forward(cb, j, null, e->pool);
   size_t V = (size_t)cb->m.vocab_size;
   for (int32_t l = 0; l < j->lanes; l++)
     j->checksum[l] = j->valid[l] ? calrt_checksum(j->logits + (size_t)l * V, V * sizeof(float)) : 0;
@@ -390,6 +391,8 @@ static void *worker(void *arg) {
     complete(e, j, st, start);
   }
   pthread_mutex_unlock(&ch->mu);
+  sim_pool_free(e->pool); /* only this thread ever used it */
+  e->pool = NULL;
   return NULL;
 }
 

@@ -51,6 +51,15 @@ typedef struct sim_kvgroup {
 
 struct calrt_job;
 
+/* pool.c: worker threads inside one job (see pool.c). fn(ctx, task, worker): worker in [0, threads). */
+typedef struct sim_pool sim_pool;
+typedef void (*sim_task_fn)(void *ctx, int task, int worker);
+int sim_pool_default_threads(void); /* CALRT_SIM_THREADS, else the CPUs online */
+sim_pool *sim_pool_new(int n_threads); /* NULL on host OOM (callers then run single-threaded) */
+int sim_pool_threads(const sim_pool *p);
+void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks);
+void sim_pool_free(sim_pool *p);
+
 typedef struct sim_engine {
   struct sim_chip *chip;
   int index;
@@ -65,6 +74,7 @@ typedef struct sim_engine {
    * (created and written under it; closed after the worker was joined). */
   int completion_fd;
   sim_fault faults[SIM_MAX_FAULTS];
+  sim_pool *pool; /* the worker thread's own (created on its first computing job; only it touches it) */
 } sim_engine;
 
 typedef struct sim_chip {
@@ -169,7 +179,7 @@ void sim_kv_invalidate_all(calrt_calbin *cb);
 
 /* kernels.c: run the forward pass of `job` (rows: prefill tokens or valid decode lanes). Writes KV at
  * the rows' positions (not committing), logits of output lanes. Returns 0, or 1 if aborted. */
-int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute);
+int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *pool);
 void sim_null_logits(const calrt_calbin *cb, int32_t token, int32_t position, float *out);
 
 /* engine.c */

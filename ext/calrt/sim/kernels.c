@@ -1,12 +1,14 @@
-/* kernels.c — the Qwen3 decoder forward pass of calrt-sim (fp32 math; KV fp32 or bf16).
+/* kernels.c — the Qwen3 / Llama decoder forward pass of calrt-sim (fp32 math; KV fp32 or bf16).
  *
  * Batch invariance (Invariant): every output element of a linear layer is computed by exactly the
  * same sequence of float operations regardless of how many rows (lanes/tokens) the job has, which
- * lane it is in, or which tile shape covers it: a 4-wide vector accumulator over k in steps of 4, a
- * fixed horizontal sum, then the scalar tail. Tiles only decide which (output, row) pairs share a loaded
- * weight vector, never the summation order. Norms, RoPE and attention are per row. Hence a lane's
- * logits are bitwise independent of B, its lane index and its batch-mates. Built with
- * -ffp-contract=off so no FMA contraction can differ between tile shapes.
+ * lane it is in, which tile shape covers it, or which worker thread computes it: an 8-wide vector
+ * accumulator over k in steps of 8, a fixed horizontal sum, then the scalar tail. Tiles, row blocks and
+ * the chunks of output rows handed to the pool's threads (pool.c) only decide which (output, row)
+ * pairs share a loaded weight vector and who computes them, never the summation order. Norms, RoPE and
+ * attention are per row (attention tasks are one (row, head) each). Hence a lane's logits are bitwise
+ * independent of B, its lane index, its batch-mates and the thread count. Built with -ffp-contract=off
+ * so no FMA contraction can differ between tile shapes.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -14,49 +16,133 @@
 
 #include "internal.h"
 
-typedef float v4f __attribute__((vector_size(16)));
+/* v8f values only pass between static inline functions of this file: no ABI is exposed. */
+#pragma GCC diagnostic ignored "-Wpsabi"
 
-static inline v4f ld4(const float *p) {
-  v4f v;
+/* The one reduction every linear-layer output element uses, whatever the tile, chunk, batch or thread:
+ * eight lane accumulators over k in steps of 8 (lane j sums k = j, j+8, ... in order), the fixed tree
+ * ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), then the scalar tail k8..in-1 in order. GCC lowers v8f to
+ * two SSE registers on a baseline x86-64 and to one AVX register in the avx2 clone: the same IEEE
+ * operations per lane either way (no FMA: -ffp-contract=off, and the avx2 clone does not enable it). */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8f ld8(const float *p) {
+  v8f v;
   memcpy(&v, p, sizeof v);
   return v;
 }
 
-static inline float hsum4(v4f a) { return (a[0] + a[2]) + (a[1] + a[3]); }
+#define hsum8(a) ((((a)[0] + (a)[4]) + ((a)[2] + (a)[6])) + (((a)[1] + (a)[5]) + ((a)[3] + (a)[7])))
 
 static inline __attribute__((always_inline)) void tile(const float *restrict W, const float *restrict X,
                                                        float *restrict Y, int in, int out, int o0, int r0,
                                                        const int RO, const int RL) {
-  v4f acc[4][2];
+  v8f acc[4][2];
   for (int i = 0; i < RO; i++)
-    for (int j = 0; j < RL; j++) acc[i][j] = (v4f){0.f, 0.f, 0.f, 0.f};
-  const int k4 = in & ~3;
-  for (int k = 0; k < k4; k += 4) {
-    v4f xv[2];
-    for (int j = 0; j < RL; j++) xv[j] = ld4(X + (size_t)(r0 + j) * in + k);
+    for (int j = 0; j < RL; j++) acc[i][j] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const int k8 = in & ~7;
+  for (int k = 0; k < k8; k += 8) {
+    v8f xv[2];
+    for (int j = 0; j < RL; j++) xv[j] = ld8(X + (size_t)(r0 + j) * in + k);
     for (int i = 0; i < RO; i++) {
-      v4f w = ld4(W + (size_t)(o0 + i) * in + k);
+      v8f w = ld8(W + (size_t)(o0 + i) * in + k);
       for (int j = 0; j < RL; j++) acc[i][j] += w * xv[j];
     }
   }
   for (int i = 0; i < RO; i++)
     for (int j = 0; j < RL; j++) {
-      float s = hsum4(acc[i][j]);
-      for (int k = k4; k < in; k++) s += W[(size_t)(o0 + i) * in + k] * X[(size_t)(r0 + j) * in + k];
+      float s = hsum8(acc[i][j]);
+      for (int k = k8; k < in; k++) s += W[(size_t)(o0 + i) * in + k] * X[(size_t)(r0 + j) * in + k];
       Y[(size_t)(r0 + j) * out + o0 + i] = s;
     }
 }
 
-/* Y[r, o] = sum_k W[o, k] * X[r, k] for R rows: W (out x in, row-major) is streamed once for all rows. */
-static void matmul(const float *W, int out, int in, const float *X, int R, float *Y) {
-  int o = 0;
-  for (; o + 4 <= out; o += 4) {
-    int r = 0;
-    for (; r + 2 <= R; r += 2) tile(W, X, Y, in, out, o, r, 4, 2);
-    for (; r < R; r++) tile(W, X, Y, in, out, o, r, 4, 1);
+#define ROW_BLOCK 4 /* rows of X kept in L1 while a task's weight rows (L2-sized) stream past them */
+#define CHUNK_FLOATS 32768 /* a task's weight rows: at most ~128 KiB, so they stay in L2 across row blocks */
+
+/* An AVX2 clone beside the baseline one, picked at load time (an ifunc). Not under ThreadSanitizer,
+ * whose runtime is not initialised yet when ifunc resolvers run. */
+#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
+#define SIM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define SIM_CLONES
+#endif
+
+/* Y[r, o] = sum_k W[o, k] * X[r, k] for o in [o0, o1), every row. Within a row block, each group of
+ * 4 weight rows is loaded once for all the block's rows. */
+SIM_CLONES static void matmul_range(const float *W, int out, int in,
+                                                                          const float *X, int R, float *Y,
+                                                                          int o0, int o1) {
+  for (int rb = 0; rb < R; rb += ROW_BLOCK) {
+    const int re = rb + ROW_BLOCK < R ? rb + ROW_BLOCK : R;
+    int o = o0;
+    for (; o + 4 <= o1; o += 4) {
+      int r = rb;
+      for (; r + 2 <= re; r += 2) tile(W, X, Y, in, out, o, r, 4, 2);
+      for (; r < re; r++) tile(W, X, Y, in, out, o, r, 4, 1);
+    }
+    for (; o < o1; o++)
+      for (int r = rb; r < re; r++) tile(W, X, Y, in, out, o, r, 1, 1);
   }
-  for (; o < out; o++)
-    for (int r = 0; r < R; r++) tile(W, X, Y, in, out, o, r, 1, 1);
+}
+
+/* Several independent matmuls (e.g. q, k and v of one layer) as one parallel region: each task is a
+ * chunk of one matmul's output rows. */
+typedef struct mm_op {
+  const float *W;
+  int out, in;
+  const float *X;
+  int R;
+  float *Y;
+  int chunk, first_task; /* outputs per task (a multiple of 4), index of its first task */
+} mm_op;
+
+typedef struct mm_region {
+  mm_op op[3];
+  int n_ops;
+} mm_region;
+
+static void mm_task(void *ctx, int task, int worker) {
+  (void)worker;
+  const mm_region *g = ctx;
+  int i = g->n_ops - 1;
+  while (i > 0 && task < g->op[i].first_task) i--;
+  const mm_op *op = &g->op[i];
+  const int o0 = (task - op->first_task) * op->chunk;
+  const int o1 = o0 + op->chunk < op->out ? o0 + op->chunk : op->out;
+  matmul_range(op->W, op->out, op->in, op->X, op->R, op->Y, o0, o1);
+}
+
+/* Below this many multiply-adds a region runs inline on the engine thread: handing it to the pool
+ * would cost more than it saves (a loaded host wakes a helper late). SmolLM2's decode matmuls are all
+ * above it; the tiny demo model's jobs stay below it unless the prompt is long. */
+#define SIM_PARALLEL_MIN (1LL << 18)
+
+/* Run the region's matmuls on the pool (small regions inline, see SIM_PARALLEL_MIN). */
+static void matmuls(sim_pool *pool, mm_region *g) {
+  long long work = 0;
+  for (int i = 0; i < g->n_ops; i++) work += (long long)g->op[i].out * g->op[i].in * g->op[i].R;
+  const int threads = sim_pool_threads(pool);
+  int tasks = 0;
+  for (int i = 0; i < g->n_ops; i++) {
+    mm_op *op = &g->op[i];
+    int want = threads > 1 && work >= SIM_PARALLEL_MIN ? 8 * threads : 1;
+    int chunk = (op->out + want - 1) / want;
+    if (op->R > ROW_BLOCK && chunk > CHUNK_FLOATS / op->in) chunk = CHUNK_FLOATS / op->in;
+    chunk = (chunk + 3) & ~3;
+    if (chunk < 4) chunk = 4;
+    op->chunk = chunk;
+    op->first_task = tasks;
+    tasks += (op->out + chunk - 1) / chunk;
+  }
+  if (threads > 1 && work >= SIM_PARALLEL_MIN) sim_pool_run(pool, mm_task, g, tasks);
+  else
+    for (int t = 0; t < tasks; t++) mm_task(g, t, 0);
+}
+
+static void matmul(sim_pool *pool, const float *W, int out, int in, const float *X, int R, float *Y) {
+  mm_region g = {.op = {{W, out, in, X, R, Y, 0, 0}}, .n_ops = 1};
+  matmuls(pool, &g);
 }
 
 static void rmsnorm(const float *x, const float *w, int n, float eps, float *y) {
@@ -103,11 +189,75 @@ typedef struct row_info {
   int32_t seq, pos, token, out_lane; /* out_lane -1: no logits for this row */
 } row_info;
 
-int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute) {
+/* q . k over head_dim with the same fixed 8-lane order as the matmuls (per row: batch-invariant). */
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
+  v8f acc = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const int n8 = n & ~7;
+  for (int i = 0; i < n8; i += 8) acc += ld8(a + i) * ld8(b + i);
+  float s = hsum8(acc);
+  for (int i = n8; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+/* Causal attention of one (row, head) over its own sequence, positions [0, pos]: a task of the
+ * attention region. Each worker has its own score and K-row scratch. */
+typedef struct attn_region {
+  const calrt_calbin *cb;
+  const row_info *rows;
+  const float *q;
+  float *att;
+  float *scratch; /* [threads][S + D] */
+  int L, H, KVH, D, S, group, bf16;
+  float scale;
+} attn_region;
+
+static void attn_task(void *ctx, int task, int worker) {
+  const attn_region *a = ctx;
+  const int r = task / a->H, hh = task % a->H, D = a->D, S = a->S;
+  float *sc = a->scratch + (size_t)worker * (size_t)(S + D), *kr = sc + S;
+  const sim_seq *sq = &a->cb->seqs[a->rows[r].seq];
+  const int n = a->rows[r].pos + 1, kh = hh / a->group;
+  const float *qh = a->q + ((size_t)r * a->H + hh) * D;
+  const size_t kbase = (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * D;
+  const size_t vbase = (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * D;
+  float mx = -INFINITY;
+  for (int s = 0; s < n; s++) {
+    const float *ks;
+    if (a->bf16) {
+      const uint16_t *kb = (const uint16_t *)sq->kv + kbase + (size_t)s * D;
+      for (int d = 0; d < D; d++) kr[d] = bf16_to_f32(kb[d]);
+      ks = kr;
+    } else {
+      ks = (const float *)sq->kv + kbase + (size_t)s * D;
+    }
+    sc[s] = dot(qh, ks, D) / a->scale;
+    if (sc[s] > mx) mx = sc[s];
+  }
+  float sum = 0.f;
+  for (int s = 0; s < n; s++) {
+    sc[s] = expf(sc[s] - mx);
+    sum += sc[s];
+  }
+  float *ah = a->att + ((size_t)r * a->H + hh) * D;
+  for (int d = 0; d < D; d++) ah[d] = 0.f;
+  for (int s = 0; s < n; s++) {
+    const float p = sc[s] / sum;
+    if (a->bf16) {
+      const uint16_t *vb = (const uint16_t *)sq->kv + vbase + (size_t)s * D;
+      for (int d = 0; d < D; d++) ah[d] += p * bf16_to_f32(vb[d]);
+    } else {
+      const float *vs = (const float *)sq->kv + vbase + (size_t)s * D;
+      for (int d = 0; d < D; d++) ah[d] += p * vs[d];
+    }
+  }
+}
+
+int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *pool) {
   const calrt_model_desc *m = &cb->m;
   const int h = m->hidden_size, H = m->num_attention_heads, KVH = m->num_key_value_heads;
   const int D = m->head_dim, I = m->intermediate_size, V = m->vocab_size, group = H / KVH;
   const int S = cb->p.max_seq, bf16 = cb->p.kv_dtype == CALRT_KV_BF16;
+  const int qkn = m->arch != CALRT_ARCH_LLAMA; /* Qwen3: per-head q/k RMSNorm; Llama: none */
   int R = 0;
   row_info *rows;
   if (job->kind == JOB_PREFILL) {
@@ -133,16 +283,17 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute) {
     free(rows);
     return 0;
   }
-  const size_t R_ = (size_t)R;
+  const size_t R_ = (size_t)R, threads = (size_t)sim_pool_threads(pool);
   float *x = malloc(sizeof(float) * R_ * h), *hn = malloc(sizeof(float) * R_ * h);
   float *q = malloc(sizeof(float) * R_ * H * D), *k = malloc(sizeof(float) * R_ * KVH * D);
   float *v = malloc(sizeof(float) * R_ * KVH * D), *att = malloc(sizeof(float) * R_ * H * D);
   float *o = malloc(sizeof(float) * R_ * h), *g = malloc(sizeof(float) * R_ * I);
   float *u = malloc(sizeof(float) * R_ * I);
   float *cs = malloc(sizeof(float) * R_ * (D / 2)), *sn = malloc(sizeof(float) * R_ * (D / 2));
-  float *sc = malloc(sizeof(float) * (size_t)S), *kr = malloc(sizeof(float) * (size_t)D);
+  float *scratch = malloc(sizeof(float) * threads * ((size_t)S + (size_t)D));
+  float *lg = NULL;
   int rc = 0;
-  if (!x || !hn || !q || !k || !v || !att || !o || !g || !u || !cs || !sn || !sc || !kr) {
+  if (!x || !hn || !q || !k || !v || !att || !o || !g || !u || !cs || !sn || !scratch) {
     rc = -1;
     goto out;
   }
@@ -155,26 +306,28 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute) {
       sn[(size_t)r * (D / 2) + i] = (float)sin(f);
     }
   }
-  const float scale = sqrtf((float)D);
-  const size_t es = bf16 ? 2 : 4;
+  attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, sqrtf((float)D)};
+  long long attn_work = 0; /* multiply-adds of one layer's attention: small ones run inline */
+  for (int r = 0; r < R; r++) attn_work += 2LL * (rows[r].pos + 1) * H * D;
   for (int L = 0; L < m->num_hidden_layers; L++) {
     const sim_layer *w = &cb->layers[L];
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->in_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
-    matmul(w->q, H * D, h, hn, R, q);
-    matmul(w->k, KVH * D, h, hn, R, k);
-    matmul(w->v, KVH * D, h, hn, R, v);
-    /* q/k norm + RoPE, then write K/V of every row into its sequence's cache. */
+    mm_region qkv = {.op = {{w->q, H * D, h, hn, R, q, 0, 0}, {w->k, KVH * D, h, hn, R, k, 0, 0},
+                            {w->v, KVH * D, h, hn, R, v, 0, 0}},
+                     .n_ops = 3};
+    matmuls(pool, &qkv);
+    /* q/k norm (Qwen3) + RoPE, then write K/V of every row into its sequence's cache. */
     for (int r = 0; r < R; r++) {
       const float *c_ = cs + (size_t)r * (D / 2), *s_ = sn + (size_t)r * (D / 2);
       for (int hh = 0; hh < H; hh++) {
         float *qh = q + ((size_t)r * H + hh) * D;
-        rmsnorm(qh, w->q_norm, D, m->rms_norm_eps, qh);
+        if (qkn) rmsnorm(qh, w->q_norm, D, m->rms_norm_eps, qh);
         rope(qh, D, c_, s_);
       }
       sim_seq *sq = &cb->seqs[rows[r].seq];
       for (int kh = 0; kh < KVH; kh++) {
         float *khp = k + ((size_t)r * KVH + kh) * D, *vhp = v + ((size_t)r * KVH + kh) * D;
-        rmsnorm(khp, w->k_norm, D, m->rms_norm_eps, khp);
+        if (qkn) rmsnorm(khp, w->k_norm, D, m->rms_norm_eps, khp);
         rope(khp, D, c_, s_);
         for (int kv = 0; kv < 2; kv++) {
           const float *src = kv ? vhp : khp;
@@ -188,57 +341,16 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute) {
         }
       }
     }
-    /* Causal attention of each row over its own sequence, positions [0, pos]. */
-    for (int r = 0; r < R; r++) {
-      const sim_seq *sq = &cb->seqs[rows[r].seq];
-      const int n = rows[r].pos + 1;
-      for (int hh = 0; hh < H; hh++) {
-        const int kh = hh / group;
-        const float *qh = q + ((size_t)r * H + hh) * D;
-        const size_t kbase = (((size_t)L * 2 + 0) * KVH + kh) * S * D;
-        const size_t vbase = (((size_t)L * 2 + 1) * KVH + kh) * S * D;
-        float mx = -INFINITY;
-        for (int s = 0; s < n; s++) {
-          const float *ks;
-          if (bf16) {
-            const uint16_t *kb = (const uint16_t *)sq->kv + kbase + (size_t)s * D;
-            for (int d = 0; d < D; d++) kr[d] = bf16_to_f32(kb[d]);
-            ks = kr;
-          } else {
-            ks = (const float *)sq->kv + kbase + (size_t)s * D;
-          }
-          float dot = 0.f;
-          for (int d = 0; d < D; d++) dot += qh[d] * ks[d];
-          sc[s] = dot / scale;
-          if (sc[s] > mx) mx = sc[s];
-        }
-        float sum = 0.f;
-        for (int s = 0; s < n; s++) {
-          sc[s] = expf(sc[s] - mx);
-          sum += sc[s];
-        }
-        float *ah = att + ((size_t)r * H + hh) * D;
-        for (int d = 0; d < D; d++) ah[d] = 0.f;
-        for (int s = 0; s < n; s++) {
-          const float p = sc[s] / sum;
-          if (bf16) {
-            const uint16_t *vb = (const uint16_t *)sq->kv + vbase + (size_t)s * D;
-            for (int d = 0; d < D; d++) ah[d] += p * bf16_to_f32(vb[d]);
-          } else {
-            const float *vs = (const float *)sq->kv + vbase + (size_t)s * D;
-            for (int d = 0; d < D; d++) ah[d] += p * vs[d];
-          }
-        }
-      }
-    }
-    (void)es;
-    matmul(w->o, h, H * D, att, R, o);
+    /* Every row's K/V is in the cache before any row attends (a prefill row reads earlier rows'). */
+    ar.L = L;
+    sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * H);
+    matmul(pool, w->o, h, H * D, att, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->post_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
-    matmul(w->gate, I, h, hn, R, g);
-    matmul(w->up, I, h, hn, R, u);
+    mm_region gu = {.op = {{w->gate, I, h, hn, R, g, 0, 0}, {w->up, I, h, hn, R, u, 0, 0}}, .n_ops = 2};
+    matmuls(pool, &gu);
     for (size_t i = 0; i < R_ * I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
-    matmul(w->down, h, I, g, R, o);
+    matmul(pool, w->down, h, I, g, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
     if (atomic_load(&job->abort)) {
       rc = 1;
@@ -254,18 +366,17 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute) {
         rows[n_out].out_lane = rows[r].out_lane;
         n_out++;
       }
-    float *lg = malloc(sizeof(float) * (size_t)n_out * V);
+    lg = malloc(sizeof(float) * (size_t)n_out * V);
     if (!lg) {
       rc = -1;
       goto out;
     }
-    matmul(cb->lm_head, V, h, hn, n_out, lg);
+    matmul(pool, cb->lm_head, V, h, hn, n_out, lg);
     for (int r = 0; r < n_out; r++)
       memcpy(job->logits + (size_t)rows[r].out_lane * V, lg + (size_t)r * V, sizeof(float) * V);
-    free(lg);
   }
 out:
   free(x); free(hn); free(q); free(k); free(v); free(att); free(o); free(g); free(u);
-  free(cs); free(sn); free(sc); free(kr); free(rows);
+  free(cs); free(sn); free(scratch); free(lg); free(rows);
   return rc;
 }

@@ -174,11 +174,13 @@ static void *chaos(void *arg) {
 }
 
 int main(void) {
-  calrt_open_params op = {"sim-next", 64u << 20};
+  /* Kernels on 3 worker threads per engine (the pool of pool.c), on a Llama big enough to use them. */
+  setenv("CALRT_SIM_THREADS", "3", 1);
+  calrt_open_params op = {"sim-next", 256u << 20};
   CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
   CHECK(calrt_sim_configure(dev, 0, 300, 7) == CALRT_OK); /* completion jitter shuffles order */
   test_model tm;
-  make_model(&tm, 1);
+  make_llama(&tm, 1);
   calrt_profile p1 = {1, 48, THREADS, CALRT_KV_FP32, 1, 0}, p4 = {4, 48, THREADS, CALRT_KV_BF16, 1, 0};
   calrt_profile p1b = {1, 48, THREADS, CALRT_KV_BF16, 1, 0};
   calrt_timing t = {50, 10, 200, 0.5};

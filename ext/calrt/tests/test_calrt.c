@@ -250,7 +250,66 @@ static void test_boards(void) {
   CHECK(calrt_device_close(dev) == CALRT_OK);
 }
 
+/* Llama through the worker-thread pool: a 40-token prefill and 4 decode steps give bitwise the same
+ * logits with 1 and 3 kernel threads (CALRT_SIM_THREADS, read when an engine starts computing), and
+ * at B1 and in lane 2 of a B4 job. */
+static void test_llama_threads(void) {
+  test_model tm;
+  make_llama(&tm, 0);
+  const int V = tm.m.vocab_size, STEPS = 4, P = 40;
+  float *out[2][2]; /* [threads 1/3][B1/B4] */
+  int32_t prompt[40];
+  for (int i = 0; i < P; i++) prompt[i] = (i * 37 + 11) % V;
+  for (int th = 0; th < 2; th++) {
+    setenv("CALRT_SIM_THREADS", th ? "3" : "1", 1);
+    calrt_device *dev;
+    calrt_open_params op = {"sim-next", 256u << 20};
+    CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
+    calrt_profile prof[2] = {{1, 64, 2, CALRT_KV_FP32, 1, 0}, {4, 64, 5, CALRT_KV_FP32, 1, 0}};
+    calrt_timing t0 = {0};
+    for (int b = 0; b < 2; b++) {
+      calrt_calbin *cb;
+      CHECK(calrt_calbin_create(dev, 0, &tm.m, tm.t, (size_t)tm.n, &prof[b], &t0, &cb) == CALRT_OK);
+      CHECK(calrt_calbin_configure(cb) == CALRT_OK);
+      out[th][b] = malloc(sizeof(float) * (size_t)V * (size_t)(STEPS + 1));
+      int32_t seq, idle;
+      CHECK(calrt_kv_create_sequence(cb, &idle) == CALRT_OK);
+      CHECK(calrt_kv_create_sequence(cb, &seq) == CALRT_OK);
+      calrt_job *j;
+      calrt_job_result r;
+      CHECK(calrt_job_create_prefill(cb, seq, prompt, P, &j) == CALRT_OK);
+      CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+      CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+      memcpy(out[th][b], r.logits, sizeof(float) * (size_t)V);
+      int32_t tok = argmax(r.logits, V);
+      calrt_job_release(j);
+      for (int k = 0; k < STEPS; k++) {
+        int32_t sid[4] = {idle, idle, seq, idle}, tk[4] = {1, 2, tok, 3}, ps[4] = {0, 0, P + k, 0};
+        uint8_t va[4] = {0, 0, 1, 0};
+        const int lane = b ? 2 : 0, lanes = b ? 4 : 1;
+        CHECK(calrt_job_create_decode(cb, b ? sid : &seq, b ? tk : &tok, b ? ps : &ps[2], b ? va : &va[2],
+                                      lanes, &j) == CALRT_OK);
+        CHECK(run(j, k % 2 ? CALRT_ENGINE_PONG : CALRT_ENGINE_PING) == CALRT_JOB_OK);
+        CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+        memcpy(out[th][b] + (size_t)(k + 1) * V, r.logits + (size_t)lane * V, sizeof(float) * (size_t)V);
+        tok = argmax(r.logits + (size_t)lane * V, V);
+        calrt_job_release(j);
+      }
+      CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+    }
+    CHECK(calrt_device_close(dev) == CALRT_OK);
+  }
+  const size_t n = sizeof(float) * (size_t)V * (size_t)(STEPS + 1);
+  CHECK(memcmp(out[0][0], out[0][1], n) == 0); /* B1 == B4 lane 2, one thread */
+  CHECK(memcmp(out[0][0], out[1][0], n) == 0); /* 1 thread == 3 threads */
+  CHECK(memcmp(out[0][0], out[1][1], n) == 0);
+  for (int i = 0; i < 4; i++) free(out[i / 2][i % 2]);
+  unsetenv("CALRT_SIM_THREADS");
+  free_model(&tm);
+}
+
 int main(void) {
+  test_llama_threads();
   calrt_device *dev = NULL, *dev2 = NULL;
   test_boards();
   calrt_open_params op = {"sim-next", 64u << 20};

