@@ -23,6 +23,9 @@ from calserve.models.package import open_package
 from calserve.models.signing import TrustStore, generate_keypair
 from calserve.runtime.reference import ModelConfig, bf16_round, greedy_generate, random_weights
 
+# A checkpoint's own chat template (valid Jinja: a package whose template does not compile is refused).
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
 
 def _raw_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """An independent writer (truncating BF16 like a checkpoint exporter may): header + raw bytes."""
@@ -70,7 +73,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     (d / "tokenizer.json").write_text(tok_json)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "pad_token_id": 0}))
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for m in messages %}<|im_start|>..."}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     return d
 
 
@@ -120,7 +123,7 @@ def test_pack_verify_golden_equals_reference(hf_dir: Path, packed: tuple[Path, P
     ck = load_hf_checkpoint(hf_dir)
     assert m.model_config() == ck.config
     # The checkpoint's own chat template and generation_config EOS ids travel into the package.
-    assert m.chat_template == "{% for m in messages %}<|im_start|>..."
+    assert m.chat_template == TEMPLATE
     assert m.special_tokens.eos_token_ids == [2, 0] and m.special_tokens.pad_token_id == 0
     assert m.special_tokens.eos_token == vp.tokenizer().id_to_token(2)
     w = vp.weights()
