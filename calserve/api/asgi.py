@@ -44,6 +44,7 @@ from calserve.api.hygiene import body_timeout, drain
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
 from calserve.api.running import RequestLease, pump_stream, run_json
+from calserve.api.socket_probe import probe_from_send, probe_of
 from calserve.api.state import ApiState
 from calserve.api.stream_encoder import StreamEncoder
 
@@ -132,7 +133,7 @@ class FastRoutes:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
             try:
-                await self._generate(eng, prep, send)
+                await self._generate(eng, prep, send, scope)
             finally:
                 nursery.cancel_scope.cancel()  # done (or failed): stop watching
 
@@ -175,7 +176,7 @@ class FastRoutes:
         # Decode + prepare: a big body in the prompt worker thread (convert.prepare_body).
         return eng, await prepare_body(kind, eng, data, tenant)
 
-    async def _generate(self, eng: EngineLike, prep: Prepared, send: Send) -> None:
+    async def _generate(self, eng: EngineLike, prep: Prepared, send: Send, scope: Scope) -> None:
         try:
             handle = await eng.submit(prep.request)  # admission: 429/503 raise here
         except Exception as exc:
@@ -192,7 +193,9 @@ class FastRoutes:
                 self._count(200)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
-                await pump_stream(lease, enc, send, metrics, prep, self._state.pacer)
+                probe = probe_of(scope) or probe_from_send(
+                    send, self._state.config.server.stream_contended_stall_ms / 1000.0)
+                await pump_stream(lease, enc, send, metrics, prep, self._state.pacer, probe)
                 await send(_END_BODY)
                 return
             try:

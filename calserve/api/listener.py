@@ -50,6 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from calserve.api.errors import ApiError
 from calserve.api.hygiene import RateLimitedLog, error_response_bytes
+from calserve.api.socket_probe import PROBE_KEY, SocketProbe
 from calserve.config import ServerConfig
 
 __all__ = ["serve_guarded", "connection_cap", "rewrite_error_response", "FD_RESERVE"]
@@ -161,7 +162,11 @@ class _Guard:
             await self._refuse(stream)
             return
         conn = _Conn(self, stream)
-        server = _GuardedTCPServer(app, hc, context, state, conn)
+        # The connection's own state dict (hypercorn copies it into every request's scope):
+        # the socket probe the streaming pump reports slow readers with.
+        own = ConnectionState({**state, PROBE_KEY: SocketProbe(
+            stream.socket, self.limits.stream_contended_stall_ms / 1000.0)})
+        server = _GuardedTCPServer(app, hc, context, own, conn)
         async with trio.open_nursery() as nursery:
             conn.scope = nursery.cancel_scope
             nursery.start_soon(conn.watch)
