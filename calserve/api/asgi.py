@@ -32,6 +32,7 @@ cancelled there.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, Literal, final
 from urllib.parse import urlparse
 
@@ -48,7 +49,7 @@ from calserve.api.socket_probe import probe_from_send, probe_of
 from calserve.api.state import ApiState
 from calserve.api.stream_encoder import StreamEncoder
 
-__all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES"]
+__all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES", "CUT_CLOSE_S"]
 
 Kind = Literal["completion", "chat"]
 # Exact paths served here (POST only; other methods get quart's 405/OPTIONS handling).
@@ -60,6 +61,10 @@ _SSE_HEADERS: Final = [
     (b"x-accel-buffering", b"no"),
 ]
 _END_BODY: Final = {"type": "http.response.body", "body": b"", "more_body": False}
+#: A stream given up as too slow (``client_too_slow``) has this long to write its last event, then
+#: its connection is closed (a client that does not read would hold it open for good: the
+#: server's write of it is not cancellable).
+CUT_CLOSE_S: Final = 1.0
 
 Scope = dict[str, Any]
 Receive = Any  # ASGI receive callable
@@ -103,6 +108,22 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
             return
 
 
+async def _close_when_given_up(given_up: Callable[[], Awaitable[None]],
+                               close: Callable[[], None]) -> None:
+    """Once the engine gave up on the stream's client as too slow, close its connection
+    :data:`CUT_CLOSE_S` later (time to write the ``client_too_slow`` event to a client that reads
+    again). Shielded from then on: the handler's scope is cancelled when its response ends, and
+    a write blocked on a client that does not read only ends with the socket. Cancelled with the
+    handler when the stream ends otherwise."""
+    await given_up()
+    with trio.CancelScope(shield=True):
+        await trio.sleep(CUT_CLOSE_S)
+        try:
+            close()
+        except OSError:
+            pass
+
+
 @final
 class FastRoutes:
     """The two generation routes as one raw ASGI handler bound to the app's :class:`ApiState` (the
@@ -133,7 +154,7 @@ class FastRoutes:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
             try:
-                await self._generate(eng, prep, send, scope)
+                await self._generate(eng, prep, send, scope, nursery)
             finally:
                 nursery.cancel_scope.cancel()  # done (or failed): stop watching
 
@@ -176,7 +197,8 @@ class FastRoutes:
         # Decode + prepare: a big body in the prompt worker thread (convert.prepare_body).
         return eng, await prepare_body(kind, eng, data, tenant)
 
-    async def _generate(self, eng: EngineLike, prep: Prepared, send: Send, scope: Scope) -> None:
+    async def _generate(self, eng: EngineLike, prep: Prepared, send: Send, scope: Scope,
+                        nursery: trio.Nursery) -> None:
         try:
             handle = await eng.submit(prep.request)  # admission: 429/503 raise here
         except Exception as exc:
@@ -195,6 +217,9 @@ class FastRoutes:
                             "headers": _SSE_HEADERS})
                 probe = probe_of(scope) or probe_from_send(
                     send, self._state.config.server.stream_contended_stall_ms / 1000.0)
+                given_up = getattr(handle, "wait_given_up", None)
+                if probe is not None and given_up is not None:
+                    nursery.start_soon(_close_when_given_up, given_up, probe.close)
                 await pump_stream(lease, enc, send, metrics, prep, self._state.pacer, probe)
                 await send(_END_BODY)
                 return

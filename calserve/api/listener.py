@@ -165,7 +165,7 @@ class _Guard:
         # The connection's own state dict (hypercorn copies it into every request's scope):
         # the socket probe the streaming pump reports slow readers with.
         own = ConnectionState({**state, PROBE_KEY: SocketProbe(
-            stream.socket, self.limits.stream_contended_stall_ms / 1000.0)})
+            stream.socket, self.limits.stream_contended_stall_ms / 1000.0, conn.close_now)})
         server = _GuardedTCPServer(app, hc, context, own, conn)
         async with trio.open_nursery() as nursery:
             conn.scope = nursery.cancel_scope

@@ -36,6 +36,7 @@ from __future__ import annotations
 import socket
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any, Final, final
 
 __all__ = ["SocketProbe", "PROBE_KEY", "probe_of", "probe_from_send"]
@@ -64,12 +65,15 @@ class SocketProbe:
     ``getsockopt`` per call. Never raises: on any error (a closed socket, no ``TCP_INFO``) it
     answers 0, i.e. "nothing known to be unread"."""
 
-    __slots__ = ("_sock", "_max_wnd", "_base", "_acked", "_caught_up", "_ok", "stall_s")
+    __slots__ = ("_sock", "_max_wnd", "_base", "_acked", "_caught_up", "_ok", "stall_s", "close")
 
-    def __init__(self, sock: Any, stall_s: float) -> None:
+    def __init__(self, sock: Any, stall_s: float, close: Callable[[], None] | None = None) -> None:
         """``stall_s``: how long a client may leave data unread before :meth:`sample` calls it
-        stalled (``server.stream_contended_stall_ms``)."""
+        stalled (``server.stream_contended_stall_ms``). ``close()`` closes the connection (a
+        blocked write then fails at once; default: close the socket), for a client the server
+        gave up on (``client_too_slow``)."""
         self._sock = sock
+        self.close: Callable[[], None] = close if close is not None else sock.close
         self._max_wnd = 0
         self._base = 0  # bytes_acked when the window was last open
         self._acked = 0  # bytes_acked at the last sample

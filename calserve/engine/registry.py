@@ -60,6 +60,7 @@ class RequestHandle:
         #: ``report_unread(n, stalled_for)``: what the client has not read yet (slow readers).
         self.report_unread: Callable[[int, float | None], None] = writer.report_unread
         self.report_written: Callable[[], None] = writer.report_written
+        self.wait_given_up: Callable[[], Awaitable[None]] = writer.wait_given_up
 
     async def events(self) -> AsyncIterator[Event]:
         """TokenEvent* then exactly one FinishEvent or ErrorEvent."""

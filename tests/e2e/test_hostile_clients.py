@@ -21,6 +21,8 @@ import httpx
 import pytest
 import trio
 
+from calserve.api.asgi import CUT_CLOSE_S
+
 from .server import ServerProcess, scrape, serving, start_calserve_serve, value
 
 pytestmark = pytest.mark.slow
@@ -142,9 +144,37 @@ async def _never_readers(server: ServerProcess, key: str | None, report: dict[st
         report["drained_s"] = time.monotonic() - t0
         peak = max(peak, rss_mib(server))
         report["rss_growth_mib"] = peak - base
+        report["streams"], report["streams_closed"] = await _closed_by_server(socks)
     finally:
         for s in socks:
             await s.aclose()
+
+
+async def _closed_by_server(socks: list[trio.SocketStream]) -> tuple[int, int]:
+    """(never-readers that got a stream, how many of those connections the server has closed
+    within CUT_CLOSE_S + 3 s of the end of the wave), reading what each was sent. The 429'd ones
+    are answered with a whole response and stay open as keep-alive connections."""
+    deadline = trio.current_time() + CUT_CLOSE_S + 3.0
+    streams = closed = 0
+    for s in socks:
+        head = b""
+        with trio.move_on_at(deadline):
+            while len(head) < 12:
+                got = await s.receive_some(65536)
+                if not got:
+                    break
+                head += got
+        if not head.startswith(b"HTTP/1.1 200"):
+            continue
+        streams += 1
+        with trio.move_on_at(deadline):
+            try:
+                while await s.receive_some(1 << 20):
+                    pass
+                closed += 1
+            except trio.BrokenResourceError:  # a reset is a close too
+                closed += 1
+    return streams, closed
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +238,7 @@ async def test_a_normal_client_beside_60_never_readers_is_answered_within_3s(
 
 
 WAVES = 3
+MAX_WAVES = 6
 # The issue's target is 3 s; measured 0.6-3.3 s here on a 2-core VM at load 7-9 (before: 12.3 s on
 # a second wave). Each never-reader still costs the ~40 tokens the kernel hides (README "Per-request
 # limits and slow readers"), so 60 in FIFO order cost ~2.4 s of device time at B1: the bound
@@ -215,7 +246,7 @@ WAVES = 3
 NORMAL_LIMIT_S = 6.0
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher", ["serve", "cli"])
 async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_waves(
         launcher: str, request: pytest.FixtureRequest) -> None:
@@ -226,16 +257,19 @@ async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_wave
     reopening) and cancelled ~50 ms after, while others wait (server.stream_contended_stall_ms),
     so the FIFO queue ahead of the normal request drains in ~2 s; before, each held its lane
     until ~200 KB had filled the kernels' buffers (12.3 s on a second wave). The reading client
-    is never cut."""
+    is never cut. Each cancelled never-reader's connection is closed CUT_CLOSE_S after (it
+    stayed open until the client left)."""
     server: ServerProcess = request.getfixturevalue(
         "serve_server" if launcher == "serve" else "default_server")
     body = {**_NEVER_BODY, "max_tokens": 1000}
     reports: list[dict[str, float]] = []
-    for wave in range(WAVES):
+    for wave in range(MAX_WAVES):
         report: dict[str, float] = {}
         await _never_readers(server, None, report, None, reader=True, body=body)
         print(f"{launcher} wave {wave + 1}:", report)
         reports.append(report)
+        if wave + 1 >= WAVES and any(r["normal_status"] == 200 for r in reports[1:]):
+            break  # (admission may refuse the normal request, 429, from its own estimate)
     for r in reports:
         assert r["normal_status"] in (200, 429), r  # 429: admission's own estimate
         if r["normal_status"] == 200:
@@ -244,6 +278,9 @@ async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_wave
         if r["reader_status"] == 200:
             assert r["reader_done"] and not r["reader_cut"], r
         assert r["rss_growth_mib"] < RSS_GROWTH_LIMIT_MIB, r
+        # A never-reader's connection is closed once its stream was cancelled (it stayed open
+        # until the client left), on both launchers.
+        assert r["streams"] >= 1 and r["streams_closed"] == r["streams"], r
     assert any(r["normal_status"] == 200 for r in reports[1:]), reports
     cancelled = [r["cancelled_total"] for r in reports]
     assert all(b > a for a, b in zip(cancelled, cancelled[1:])), reports

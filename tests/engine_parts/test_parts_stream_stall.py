@@ -122,3 +122,20 @@ async def test_stall_off_and_a_reader_that_keeps_up(autojump_clock: trio.testing
     r.close(FinishEvent(FinishReason.LENGTH, Usage(1, 200), ""))
     assert got == 200 and not r.abandoned
     assert isinstance((await r.receive_many())[-1], FinishEvent)
+
+
+async def test_wait_given_up_fires_on_a_cut_only(autojump_clock: trio.testing.MockClock) -> None:
+    """What the HTTP layer closes a too-slow client's connection on."""
+    w = _writer([1], limit=10 * _TOK)
+    with trio.fail_after(1):
+        async with trio.open_nursery() as n:
+            n.start_soon(w.wait_given_up)
+            await trio.sleep(0.1)
+            w.report_unread(50 * _TOK)  # cut
+    closed = _writer([1])
+    with trio.move_on_after(5) as waited:
+        async with trio.open_nursery() as n:
+            n.start_soon(closed.wait_given_up)
+            await trio.sleep(0.1)
+            await closed.aclose()  # the consumer left by itself: not a cut
+    assert waited.cancelled_caught
