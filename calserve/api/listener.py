@@ -18,6 +18,9 @@ what is here exists under ``calserve serve`` only (the app-level defences of
   once, beyond that a plain close, so a flood never takes fds past the cap + ``_REFUSING``;
 - a client's EOF on a connection with no request in progress frees its fd at once (hypercorn
   keeps it in CLOSE_WAIT until its keep-alive timer fires);
+- each connection's socket goes to the app as a :class:`~calserve.api.socket_probe.SocketProbe`
+  in the request scope's ``state`` (how far behind its client is, and closing it: slow readers,
+  README "Per-request limits and slow readers");
 - hypercorn's own error answers (h11 framing errors: bad request line, bad chunk, head over
   ``server.max_header_bytes`` before it is complete, unsupported Transfer-Encoding; a 500 when the
   app sent nothing) are written by h11 as empty bodies: they are rewritten to the OpenAI error
