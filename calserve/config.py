@@ -184,8 +184,9 @@ class ServerConfig(_Strict):
     stream_stall_grace_ms: NonNeg = 1000
     # While other requests of its model wait for admission, a stream whose client has left what
     # was written to it unread this long (ms; seen on the socket's TCP_INFO: its receive window
-    # has not reopened), or whose last write has not completed this long, is cancelled however few
-    # bytes that is: they wait for its lane. 0 = off (README "Per-request limits and slow readers").
+    # has not reopened), or whose last write has not completed this long (and >= 0.5 s), is
+    # cancelled however few bytes that is: they wait for its lane. 0 = off (README "Per-request
+    # limits and slow readers").
     stream_contended_stall_ms: NonNeg = 25
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.

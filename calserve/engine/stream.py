@@ -63,6 +63,10 @@ TOKEN_BYTES: Final = 64
 LOGPROB_BYTES: Final = 128
 TOP_LOGPROB_BYTES: Final = 96
 _UNBOUNDED: Final = sys.maxsize
+# A write that has not completed is a stall only past this much at least, whatever ``stall_s``
+# says: the wall time of a write also holds the server's own scheduling delay (tens of ms on a
+# saturated event loop), while a client that does not read blocks it for good.
+WRITE_STALL_MIN_S: Final = 0.5
 
 
 def token_bytes(text: str, logprob: TokenLogprob | None) -> int:
@@ -102,7 +106,8 @@ class StreamWriter:
         # into one event. ``max_bytes`` (0 = unbounded) and ``grace_s`` bound the backlog in bytes
         # (module docstring), ``contended`` (None: never) cuts the grace short; ``stall_s`` (0 =
         # off; ``server.stream_contended_stall_ms``): while contended, a consumer whose write has
-        # not completed this long is given up; ``name`` (the request id) is for the log line.
+        # not completed this long (at least WRITE_STALL_MIN_S) is given up; ``name`` (the
+        # request id) is for the log line.
         if max_events < 1:
             raise ValueError(f"StreamWriter max_events must be >= 1, got {max_events!r}")
         if max_bytes < 0 or grace_s < 0 or stall_s < 0:
@@ -141,7 +146,7 @@ class StreamWriter:
         # The write stall. Invariant: _sending_since is when the consumer took its last batch,
         # until it reports that batch written (report_written) or reads again; None otherwise
         # (and always when _stall is 0).
-        self._stall = stall_s
+        self._stall = max(stall_s, WRITE_STALL_MIN_S) if stall_s else 0.0
         self._sending_since: float | None = None
 
     # ---------------------------------------------------------------- producer side (actor)
@@ -249,7 +254,7 @@ class StreamWriter:
 
     def _check_write_stall(self) -> None:
         """The consumer is writing its last batch: give it up when that write has taken
-        ``stall_s`` already and other requests wait for its lane (a client that does not read
+        ``stall_s`` (at least :data:`WRITE_STALL_MIN_S`) already and other requests wait for its lane (a client that does not read
         blocks the write once the kernel's buffers are full, whatever the launcher)."""
         since = self._sending_since
         assert since is not None
