@@ -12,13 +12,15 @@ and slow readers"): the backlog of a stream is what the writer holds for the con
 consumer took at its last read and has not finished with (the HTTP pump is still sending it: it reads
 again only once that write completed), both as an estimate of their size (text, and ~2 KB per token
 with 20 top logprobs), plus what the consumer last reported written and not yet read by its client
-(:meth:`StreamWriter.report_unread`: the socket's estimate, where the launcher gives one). When the backlog has stayed over the bound for ``grace_s``, or at once while
-``contended()`` says other requests wait for a lane (the lane of a client that does not read is then
-what they wait for), the writer gives up on its consumer: it logs why (once), drops what it holds,
-marks itself ``abandoned`` (the request actor then cancels the request, which frees its lane) and
-hands the consumer, if it ever reads again, one ErrorEvent (``kind="slow_consumer"``) as the
-stream's end. This is checked as tokens arrive and as the consumer reports, so only a request that
-is still producing is cut. A
+(:meth:`StreamWriter.report_unread`: the socket's estimate, where the launcher gives one). When the
+backlog has stayed over the bound for ``grace_s``, or at once while ``contended()`` says other
+requests wait for a lane (the lane of a client that does not read is then what they wait for), the
+writer gives up on its consumer: it logs why (once), drops what it holds, marks itself
+``abandoned`` (the request actor then cancels the request, which frees its lane) and hands the
+consumer, if it ever reads again, one ErrorEvent (``kind="slow_consumer"``) as the stream's end.
+While contended it also gives up on a consumer whose client the socket shows stalled, or whose
+write has not completed, for ``stall_s`` (``server.stream_contended_stall_ms``). This is checked as
+tokens arrive and as the consumer reports, so only a request that is still producing is cut. A
 client that never reads would otherwise pin a lane until ``max_tokens`` and keep every token in
 memory until it disconnects. A read by the consumer (the client took the last write) restarts the
 grace period, unless the client's unread bytes alone are over the bound.
@@ -95,8 +97,8 @@ class StreamWriter:
 
     __slots__ = ("_ids", "_texts", "_lps", "_terminal", "_terminal_delivered", "_abandoned",
                  "_waiter", "_abandoned_event", "_coalesced", "_tokens_put", "_delivered",
-                 "_bytes", "_room", "_limit", "_grace", "_full_at", "_overflow", "_overflowed", "_name",
-                 "_contended", "_below", "_stall", "_sending_since")
+                 "_bytes", "_room", "_limit", "_grace", "_full_at", "_overflow", "_overflowed",
+                 "_name", "_contended", "_below", "_stall", "_sending_since")
 
     def __init__(self, max_events: int = 1, *, max_bytes: int = 0, grace_s: float = 0.0,
                  contended: Callable[[], bool] | None = None, stall_s: float = 0.0,
@@ -254,8 +256,9 @@ class StreamWriter:
 
     def _check_write_stall(self) -> None:
         """The consumer is writing its last batch: give it up when that write has taken
-        ``stall_s`` (at least :data:`WRITE_STALL_MIN_S`) already and other requests wait for its lane (a client that does not read
-        blocks the write once the kernel's buffers are full, whatever the launcher)."""
+        ``stall_s`` (at least :data:`WRITE_STALL_MIN_S`) already and other requests wait for its
+        lane (a client that does not read blocks the write once the kernel's buffers are full,
+        whatever the launcher)."""
         since = self._sending_since
         assert since is not None
         now = trio.current_time()
