@@ -2,10 +2,13 @@
 "Hostile input and hostile clients", classes 2 and 3; README "Per-request limits and slow readers").
 
 - 60 clients that never read a logprob-heavy stream (chat, 20 top logprobs, ~1.4 KB per token on
-  the wire; the kernel's socket buffers take ~140 KB of it first) cost bounded memory, and each is
-  cancelled shortly after its backlog passed ``server.stream_buffer_bytes`` (no grace while others
-  wait for admission), which frees its lane. With one tenant a normal request queues behind them in
-  FIFO order; as another tenant (the only config: API keys) it gets the next lane.
+  the wire) cost bounded memory. Each is found out on its socket once its TCP receive window stops
+  reopening and, while others wait for admission, cancelled server.stream_contended_stall_ms
+  after (before: only once the kernels' socket buffers, ~140 KB, and server.stream_buffer_bytes
+  were full), which frees its lane; its connection is closed 1 s later. With one tenant a normal
+  request still queues behind them in FIFO order, on later waves too (both launchers); as another
+  tenant (the only config: API keys) it gets the next lane. A client reading a logprob stream
+  beside them is never cut.
 - ~1 MiB prompts (and a 500k-character /tokenize) arriving while a stream runs are refused before
   tokenizing: the stream's largest inter-token gap stays small.
 """
