@@ -48,6 +48,7 @@ from calserve.api.running import RequestLease, pump_stream, run_json
 from calserve.api.socket_probe import probe_from_send, probe_of
 from calserve.api.state import ApiState
 from calserve.api.stream_encoder import StreamEncoder
+from calserve.engine.types import ErrorEvent
 
 __all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES", "CUT_CLOSE_S"]
 
@@ -111,11 +112,17 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
 async def _close_when_given_up(given_up: Callable[[], Awaitable[None]],
                                close: Callable[[], None]) -> None:
     """Once the engine gave up on the stream's client as too slow, close its connection
-    :data:`CUT_CLOSE_S` later (time to write the ``client_too_slow`` event to a client that reads
-    again). Shielded from then on: the handler's scope is cancelled when its response ends, and
-    a write blocked on a client that does not read only ends with the socket. Cancelled with the
-    handler when the stream ends otherwise."""
+    :data:`CUT_CLOSE_S` later (:func:`_close_later`). Cancelled with the handler when the stream
+    ends otherwise, or when the handler saw the end itself (it then schedules the close)."""
     await given_up()
+    await _close_later(close)
+
+
+async def _close_later(close: Callable[[], None]) -> None:
+    """``close()`` :data:`CUT_CLOSE_S` from now (time to write the ``client_too_slow`` event to a
+    client that reads again). Shielded from its first step: the handler's scope is cancelled
+    when its response ends, and a write blocked on a client that does not read only ends with
+    the socket."""
     with trio.CancelScope(shield=True):
         await trio.sleep(CUT_CLOSE_S)
         try:
@@ -221,6 +228,12 @@ class FastRoutes:
                 if probe is not None and given_up is not None:
                     nursery.start_soon(_close_when_given_up, given_up, probe.close)
                 await pump_stream(lease, enc, send, metrics, prep, self._state.pacer, probe)
+                end = enc.terminal
+                if (probe is not None and isinstance(end, ErrorEvent)
+                        and end.kind == "slow_consumer"):
+                    # Its last writes went through (the watcher may not have run yet): the
+                    # handler ends now and cancels the watcher, so it schedules the close.
+                    nursery.start_soon(_close_later, probe.close)
                 await send(_END_BODY)
                 return
             try:
