@@ -202,6 +202,10 @@ class ServerConfig(_Strict):
     header_timeout_s: PosFloat = 5.0
     # A request body must be complete this long after its head (s), else 408 + close.
     body_timeout_s: PosFloat = 30.0
+    # One write of a streamed response that has not completed this long (s: its client has read
+    # nothing meanwhile, the kernels' buffers are full) closes the connection, also when the
+    # stream has ended engine-side (where the app has the socket: calserve/api/write_watch.py).
+    send_timeout_s: PosFloat = 30.0
     # A request head larger than this (bytes: request target + headers) gets 431 + close.
     max_header_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16384
     # Open client connections at most (calserve serve only). At the cap the longest-idle keep-alive

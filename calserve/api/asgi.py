@@ -32,7 +32,6 @@ cancelled there.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any, Final, Literal, final
 from urllib.parse import urlparse
 
@@ -48,9 +47,10 @@ from calserve.api.running import RequestLease, pump_stream, run_json
 from calserve.api.socket_probe import probe_from_send, probe_of
 from calserve.api.state import ApiState
 from calserve.api.stream_encoder import StreamEncoder
+from calserve.api.write_watch import WriteWatch, close_later
 from calserve.engine.types import ErrorEvent
 
-__all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES", "CUT_CLOSE_S"]
+__all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES"]
 
 Kind = Literal["completion", "chat"]
 # Exact paths served here (POST only; other methods get quart's 405/OPTIONS handling).
@@ -62,10 +62,6 @@ _SSE_HEADERS: Final = [
     (b"x-accel-buffering", b"no"),
 ]
 _END_BODY: Final = {"type": "http.response.body", "body": b"", "more_body": False}
-#: A stream given up as too slow (``client_too_slow``) has this long to write its last event, then
-#: its connection is closed (a client that does not read would hold it open for good: the
-#: server's write of it is not cancellable).
-CUT_CLOSE_S: Final = 1.0
 
 Scope = dict[str, Any]
 Receive = Any  # ASGI receive callable
@@ -107,28 +103,6 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
         if msg["type"] == "http.disconnect":
             scope.cancel()
             return
-
-
-async def _close_when_given_up(given_up: Callable[[], Awaitable[None]],
-                               close: Callable[[], None]) -> None:
-    """Once the engine gave up on the stream's client as too slow, close its connection
-    :data:`CUT_CLOSE_S` later (:func:`_close_later`). Cancelled with the handler when the stream
-    ends otherwise, or when the handler saw the end itself (it then schedules the close)."""
-    await given_up()
-    await _close_later(close)
-
-
-async def _close_later(close: Callable[[], None]) -> None:
-    """``close()`` :data:`CUT_CLOSE_S` from now (time to write the ``client_too_slow`` event to a
-    client that reads again). Shielded from its first step: the handler's scope is cancelled
-    when its response ends, and a write blocked on a client that does not read only ends with
-    the socket."""
-    with trio.CancelScope(shield=True):
-        await trio.sleep(CUT_CLOSE_S)
-        try:
-            close()
-        except OSError:
-            pass
 
 
 @final
@@ -224,16 +198,18 @@ class FastRoutes:
                             "headers": _SSE_HEADERS})
                 probe = probe_of(scope) or probe_from_send(
                     send, self._state.config.server.stream_contended_stall_ms / 1000.0)
-                given_up = getattr(handle, "wait_given_up", None)
-                if probe is not None and given_up is not None:
-                    nursery.start_soon(_close_when_given_up, given_up, probe.close)
-                await pump_stream(lease, enc, send, metrics, prep, self._state.pacer, probe)
+                out = send
+                if probe is not None:  # its connection can be closed (write_watch)
+                    watch = WriteWatch(probe.close, self._state.config.server.send_timeout_s)
+                    nursery.start_soon(watch.run, getattr(handle, "wait_given_up", None))
+                    out = watch.wrap(send)
+                await pump_stream(lease, enc, out, metrics, prep, self._state.pacer, probe)
                 end = enc.terminal
                 if (probe is not None and isinstance(end, ErrorEvent)
                         and end.kind == "slow_consumer"):
-                    # Its last writes went through (the watcher may not have run yet): the
-                    # handler ends now and cancels the watcher, so it schedules the close.
-                    nursery.start_soon(_close_later, probe.close)
+                    # Its last writes went through (the watch may not have seen the cut yet):
+                    # the handler ends now and cancels the watch, so it schedules the close.
+                    nursery.start_soon(close_later, probe.close)
                 await send(_END_BODY)
                 return
             try:

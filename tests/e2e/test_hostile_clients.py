@@ -24,7 +24,7 @@ import httpx
 import pytest
 import trio
 
-from calserve.api.asgi import CUT_CLOSE_S
+from calserve.api.write_watch import CUT_CLOSE_S
 
 from .server import ServerProcess, scrape, serving, start_calserve_serve, value
 
