@@ -221,6 +221,12 @@ class ServerConfig(_Strict):
     # still producing is cancelled (logged once): its KV lane is freed and its backlog dropped. At
     # once (no grace) while other requests of its model wait for admission: they wait for its lane.
     stream_stall_grace_ms: NonNeg = 1000
+    # While other requests of its model wait for admission, a stream whose client has left what
+    # was written to it unread this long (ms; seen on the socket's TCP_INFO: its receive window
+    # has not reopened), or whose last write has not completed this long (and >= 0.5 s), is
+    # cancelled however few bytes that is: they wait for its lane. 0 = off (README "Per-request
+    # limits and slow readers").
+    stream_contended_stall_ms: NonNeg = 25
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.
     trace_events: NonNeg = 4096
@@ -238,6 +244,10 @@ class ServerConfig(_Strict):
     header_timeout_s: PosFloat = 5.0
     # A request body must be complete this long after its head (s), else 408 + close.
     body_timeout_s: PosFloat = 30.0
+    # One write of a streamed response that has not completed this long (s: its client has read
+    # nothing meanwhile, the kernels' buffers are full) closes the connection, also when the
+    # stream has ended engine-side (where the app has the socket: calserve/api/write_watch.py).
+    send_timeout_s: PosFloat = 30.0
     # A request head larger than this (bytes: request target + headers) gets 431 + close.
     max_header_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 16384
     # Open client connections at most (calserve serve only). At the cap the longest-idle keep-alive

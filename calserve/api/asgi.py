@@ -45,8 +45,11 @@ from calserve.api.hygiene import body_timeout, drain
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
 from calserve.api.running import RequestLease, pump_stream, run_json
+from calserve.api.socket_probe import probe_from_send, probe_of
 from calserve.api.state import ApiState
 from calserve.api.stream_encoder import StreamEncoder
+from calserve.api.write_watch import WriteWatch, close_later
+from calserve.engine.types import ErrorEvent
 
 __all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES"]
 
@@ -133,7 +136,7 @@ class FastRoutes:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
             try:
-                await self._generate(eng, prep, send)
+                await self._generate(eng, prep, send, scope, nursery)
             finally:
                 nursery.cancel_scope.cancel()  # done (or failed): stop watching
 
@@ -176,7 +179,8 @@ class FastRoutes:
         # Decode + prepare: a big body in the prompt worker thread (convert.prepare_body).
         return eng, await prepare_body(kind, eng, data, tenant, server.max_n)
 
-    async def _generate(self, eng: EngineLike, prep: Prepared, send: Send) -> None:
+    async def _generate(self, eng: EngineLike, prep: Prepared, send: Send, scope: Scope,
+                        nursery: trio.Nursery) -> None:
         if prep.n > 1:
             await self._generate_choices(eng, prep, send)
             return
@@ -200,7 +204,20 @@ class FastRoutes:
                 self._count(200)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
-                await pump_stream(lease, enc, send, metrics, prep, self._state.pacer)
+                probe = probe_of(scope) or probe_from_send(
+                    send, self._state.config.server.stream_contended_stall_ms / 1000.0)
+                out = send
+                if probe is not None:  # its connection can be closed (write_watch)
+                    watch = WriteWatch(probe.close, self._state.config.server.send_timeout_s)
+                    nursery.start_soon(watch.run, getattr(handle, "wait_given_up", None))
+                    out = watch.wrap(send)
+                await pump_stream(lease, enc, out, metrics, prep, self._state.pacer, probe)
+                end = enc.terminal
+                if (probe is not None and isinstance(end, ErrorEvent)
+                        and end.kind == "slow_consumer"):
+                    # Its last writes went through (the watch may not have seen the cut yet):
+                    # the handler ends now and cancels the watch, so it schedules the close.
+                    nursery.start_soon(close_later, probe.close)
                 await send(_END_BODY)
                 return
             try:

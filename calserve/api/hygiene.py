@@ -54,6 +54,7 @@ def shield_final_send(send: Send) -> Send:
         else:
             await send(message)
 
+    guarded.__wrapped__ = send  # type: ignore[attr-defined]  # the server's own (socket_probe)
     return guarded
 
 

@@ -18,6 +18,9 @@ what is here exists under ``calserve serve`` only (the app-level defences of
   once, beyond that a plain close, so a flood never takes fds past the cap + ``_REFUSING``;
 - a client's EOF on a connection with no request in progress frees its fd at once (hypercorn
   keeps it in CLOSE_WAIT until its keep-alive timer fires);
+- each connection's socket goes to the app as a :class:`~calserve.api.socket_probe.SocketProbe`
+  in the request scope's ``state`` (how far behind its client is, and closing it: slow readers,
+  README "Per-request limits and slow readers");
 - hypercorn's own error answers (h11 framing errors: bad request line, bad chunk, head over
   ``server.max_header_bytes`` before it is complete, unsupported Transfer-Encoding; a 500 when the
   app sent nothing) are written by h11 as empty bodies: they are rewritten to the OpenAI error
@@ -50,6 +53,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from calserve.api.errors import ApiError
 from calserve.api.hygiene import RateLimitedLog, error_response_bytes
+from calserve.api.socket_probe import PROBE_KEY, SocketProbe
 from calserve.config import ServerConfig
 
 __all__ = ["serve_guarded", "connection_cap", "rewrite_error_response", "FD_RESERVE"]
@@ -161,7 +165,11 @@ class _Guard:
             await self._refuse(stream)
             return
         conn = _Conn(self, stream)
-        server = _GuardedTCPServer(app, hc, context, state, conn)
+        # The connection's own state dict (hypercorn copies it into every request's scope):
+        # the socket probe the streaming pump reports slow readers with.
+        own = ConnectionState({**state, PROBE_KEY: SocketProbe(
+            stream.socket, self.limits.stream_contended_stall_ms / 1000.0, conn.close_now)})
+        server = _GuardedTCPServer(app, hc, context, own, conn)
         async with trio.open_nursery() as nursery:
             conn.scope = nursery.cancel_scope
             nursery.start_soon(conn.watch)

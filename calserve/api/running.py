@@ -23,6 +23,7 @@ from calserve.api.protocol import HandleLike
 from calserve.api.render import (
     LogprobFormatter, finish_reason, merge_completion_logprobs, new_id, now_s, usage_dict,
 )
+from calserve.api.socket_probe import SocketProbe
 from calserve.api.stream_encoder import StreamEncoder
 from calserve.engine.types import ErrorEvent, FinishEvent, TokenEvent, Usage
 
@@ -169,8 +170,24 @@ async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepare
              "logprobs": chat_lp, "finish_reason": fr}, terminal.usage)
 
 
+def _unread_reporter(handle: HandleLike, probe: SocketProbe | None) -> Callable[[], None] | None:
+    """``tell()``: report the socket's unread bytes to the request's stream (None: no probe, or
+    a handle without ``report_unread``, e.g. a test double)."""
+    report: Callable[[int, float | None], None] | None = getattr(handle, "report_unread", None)
+    if probe is None or report is None:
+        return None
+    sample = probe.sample
+    clock = trio.current_time
+
+    def tell() -> None:
+        report(*sample(clock()))
+
+    return tell
+
+
 async def pump_stream(lease: RequestLease, enc: StreamEncoder, send: Send, metrics: ApiMetrics,
-                      prep: Prepared, pacer: StreamPacer | None = None) -> None:
+                      prep: Prepared, pacer: StreamPacer | None = None,
+                      probe: SocketProbe | None = None) -> None:
     """The SSE body, after the response head: read the handle's events, encode (``enc``), write one
     ASGI body message per batch. Returns when the stream ended (terminal event, end of the events,
     or the engine's event stream failed); a disconnect arrives as ``trio.Cancelled`` from a read, a
@@ -180,7 +197,13 @@ async def pump_stream(lease: RequestLease, enc: StreamEncoder, send: Send, metri
     tokens produced meanwhile go out as one chunk: ``pacer.interval()`` (the server's
     :class:`~calserve.api.pacing.StreamPacer`: fixed ``server.stream_interval_ms``, or adaptive to
     the server's CPU load; no pacer: 0). At 0 nothing ever waits on purpose: every read takes
-    whatever is queued. The first token is never held."""
+    whatever is queued. The first token is never held.
+
+    ``probe`` (the connection's :class:`~calserve.api.socket_probe.SocketProbe`, ``calserve
+    serve``): after each write, what the client has not read of it is reported to the request's
+    stream (``report_unread``), where it counts in the backlog bound: a client that never reads
+    is found out once ~``server.stream_buffer_bytes`` of it sit unread in the kernels' buffers,
+    not only once they are full."""
 
     def held_until() -> float:
         """When the read after the chunk just written may happen (0: at once)."""
@@ -189,6 +212,8 @@ async def pump_stream(lease: RequestLease, enc: StreamEncoder, send: Send, metri
 
     obs = _Observer(metrics, prep.alias, prep.request.tenant)
     receive_many = lease.handle.receive_many
+    tell_unread = _unread_reporter(lease.handle, probe)
+    written: Callable[[], None] | None = getattr(lease.handle, "report_written", None)
     encode = enc.encode
     broken = False  # the engine's stream raised (not a client disconnect)
     metrics.streams_active.inc()
@@ -218,7 +243,11 @@ async def pump_stream(lease: RequestLease, enc: StreamEncoder, send: Send, metri
                 await send({"type": "http.response.body", "body": out, "more_body": True})
                 return
             if out:
+                if tell_unread is not None:
+                    tell_unread()
                 await send({"type": "http.response.body", "body": out, "more_body": True})
+                if written is not None:
+                    written()
                 hold_until = held_until()
     finally:
         metrics.streams_active.dec()

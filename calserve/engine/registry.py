@@ -60,6 +60,10 @@ class RequestHandle:
         #: ``await receive_many()``: everything buffered (at least one event); ``[]`` after the
         #: terminal event. The writer's own method (one coroutine layer less per streamed event).
         self.receive_many: Callable[[], Awaitable[list[Event]]] = writer.receive_many
+        #: ``report_unread(n, stalled_for)``: what the client has not read yet (slow readers).
+        self.report_unread: Callable[[int, float | None], None] = writer.report_unread
+        self.report_written: Callable[[], None] = writer.report_written
+        self.wait_given_up: Callable[[], Awaitable[None]] = writer.wait_given_up
 
     async def events(self) -> AsyncIterator[Event]:
         """TokenEvent* then exactly one FinishEvent or ErrorEvent."""
@@ -197,7 +201,8 @@ class RequestRegistry:
         waiting = self.core.requests.queues(gen).waiting  # its generation's admission queue
         writer = StreamWriter(srv.stream_buffer_events, max_bytes=srv.stream_buffer_bytes,
                               grace_s=srv.stream_stall_grace_ms / 1000.0,
-                              contended=lambda: bool(waiting), name=rid)
+                              contended=lambda: bool(waiting),
+                              stall_s=srv.stream_contended_stall_ms / 1000.0, name=rid)
         self.live[rid] = seq
         self._empty = trio.Event()
         self.nursery.start_soon(run_actor, seq, recv, writer, gen.source.tokenizer, self, name=f"request-{rid}")

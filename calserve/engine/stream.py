@@ -11,15 +11,19 @@ Bounded in bytes (``max_bytes``, config ``server.stream_buffer_bytes``; README "
 and slow readers"): the backlog of a stream is what the writer holds for the consumer plus what the
 consumer took at its last read and has not finished with (the HTTP pump is still sending it: it reads
 again only once that write completed), both as an estimate of their size (text, and ~2 KB per token
-with 20 top logprobs). When the backlog has stayed over the bound for ``grace_s``, or at once while
-``contended()`` says other requests wait for a lane (the lane of a client that does not read is then
-what they wait for), the writer gives up on its consumer: it logs why (once), drops what it holds,
-marks itself ``abandoned`` (the request actor then cancels the request, which frees its lane) and
-hands the consumer, if it ever reads again, one ErrorEvent (``kind="slow_consumer"``) as the
-stream's end. This is checked as tokens arrive, so only a request that is still producing is cut. A
+with 20 top logprobs), plus what the consumer last reported written and not yet read by its client
+(:meth:`StreamWriter.report_unread`: the socket's estimate, where the launcher gives one). When the
+backlog has stayed over the bound for ``grace_s``, or at once while ``contended()`` says other
+requests wait for a lane (the lane of a client that does not read is then what they wait for), the
+writer gives up on its consumer: it logs why (once), drops what it holds, marks itself
+``abandoned`` (the request actor then cancels the request, which frees its lane) and hands the
+consumer, if it ever reads again, one ErrorEvent (``kind="slow_consumer"``) as the stream's end.
+While contended it also gives up on a consumer whose client the socket shows stalled, or whose
+write has not completed, for ``stall_s`` (``server.stream_contended_stall_ms``). This is checked as
+tokens arrive and as the consumer reports, so only a request that is still producing is cut. A
 client that never reads would otherwise pin a lane until ``max_tokens`` and keep every token in
 memory until it disconnects. A read by the consumer (the client took the last write) restarts the
-grace period.
+grace period, unless the client's unread bytes alone are over the bound.
 
 Why coalesce on the consumer's side and build the event lazily: one SSE event costs the server more
 than one token (hypercorn's send path alone is ~30 µs per event on this machine, see
@@ -61,6 +65,10 @@ TOKEN_BYTES: Final = 64
 LOGPROB_BYTES: Final = 128
 TOP_LOGPROB_BYTES: Final = 96
 _UNBOUNDED: Final = sys.maxsize
+# A write that has not completed is a stall only past this much at least, whatever ``stall_s``
+# says: the wall time of a write also holds the server's own scheduling delay (tens of ms on a
+# saturated event loop), while a client that does not read blocks it for good.
+WRITE_STALL_MIN_S: Final = 0.5
 
 
 def token_bytes(text: str, logprob: TokenLogprob | None) -> int:
@@ -89,19 +97,23 @@ class StreamWriter:
 
     __slots__ = ("_ids", "_texts", "_lps", "_terminal", "_terminal_delivered", "_abandoned",
                  "_waiter", "_abandoned_event", "_coalesced", "_tokens_put", "_delivered",
-                 "_bytes", "_room", "_limit", "_grace", "_full_at", "_overflow", "_overflowed", "_name", "_contended")
+                 "_bytes", "_room", "_limit", "_grace", "_full_at", "_overflow", "_overflowed",
+                 "_name", "_contended", "_below", "_stall", "_sending_since")
 
     def __init__(self, max_events: int = 1, *, max_bytes: int = 0, grace_s: float = 0.0,
-                 contended: Callable[[], bool] | None = None, name: object = "?") -> None:
+                 contended: Callable[[], bool] | None = None, stall_s: float = 0.0,
+                 name: object = "?") -> None:
         # ``max_events`` (config ``server.stream_buffer_events``, kept for compatibility) is the
         # bound on buffered token events; the writer needs only 1 since every pending token goes
         # into one event. ``max_bytes`` (0 = unbounded) and ``grace_s`` bound the backlog in bytes
-        # (module docstring), ``contended`` (None: never) cuts the grace short; ``name`` (the
+        # (module docstring), ``contended`` (None: never) cuts the grace short; ``stall_s`` (0 =
+        # off; ``server.stream_contended_stall_ms``): while contended, a consumer whose write has
+        # not completed this long (at least WRITE_STALL_MIN_S) is given up; ``name`` (the
         # request id) is for the log line.
         if max_events < 1:
             raise ValueError(f"StreamWriter max_events must be >= 1, got {max_events!r}")
-        if max_bytes < 0 or grace_s < 0:
-            raise ValueError("StreamWriter max_bytes and grace_s must be >= 0")
+        if max_bytes < 0 or grace_s < 0 or stall_s < 0:
+            raise ValueError("StreamWriter max_bytes, grace_s and stall_s must be >= 0")
         # The pending token event, in parts. Invariant: something is pending <=> _texts is
         # non-empty (one text piece per put/put_token, maybe ""); _ids and _lps (None or the
         # pending tokens' logprobs that were not None) in put order; nothing is pending after the
@@ -118,18 +130,26 @@ class StreamWriter:
         self._coalesced = 0
         self._tokens_put = 0
         self._delivered = 0
-        # The byte bound. Invariant: _bytes is the estimate of the pending tokens; _room is
-        # _limit less the estimate of what the consumer took at its last read (until it reads or
-        # parks again); the stream is over its bound while _bytes > _room, since _full_at.
+        # The byte bound. Invariant: _bytes is the estimate of the pending tokens; _below what the
+        # consumer last reported written and not yet read by its client (report_unread: the
+        # socket); _room is _limit less _below less the estimate of what the consumer took at its
+        # last read (until it reads or parks again); the stream is over its bound while
+        # _bytes > _room, since _full_at.
         self._limit = max_bytes if max_bytes else _UNBOUNDED
         self._grace = grace_s
         self._bytes = 0
+        self._below = 0
         self._room = self._limit
         self._full_at: float | None = None
         self._overflow: ErrorEvent | None = None  # handed to the consumer once after overflowing
         self._overflowed = False
         self._name = name
         self._contended = contended
+        # The write stall. Invariant: _sending_since is when the consumer took its last batch,
+        # until it reports that batch written (report_written) or reads again; None otherwise
+        # (and always when _stall is 0).
+        self._stall = max(stall_s, WRITE_STALL_MIN_S) if stall_s else 0.0
+        self._sending_since: float | None = None
 
     # ---------------------------------------------------------------- producer side (actor)
     @property
@@ -149,6 +169,14 @@ class StreamWriter:
         if self._abandoned_event is None:
             self._abandoned_event = trio.Event()
         await self._abandoned_event.wait()
+
+    async def wait_given_up(self) -> None:
+        """Return once the writer gave up on its consumer (the backlog bound or a stall: its
+        request is cancelled as ``client_too_slow``); never when the consumer closed it itself
+        or the stream ended (cancel the waiter)."""
+        await self.wait_abandoned()
+        if not self._overflowed:
+            await trio.sleep_forever()
 
     def _wake(self) -> None:
         t = self._waiter
@@ -178,6 +206,8 @@ class StreamWriter:
         b = self._bytes = self._bytes + token_bytes(text, logprob)
         if b > self._room:
             self._over_bound()
+        elif self._sending_since is not None:
+            self._check_write_stall()
         if self._waiter is not None:
             self._wake()
 
@@ -204,6 +234,8 @@ class StreamWriter:
         self._bytes = b
         if b > self._room:
             self._over_bound()
+        elif self._sending_since is not None:
+            self._check_write_stall()
         self._wake()
 
     def _over_bound(self) -> None:
@@ -220,13 +252,32 @@ class StreamWriter:
             why = "other requests wait for its lane"
         else:
             why = "past the grace period (server.stream_stall_grace_ms)"
+        self._cut(now - since, why)
+
+    def _check_write_stall(self) -> None:
+        """The consumer is writing its last batch: give it up when that write has taken
+        ``stall_s`` (at least :data:`WRITE_STALL_MIN_S`) already and other requests wait for its
+        lane (a client that does not read blocks the write once the kernel's buffers are full,
+        whatever the launcher)."""
+        since = self._sending_since
+        assert since is not None
+        now = trio.current_time()
+        if now - since < self._stall:
+            return
+        contended = self._contended
+        if contended is not None and contended():
+            self._cut(now - since, "its last write has not completed while other requests wait"
+                      " for its lane (server.stream_contended_stall_ms)")
+
+    def _cut(self, stalled_s: float, why: str) -> None:
+        """Give up on the consumer (logged once, with why): its next read is the overflow."""
         backlog = self._bytes + self._limit - self._room
         log.warning(
             "request %s: stream cancelled, its client did not read for %.2f s while %d bytes"
             " were waiting for it (bound %d bytes, server.stream_buffer_bytes): %s",
-            self._name, now - since, backlog, self._limit, why, extra={"request_id": self._name})
+            self._name, stalled_s, backlog, self._limit, why, extra={"request_id": self._name})
         self._overflow = ErrorEvent(
-            f"stream cancelled: the client did not read it for {now - since:.2f} s while"
+            f"stream cancelled: the client did not read it for {stalled_s:.2f} s while"
             f" {backlog} bytes were waiting (bound {self._limit} bytes): {why}", "slow_consumer")
         self._overflowed = True
         self._give_up()
@@ -235,9 +286,9 @@ class StreamWriter:
         """The consumer is gone (or treated as gone): nothing more is kept for it."""
         self._abandoned = True
         self._ids, self._texts, self._lps = [], [], None
-        self._bytes = 0
+        self._bytes = self._below = 0
         self._room = self._limit
-        self._full_at = None
+        self._full_at = self._sending_since = None
         if self._abandoned_event is not None:
             self._abandoned_event.set()
 
@@ -251,11 +302,38 @@ class StreamWriter:
         self._wake()
 
     # ---------------------------------------------------------------- consumer side (HTTP)
+    def report_unread(self, n: int, stalled_for: float | None = None) -> None:
+        """The consumer is about to write more and ``n`` bytes of what it wrote before are still
+        not read by its client (the socket's estimate: ``calserve.api.socket_probe``). They count
+        in the backlog bound like what the engine holds: a client that leaves the kernel's
+        buffers full is as far behind as one whose tokens wait here. ``stalled_for`` (None: not
+        stalled): the client has not caught up for that long, past the consumer's stall
+        threshold (``server.stream_contended_stall_ms``) — while other requests wait for its
+        lane, that alone gives it up, however few bytes it left. Checks at once (a stream
+        others wait for is given up now, not at its next token)."""
+        if self._abandoned or self._terminal is not None:
+            return
+        self._room += self._below - n
+        self._below = n
+        if stalled_for is not None and self._contended is not None and self._contended():
+            self._cut(stalled_for, "other requests wait for its lane (server."
+                      "stream_contended_stall_ms)")
+            return
+        if self._bytes > self._room:
+            self._over_bound()
+        else:
+            self._full_at = None
+
+    def report_written(self) -> None:
+        """The consumer's write of what it took last has completed (the write stall ends)."""
+        self._sending_since = None
+
     async def _wait_ready(self) -> bool:
         """Wait until something can be delivered; False when the stream is over for the consumer.
 
         No checkpoint when something is already there (the hot path: the consumer was woken by
         the producer); parking is a checkpoint (cancellable)."""
+        self._sending_since = None  # it is back: done with what it took
         while True:
             if self._abandoned or self._terminal_delivered:
                 return False
@@ -263,8 +341,9 @@ class StreamWriter:
                 return True
             if self._waiter is not None:
                 raise RuntimeError("StreamWriter has one consumer: two tasks are reading it")
-            self._room = self._limit  # done with what it took: nothing is backlogged now
-            self._full_at = None
+            self._room = self._limit - self._below  # done with what it took
+            if self._room >= 0:  # (its client is not known to be over the bound on its own)
+                self._full_at = None
             self._waiter = trio.lowlevel.current_task()
             await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
 
@@ -278,9 +357,12 @@ class StreamWriter:
         ids, texts, lps = self._ids, self._texts, self._lps
         self._ids, self._texts, self._lps = [], [], None
         # The consumer read again (done with the last batch) and now holds this one.
-        self._room = self._limit - self._bytes
+        self._room = self._limit - self._below - self._bytes
         self._bytes = 0
-        self._full_at = None
+        if self._below <= self._limit:  # the grace restarts unless its client is over on its own
+            self._full_at = None
+        if self._stall:
+            self._sending_since = trio.current_time()
         self._delivered += 1
         return TokenEvent(tuple(ids), texts[0] if len(texts) == 1 else "".join(texts),
                           None if lps is None else tuple(lps))

@@ -194,3 +194,51 @@ def test_connection_flood_under_a_256_fd_limit_calserve_serve(
         for s in socks:
             s.close()
         proc.stop()
+
+
+def _check_close_honoured(port: int) -> None:
+    """A request with ``Connection: close`` gets its answer and then the close, whichever route
+    answers and however: quart routes (/tokenize, /detokenize: 400 from the schema, a text longer
+    than any prompt, invalid JSON; 200; 404) and the generation routes (400, 413)."""
+    close = b"Connection: close\r\n"
+    cases = [
+        (post("/tokenize", b'{"model":"qwen3"}', close), 400, "invalid_value"),
+        (post("/tokenize", b'{"model":"qwen3","prompt":"' + b"x" * 500000 + b'"}', close), 400,
+         None),
+        (post("/tokenize", b'{"model":', close), 400, "invalid_json"),
+        (post("/detokenize", b'{"model":"qwen3","tokens":[-1]}', close), 400, None),
+        (post("/tokenize", b'{"model":"qwen3","prompt":"hi"}', close), 200, None),
+        (b"GET /nope HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n", 404, "not_found"),
+        (post("/v1/completions", b'{"model":"qwen3"}', close), 400, None),
+        (post("/v1/completions", b'{"model":"qwen3","prompt":"' + b"x" * 1100000 + b'"}', close),
+         413, "request_too_large"),
+    ]
+    for req, status, code in cases:
+        r, closed = exchange(port, req)
+        if status == 200:
+            assert r.status == 200, r
+        else:
+            assert_openai_error(r, status, code)
+        assert closed and r.headers.get("connection") == "close", (req[:40], r.status)
+    s = connect(port)  # the same after a kept-alive request on the connection
+    try:
+        s.sendall(post("/tokenize", b'{"model":"qwen3","prompt":"hi"}'))
+        assert read_response(s).status == 200
+        s.sendall(post("/tokenize", b'{"model":"qwen3"}', close))
+        assert_openai_error(read_response(s), 400)
+        assert is_closed(s, 2.0)
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+def test_connection_close_is_honoured_by_every_route_hypercorn_cli(server: ServerProcess) -> None:
+    assert server.port is not None
+    _check_close_honoured(server.port)
+
+
+@pytest.mark.timeout(60)
+def test_connection_close_is_honoured_by_every_route_calserve_serve(
+        serve_default: ServerProcess) -> None:
+    assert serve_default.port is not None
+    _check_close_honoured(serve_default.port)

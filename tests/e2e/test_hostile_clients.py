@@ -2,10 +2,13 @@
 "Hostile input and hostile clients", classes 2 and 3; README "Per-request limits and slow readers").
 
 - 60 clients that never read a logprob-heavy stream (chat, 20 top logprobs, ~1.4 KB per token on
-  the wire; the kernel's socket buffers take ~140 KB of it first) cost bounded memory, and each is
-  cancelled shortly after its backlog passed ``server.stream_buffer_bytes`` (no grace while others
-  wait for admission), which frees its lane. With one tenant a normal request queues behind them in
-  FIFO order; as another tenant (the only config: API keys) it gets the next lane.
+  the wire) cost bounded memory. Each is found out on its socket once its TCP receive window stops
+  reopening and, while others wait for admission, cancelled server.stream_contended_stall_ms
+  after (before: only once the kernels' socket buffers, ~140 KB, and server.stream_buffer_bytes
+  were full), which frees its lane; its connection is closed 1 s later. With one tenant a normal
+  request still queues behind them in FIFO order, on later waves too (both launchers); as another
+  tenant (the only config: API keys) it gets the next lane. A client reading a logprob stream
+  beside them is never cut.
 - ~1 MiB prompts (and a 500k-character /tokenize) arriving while a stream runs are refused before
   tokenizing: the stream's largest inter-token gap stays small.
 """
@@ -21,7 +24,9 @@ import httpx
 import pytest
 import trio
 
-from .server import ServerProcess, scrape, serving, value
+from calserve.api.write_watch import CUT_CLOSE_S
+
+from .server import ServerProcess, scrape, serving, start_calserve_serve, value
 
 pytestmark = pytest.mark.slow
 
@@ -70,15 +75,28 @@ def _busy(m: dict) -> float:
             + value(m, "calserve_kv_sequences", state="Reserved"))
 
 
+def _reading_stream(url: str, headers: dict[str, str]) -> tuple[int, bool, bool]:
+    """A client that reads a 20-logprob stream as it comes: (status, ended with [DONE], cut as
+    too slow)."""
+    tail = b""
+    with httpx.stream("POST", url + "/v1/chat/completions", headers=headers, timeout=120,
+                      json={**_NEVER_BODY, "max_tokens": 200}) as r:
+        for chunk in r.iter_bytes():
+            tail = (tail + chunk)[-400:]
+    return r.status_code, b"data: [DONE]" in tail, b"client_too_slow" in tail
+
+
 async def _never_readers(server: ServerProcess, key: str | None, report: dict[str, float],
-                         normal_key: str | None) -> None:
-    """Open NEVER_READERS streams that are never read, then a normal request beside them; keep
-    the sockets open (unread) until the server is idle again: every one of them was answered
-    (429) or cancelled, its lane freed. Fills ``report``."""
+                         normal_key: str | None, reader: bool = False,
+                         body: dict[str, object] = _NEVER_BODY) -> None:
+    """Open NEVER_READERS streams that are never read, then a normal request beside them (and,
+    with ``reader``, a client reading a logprob stream); keep the sockets open (unread) until the
+    server is idle again: every one of them was answered (429) or cancelled, its lane freed.
+    Fills ``report``."""
     assert server.port is not None
     base = rss_mib(server)
     peak = base
-    req = _raw_request("/v1/chat/completions", _NEVER_BODY, key)
+    req = _raw_request("/v1/chat/completions", body, key)
     socks: list[trio.SocketStream] = []
     t0 = time.monotonic()
     try:
@@ -101,25 +119,74 @@ async def _never_readers(server: ServerProcess, key: str | None, report: dict[st
 
         async with trio.open_nursery() as n:
             got: list[tuple[int, float]] = []
+            read: list[tuple[int, bool, bool]] = []
 
             async def run_normal() -> None:
                 got.append(await trio.to_thread.run_sync(normal))
 
+            async def run_reader() -> None:
+                read.append(await trio.to_thread.run_sync(_reading_stream, server.url, headers))
+
+            if reader:
+                n.start_soon(run_reader)
             n.start_soon(run_normal)
             # Meanwhile and after: RSS, until every never-reader's request is over.
             with trio.fail_after(90):
                 while True:
                     peak = max(peak, rss_mib(server))
-                    if got and not _busy(await trio.to_thread.run_sync(scrape, server.url)):
+                    if (got and len(read) == int(reader)
+                            and not _busy(await trio.to_thread.run_sync(scrape, server.url))):
                         break
                     await trio.sleep(0.1)
         report["normal_status"], report["normal_s"] = got[0]
+        if read:
+            report["reader_status"], report["reader_done"], report["reader_cut"] = read[0]
+        m = await trio.to_thread.run_sync(scrape, server.url)
+        report["cancelled_total"] = value(m, "calserve_requests_finished_total",
+                                          outcome="cancelled")
         report["drained_s"] = time.monotonic() - t0
         peak = max(peak, rss_mib(server))
         report["rss_growth_mib"] = peak - base
+        report["streams"], report["streams_closed"] = await _closed_by_server(socks)
     finally:
         for s in socks:
             await s.aclose()
+
+
+async def _closed_by_server(socks: list[trio.SocketStream]) -> tuple[int, int]:
+    """(never-readers whose stream was cancelled, how many of those connections the server has
+    closed within CUT_CLOSE_S + 3 s of the end of the wave), reading what each was sent. The
+    429'd ones got a whole response and stay open as keep-alive connections; so does a stream
+    that ran to its end (``[DONE]``) before the engine gave up on its client (nobody waiting: the
+    backlog bound and its grace)."""
+    deadline = trio.current_time() + CUT_CLOSE_S + 3.0
+    cut = closed = 0
+    for s in socks:
+        head = b""
+        with trio.move_on_at(deadline):
+            while len(head) < 12:
+                got = await s.receive_some(65536)
+                if not got:
+                    break
+                head += got
+        if not head.startswith(b"HTTP/1.1 200"):
+            continue
+        tail, eof = head[-64:], False
+        with trio.move_on_at(deadline):
+            try:
+                while got := await s.receive_some(1 << 20):
+                    tail = (tail + got)[-64:]
+                    if tail.endswith(b"\r\n0\r\n\r\n") and b"data: [DONE]" in tail:
+                        break  # it ran to its end: not cut
+                else:
+                    eof = True
+            except trio.BrokenResourceError:  # a reset is a close too
+                eof = True
+        if not eof and b"data: [DONE]" in tail:
+            continue
+        cut += 1
+        closed += eof
+    return cut, closed
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +195,18 @@ def default_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
     """The embedded default, in a process of its own (a clean RSS baseline)."""
     with serving(calserve_home, tmp_path_factory.mktemp("hostile")) as proc:
         yield proc
+
+
+@pytest.fixture(scope="module")
+def serve_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[ServerProcess]:
+    """`calserve serve` with the embedded default (its listener probes each client's socket)."""
+    proc = start_calserve_serve(calserve_home, cwd=tmp_path_factory.mktemp("hostile-serve"))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +247,56 @@ async def test_a_normal_client_beside_60_never_readers_is_answered_within_3s(
     assert report["normal_status"] == 200, report
     assert report["normal_s"] < 3.0, report
     assert report["rss_growth_mib"] < RSS_GROWTH_LIMIT_MIB, report
+
+
+WAVES = 3
+MAX_WAVES = 6
+# The issue's target is 3 s; measured 0.6-3.3 s here on a 2-core VM at load 7-9 (before: 12.3 s on
+# a second wave). Each never-reader still costs the ~40 tokens the kernel hides (README "Per-request
+# limits and slow readers"), so 60 in FIFO order cost ~2.4 s of device time at B1: the bound
+# asserted leaves room for a loaded CI host.
+NORMAL_LIMIT_S = 6.0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", ["serve", "cli"])
+async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_waves(
+        launcher: str, request: pytest.FixtureRequest) -> None:
+    """Pure single-tenant defaults, both launchers, wave after wave of 60 never-reading
+    20-logprob streams (1,000 max tokens: admission lets all of them queue once it has seen how
+    early such streams end) with a normal request, and a client reading a logprob stream, beside
+    each wave. Every never-reader is found out on its socket (its TCP receive window stops
+    reopening) and cancelled ~50 ms after, while others wait (server.stream_contended_stall_ms),
+    so the FIFO queue ahead of the normal request drains in ~2 s; before, each held its lane
+    until ~200 KB had filled the kernels' buffers (12.3 s on a second wave). The reading client
+    is never cut. Each cancelled never-reader's connection is closed CUT_CLOSE_S after (it
+    stayed open until the client left)."""
+    server: ServerProcess = request.getfixturevalue(
+        "serve_server" if launcher == "serve" else "default_server")
+    body = {**_NEVER_BODY, "max_tokens": 1000}
+    reports: list[dict[str, float]] = []
+    for wave in range(MAX_WAVES):
+        report: dict[str, float] = {}
+        await _never_readers(server, None, report, None, reader=True, body=body)
+        print(f"{launcher} wave {wave + 1}:", report)
+        reports.append(report)
+        if wave + 1 >= WAVES and any(r["normal_status"] == 200 for r in reports[1:]):
+            break  # (admission may refuse the normal request, 429, from its own estimate)
+    for r in reports:
+        assert r["normal_status"] in (200, 429), r  # 429: admission's own estimate
+        if r["normal_status"] == 200:
+            assert r["normal_s"] < NORMAL_LIMIT_S, reports
+        assert r["reader_status"] in (200, 429), r
+        if r["reader_status"] == 200:
+            assert r["reader_done"] and not r["reader_cut"], r
+        assert r["rss_growth_mib"] < RSS_GROWTH_LIMIT_MIB, r
+        # A never-reader's connection is closed once its stream was cancelled (it stayed open
+        # until the client left), on both launchers.
+        assert r["streams"] >= 1 and r["streams_closed"] == r["streams"], r
+    assert any(r["normal_status"] == 200 for r in reports[1:]), reports
+    cancelled = [r["cancelled_total"] for r in reports]
+    assert all(b > a for a, b in zip(cancelled, cancelled[1:])), reports
+    assert "server.stream_contended_stall_ms" in server.stderr
 
 
 async def test_megabyte_prompts_do_not_stall_a_running_stream(
