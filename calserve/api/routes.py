@@ -59,6 +59,22 @@ async def _served_by_asgi() -> NoReturn:
     raise RuntimeError("a generation route reached quart; calserve.api.asgi serves it")
 
 
+def _ready_alias(eng: Any) -> Any:
+    """The alias ``/ready`` without ``model`` reports: the default one while it is served and
+    Ready, else the first Ready (or servable non-resident) alias, else the default (or, once it was
+    unloaded, the first listed): the server is ready while any alias can be served."""
+    infos = list(eng.models())
+    default = next((i for i in infos if i.alias == eng.default_alias), None)
+    if default is not None and eng.ready(default.alias):
+        return default
+    for info in infos:
+        if eng.ready(info.alias):
+            return info
+    if default is not None or not infos:
+        return resolve_model(eng, None)
+    return infos[0]
+
+
 def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a route table
     engine = state.engine
 
@@ -175,7 +191,7 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
         body_: dict[str, Any] = {}
         ok = False
         if eng is not None:
-            info = resolve_model(eng, alias)
+            info = _ready_alias(eng) if alias is None else resolve_model(eng, alias)
             ok = bool(eng.ready(info.alias))
             body_ = {"model": info.alias, "generation": info.generation, "state": info.state}
         reason = not_ready_reason(host, eng, body_.get("state"), ok)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import trio
 
 from .model_control_util import (Packages, control_app, control_config, packages, stream_text,
@@ -125,3 +126,19 @@ async def _jobs(h: Any, gid: int, n: int) -> bool:
     e = await h.entry()
     return e is not None and any(g["id"] == gid and g["inflight_jobs"] >= n
                                  for g in e["generations"])
+
+
+async def test_ready_stays_200_while_another_alias_serves_after_the_default_is_unloaded(
+        packages: Packages) -> None:
+    async with control_app(control_config(packages, timing="fast")) as h:
+        status, _ = await h.admin("POST", "/models/other/load", {"package": "b"})
+        assert status == 200
+        status, body = await h.admin("POST", "/models/qwen3/unload", {"drain_timeout_s": 1})
+        assert status == 200 and body["state"] == "Unloaded"
+        r = await h.client.get("/ready")  # no model: ready while any alias can be served
+        assert r.status_code == 200
+        assert msgspec.json.decode(await r.get_data())["model"] == "other"
+        r = await h.client.get("/ready?model=qwen3")  # the unloaded alias itself: unknown
+        assert r.status_code == 404
+        s, _, _ = await h.complete("still", 4, model="other")
+        assert s == 200
