@@ -7,12 +7,14 @@ metrics, the tenants' keys and the stream pacer. It imports none of them (no imp
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, final
 
 import msgspec
+import trio
 from prometheus_client import Gauge
 
 from calserve.api.lifecycle import EngineFactory, EngineHost
@@ -99,9 +101,9 @@ class ApiState:
         config = self._config if self._config is not None else load_config()
         factory = self._factory
         if factory is None:
-            factory = _default_factory
-            if self._prepare is None:
-                config = resolve_default_packages(config)
+            # The demo package (models without one) is built, on a first start, while the engine
+            # opens behind the listening port (listen first), not before it.
+            factory = _default_factory if self._prepare is not None else _resolving_factory
         if self._prepare is not None:
             config = self._prepare(config)
         self.api_keys = {k: name for name, t in config.tenants.items() for k in t.api_keys}
@@ -115,6 +117,15 @@ def _default_factory(config: CalserveConfig) -> AbstractAsyncContextManager[Engi
     from calserve.engine.engine import Engine  # lazy: the web layer imports without the engine
 
     return Engine.open(config, persist_budget=True)  # the reset budget survives a restart
+
+
+@contextlib.asynccontextmanager
+async def _resolving_factory(config: CalserveConfig) -> AsyncIterator[EngineLike]:
+    """The default engine, after resolving models without a package to the demo package (built on a
+    first start: seconds of file I/O, in a worker thread)."""
+    config = await trio.to_thread.run_sync(resolve_default_packages, config)
+    async with _default_factory(config) as engine:
+        yield engine
 
 
 def resolve_default_packages(config: CalserveConfig) -> CalserveConfig:

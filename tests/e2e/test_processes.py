@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -166,3 +168,38 @@ def test_serve_config_with_a_profile_the_package_lacks_fails_start_up(calserve_h
     r = _serve_config(calserve_home, tmp_path, base + "scheduler:\n  batch:\n    profiles: [4]\n")
     assert r.returncode == 1, r.stderr
     assert r.stderr.count("$.scheduler.batch.profiles: B4 cannot run on runtime calrt-0.7.6") == 1
+
+
+def test_first_start_listens_before_building_the_demo_package(tmp_path: Path) -> None:
+    """A first start (empty CALSERVE_HOME): the port opens before the demo package is built, so a
+    supervisor sees /health 200 and /ready 503 ``loading`` meanwhile, then /ready 200."""
+    home = tmp_path / "home"
+    home.mkdir()
+    with socket.socket() as s:  # a free port known before start: hypercorn's "Running on" line
+        s.bind(("127.0.0.1", 0))  # comes late (logged after the lifespan start-up)
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"127.0.0.1:{port}",
+            "calserve:app"]
+    proc = ServerProcess(argv, server_env(home), tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        seen: list[tuple[int, int, str]] = []
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(url + "/health", timeout=5).status_code
+                r = httpx.get(url + "/ready", timeout=5)
+            except httpx.HTTPError:  # not listening yet
+                assert proc.proc.poll() is None, proc.stderr
+                time.sleep(0.01)
+                continue
+            seen.append((health, r.status_code, r.json().get("reason", "")))
+            if r.status_code == 200:
+                break
+            time.sleep(0.02)
+        assert seen and seen[-1][1] == 200, (seen[-3:], proc.stderr)
+        assert (200, 503, "loading") in seen, seen[:3]
+        assert all(h == 200 for h, _, _ in seen)
+        assert "built the demo package" in proc.stderr
+    finally:
+        proc.stop()
