@@ -101,7 +101,9 @@ async def test_short_request_finishes_first_and_its_lane_is_reused(demo_source: 
                 nursery.start_soon(run, f"long{i}", (11 + i, 22, 33), 400, started[i])
             for ev in started:
                 await ev.wait()
-            nursery.start_soon(run, "short", (44, 55), 3)
+            # 8 tokens: the waiter (submitted next) must be queued before the short one's release
+            # (with 3, a loaded host sometimes ran all of them before the waiter's submit)
+            nursery.start_soon(run, "short", (44, 55), 8)
             while "short" not in rid:
                 await trio.sleep(0)
             nursery.start_soon(run, "waiter", (66, 77), 3)
@@ -114,7 +116,7 @@ async def test_short_request_finishes_first_and_its_lane_is_reused(demo_source: 
         trace = list(eng.core.requests.trace)
         released_short = trace.index(("released", (rid["short"],)))
         admit_waiter = trace.index(("admit", (rid["waiter"],)))
-        assert admit_waiter == released_short + 1
+        assert admit_waiter == released_short + 1, trace[released_short - 3:admit_waiter + 2]
         last_short = max(i for i, (k, ids) in enumerate(trace) if k in ("prefill", "decode") and rid["short"] in ids)
         assert last_short < released_short
         waiter_prefill = trace.index(("prefill", (rid["waiter"],)))
