@@ -151,4 +151,6 @@ def test_timing_model_and_pingpong_overlap(device: Device, small_weights: dict) 
     ra, rb = ja.wait(30), jb.wait(30)
     # overlap 0: the two engines serialise on the chip -> ~2 steps of wall time.
     assert time.monotonic() - t0 >= 0.039
-    assert max(ra.device_us, rb.device_us) >= 39_000 and min(ra.device_us, rb.device_us) >= 20_000
+    # each job's device time is its own step: the wait for the other engine's share is not in it
+    # (two engines' spans overlap only as much as pingpong_overlap lets them; the trace shows it)
+    assert min(ra.device_us, rb.device_us) >= 20_000
