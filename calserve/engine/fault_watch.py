@@ -110,14 +110,9 @@ class FaultWatch:
             self._check_counters(now)
 
     def _expected_step(self, job: DeviceJob) -> float | None:
-        """The modeled step as the device runs it now: with both engines in use a job also waits
-        for the other engine's serialised share (``1 - pingpong_overlap`` of its step)."""
-        m = modeled_s(job)
-        if m is None or not self.guard.dual:
-            return m
-        t = job.gen.source.timing.get(job.calbin.spec.compiled_batch)
-        overlap = t.pingpong_overlap if t is not None else 0.0
-        return m * (2.0 - overlap)
+        """The modeled step of ``job``: what its ``device_us`` should be (the runtime counts it from
+        the job's start on its engine, after any wait for the other engine's serialised share)."""
+        return modeled_s(job)
 
     def on_busy(self, engine: JobEngine) -> None:
         now = self._clock()
