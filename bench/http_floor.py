@@ -96,14 +96,20 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
     pyspy = shutil.which("py-spy")
     if pyspy:
         with Server.calserve(cfg, out / "server-profile") as srv:
-            target = out / "calserve_profile.svg"
-            spy = subprocess.Popen([pyspy, "record", "-o", str(target), "--pid", str(srv.pid),
-                                    "--duration", str(int(dur))], stdout=subprocess.DEVNULL,
+            # collapsed stacks (flamegraph.pl / speedscope read them) + a top-frames summary
+            target = out / "calserve_profile.folded"
+            spy = subprocess.Popen([pyspy, "record", "--format", "raw", "--rate", "200", "-o",
+                                    str(target), "--pid", str(srv.pid), "--duration",
+                                    str(int(dur))], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.STDOUT)
             run_point(srv, out / "profiled", concurrency=CONCURRENCY, duration=dur, prompt="16",
                       output="256", scrape_interval_s=None, progress=False)
             spy.wait(30)
-        return str(target) if target.exists() else None
+        if not target.exists():
+            return None
+        from bench.profile_summary import summarize
+        write_json(out / "calserve_profile_top.json", summarize(target, 40))
+        return str(target)
     try:
         import pyinstrument  # noqa: F401
     except ImportError:
