@@ -3,7 +3,8 @@
 Two uses:
 - ``bench/http_floor.py`` runs it with no delay under the same hypercorn trio worker as calserve: the
   server CPU per streamed event here is the floor any serving layer on this stack pays (one ``send`` per
-  event, a pre-encoded chunk of the same size as calserve's).
+  event, a pre-encoded chunk of the same size as calserve's; ``--tokens-per-event`` groups tokens into
+  events as calserve's streams did, so the floor per token is read at the same grouping).
 - ``tests/bench`` runs it in-process as a fake OpenAI-compatible server with a per-token delay, a
   concurrency cap (429 + Retry-After above it), injected mid-stream errors and fake ``calserve_*``
   metrics, to check the load generator's accounting without the real server.
@@ -37,6 +38,7 @@ class FloorOptions:
     max_inflight: int | None = None  # above it: 429 with Retry-After
     error_every: int = 0  # every Nth request sends an error event mid-stream (0 = never)
     chunk_bytes: int = 0  # pad each event's JSON to about this size (0 = natural size)
+    tokens_per_event: float = 1.0  # tokens grouped into one event (as calserve's streams group them)
     model: str = "floor"
 
 
@@ -143,11 +145,18 @@ class FloorApp:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream"),
                                     (b"cache-control", b"no-cache")]})
-            ev = self._event(rid, chat, "a", None)
+            tpe = max(1.0, self.opts.tokens_per_event)
+            evs: dict[int, bytes] = {}  # one pre-encoded event per group size (k tokens: "a" * k)
             if self.opts.ttft_delay_s:
                 await trio.sleep(self.opts.ttft_delay_s)
             fail_at = n // 2 if self.opts.error_every and seq % self.opts.error_every == 0 else -1
-            for i in range(n):
+            sent = i = 0
+            while sent < n:
+                # Event i carries the tokens up to round((i + 1) * tpe): groups of the mean size.
+                k = min(n - sent, max(1, round((i + 1) * tpe) - sent))
+                ev = evs.get(k)
+                if ev is None:
+                    ev = evs[k] = self._event(rid, chat, "a" * k, None)
                 if i == fail_at:
                     await send({"type": "http.response.body", "more_body": True,
                                 "body": b'data: {"error": {"message": "injected fault", '
@@ -158,6 +167,8 @@ class FloorApp:
                     await trio.sleep(self.opts.token_delay_s)
                 await send({"type": "http.response.body", "body": ev, "more_body": True})
                 self.events_sent += 1
+                sent += k
+                i += 1
             tail = self._event(rid, chat, "", "length")
             if usage_wanted:
                 tail += b"data: " + msgspec.json.encode(
@@ -208,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-delay-ms", type=float, default=0.0)
     ap.add_argument("--max-inflight", type=int)
     ap.add_argument("--chunk-bytes", type=int, default=0)
+    ap.add_argument("--tokens-per-event", type=float, default=1.0,
+                    help="group this many tokens (mean) into one event, as calserve's streams do")
     a = ap.parse_args(argv)
     app = FloorApp(FloorOptions(token_delay_s=a.token_delay_ms / 1000, max_inflight=a.max_inflight,
-                                chunk_bytes=a.chunk_bytes))
+                                chunk_bytes=a.chunk_bytes, tokens_per_event=a.tokens_per_event))
     try:
         trio.run(lambda: serve_floor(app, host=a.host, port=a.port))
     except KeyboardInterrupt:

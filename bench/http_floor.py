@@ -11,7 +11,9 @@
 calserve runs twice: with its defaults (the serving thread is saturated here, so streams group the
 tokens produced within ``server.stream_busy_interval_ms`` into one event: calserve/api/pacing.py)
 and with grouping off (``stream_busy_interval_ms: 0``: one event per token); each is compared with
-the floor at its own event size.
+the floor at its own event size, and (issue 18) with a floor that also groups the same number of
+tokens into each event as calserve did (``ratio_per_token_same_grouping``, target <= 2x): what calserve
+costs per token beyond what the stack itself costs for the same events.
 
 Server CPU comes from ``/proc/PID/stat`` (utime + stime of the serving process) over the load window;
 divided by the content events the client received it gives CPU µs per streamed event (and per token,
@@ -94,14 +96,20 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
     pyspy = shutil.which("py-spy")
     if pyspy:
         with Server.calserve(cfg, out / "server-profile") as srv:
-            target = out / "calserve_profile.svg"
-            spy = subprocess.Popen([pyspy, "record", "-o", str(target), "--pid", str(srv.pid),
-                                    "--duration", str(int(dur))], stdout=subprocess.DEVNULL,
+            # collapsed stacks (flamegraph.pl / speedscope read them) + a top-frames summary
+            target = out / "calserve_profile.folded"
+            spy = subprocess.Popen([pyspy, "record", "--format", "raw", "--rate", "200", "-o",
+                                    str(target), "--pid", str(srv.pid), "--duration",
+                                    str(int(dur))], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.STDOUT)
             run_point(srv, out / "profiled", concurrency=CONCURRENCY, duration=dur, prompt="16",
                       output="256", scrape_interval_s=None, progress=False)
             spy.wait(30)
-        return str(target) if target.exists() else None
+        if not target.exists():
+            return None
+        from bench.profile_summary import summarize
+        write_json(out / "calserve_profile_top.json", summarize(target, 40))
+        return str(target)
     try:
         import pyinstrument  # noqa: F401
     except ImportError:
@@ -129,10 +137,12 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
     return str(target) if target.exists() else None
 
 
-def _floor(out: Path, size: int, dur: float) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "bench.floor_app", "--port", "{port}", "--chunk-bytes", str(size)]
-    with Server.start(argv, out / f"server-floor-{size}", ready_path="/health") as fsrv:
-        res = _measure(fsrv, out / f"floor-{size}", dur)
+def _floor(out: Path, size: int, dur: float, tokens_per_event: float = 1.0) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "bench.floor_app", "--port", "{port}", "--chunk-bytes", str(size),
+            "--tokens-per-event", str(tokens_per_event)]
+    tag = f"{size}" if tokens_per_event == 1.0 else f"{size}-tpe{tokens_per_event}"
+    with Server.start(argv, out / f"server-floor-{tag}", ready_path="/health") as fsrv:
+        res = _measure(fsrv, out / f"floor-{tag}", dur)
         res["probe_event_bytes"] = probe_event_size(fsrv.url)
     return res
 
@@ -156,31 +166,48 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
     if stream_interval_ms:  # what-if: a fixed interval
         variants[f"calserve_interval_{stream_interval_ms}ms"] = {"stream_interval_ms": stream_interval_ms}
     doc: dict[str, Any] = {"concurrency": CONCURRENCY, "variants": {}}
-    floors: dict[int, dict[str, Any]] = {}
+    floors: dict[tuple[int, float], dict[str, Any]] = {}
     for name, server in variants.items():
         vcfg = {**cfg, "server": server} if server else cfg
         with Server.calserve(vcfg, out / f"server-{name}") as srv:
             cal = _measure(srv, out / name, dur)
         size = max(64, round(cal["event_bytes"]))
-        if size not in floors:
-            floors[size] = _floor(out, size, dur)
-        flo = floors[size]
+        # Two floors: one token per event (the floor of the per-token target), and the same
+        # tokens per event as calserve's streams had (issue 18: host work per token at the same
+        # grouping; for the ungrouped run the two are the same).
+        tpe = max(1.0, round(cal["tokens_per_event"], 1))
+        for key in {(size, 1.0), (size, tpe)}:
+            if key not in floors:
+                floors[key] = _floor(out, key[0], dur, key[1])
+        flo, same = floors[(size, 1.0)], floors[(size, tpe)]
         doc["variants"][name] = {
             "server": server, "calserve": cal, "floor_event_bytes": size,
             "floor_us_per_event": flo["us_per_event"],
             "ratio_per_event": cal["us_per_event"] / flo["us_per_event"],
             "ratio_per_token": cal["us_per_token"] / flo["us_per_token"],
-            "ratio_per_token_host_only": cal["us_per_token_host_only"] / flo["us_per_token"]}
-    doc["floors"] = {str(k): v for k, v in floors.items()}
+            "ratio_per_token_host_only": cal["us_per_token_host_only"] / flo["us_per_token"],
+            # at the same grouping: the floor sends events of calserve's size and tokens/event
+            "floor_same_grouping": {"tokens_per_event": same["tokens_per_event"],
+                                    "us_per_event": same["us_per_event"],
+                                    "us_per_token": same["us_per_token"]},
+            "ratio_per_token_same_grouping": cal["us_per_token"] / same["us_per_token"],
+            "ratio_per_token_host_only_same_grouping":
+                cal["us_per_token_host_only"] / same["us_per_token"],
+            "host_us_per_token_beyond_floor": cal["us_per_token_host_only"] - same["us_per_token"]}
+    doc["floors"] = {f"{k[0]}" if k[1] == 1.0 else f"{k[0]}-tpe{k[1]}": v
+                     for k, v in floors.items()}
     try:
         prof = _profile(cfg, out, min(dur, 5.0))
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # a profile is a bonus
         prof = f"profiling failed: {e}"[:300]
     head = doc["variants"]["calserve"]
-    doc.update({"calserve": head["calserve"], "floor": floors[head["floor_event_bytes"]],
+    doc.update({"calserve": head["calserve"], "floor": floors[(head["floor_event_bytes"], 1.0)],
                 "ratio_per_event": head["ratio_per_event"], "ratio_per_token": head["ratio_per_token"],
                 "ratio_per_token_host_only": head["ratio_per_token_host_only"],
-                "target_ratio": 1.25, "profile": prof or
+                "target_ratio": 1.25,
+                "ratio_per_token_same_grouping": {
+                    k: v["ratio_per_token_same_grouping"] for k, v in doc["variants"].items()},
+                "target_ratio_same_grouping": 2.0, "profile": prof or
                 "none saved: install py-spy or `pip install pyinstrument` to get one"})
     return doc
 

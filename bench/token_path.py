@@ -1,6 +1,6 @@
 """Micro-benchmark of the per-token serving path inside one process, without HTTP or device.
 
-``python -m bench.token_path [--inbox channel|inline] [--steps 256] [--reps 5]``
+``python -m bench.token_path [--inbox channel|inline] [--steps 256] [--reps 5] [--tokens-per-event K]``
 
 A dispatcher-like producer delivers one ``Tokens`` message per stream per decode step (64 streams,
 B16 batches, a checkpoint after each batch, like the executor), each to a real request actor
@@ -19,6 +19,8 @@ difference between two step counts is the instructions per token of this path, e
 
 ``--inbox inline`` uses :func:`calserve.engine.actor.open_actor_inbox` (the actor's token step runs
 in the sender's call) instead of a trio memory channel: what the registry hook would give.
+``--tokens-per-event K`` gives each stream K tokens between two reads of its consumer (the grouping
+the server's streams have under load, ~4-5 in ``http-floor``): the per-event work is then shared.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _tokenizer() -> Any:
     return Tokenizer(tokenizers.Tokenizer.from_str(demo_tokenizer_json()), eos_token_ids=[0])
 
 
-async def _run(tok: Any, steps: int, inline: bool) -> float:
+async def _run(tok: Any, steps: int, inline: bool, group: int = 1) -> float:
     from calserve.api.convert import Prepared
     from calserve.api.metrics import ApiMetrics
     from calserve.api.render import LogprobFormatter
@@ -110,10 +112,11 @@ async def _run(tok: Any, steps: int, inline: bool) -> float:
             inboxes.append(send)
         await trio.testing.wait_all_tasks_blocked()
         t0 = time.process_time()
-        for step in range(steps):
+        for step in range(0, steps, group):
             for b in range(STREAMS // BATCH):
-                for i in range(b * BATCH, (b + 1) * BATCH):
-                    inboxes[i].send_nowait(Tokens(rng.randrange(10, vocab), None, step == 0))
+                for k in range(step, min(steps, step + group)):  # ``group`` tokens per read
+                    for i in range(b * BATCH, (b + 1) * BATCH):
+                        inboxes[i].send_nowait(Tokens(rng.randrange(10, vocab), None, k == 0))
                 await trio.lowlevel.checkpoint()
                 await trio.lowlevel.checkpoint()
         for s in inboxes:
@@ -122,15 +125,16 @@ async def _run(tok: Any, steps: int, inline: bool) -> float:
         return time.process_time() - t0
 
 
-async def _producer_only(steps: int, vocab: int) -> float:
+async def _producer_only(steps: int, vocab: int, group: int = 1) -> float:
     from calserve.engine.state import Tokens
 
     rng = random.Random(0)
     t0 = time.process_time()
-    for step in range(steps):
+    for step in range(0, steps, group):
         for _ in range(STREAMS // BATCH):
-            for _ in range(BATCH):
-                Tokens(rng.randrange(10, vocab), None, step == 0)
+            for k in range(step, min(steps, step + group)):
+                for _ in range(BATCH):
+                    Tokens(rng.randrange(10, vocab), None, k == 0)
             await trio.lowlevel.checkpoint()
             await trio.lowlevel.checkpoint()
     return time.process_time() - t0
@@ -142,15 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inbox", choices=("channel", "inline"), default="channel")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens-per-event", type=int, default=1,
+                    help="tokens each stream gets between two reads of its consumer (as the "
+                         "server's stream grouping gives under load; 1: one event per token)")
     a = ap.parse_args(argv)
     tok = _tokenizer()
     vocab = tok.backend.get_vocab_size(with_added_tokens=True)
     best = float("inf")
     for _ in range(a.reps):
-        dt = trio.run(_run, tok, a.steps, a.inbox == "inline")
-        base = trio.run(_producer_only, a.steps, vocab)
+        g = max(1, a.tokens_per_event)
+        dt = trio.run(_run, tok, a.steps, a.inbox == "inline", g)
+        base = trio.run(_producer_only, a.steps, vocab, g)
         best = min(best, (dt - base) / (STREAMS * a.steps) * 1e6)
-    print(f"{Path(__file__).stem} inbox={a.inbox}: {best:.2f} µs CPU per token "
+    print(f"{Path(__file__).stem} inbox={a.inbox} tokens/event={a.tokens_per_event}: "
+          f"{best:.2f} µs CPU per token "
           f"(actor + StreamWriter + pump_stream + metrics; {STREAMS} streams, B{BATCH})")
     return 0
 

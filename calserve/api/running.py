@@ -17,6 +17,7 @@ import trio
 
 from calserve.api.convert import Prepared
 from calserve.api.errors import ApiError, error_event_to_api
+from calserve.api.histograms import observe_many
 from calserve.api.metrics import ApiMetrics
 from calserve.api.pacing import StreamPacer
 from calserve.api.protocol import HandleLike
@@ -94,12 +95,9 @@ class _Observer:
         h = self._itl
         if self.last is None:
             self._ttft.observe(now - self.t0)
-            for _ in range(n - 1):
-                h.observe(0.0)
+            observe_many(h, 0.0, n - 1)
         else:
-            gap = (now - self.last) / n
-            for _ in range(n):
-                h.observe(gap)
+            observe_many(h, (now - self.last) / n, n)
         self.last = now
         self._tokens.inc(n)
 

@@ -22,7 +22,7 @@ import dataclasses
 import heapq
 
 from calserve.core.fsm import IllegalTransition
-from calserve.core.kv_state import KvEvent, KvSequenceState, fire
+from calserve.core.kv_state import TRANSITIONS, KvEvent, KvSequenceState, fire
 
 __all__ = ["KvLease", "KvLaneInfo", "KvStats", "KvLaneManager"]
 
@@ -79,6 +79,10 @@ class _Lane:
 
 
 _S = KvSequenceState
+# The two per-token moves, read from the table once (begin_update / commit check the state they
+# start from; fire() per call would hash two enums per lane per step).
+_BEGIN_UPDATE_TO = TRANSITIONS[_S.ACTIVE][KvEvent.BEGIN_UPDATE]
+_COMMIT_TO = TRANSITIONS[_S.UPDATING][KvEvent.COMMIT]
 
 
 class KvLaneManager:
@@ -147,7 +151,7 @@ class KvLaneManager:
         if n < 1 or rec.committed_len + n > rec.reserved_len:
             raise ValueError(f"lane {lane}: writing {n} tokens at {position} exceeds reserved_len "
                              f"{rec.reserved_len}")
-        self._move(rec, KvEvent.BEGIN_UPDATE)
+        rec.state = _BEGIN_UPDATE_TO  # = fire(ACTIVE, BEGIN_UPDATE), checked above
         rec.pending = n
 
     def commit(self, lane: int, n: int) -> None:
@@ -157,7 +161,7 @@ class KvLaneManager:
             raise IllegalTransition("kv", rec.state, KvEvent.COMMIT)
         if not 0 <= n <= rec.pending:
             raise ValueError(f"lane {lane}: commit of {n} tokens but {rec.pending} were submitted")
-        self._move(rec, KvEvent.COMMIT)
+        rec.state = _COMMIT_TO  # = fire(UPDATING, COMMIT), checked above
         rec.committed_len += n
         rec.pending = 0
         self._tokens_committed += n
@@ -224,6 +228,10 @@ class KvLaneManager:
     def free_lanes(self) -> int:
         """Number of Free lanes (O(1); :meth:`statistics` counts every state)."""
         return len(self._free)
+
+    def free_tokens(self) -> int:
+        """KV tokens not reserved by any lane (O(1); ``statistics().free_tokens``)."""
+        return self.max_kv_tokens - self._tokens_reserved
 
     def statistics(self) -> KvStats:
         counts = {s: 0 for s in KvSequenceState}

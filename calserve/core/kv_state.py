@@ -24,6 +24,10 @@ __all__ = ["KvSequenceState", "KvEvent", "TRANSITIONS", "TERMINAL", "fire"]
 
 
 class KvSequenceState(enum.Enum):
+    # Identity hash in C (members are singletons, equality is identity): Enum's own
+    # __hash__ is a Python call, and these key the transition tables, looked up per token.
+    __hash__ = object.__hash__
+
     FREE = "Free"
     RESERVED = "Reserved"  # lane and tokens held for a request; no runtime sequence yet
     ACTIVE = "Active"  # bound to a runtime KV sequence; committed_len is exact
@@ -33,6 +37,10 @@ class KvSequenceState(enum.Enum):
 
 
 class KvEvent(enum.Enum):
+    # Identity hash in C (members are singletons, equality is identity): Enum's own
+    # __hash__ is a Python call, and these key the transition tables, looked up per token.
+    __hash__ = object.__hash__
+
     RESERVE = enum.auto()
     BIND = enum.auto()
     BEGIN_UPDATE = enum.auto()

@@ -42,6 +42,10 @@ __all__ = [
 
 
 class RequestState(enum.Enum):
+    # Identity hash in C (members are singletons, equality is identity): Enum's own
+    # __hash__ is a Python call, and these key the transition tables, looked up per token.
+    __hash__ = object.__hash__
+
     NEW = "New"
     WAITING_MODEL = "WaitingModel"  # the pinned generation is still loading/warming
     WAITING_ADMISSION = "WaitingAdmission"  # in the fair queue
@@ -56,6 +60,10 @@ class RequestState(enum.Enum):
 
 
 class RequestEvent(enum.Enum):
+    # Identity hash in C (members are singletons, equality is identity): Enum's own
+    # __hash__ is a Python call, and these key the transition tables, looked up per token.
+    __hash__ = object.__hash__
+
     MODEL_PENDING = enum.auto()  # New -> WaitingModel
     MODEL_READY = enum.auto()  # WaitingModel -> WaitingAdmission
     ENQUEUE = enum.auto()  # New -> WaitingAdmission (admission said Queue)

@@ -82,7 +82,7 @@ class JobBuilder:
         gid = gen.id
         cands = [  # positional (request_id, seq_id, tenant, generation, last_token, position, deadline,
             # virtual_finish, cancelled, lane, arrival): one per ready sequence per batch
-            DecodeCandidate(s.rid, -1 if s.seq_id is None else s.seq_id, s.tenant, gid, s.last_token,
+            DecodeCandidate(s.rid, -1 if s.seq_id is None else s.seq_id, s.req.tenant, gid, s.last_token,
                             s.position, s.deadline, s.ready_since, s.pending_reason is not None,
                             s.lease.lane, s.arrival)
             for s in ready.values()

@@ -80,8 +80,7 @@ def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
         active = job.active
         n = len(active)
         rows = logits[:n] if active[-1] == n - 1 else logits[active]
-    if all(s.req.sampling.temperature == 0.0 and s.req.sampling.logprobs is None
-           and not s.req.sampling.processed for s in seqs):
+    if all([s.req.sampling.plain_greedy for s in seqs]):
         # what sample_batch returns for such lanes, minus its setup
         return greedy_argmax(rows), [None] * len(seqs)
     vocab = rows.shape[1]

@@ -236,10 +236,11 @@ class RequestTable:
         gen.admission.observe(now)  # decode speed for the expected-wait estimate (overload)
         if not q.waiting:
             return
-        st = gen.kv.statistics()
-        if st.free == 0:
+        kv = gen.kv
+        free = kv.free_lanes()  # O(1): statistics() counts every lane's state, once per pass
+        if free == 0:
             return
-        for item in gen.admission.pop_admissible(now, st.free, st.free_tokens):
+        for item in gen.admission.pop_admissible(now, free, kv.free_tokens()):
             seq = q.waiting.pop(item.request_id)
             seq.admitted_at = now  # popped by admission: released at its end
             lease = gen.kv.reserve(seq.rid, gen.id, min(item.kv_tokens, gen.max_seq))

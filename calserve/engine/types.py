@@ -64,11 +64,16 @@ class SamplingParams:
     grammar: Any = None
     # Derived: any processor above is on (the all-greedy fast path checks this one flag).
     processed: bool = dataclasses.field(init=False, default=False, compare=False)
+    # Derived: greedy, no logprobs, nothing processed (the engine's per-batch argmax-only check).
+    plain_greedy: bool = dataclasses.field(init=False, default=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "processed", bool(
+        processed = bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.min_p or self.grammar is not None))
+            or self.logit_bias or self.min_p or self.grammar is not None)
+        object.__setattr__(self, "processed", processed)
+        object.__setattr__(self, "plain_greedy", self.temperature == 0.0 and self.logprobs is None
+                           and not processed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -250,3 +250,18 @@ async def test_closed_loop_sends_nothing_after_the_duration_whoever_runs_first()
     with trio.fail_after(5):
         await run.closed_loop(run.spec.tenants[0], 0, [0])
     assert run.sent == 0
+
+
+async def test_floor_groups_tokens_per_event(nursery: trio.Nursery) -> None:
+    """``tokens_per_event`` (the http-floor floor at calserve's grouping): the same tokens in
+    fewer events, every token accounted for (usage and text), the mean group size as asked."""
+    app, url = await _server(nursery, tokens_per_event=4.8, chunk_bytes=150)
+    spec = LoadSpec(base_url=url, tenants=(TenantSpec(concurrency=2, prompt_len=Lengths(3, 3),
+                                                      output_len=Lengths(48, 48)),),
+                    num_requests=4, stream=True, progress=False,
+                    scrape_interval_s=None)
+    res = await run_load(spec)
+    assert res.summary["outcomes"]["ok"] == 4
+    for r in res.records:
+        assert r.output_tokens == 48 and len(r.token_times) == 10  # 48 / 4.8
+    assert app.events_sent == 40

@@ -167,6 +167,7 @@ class KvMachine(RuleBasedStateMachine):
         assert s.tokens_reserved == self.tokens() <= MAX_KV
         assert s.free + s.reserved + s.active + s.updating + s.unknown + s.releasing == LANES
         assert s.free == len(self.lanes_in(K.FREE)) == self.m.free_lanes()
+        assert s.free_tokens == self.m.free_tokens() == MAX_KV - self.tokens()
         assert s.tokens_committed == sum(r.committed for r in self.ref)
         live = [(r.rid, r.gen) for r in self.ref if r.state is not K.FREE]
         assert len(live) == len(set(live))  # one lane per request per generation

@@ -1,0 +1,73 @@
+"""Top frames of a py-spy collapsed-stack profile (``py-spy record --format raw``).
+
+``python -m bench.profile_summary PROFILE.folded [--top 25]`` prints the functions with the most
+samples on-CPU by self time and by inclusive time (a function counted once per stack), as fractions
+of all samples: the "where the per-token time goes" table of the http-floor profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+from pathlib import Path
+
+__all__ = ["summarize", "main"]
+
+_LINE = re.compile(r"^(.*) (\d+)$")
+
+
+def _frame(f: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file.py)": lines merged per function
+    m = re.match(r"^(.*?) \((.*?)(?::\d+)?\)$", f)
+    if not m:
+        return f
+    path = m.group(2)
+    parts = path.split("/")
+    short = "/".join(parts[-2:]) if len(parts) > 1 else path
+    return f"{m.group(1)} ({short})"
+
+
+def summarize(path: Path, top: int = 25, only: str | None = "unrolled_run"
+              ) -> dict[str, list[tuple[str, float]]]:
+    """``only``: keep the stacks with a frame of that name (default: the trio thread's; py-spy
+    counts threads parked in a C wait, e.g. ``SimpleQueue.get``, as active)."""
+    self_: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        n = int(m.group(2))
+        frames = [_frame(f) for f in m.group(1).split(";") if f]
+        if not frames or (only is not None and not any(f.startswith(only + " ") for f in frames)):
+            continue
+        total += n
+        self_[frames[-1]] += n
+        for f in set(frames):
+            incl[f] += n
+    t = max(1, total)
+    return {"samples": [("total", float(total))],
+            "self": [(f, n / t) for f, n in self_.most_common(top)],
+            "inclusive": [(f, n / t) for f, n in incl.most_common(top)]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_summary", description=__doc__)
+    ap.add_argument("profile", type=Path)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--all-threads", action="store_true",
+                    help="every thread's stacks (default: the trio thread's only)")
+    a = ap.parse_args(argv)
+    doc = summarize(a.profile, a.top, None if a.all_threads else "unrolled_run")
+    print(f"samples: {int(doc['samples'][0][1])}")
+    for kind in ("self", "inclusive"):
+        print(f"\n{kind}:")
+        for f, share in doc[kind]:
+            print(f"  {share * 100:5.1f} %  {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
