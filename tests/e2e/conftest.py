@@ -28,3 +28,13 @@ def server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     """The embedded default (no config): software runtime + demo package, alias ``qwen3``."""
     with serving(calserve_home, tmp_path_factory.mktemp("cwd")) as proc:
         yield proc
+
+
+@pytest.fixture(autouse=True)
+def _collect_leaked_sockets() -> Iterator[None]:
+    """A socket (or client) a test forgot to close is reported by its finalizer, whenever the
+    garbage collector gets to it: collect at each e2e test's end so the ResourceWarning (an error
+    here) names the test that leaked it, not a later one."""
+    yield
+    import gc
+    gc.collect()
