@@ -20,24 +20,26 @@ BUDGET_LEVELS = ("ok", "degraded", "failed")
 DEGRADE_REASONS = ("crosstalk", "anomaly", "p99", "busy", "faults", "uncertain", "reset_budget")
 
 
+def _one_hot(name: str, doc: str, states: tuple[str, ...], current: str) -> Metric:
+    """A ``state``-labelled gauge: 1 for ``current``, 0 for every other known state."""
+    g = GaugeMetricFamily(name, doc, labels=["state"])
+    for state in states:
+        g.add_metric([state], 1.0 if current == state else 0.0)
+    return g
+
+
 def fault_metrics(s: EngineStatistics) -> Iterator[Metric]:
-    st = GaugeMetricFamily("calserve_pingpong_state", "1 for the job engines' current mode: dual "
-                           "(PING/PONG), single (degraded, spec §14), off (one engine configured)",
-                           labels=["state"])
-    for name in PINGPONG_STATES:
-        st.add_metric([name], 1.0 if s.pingpong_state == name else 0.0)
-    yield st
+    yield _one_hot("calserve_pingpong_state", "1 for the job engines' current mode: dual "
+                   "(PING/PONG), single (degraded, spec §14), off (one engine configured)",
+                   PINGPONG_STATES, s.pingpong_state)
     deg = CounterMetricFamily("calserve_pingpong_degradations", "PING/PONG degradations by reason",
                               labels=["reason"])
     for r in DEGRADE_REASONS:
         deg.add_metric([r], float(s.pingpong_degradations_total.get(r, 0)))
     yield deg
-    lvl = GaugeMetricFamily("calserve_reset_budget_state", "1 for the reset budget's level: ok, "
-                            "degraded (spent: one engine, smallest profile), failed",
-                            labels=["state"])
-    for name in BUDGET_LEVELS:
-        lvl.add_metric([name], 1.0 if s.reset_budget_level == name else 0.0)
-    yield lvl
+    yield _one_hot("calserve_reset_budget_state", "1 for the reset budget's level: ok, "
+                   "degraded (spent: one engine, smallest profile), failed",
+                   BUDGET_LEVELS, s.reset_budget_level)
     yield GaugeMetricFamily("calserve_resets_in_window", "Device resets in the last 10 minutes "
                             "on this board (persisted across restarts)", value=s.resets_in_window)
     yield CounterMetricFamily("calserve_uncertain_recoveries", "Recoveries whose reset failed or "
