@@ -111,22 +111,36 @@ def _cycles(srv: Server, c: httpx.Client, n: int) -> dict[str, Any]:
     }
 
 
-def _soak(srv: Server, seconds: float, every_s: float) -> dict[str, Any]:
-    stop = threading.Event()
-    counts = {"ok": 0, "lost": 0}
-    lock = threading.Lock()
+class _ClosedLoop:
+    """One closed-loop streaming client thread per entry of ``models`` (24-token streams) until
+    :meth:`stop`; ``counts`` = requests ok / lost."""
 
-    def client(model: str) -> None:
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
-            while not stop.is_set():
+    def __init__(self, url: str, models: tuple[str, ...], timeout_s: float) -> None:
+        self.counts = {"ok": 0, "lost": 0}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._url, self._timeout_s = url, timeout_s
+        self._threads = [threading.Thread(target=self._client, args=(m,), daemon=True)
+                         for m in models]
+        for t in self._threads:
+            t.start()
+
+    def _client(self, model: str) -> None:
+        with httpx.Client(base_url=self._url, timeout=self._timeout_s) as c:
+            while not self._stop.is_set():
                 ok = _stream_ok(c, model, 24)
-                with lock:
-                    counts["ok" if ok else "lost"] += 1
+                with self._lock:
+                    self.counts["ok" if ok else "lost"] += 1
 
-    threads = [threading.Thread(target=client, args=(m,), daemon=True)
-               for m in ("qwen3", "qwen3", "qwen3", "other", "other")]
-    for t in threads:
-        t.start()
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self._timeout_s)
+        return self.counts
+
+
+def _soak(srv: Server, seconds: float, every_s: float) -> dict[str, Any]:
+    clients = _ClosedLoop(srv.url, ("qwen3", "qwen3", "qwen3", "other", "other"), 60)
     switches = 0
     t_end = time.monotonic() + seconds
     with httpx.Client(base_url=srv.url, timeout=120) as c:
@@ -134,9 +148,7 @@ def _soak(srv: Server, seconds: float, every_s: float) -> dict[str, Any]:
             time.sleep(every_s)
             _admin(c, "qwen3", "load", {"package": "b" if switches % 2 == 0 else "a"})
             switches += 1
-    stop.set()
-    for t in threads:
-        t.join(timeout=60)
+    counts = clients.stop()
     return {"seconds": seconds, "replacements": switches, "requests_ok": counts["ok"],
             "requests_lost": counts["lost"]}
 
@@ -155,25 +167,10 @@ def _timeswitch_soak(out: Path, root: Path, seconds: float) -> dict[str, Any]:
         "models": {"m1": {"package": "a", "timing": "fast"},
                    "m2": {"package": "b", "timing": "fast"}},
     }
-    stop = threading.Event()
-    counts = {"ok": 0, "lost": 0}
-    lock = threading.Lock()
     with Server.calserve(cfg, out / "server-timeswitch") as srv:
-        def client(model: str) -> None:
-            with httpx.Client(base_url=srv.url, timeout=120) as c:
-                while not stop.is_set():
-                    ok = _stream_ok(c, model, 24)
-                    with lock:
-                        counts["ok" if ok else "lost"] += 1
-
-        threads = [threading.Thread(target=client, args=(m,), daemon=True)
-                   for m in ("m1", "m1", "m2", "m2")]
-        for t in threads:
-            t.start()
+        clients = _ClosedLoop(srv.url, ("m1", "m1", "m2", "m2"), 120)
         time.sleep(seconds)
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
+        counts = clients.stop()
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             switches = _metric_sum(c, "calserve_model_switches_total")
     return {"seconds": seconds, "min_residency_s": 1.0, "switches": int(switches),
