@@ -21,7 +21,7 @@ request for it arrives, :mod:`calserve.engine.timeswitch`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -87,9 +87,15 @@ def model_routes(app: QuartTrio, state: ApiState, require_admin: Callable[[], No
             raw = b"{}"
         return decode(kind, raw)
 
-    async def run(op: Callable[[], Any]) -> Response:
+    async def operate(kind: type[Any], optional: bool,
+                      op: Callable[[Any, Any], Awaitable[Any]]) -> Response:
+        """An admin operation: the gate, its body, then ``op(control, body)``'s answer as JSON (a
+        refusal of the control plane as its 4xx)."""
+        require_admin()
+        b = await body(kind, optional)
+        ctl = control()
         try:
-            return json_response(await op())
+            return json_response(await op(ctl, b))
         except Exception as exc:
             err = _refusal(exc)
             if err is None:
@@ -103,35 +109,23 @@ def model_routes(app: QuartTrio, state: ApiState, require_admin: Callable[[], No
 
     @app.post(f"{ADMIN_PREFIX}/models/<alias>/load")
     async def admin_load(alias: str) -> Response:
-        require_admin()
-        b = await body(LoadBody, optional=False)
-        ctl = control()
-
-        async def op() -> Any:
+        async def op(ctl: Any, b: Any) -> Any:
             await ctl.load(alias, b.package, _timeout(b.drain_timeout_s))
             return ctl.entry(alias)
 
-        return await run(op)
+        return await operate(LoadBody, False, op)
 
     @app.post(f"{ADMIN_PREFIX}/models/<alias>/unload")
     async def admin_unload(alias: str) -> Response:
-        require_admin()
-        b = await body(DrainBody, optional=True)
-        ctl = control()
-
-        async def op() -> Any:
+        async def op(ctl: Any, b: Any) -> Any:
             return await ctl.unload(alias, _timeout(b.drain_timeout_s))
 
-        return await run(op)
+        return await operate(DrainBody, True, op)
 
     @app.post(f"{ADMIN_PREFIX}/models/<alias>/rollback")
     async def admin_rollback(alias: str) -> Response:
-        require_admin()
-        b = await body(DrainBody, optional=True)
-        ctl = control()
-
-        async def op() -> Any:
+        async def op(ctl: Any, b: Any) -> Any:
             await ctl.rollback(alias, _timeout(b.drain_timeout_s))
             return ctl.entry(alias)
 
-        return await run(op)
+        return await operate(DrainBody, True, op)
