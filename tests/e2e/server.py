@@ -127,6 +127,17 @@ def start_calserve_serve(home: Path, *args: str, cwd: Path,
     return ServerProcess(argv, server_env(home), cwd, nofile)
 
 
+@contextlib.contextmanager
+def serving_calserve(home: Path, cwd: Path, *args: str) -> Iterator[ServerProcess]:
+    """A ready ``calserve serve`` (its own listener) for a fixture; always stopped on exit."""
+    proc = start_calserve_serve(home, *args, cwd=cwd)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
 def open_fds(pid: int) -> int:
     """How many file descriptors process ``pid`` has open (Linux)."""
     return len(os.listdir(f"/proc/{pid}/fd"))

@@ -16,7 +16,7 @@ from calserve.config import ServerConfig
 
 from .rawhttp import (COMPLETION, GET_HEALTH, assert_openai_error, close_times, connect,
                       exchange, is_closed, parse_response, post, read_response, read_until)
-from .server import ServerProcess, open_fds, start_calserve_serve
+from .server import ServerProcess, open_fds, serving_calserve, start_calserve_serve
 
 STREAM = b'{"model":"qwen3","prompt":"hi","max_tokens":3,"stream":true}'
 DEFAULTS = ServerConfig()
@@ -26,12 +26,8 @@ DEFAULTS = ServerConfig()
 def serve_default(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[ServerProcess]:
     """`calserve serve` with the embedded default config."""
-    proc = start_calserve_serve(calserve_home, cwd=tmp_path_factory.mktemp("serve-default"))
-    try:
-        proc.wait_ready()
+    with serving_calserve(calserve_home, tmp_path_factory.mktemp("serve-default")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _used_connections(port: int) -> list[socket.socket]:

@@ -26,7 +26,7 @@ import trio
 
 from calserve.api.write_watch import CUT_CLOSE_S
 
-from .server import ServerProcess, scrape, serving, start_calserve_serve, value
+from .server import ServerProcess, scrape, serving, serving_calserve, value
 
 pytestmark = pytest.mark.slow
 
@@ -202,12 +202,8 @@ def default_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
 def serve_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[ServerProcess]:
     """`calserve serve` with the embedded default (its listener probes each client's socket)."""
-    proc = start_calserve_serve(calserve_home, cwd=tmp_path_factory.mktemp("hostile-serve"))
-    try:
-        proc.wait_ready()
+    with serving_calserve(calserve_home, tmp_path_factory.mktemp("hostile-serve")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
