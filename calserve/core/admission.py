@@ -274,6 +274,21 @@ class AdmissionController:
         # The tenant's key can only grow here (overrun), which the lazy heap check handles.
         # Invariant: for every tenant with in_heap, its live entry's key <= its true key.
 
+    def charge_decoded(self, tenant: str, request_id: int) -> None:
+        """``charge(tenant, decode_tokens=1, request_id=request_id)``, the same arithmetic in the
+        same order without its generality: the step handler's once-per-token call."""
+        amount = self.output_token_cost
+        t = self._tenants.get(tenant)
+        t.deliver(amount)
+        rem = self._remaining
+        if request_id in rem:
+            dec = min(amount, rem[request_id])
+            rem[request_id] -= dec
+        else:
+            dec = min(amount, t.est)
+        t.est = max(0.0, t.est - dec)
+        self._svc.served(request_id, False, 1)
+
     def release(self, request_id: int) -> None:
         """An admitted request's sequence ended (any reason). Its undelivered estimate is dropped:
         an early stop is only charged what it got. Idempotent."""

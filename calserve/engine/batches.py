@@ -24,6 +24,7 @@ from calserve.core.decode import (
     build_decode_batch,
     select_profile,
 )
+from calserve.engine.batch_fast import single_tenant_lanes
 from calserve.engine.state import DeviceJob, Seq
 
 if TYPE_CHECKING:
@@ -52,6 +53,9 @@ class JobBuilder:
         self.prefill_jobs_total = 0
         self.batch_wait_s_total = 0.0
         self.continuations_total = 0
+        # the one-tenant decode batch without the candidate machinery (engine/batch_fast.py);
+        # False: every batch through core.decode.build_decode_batch (tests compare the two)
+        self.fast = True
 
     def profile(self, gen: Generation, B: int) -> BatchProfile:
         profile = self._profiles.get((gen.id, B))
@@ -79,6 +83,12 @@ class JobBuilder:
         ``length``) for the core to act on. The chosen sequences leave ``ready`` and their KV
         transaction opens."""
         profile = self.profile(gen, B)
+        fcfg = self.cfg.scheduler.fairness
+        if self.fast and fcfg.policy != "fcfs":
+            picked = single_tenant_lanes(ready, now, B, profile.max_seq,
+                                         fcfg.deadline_urgency_ms * 1e-3, fcfg.tenant_max_lane_share)
+            if picked is not None:
+                return self._picked_batch(gen, ready, now, B, profile, *picked)
         gid = gen.id
         cands = [  # positional (request_id, seq_id, tenant, generation, last_token, position, deadline,
             # virtual_finish, cancelled, lane, arrival): one per ready sequence per batch
@@ -87,7 +97,6 @@ class JobBuilder:
                             s.lease.lane, s.arrival)
             for s in ready.values()
         ]
-        fcfg = self.cfg.scheduler.fairness
         if fcfg.policy == "fcfs":
             order = LaneOrder(policy="fcfs")
         else:
@@ -118,6 +127,29 @@ class JobBuilder:
         self.batch_wait_s_total += wait
         self.record_decode(job)
         return job, list(batch.skipped)
+
+    def _picked_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int,
+                      profile: BatchProfile, chosen: list[Seq], why: str
+                      ) -> tuple[DeviceJob | None, list[tuple[int, str]]]:
+        """:meth:`decode_batch` for lanes :func:`single_tenant_lanes` chose (the same lanes and
+        skip reasons the general builder gives that ready set)."""
+        fill = B - len(chosen)
+        begin = gen.kv.begin_update
+        wait = 0.0
+        for seq in chosen:
+            del ready[seq.rid]
+            seq.passed_over = 0
+            begin(seq.lease.lane, seq.position, 1)
+            wait += now - seq.ready_since
+        lanes: list[Seq | None] = [*chosen, *([None] * fill)]
+        job = self._decode_job(
+            gen, B, lanes, [s.last_token for s in chosen] + [profile.inactive_token_id] * fill,
+            [s.position for s in chosen] + [profile.inactive_position] * fill,
+            [1] * len(chosen) + [0] * fill,
+            [-1 if s.seq_id is None else s.seq_id for s in chosen] + [-1] * fill, now)
+        self.batch_wait_s_total += wait
+        self.record_decode(job)
+        return job, [(rid, why) for rid in ready]
 
     def next_profile(self, done: DeviceJob) -> int | None:
         """The compiled batch a full pass would pick for ``done``'s sequences alone (None: not the

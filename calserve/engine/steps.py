@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from calserve.core.kv_state import KvSequenceState
-from calserve.core.request_state import RequestEvent
+from calserve.core.request_state import TRANSITIONS, RequestEvent, RequestState
 from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import RequestTable, exhausted
@@ -23,6 +23,9 @@ from calserve.engine.types import ErrorEvent, FinishReason
 from calserve.runtime.types import DeviceBusy, DeviceFaulted, JobStatus
 
 __all__ = ["StepHandler"]
+
+_RUNNING = RequestState.DECODE_RUNNING
+_DONE_TO = TRANSITIONS[_RUNNING][RequestEvent.DECODE_DONE]  # DecodeReady
 
 log = logging.getLogger("calserve.engine.steps")
 
@@ -35,6 +38,8 @@ class StepHandler:
         self.stats = stats
         # scheduler.recovery.max_request_retries: re-admit a request whose KV a fault lost
         self.max_retries = max_retries
+        # decode completions through _ok_decode (False: the general per-lane path; tests compare)
+        self.fast = True
 
     def flush(self) -> None:
         """Deliver the deferred token messages to their actors (after the next submit)."""
@@ -152,7 +157,63 @@ class StepHandler:
             else:
                 reqs.end(s, error=exhausted(ev, s), now=now)
 
+    def _ok_decode(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float) -> None:
+        """:meth:`_ok` for a decode job, the per-token path: the same steps in the same order per
+        lane, with what is the same for every lane looked up once per batch (the KV table's and
+        the admission controller's methods, the ready set, the deferred list, the EOS set) and
+        the continuing lane's ready move inlined (DecodeRunning -> DecodeReady, the one move the
+        table has for DECODE_DONE there; any other state takes the table's checked path)."""
+        gen = job.gen
+        reqs = self.requests
+        tokens, logprobs = sampled
+        eos = gen.source.eos_token_ids
+        commit = gen.kv.commit
+        charge = gen.admission.charge_decoded
+        ready = reqs.queues(gen).decode_ready
+        deferred = self.st.deferred
+        timeline = reqs.timeline
+        stop = FinishReason.STOP
+        for i, s in enumerate(seqs):
+            commit(s.lease.lane, 1)
+            position = s.position = s.position + 1
+            rid = s.rid
+            charge(s.req.tenant, rid)
+            if s.pending_reason is not None or s.pending_error is not None:
+                reqs.end(s, s.pending_reason, s.pending_error, now=now)  # output dropped (drained)
+                continue
+            tok = tokens[i]
+            if tok == SAMPLE_FAILED:
+                reqs.end(s, error=ErrorEvent("sampling failed for this request", "internal"), now=now)
+                continue
+            generated = s.generated
+            first = generated == 0
+            generated = s.generated = generated + 1
+            s.last_token = tok
+            s.tokens.append(tok)
+            s.retries = 0
+            if first:
+                s.first_token_at = now
+                timeline.request(now, "first_token", rid)
+            reason = ends(s, tok, generated, position, now, eos)
+            # the EOS / stop token itself is not shown to the client
+            msg = Tokens(tok, logprobs[i], first, reason is stop)
+            if reason is None:
+                s.deferred = msg  # continues: delivered after the next submit (see flush)
+                deferred.append(s)
+                if s.state is _RUNNING:
+                    s.state = _DONE_TO
+                    s.ready_since = now
+                    ready[rid] = s
+                else:
+                    reqs.set_ready(s, now, RequestEvent.DECODE_DONE)
+                continue
+            s.inbox.send_nowait(msg)
+            reqs.end(s, reason, now=now)
+
     def _ok(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float) -> None:
+        if self.fast and job.kind == "decode":
+            self._ok_decode(job, seqs, sampled, now)
+            return
         gen = job.gen
         reqs = self.requests
         n_new = len(job.tokens) if job.kind == "prefill" else 1
