@@ -40,7 +40,7 @@ from bench.httpclient import ConnectionPool, iter_sse
 from bench.scenario_lib import calserve_config, run_point, write_json
 from bench.server import BENCH_OUT, Server, pin_self
 
-__all__ = ["run", "main", "probe_event_size"]
+__all__ = ["run", "main", "probe_event_size", "floor_point"]
 
 CONCURRENCY = 64
 
@@ -145,6 +145,13 @@ def _floor(out: Path, size: int, dur: float, tokens_per_event: float = 1.0) -> d
         res = _measure(fsrv, out / f"floor-{tag}", dur)
         res["probe_event_bytes"] = probe_event_size(fsrv.url)
     return res
+
+
+def floor_point(out: Path, size: int, dur: float, tokens_per_event: float = 1.0) -> dict[str, Any]:
+    """The box's floor: the bare ASGI app under the same hypercorn trio worker and load, CPU per
+    streamed event of ``size`` bytes (``us_per_event``), for scenarios that report it beside
+    their figures (the knee)."""
+    return _floor(out, size, dur, tokens_per_event)
 
 
 def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
