@@ -17,7 +17,7 @@ import trio
 
 from calserve.api.convert import Prepared
 from calserve.api.errors import ApiError, error_event_to_api
-from calserve.api.histograms import observe_many
+from calserve.api.histograms import ManyObserver, counter_inc
 from calserve.api.metrics import ApiMetrics
 from calserve.api.pacing import StreamPacer
 from calserve.api.protocol import HandleLike
@@ -79,8 +79,8 @@ class _Observer:
 
     def __init__(self, metrics: ApiMetrics, alias: str, tenant: str) -> None:
         self._ttft = metrics.ttft.labels(alias)
-        self._itl = metrics.itl.labels(alias)
-        self._tokens = metrics.completion_tokens.labels(alias, tenant)
+        self._itl = ManyObserver(metrics.itl.labels(alias))  # internals looked up once
+        self._tokens = counter_inc(metrics.completion_tokens.labels(alias, tenant))
         self._e2e = metrics.e2e.labels(alias)
         self._queue = metrics.queue.labels(alias)
         self.t0 = trio.current_time()
@@ -95,11 +95,11 @@ class _Observer:
         h = self._itl
         if self.last is None:
             self._ttft.observe(now - self.t0)
-            observe_many(h, 0.0, n - 1)
+            h.observe(0.0, n - 1)
         else:
-            observe_many(h, (now - self.last) / n, n)
+            h.observe((now - self.last) / n, n)
         self.last = now
-        self._tokens.inc(n)
+        self._tokens(n)
 
     def end(self, ev: FinishEvent | ErrorEvent) -> None:
         self._e2e.observe(trio.current_time() - self.t0)
