@@ -227,6 +227,12 @@ class ServerConfig(_Strict):
     # cancelled however few bytes that is: they wait for its lane. 0 = off (README "Per-request
     # limits and slow readers").
     stream_contended_stall_ms: NonNeg = 25
+    # Where the server watches the client's socket (both launchers, HTTP/1.1): such a stream is
+    # not cancelled at once but parked — its running slot goes to a waiting request, nothing more
+    # is generated for it — and resumed as soon as its client caught up; parked this long (ms)
+    # without catching up, it is cancelled (client_too_slow). A client that reads in bursts is
+    # paused while others wait, never cut (README "Per-request limits and slow readers").
+    stream_parked_cut_ms: NonNeg = 500
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.
     trace_events: NonNeg = 4096
