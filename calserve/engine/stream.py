@@ -357,8 +357,10 @@ class StreamWriter:
                 self.parking.resume()  # it caught up (if parked)
 
     def report_written(self) -> None:
-        """The consumer's write of what it took last has completed (the write stall ends)."""
+        """The consumer's write of what it took last has completed (the write stall ends; what
+        it took is the socket's now: :meth:`report_unread`)."""
         self._sending_since = None
+        self._room = self._limit - self._below
 
     async def _wait_ready(self) -> bool:
         """Wait until something can be delivered; False when the stream is over for the consumer.
