@@ -226,7 +226,7 @@ class ServerConfig(_Strict):
     # has not reopened), or whose last write has not completed this long (and >= 0.5 s), is
     # cancelled however few bytes that is: they wait for its lane. 0 = off (README "Per-request
     # limits and slow readers").
-    stream_contended_stall_ms: NonNeg = 25
+    stream_contended_stall_ms: NonNeg = 5
     # Where the server watches the client's socket (both launchers, HTTP/1.1): such a stream is
     # not cancelled at once but parked — its running slot goes to a waiting request, nothing more
     # is generated for it — and resumed as soon as its client caught up; parked this long (ms)

@@ -65,7 +65,8 @@ class SocketProbe:
     ``getsockopt`` per call. Never raises: on any error (a closed socket, no ``TCP_INFO``) it
     answers 0, i.e. "nothing known to be unread"."""
 
-    __slots__ = ("_sock", "_max_wnd", "_base", "_acked", "_caught_up", "_ok", "stall_s", "close")
+    __slots__ = ("_sock", "_max_wnd", "_base", "_acked", "_caught_up", "_ok", "stall_s", "close",
+                 "_edge", "_base_edge", "_arrived")
 
     def __init__(self, sock: Any, stall_s: float, close: Callable[[], None] | None = None) -> None:
         """``stall_s``: how long a client may leave data unread before :meth:`sample` calls it
@@ -78,6 +79,9 @@ class SocketProbe:
         self._base = 0  # bytes_acked when the window was last open
         self._acked = 0  # bytes_acked at the last sample
         self._caught_up = 0.0  # when it was (the clock of the caller)
+        self._edge = 0  # the right edge of the window (acked + window) at the last sample
+        self._base_edge = 0  # ... when the window was last open
+        self._arrived = 0  # what the last sample found newly acknowledged
         self._ok = _TCP_INFO is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
         self.stall_s = stall_s
 
@@ -100,8 +104,18 @@ class SocketProbe:
             self._max_wnd = wnd
         arrived = acked - self._acked
         self._acked = acked
-        if wnd + arrived + _OPEN_SLACK >= self._max_wnd:
+        edge = acked + wnd
+        # Caught up: the window is (nearly) fully open and the client has read the write before
+        # the last (its window's right edge moved on by that much: the last one may be unread
+        # yet, by any client), or it has freed everything it got since it last caught up (a
+        # window that shrank for another reason, e.g. the receiver's memory, is no excuse).
+        lag_ok = edge - self._edge + _OPEN_SLACK >= self._arrived
+        freed_all = edge - self._base_edge + _OPEN_SLACK >= acked - self._base
+        self._edge = edge
+        self._arrived = arrived
+        if (wnd + arrived + _OPEN_SLACK >= self._max_wnd and lag_ok) or freed_all:
             self._base = acked
+            self._base_edge = edge
             self._caught_up = now
         unread = int(acked - self._base + _U32.unpack_from(info, _NOTSENT)[0])
         behind = now - self._caught_up
