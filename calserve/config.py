@@ -223,9 +223,10 @@ class ServerConfig(_Strict):
     stream_stall_grace_ms: NonNeg = 1000
     # While other requests of its model wait for admission, a stream whose client has left what
     # was written to it unread this long (ms; seen on the socket's TCP_INFO: its receive window
-    # has not reopened), or whose last write has not completed this long (and >= 0.5 s), is
-    # cancelled however few bytes that is: they wait for its lane. 0 = off (README "Per-request
-    # limits and slow readers").
+    # has not reopened), or whose last write has not completed this long (and >= 0.5 s), gives
+    # its running slot up however few bytes that is: they wait for it. Parked where the socket is
+    # watched (stream_parked_cut_ms), else cancelled. 0 = off (README "Per-request limits and
+    # slow readers").
     stream_contended_stall_ms: NonNeg = 5
     # Where the server watches the client's socket (both launchers, HTTP/1.1): such a stream is
     # not cancelled at once but parked — its running slot goes to a waiting request, nothing more

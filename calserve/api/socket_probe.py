@@ -9,8 +9,12 @@ window the client advertises, which shrinks by every byte its application leaves
 
 :meth:`SocketProbe.unread` estimates what was written and the client has not read: the bytes
 still queued unsent on our side (``tcpi_notsent_bytes``) plus the bytes the client acknowledged
-since its window was last (nearly) fully open (``tcpi_bytes_acked`` since then; a client that
-reads keeps its window open, so this restarts at every read that catches up). In flight bytes
+since it last caught up (``tcpi_bytes_acked`` since then). It has caught up when its window is
+(nearly) fully open again and its right edge (acknowledged + window) moved on by the write before
+the last (the last one may be unread by any client when its ACK leaves), or when it freed all it
+got since it last caught up (a window that shrank below its peak for another reason is no
+excuse). A client that reads keeps its window open, so this restarts at every read that catches
+up. In flight bytes
 (sent, not yet acknowledged) do not count: they are the network's, not the client's. The estimate
 errs low (a window update can lag a read by one segment; a receive window still growing at the
 start hides what it took): it never calls a reader behind that is not.
@@ -23,12 +27,15 @@ any other shape (HTTP/2, TLS, another server or version) gives no probe, and a t
 CLI still gives one. The streaming pump reports the figure to the request's stream before each
 write (``StreamWriter.report_unread``), where it counts in the backlog bound
 (``server.stream_buffer_bytes``), and a client that has not caught up for
-``server.stream_contended_stall_ms`` is given up while others wait for its lane. Without a probe
-the backlog is what the engine and the pump hold (and a write that does not complete).
+``server.stream_contended_stall_ms`` gives its running slot up (is parked) while others wait;
+while parked, :mod:`calserve.api.write_watch` keeps sampling. Without a probe the backlog is what
+the engine and the pump hold (and a write that does not complete).
 
-What the kernel cannot show: with small writes (plain-text tokens, ~150 B each) a never-reading
-Linux client's receive queue is collapsed to make room and its advertised window stays open until
-~200 KB are queued; only larger writes (logprob chunks, ~1.4 KB) shrink it as they arrive.
+What the kernel cannot show: with small writes (plain-text tokens, ~150-300 B each) a
+never-reading Linux client's advertised window often does not move at all until tens of KB are
+queued (measured: constant for a whole 1,000-token plain-text stream, ~35 KB); larger writes
+(logprob chunks, ~1.4 KB per token, coalesced ~20 KB) shrink it as they arrive, after the
+receiver's window has grown for the first ~20-40 KB.
 """
 
 from __future__ import annotations

@@ -3,12 +3,14 @@
 
 - 60 clients that never read a logprob-heavy stream (chat, 20 top logprobs, ~1.4 KB per token on
   the wire) cost bounded memory. Each is found out on its socket once its TCP receive window stops
-  reopening and, while others wait for admission, cancelled server.stream_contended_stall_ms
-  after (before: only once the kernels' socket buffers, ~140 KB, and server.stream_buffer_bytes
-  were full), which frees its lane; its connection is closed 1 s later. With one tenant a normal
-  request still queues behind them in FIFO order, on later waves too (both launchers); as another
-  tenant (the only config: API keys) it gets the next lane. A client reading a logprob stream
-  beside them is never cut.
+  reopening and, while others wait for admission, parked server.stream_contended_stall_ms after
+  (its running slot goes to the next request; before: only once the kernels' socket buffers,
+  ~140 KB, and server.stream_buffer_bytes were full), then cancelled after
+  server.stream_parked_cut_ms parked, which frees its lane; its connection is closed 1 s later.
+  With one tenant a normal request queues behind them in FIFO order and is still answered
+  within 3 s, on later waves too (both launchers); as another tenant (the only config: API
+  keys) it gets the next lane. Clients reading a logprob stream beside them, as it comes or in
+  bursts every 100 ms, are never cut. A never-reading n = 4 stream is cut like a single one.
 - ~1 MiB prompts (and a 500k-character /tokenize) arriving while a stream runs are refused before
   tokenizing: the stream's largest inter-token gap stays small.
 """
