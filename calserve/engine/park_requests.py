@@ -40,8 +40,12 @@ class ParkRequests:
         def park(on: bool | None) -> None:
             self._wishes[seq.rid] = (seq, on)
             if not self._scheduled:
+                try:
+                    self._nursery.start_soon(self._run, name="park-requests")
+                except RuntimeError:  # the engine is closing: its requests end anyway
+                    self._wishes.clear()
+                    return
                 self._scheduled = True
-                self._nursery.start_soon(self._run, name="park-requests")
 
         return park
 
