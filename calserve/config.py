@@ -232,8 +232,9 @@ class ServerConfig(_Strict):
     # not cancelled at once but parked — its running slot goes to a waiting request, nothing more
     # is generated for it — and resumed as soon as its client caught up; parked this long (ms)
     # without catching up, it is cancelled (client_too_slow). A client that reads in bursts is
-    # paused while others wait, never cut (README "Per-request limits and slow readers").
-    stream_parked_cut_ms: NonNeg = 500
+    # paused while others wait, never cut (README "Per-request limits and slow readers"). A
+    # parked stream keeps its KV lane meanwhile (500 ms cut a reading client on a host at load 8).
+    stream_parked_cut_ms: NonNeg = 1000
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.
     trace_events: NonNeg = 4096

@@ -41,7 +41,7 @@ __all__ = ["CUT_CLOSE_S", "POLL_S", "POLL_MAX_S", "WriteWatch", "close_later", "
 CUT_CLOSE_S: Final = 1.0
 #: How often a parked stream's socket is looked at: first after POLL_S, then twice as long each
 #: time up to POLL_MAX_S (a client that reads in bursts is seen caught up within ~one burst; one
-#: that never reads costs ~8 looks before server.stream_parked_cut_ms, 500 ms, gives it up).
+#: that never reads costs ~13 looks before server.stream_parked_cut_ms, 1 s, gives it up).
 POLL_S: Final = 0.01
 POLL_MAX_S: Final = 0.1
 _NUDGE: Final = {"type": "http.response.body", "body": b":\n\n", "more_body": True}

@@ -307,7 +307,7 @@ async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_wave
     reading it in bursts every 100 ms beside each wave. Every never-reader is found out on its
     socket (its TCP receive window stops reopening) and parked 25 ms after while others wait
     (server.stream_contended_stall_ms): its running slot goes to the next request at once, and
-    it is cancelled once parked server.stream_parked_cut_ms (500 ms) without catching up. So the
+    it is cancelled once parked server.stream_parked_cut_ms (1 s) without catching up. So the
     FIFO queue ahead of the normal request drains within 3 s; before parking, the bursty reader
     was cut (it is behind for up to 100 ms each time) and before the socket probe each
     never-reader held its lane until ~200 KB had filled the kernels' buffers (12.3 s on a second
@@ -344,6 +344,38 @@ async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_wave
     cancelled = [r["cancelled_total"] for r in reports]
     assert all(b > a for a, b in zip(cancelled, cancelled[1:])), reports
     assert "server.stream_contended_stall_ms" in server.stderr
+
+
+async def test_normal_readers_at_saturation_are_never_cut(serve_server: ServerProcess) -> None:
+    """Only legitimate clients, more than the running slots (3): 10 reading 20-logprob streams as
+    data arrives and 3 reading them in bursts every 100 ms, all at once (requests wait for
+    admission the whole time, so every stall rule is armed): every one ends with [DONE], none is
+    cut; the bursty ones may be parked meanwhile."""
+    server = serve_server
+    assert server.port is not None
+    port = server.port
+    before = value(scrape(server.url), "calserve_requests_finished_total", outcome="cancelled")
+    results: list[tuple[int, bool, bool]] = []
+
+    async def reading() -> None:
+        results.append(await trio.to_thread.run_sync(_reading_stream, server.url, {}))
+
+    async def in_bursts() -> None:
+        results.append(await trio.to_thread.run_sync(_bursty_stream, port))
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as n:
+            for _ in range(10):
+                n.start_soon(reading)
+            for _ in range(3):
+                n.start_soon(in_bursts)
+    cancelled = value(scrape(server.url), "calserve_requests_finished_total",
+                      outcome="cancelled") - before
+    print("readers at saturation (status, done, cut):", sorted(results),
+          [ln for ln in server.lines[-200:] if "stream cancelled" in ln])
+    assert len(results) == 13 and cancelled == 0
+    assert all(st == 429 or (done and not cut) for st, done, cut in results), results
+    assert sum(st == 200 for st, _, _ in results) >= 10, results
 
 
 async def test_a_never_reading_n4_stream_is_cut_like_a_single_one(
