@@ -115,12 +115,20 @@ class SocketProbe:
         # Caught up: the window is (nearly) fully open and the client has read the write before
         # the last (its window's right edge moved on by that much: the last one may be unread
         # yet, by any client), or it has freed everything it got since it last caught up (a
-        # window that shrank for another reason, e.g. the receiver's memory, is no excuse).
-        lag_ok = edge - self._edge + _OPEN_SLACK >= self._arrived
-        freed_all = edge - self._base_edge + _OPEN_SLACK >= acked - self._base
+        # window that shrank for another reason, e.g. the receiver's memory, is no excuse), or
+        # at least a few KB arrived since the last sample and the edge moved on by all of it (its
+        # kernel keeps room: nothing shows it filling up; the receiver scales its window by the
+        # size of what it gets, so after small writes a reader's window can stay below its peak
+        # for good; smaller arrivals vanish in the window's rounding). The last two need
+        # something to have arrived: a closed window with data unsent is behind.
+        step = edge - self._edge
+        lag_ok = step + _OPEN_SLACK >= self._arrived
+        freed_all = (acked > self._base
+                     and edge - self._base_edge + _OPEN_SLACK >= acked - self._base)
         self._edge = edge
         self._arrived = arrived
-        if (wnd + arrived + _OPEN_SLACK >= self._max_wnd and lag_ok) or freed_all:
+        if ((wnd + arrived + _OPEN_SLACK >= self._max_wnd and lag_ok) or freed_all
+                or _OPEN_SLACK <= arrived <= step):
             self._base = acked
             self._base_edge = edge
             self._caught_up = now

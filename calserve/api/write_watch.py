@@ -16,10 +16,10 @@ And it watches the stream while the engine parked it (its client is behind while
 :mod:`calserve.engine.parking`), :meth:`WriteWatch.watch_parked`: every poll (:data:`POLL_S`
 doubling up to :data:`POLL_MAX_S`) it reports
 the socket's figure to the stream (which resumes it once the client caught up, or cuts it), and
-writes an SSE comment (``:``, ignored by SSE clients) when no write is under way: a client that
-read meanwhile then acknowledges it with its receive window open again (Linux announces a
-reopened window on a read only when it had fallen below half), so its catching up is seen
-within ~one poll. The comment and the stream's writes never overlap (one write at a time).
+writes an SSE comment (``:`` and 4 KB of padding, ignored by SSE clients) when no write is under
+way: a client that read meanwhile then acknowledges it with its receive window open again (Linux
+announces a reopened window on a read only when it had fallen below half), so its catching up is
+seen within ~one poll. The comment and the stream's writes never overlap (one write at a time).
 
 Cost per write: two cancel-scope deadline updates and two flag tests.
 """
@@ -34,7 +34,8 @@ import trio
 
 from calserve.api.socket_probe import SocketProbe
 
-__all__ = ["CUT_CLOSE_S", "POLL_S", "POLL_MAX_S", "WriteWatch", "close_later", "watched_send"]
+__all__ = ["CUT_CLOSE_S", "NUDGE_BODY", "POLL_S", "POLL_MAX_S", "WriteWatch", "close_later",
+           "watched_send"]
 
 #: A stream given up as too slow has this long to write its last event, then its connection is
 #: closed.
@@ -44,7 +45,10 @@ CUT_CLOSE_S: Final = 1.0
 #: that never reads costs ~13 looks before server.stream_parked_cut_ms, 1 s, gives it up).
 POLL_S: Final = 0.01
 POLL_MAX_S: Final = 0.1
-_NUDGE: Final = {"type": "http.response.body", "body": b":\n\n", "more_body": True}
+#: The comment a parked stream gets after each look: 4 KB (a reader's kernel then shows it kept
+#: room for all of it, past its window's rounding, where a never-reader's window shrinks).
+NUDGE_BODY: Final = b":" + b" " * 4093 + b"\n\n"
+_NUDGE: Final = {"type": "http.response.body", "body": NUDGE_BODY, "more_body": True}
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 

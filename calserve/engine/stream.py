@@ -26,10 +26,11 @@ memory until it disconnects. A read by the consumer (the client took the last wr
 grace period, unless the client's unread bytes alone are over the bound.
 
 Parking (:mod:`calserve.engine.parking`; only where the HTTP layer watches the stream while it is
-parked, :meth:`~calserve.engine.stream_park.StreamPark.watch`): instead of being given up at once while others wait, a
-stream found behind (any of the three signals above) is *parked*: ``park(True)`` gives its
-running slot to a waiting request, and nothing more is produced for it. The consumer's watcher
-keeps reporting the socket (every ~50 ms); as soon as its client caught up (not stalled, nothing
+parked, :meth:`~calserve.engine.stream_park.StreamPark.watch`): instead of being given up at
+once while others wait, a stream found behind (any of the three signals above) is *parked*:
+``park(True)`` gives its running slot to a waiting request, and nothing more is produced for it.
+The consumer's watcher keeps reporting the socket (after 10 ms, doubling to every 100 ms:
+``calserve.api.write_watch``); as soon as its client caught up (not stalled, nothing
 over the bound, no write pending) it is resumed (``park(False)``); still stalled ``park_cut_s``
 after it was parked (``server.stream_parked_cut_ms``), it is given up as above (and its request
 stopped: ``park(None)``), whether or not others still wait. So a client that

@@ -101,7 +101,7 @@ async def test_a_parked_stream_is_polled_and_nudged_never_during_a_write(
     """While parked: the socket's figure is reported at POLL_S, doubling up to POLL_MAX_S, and an
     SSE comment is written after each look unless a write is under way; the stream's own write
     waits for a comment being written (one write at a time)."""
-    from calserve.api.write_watch import POLL_MAX_S, POLL_S
+    from calserve.api.write_watch import NUDGE_BODY, POLL_MAX_S, POLL_S
 
     sent: list[tuple[float, bytes]] = []
     busy = [0]
@@ -110,7 +110,7 @@ async def test_a_parked_stream_is_polled_and_nudged_never_during_a_write(
         busy[0] += 1
         assert busy[0] == 1, "two writes at once"
         sent.append((trio.current_time(), message.get("body", b"")))
-        await trio.sleep(0.002 if message.get("body") == b":\n\n" else 0.3)
+        await trio.sleep(0.002 if message.get("body") == NUDGE_BODY else 0.3)
         busy[0] -= 1
 
     h = _ParkedHandle()
@@ -132,7 +132,7 @@ async def test_a_parked_stream_is_polled_and_nudged_never_during_a_write(
             poll = min(2 * poll, POLL_MAX_S)
         assert [round(x, 6) for x in times] == [round(x, 6) for x in expect]
         assert all(r[1:] == (123, 0.05) for r in h.reports)
-        nudges = [s for s in sent if s[1] == b":\n\n"]
+        nudges = [s for s in sent if s[1] == NUDGE_BODY]
         assert len(nudges) == len(expect)
         # A long write of the stream: no comment while it is under way.
         h.park()
@@ -142,4 +142,4 @@ async def test_a_parked_stream_is_polled_and_nudged_never_during_a_write(
         await trio.sleep(0.2)
         n.cancel_scope.cancel()
     w_at = next(t for t, b in sent if b == b"data: x\n\n")
-    assert not [t for t, b in sent if b == b":\n\n" and w_at < t < w_at + 0.3]
+    assert not [t for t, b in sent if b == NUDGE_BODY and w_at < t < w_at + 0.3]

@@ -277,7 +277,8 @@ async def test_engine_parks_a_behind_stream_so_a_waiting_request_runs_then_resum
 
 async def test_engine_cuts_a_parked_stream_that_never_catches_up_and_frees_its_lane(
         autojump_clock: trio.testing.MockClock) -> None:
-    cfg = decode_config({"scheduler": {"admission": {"max_tpot_steps": 1}}})
+    cfg = decode_config({"scheduler": {"admission": {"max_tpot_steps": 1}},
+                         "server": {"stream_parked_cut_ms": 500}})
     src = fake_source(profiles=(1,), max_seq=4096, max_sequences=4)
     async with Engine.open(cfg, backend=FakeBackend("calrt-0.7.6"), sources={"qwen3": src}) as eng:
         sp = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
