@@ -223,10 +223,18 @@ class ServerConfig(_Strict):
     stream_stall_grace_ms: NonNeg = 1000
     # While other requests of its model wait for admission, a stream whose client has left what
     # was written to it unread this long (ms; seen on the socket's TCP_INFO: its receive window
-    # has not reopened), or whose last write has not completed this long (and >= 0.5 s), is
-    # cancelled however few bytes that is: they wait for its lane. 0 = off (README "Per-request
-    # limits and slow readers").
-    stream_contended_stall_ms: NonNeg = 25
+    # has not reopened), or whose last write has not completed this long (and >= 0.5 s), gives
+    # its running slot up however few bytes that is: they wait for it. Parked where the socket is
+    # watched (stream_parked_cut_ms), else cancelled. 0 = off (README "Per-request limits and
+    # slow readers").
+    stream_contended_stall_ms: NonNeg = 5
+    # Where the server watches the client's socket (both launchers, HTTP/1.1): such a stream is
+    # not cancelled at once but parked — its running slot goes to a waiting request, nothing more
+    # is generated for it — and resumed as soon as its client caught up; parked this long (ms)
+    # without catching up, it is cancelled (client_too_slow). A client that reads in bursts is
+    # paused while others wait, never cut (README "Per-request limits and slow readers"). A
+    # parked stream keeps its KV lane meanwhile (500 ms cut a reading client on a host at load 8).
+    stream_parked_cut_ms: NonNeg = 1000
     # Entries of the engine's debugging trace ring (recent admissions, jobs and releases, in order;
     # tests and debugging read it). Bounded: at 20,000 entries it held ~6.6 MiB in a soak.
     trace_events: NonNeg = 4096

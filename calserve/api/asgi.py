@@ -45,11 +45,11 @@ from calserve.api.hygiene import body_timeout, drain
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
 from calserve.api.running import RequestLease, pump_stream, run_json
-from calserve.api.socket_probe import probe_from_send, probe_of
+from calserve.api.socket_probe import SocketProbe, probe_from_send, probe_of
 from calserve.api.state import ApiState
 from calserve.api.stream_encoder import StreamEncoder
-from calserve.api.write_watch import WriteWatch, close_later
-from calserve.engine.types import ErrorEvent
+from calserve.api.write_watch import close_later, watched_send
+from calserve.engine.types import ErrorEvent, FinishEvent
 
 __all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES"]
 
@@ -182,7 +182,7 @@ class FastRoutes:
     async def _generate(self, eng: EngineLike, prep: Prepared, send: Send, scope: Scope,
                         nursery: trio.Nursery) -> None:
         if prep.n > 1:
-            await self._generate_choices(eng, prep, send)
+            await self._generate_choices(eng, prep, send, scope, nursery)
             return
         try:
             handle = await eng.submit(prep.request)  # admission: 429/503 raise here
@@ -204,21 +204,12 @@ class FastRoutes:
                 self._count(200)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
-                probe = probe_of(scope) or probe_from_send(
-                    send, self._state.config.server.stream_contended_stall_ms / 1000.0)
-                out = send
-                if probe is not None:  # its connection can be closed (write_watch)
-                    watch = WriteWatch(probe.close, self._state.config.server.send_timeout_s)
-                    nursery.start_soon(watch.run, getattr(handle, "wait_given_up", None))
-                    out = watch.wrap(send)
+                probe = self._probe(scope, send)
+                out = watched_send(probe, send, [handle], nursery,
+                                   self._state.config.server.send_timeout_s)
                 await pump_stream(lease, enc, out, metrics, prep, self._state.pacer, probe)
-                end = enc.terminal
-                if (probe is not None and isinstance(end, ErrorEvent)
-                        and end.kind == "slow_consumer"):
-                    # Its last writes went through (the watch may not have seen the cut yet):
-                    # the handler ends now and cancels the watch, so it schedules the close.
-                    nursery.start_soon(close_later, probe.close)
-                await send(_END_BODY)
+                _close_if_cut(probe, [enc.terminal], nursery)
+                await out(_END_BODY)
                 return
             try:
                 body = await run_json(lease, metrics, prep, fmt)
@@ -231,7 +222,13 @@ class FastRoutes:
         finally:
             await lease.release()  # no-op once ended; else cancels, shielded
 
-    async def _generate_choices(self, eng: EngineLike, prep: Prepared, send: Send) -> None:
+    def _probe(self, scope: Scope, send: Send) -> SocketProbe | None:
+        """The connection's socket probe (None: the launcher gives none)."""
+        return probe_of(scope) or probe_from_send(
+            send, self._state.config.server.stream_contended_stall_ms / 1000.0)
+
+    async def _generate_choices(self, eng: EngineLike, prep: Prepared, send: Send, scope: Scope,
+                                nursery: trio.Nursery) -> None:
         """``n`` > 1 (:mod:`calserve.api.choices`): every choice is its own engine request."""
         try:
             leases = await submit_choices(eng, prep)  # admission of every choice: 429/503 here
@@ -245,8 +242,13 @@ class FastRoutes:
                 self._count(200)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
-                await pump_choices(leases, send, metrics, prep, tok, self._state.pacer)
-                await send(_END_BODY)
+                probe = self._probe(scope, send)
+                out = watched_send(probe, send, [lease.handle for lease in leases], nursery,
+                                   self._state.config.server.send_timeout_s)
+                encs = await pump_choices(leases, out, metrics, prep, tok, self._state.pacer,
+                                          probe)
+                _close_if_cut(probe, [e.terminal for e in encs], nursery)
+                await out(_END_BODY)
                 return
             try:
                 body = await run_json_choices(leases, metrics, prep, tok)
@@ -269,3 +271,13 @@ class FastRoutes:
         extra = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                  for k, v in err.headers().items()]
         await self._send_json(send, err.status, encode(err.response_body()), extra)
+
+
+def _close_if_cut(probe: SocketProbe | None, ends: list[FinishEvent | ErrorEvent | None],
+                  nursery: trio.Nursery) -> None:
+    """A stream given up as too slow (``client_too_slow``): its last writes went through (the
+    watch may not have seen the cut yet); the handler ends now and cancels the watch, so this
+    schedules the close of the connection."""
+    if probe is not None and any(isinstance(e, ErrorEvent) and e.kind == "slow_consumer"
+                                 for e in ends):
+        nursery.start_soon(close_later, probe.close)

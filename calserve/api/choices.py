@@ -17,6 +17,11 @@ already admitted are cancelled at once). Choice i > 0 uses a seed derived from `
 Metrics count choices: each one is a stream in ``calserve_streams_active`` and has its own TTFT
 and inter-token observations (each is a sequence the engine serves).
 
+Slow readers: the choices share one connection, so each choice's pump reports the connection's
+socket probe to its own stream (README "Per-request limits and slow readers"): a client that does
+not read is behind on every choice at once; each is parked, and given up (``client_too_slow``)
+like a single stream; the first choice given up ends the response with that error.
+
 Cancellation: a client that goes away cancels the handler, and every choice's
 :class:`~calserve.api.running.RequestLease` is released (cancelled, shielded) in its ``finally``.
 """
@@ -33,6 +38,7 @@ from calserve.api.pacing import StreamPacer
 from calserve.api.protocol import EngineLike, TokenizerLike
 from calserve.api.render import DONE, LogprobFormatter, new_id, now_s
 from calserve.api.running import RequestLease, Send, collect_choice, pump_stream, response_body
+from calserve.api.socket_probe import SocketProbe
 from calserve.api.stream_encoder import StreamEncoder
 from calserve.engine.types import FinishEvent, Usage
 
@@ -99,8 +105,10 @@ def _first(eg: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 async def pump_choices(leases: list[RequestLease], send: Send, metrics: ApiMetrics,
-                       prep: Prepared, tok: TokenizerLike, pacer: StreamPacer | None) -> None:
-    """The SSE body of an ``n`` > 1 stream, after the response head (see the module docstring)."""
+                       prep: Prepared, tok: TokenizerLike, pacer: StreamPacer | None,
+                       probe: SocketProbe | None = None) -> list[StreamEncoder]:
+    """The SSE body of an ``n`` > 1 stream, after the response head (see the module docstring);
+    returns each choice's encoder (its ``terminal``). ``probe``: the connection's socket probe."""
     rid, created = new_id("chatcmpl" if prep.kind == "chat" else "cmpl"), now_s()
     encs = [StreamEncoder.for_choice(prep, LogprobFormatter(tok, start_offset=len(prep.echo_text)),
                                      rid=rid, created=created, index=i)
@@ -115,7 +123,7 @@ async def pump_choices(leases: list[RequestLease], send: Send, metrics: ApiMetri
 
     async def one(i: int, cancel: trio.CancelScope) -> None:
         nonlocal failed
-        await pump_stream(leases[i], encs[i], locked_send, metrics, prep, pacer)
+        await pump_stream(leases[i], encs[i], locked_send, metrics, prep, pacer, probe)
         if not isinstance(encs[i].terminal, FinishEvent):  # an error event (or a broken stream)
             failed = True
             cancel.cancel()  # the stream ends with that error: no more chunks of the others
@@ -124,7 +132,8 @@ async def pump_choices(leases: list[RequestLease], send: Send, metrics: ApiMetri
         for i in range(len(leases)):
             nursery.start_soon(one, i, nursery.cancel_scope)
     if failed:
-        return
+        return encs
     usages = [e.terminal.usage for e in encs if isinstance(e.terminal, FinishEvent)]
     tail = encs[0].usage_chunk(_usage(prep, usages)) if prep.include_usage else b""
     await send({"type": "http.response.body", "body": tail + DONE, "more_body": True})
+    return encs

@@ -9,8 +9,12 @@ window the client advertises, which shrinks by every byte its application leaves
 
 :meth:`SocketProbe.unread` estimates what was written and the client has not read: the bytes
 still queued unsent on our side (``tcpi_notsent_bytes``) plus the bytes the client acknowledged
-since its window was last (nearly) fully open (``tcpi_bytes_acked`` since then; a client that
-reads keeps its window open, so this restarts at every read that catches up). In flight bytes
+since it last caught up (``tcpi_bytes_acked`` since then). It has caught up when its window is
+(nearly) fully open again and its right edge (acknowledged + window) moved on by the write before
+the last (the last one may be unread by any client when its ACK leaves), or when it freed all it
+got since it last caught up (a window that shrank below its peak for another reason is no
+excuse). A client that reads keeps its window open, so this restarts at every read that catches
+up. In flight bytes
 (sent, not yet acknowledged) do not count: they are the network's, not the client's. The estimate
 errs low (a window update can lag a read by one segment; a receive window still growing at the
 start hides what it took): it never calls a reader behind that is not.
@@ -23,12 +27,15 @@ any other shape (HTTP/2, TLS, another server or version) gives no probe, and a t
 CLI still gives one. The streaming pump reports the figure to the request's stream before each
 write (``StreamWriter.report_unread``), where it counts in the backlog bound
 (``server.stream_buffer_bytes``), and a client that has not caught up for
-``server.stream_contended_stall_ms`` is given up while others wait for its lane. Without a probe
-the backlog is what the engine and the pump hold (and a write that does not complete).
+``server.stream_contended_stall_ms`` gives its running slot up (is parked) while others wait;
+while parked, :mod:`calserve.api.write_watch` keeps sampling. Without a probe the backlog is what
+the engine and the pump hold (and a write that does not complete).
 
-What the kernel cannot show: with small writes (plain-text tokens, ~150 B each) a never-reading
-Linux client's receive queue is collapsed to make room and its advertised window stays open until
-~200 KB are queued; only larger writes (logprob chunks, ~1.4 KB) shrink it as they arrive.
+What the kernel cannot show: with small writes (plain-text tokens, ~150-300 B each) a
+never-reading Linux client's advertised window often does not move at all until tens of KB are
+queued (measured: constant for a whole 1,000-token plain-text stream, ~35 KB); larger writes
+(logprob chunks, ~1.4 KB per token, coalesced ~20 KB) shrink it as they arrive, after the
+receiver's window has grown for the first ~20-40 KB.
 """
 
 from __future__ import annotations
@@ -65,7 +72,8 @@ class SocketProbe:
     ``getsockopt`` per call. Never raises: on any error (a closed socket, no ``TCP_INFO``) it
     answers 0, i.e. "nothing known to be unread"."""
 
-    __slots__ = ("_sock", "_max_wnd", "_base", "_acked", "_caught_up", "_ok", "stall_s", "close")
+    __slots__ = ("_sock", "_max_wnd", "_base", "_acked", "_caught_up", "_ok", "stall_s", "close",
+                 "_edge", "_base_edge", "_arrived")
 
     def __init__(self, sock: Any, stall_s: float, close: Callable[[], None] | None = None) -> None:
         """``stall_s``: how long a client may leave data unread before :meth:`sample` calls it
@@ -78,6 +86,9 @@ class SocketProbe:
         self._base = 0  # bytes_acked when the window was last open
         self._acked = 0  # bytes_acked at the last sample
         self._caught_up = 0.0  # when it was (the clock of the caller)
+        self._edge = 0  # the right edge of the window (acked + window) at the last sample
+        self._base_edge = 0  # ... when the window was last open
+        self._arrived = 0  # what the last sample found newly acknowledged
         self._ok = _TCP_INFO is not None and sock.family in (socket.AF_INET, socket.AF_INET6)
         self.stall_s = stall_s
 
@@ -100,8 +111,26 @@ class SocketProbe:
             self._max_wnd = wnd
         arrived = acked - self._acked
         self._acked = acked
-        if wnd + arrived + _OPEN_SLACK >= self._max_wnd:
+        edge = acked + wnd
+        # Caught up: the window is (nearly) fully open and the client has read the write before
+        # the last (its window's right edge moved on by that much: the last one may be unread
+        # yet, by any client), or it has freed everything it got since it last caught up (a
+        # window that shrank for another reason, e.g. the receiver's memory, is no excuse), or
+        # at least a few KB arrived since the last sample and the edge moved on by all of it (its
+        # kernel keeps room: nothing shows it filling up; the receiver scales its window by the
+        # size of what it gets, so after small writes a reader's window can stay below its peak
+        # for good; smaller arrivals vanish in the window's rounding). The last two need
+        # something to have arrived: a closed window with data unsent is behind.
+        step = edge - self._edge
+        lag_ok = step + _OPEN_SLACK >= self._arrived
+        freed_all = (acked > self._base
+                     and edge - self._base_edge + _OPEN_SLACK >= acked - self._base)
+        self._edge = edge
+        self._arrived = arrived
+        if ((wnd + arrived + _OPEN_SLACK >= self._max_wnd and lag_ok) or freed_all
+                or _OPEN_SLACK <= arrived <= step):
             self._base = acked
+            self._base_edge = edge
             self._caught_up = now
         unread = int(acked - self._base + _U32.unpack_from(info, _NOTSENT)[0])
         behind = now - self._caught_up

@@ -12,22 +12,43 @@ socket under it (:attr:`~calserve.api.socket_probe.SocketProbe.close`).
 - once the engine gave up on the client as too slow (``client_too_slow``), the connection is
   closed :data:`CUT_CLOSE_S` later (time to write that last event to a client that reads again).
 
-Cost: two cancel-scope deadline updates per write.
+And it watches the stream while the engine parked it (its client is behind while others wait:
+:mod:`calserve.engine.parking`), :meth:`WriteWatch.watch_parked`: every poll (:data:`POLL_S`
+doubling up to :data:`POLL_MAX_S`) it reports
+the socket's figure to the stream (which resumes it once the client caught up, or cuts it), and
+writes an SSE comment (``:`` and 4 KB of padding, ignored by SSE clients) when no write is under
+way: a client that read meanwhile then acknowledges it with its receive window open again (Linux
+announces a reopened window on a read only when it had fallen below half), so its catching up is
+seen within ~one poll. The comment and the stream's writes never overlap (one write at a time).
+
+Cost per write: two cancel-scope deadline updates and two flag tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from math import inf
 from typing import Any, Final, final
 
 import trio
 
-__all__ = ["CUT_CLOSE_S", "WriteWatch", "close_later"]
+from calserve.api.socket_probe import SocketProbe
+
+__all__ = ["CUT_CLOSE_S", "NUDGE_BODY", "POLL_S", "POLL_MAX_S", "WriteWatch", "close_later",
+           "watched_send"]
 
 #: A stream given up as too slow has this long to write its last event, then its connection is
 #: closed.
 CUT_CLOSE_S: Final = 1.0
+#: How often a parked stream's socket is looked at: first after POLL_S, then twice as long each
+#: time up to POLL_MAX_S (a client that reads in bursts is seen caught up within ~one burst; one
+#: that never reads costs ~13 looks before server.stream_parked_cut_ms, 1 s, gives it up).
+POLL_S: Final = 0.01
+POLL_MAX_S: Final = 0.1
+#: The comment a parked stream gets after each look: 4 KB (a reader's kernel then shows it kept
+#: room for all of it, past its window's rounding, where a never-reader's window shrinks).
+NUDGE_BODY: Final = b":" + b" " * 4093 + b"\n\n"
+_NUDGE: Final = {"type": "http.response.body", "body": NUDGE_BODY, "more_body": True}
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -53,29 +74,72 @@ class WriteWatch:
     """See the module docstring. :meth:`wrap` times the stream's writes, :meth:`run` (a task of
     the handler's, cancelled with it) closes the connection when a deadline passes."""
 
-    __slots__ = ("_scope", "_timeout", "_close", "_cut")
+    __slots__ = ("_scope", "_timeout", "_close", "_cut", "_send", "_writing", "_nudging")
 
     def __init__(self, close: Callable[[], None], timeout_s: float) -> None:
         self._scope = trio.CancelScope()  # its deadline: when to close (inf: no write pending)
         self._timeout = timeout_s
         self._close = close
         self._cut = False
+        self._send: Send | None = None  # the wrapped send (for the parked stream's comments)
+        # Invariant: at most one write at a time: _writing (the stream's) or _nudging (a comment,
+        # set while it is written; the stream's next write waits for it).
+        self._writing = False
+        self._nudging: trio.Event | None = None
 
     def wrap(self, send: Send) -> Send:
         """``send`` whose every write must complete within ``timeout_s``."""
         scope = self._scope
         timeout = self._timeout
         clock = trio.current_time
+        self._send = send
 
         async def timed(message: dict[str, Any]) -> None:
+            while self._nudging is not None:
+                await self._nudging.wait()
+            self._writing = True
             scope.deadline = clock() + timeout
             try:
                 await send(message)
             finally:
+                self._writing = False
                 if not self._cut:
                     scope.deadline = inf
 
         return timed
+
+    async def _nudge(self) -> None:
+        """One SSE comment, unless a write is under way (a client that reads acknowledges it)."""
+        send = self._send
+        if send is None or self._writing or self._nudging is not None:
+            return
+        ev = self._nudging = trio.Event()
+        try:
+            await send(_NUDGE)
+        finally:
+            self._nudging = None
+            ev.set()
+
+    async def watch_parked(self, handle: Any, sample: Callable[[], tuple[int, float | None]]
+                           ) -> None:
+        """While ``handle``'s stream is parked: at every poll, ``sample()`` (the socket
+        probe's figure) goes to its ``report_unread``, and a comment to the client (module
+        docstring). Runs until cancelled (with the handler). ``handle`` needs ``watch``,
+        ``wait_parked``, ``parked`` and ``report_unread`` (else this returns: no parking)."""
+        if not all(hasattr(handle, a) for a in ("watch", "wait_parked", "parked")):
+            return
+        report: Callable[[int, float | None], None] = handle.report_unread
+        handle.watch()
+        async with trio.open_nursery() as nursery:
+            while True:
+                await handle.wait_parked()
+                poll = POLL_S
+                while handle.parked:
+                    await trio.sleep(poll)
+                    poll = min(2 * poll, POLL_MAX_S)
+                    report(*sample())
+                    if handle.parked:
+                        nursery.start_soon(self._nudge)
 
     def cut(self) -> None:
         """The engine gave up on the client: close :data:`CUT_CLOSE_S` from now at the latest."""
@@ -96,3 +160,37 @@ class WriteWatch:
     async def _on_given_up(self, given_up: Callable[[], Awaitable[None]]) -> None:
         await given_up()
         self.cut()
+
+
+async def _any_given_up(handles: Sequence[Any]) -> None:
+    """Return once the engine gave up on any of ``handles``' clients (never without a
+    ``wait_given_up``)."""
+    waits = [w for w in (getattr(h, "wait_given_up", None) for h in handles) if w is not None]
+    if not waits:
+        await trio.sleep_forever()
+    async with trio.open_nursery() as nursery:
+        async def one(wait: Callable[[], Awaitable[None]]) -> None:
+            await wait()
+            nursery.cancel_scope.cancel()
+
+        for w in waits:
+            nursery.start_soon(one, w)
+
+
+def watched_send(probe: SocketProbe | None, send: Send, handles: Sequence[Any],
+                 nursery: trio.Nursery, timeout_s: float) -> Send:
+    """The send of a streamed response on one connection carrying ``handles``' streams (n
+    choices share it): with a socket probe, a :class:`WriteWatch` closes the connection when a
+    write is stuck ``timeout_s`` (``server.send_timeout_s``) or a stream was given up, and
+    watches each stream while it is parked; without one, ``send`` itself. The watch's tasks run
+    in ``nursery`` (the handler's: cancelled with it)."""
+    if probe is None:
+        return send
+    watch = WriteWatch(probe.close, timeout_s)
+    nursery.start_soon(watch.run, lambda: _any_given_up(handles))
+    out = watch.wrap(send)
+    clock = trio.current_time
+    sample = probe.sample
+    for h in handles:
+        nursery.start_soon(watch.watch_parked, h, lambda: sample(clock()))
+    return out

@@ -216,17 +216,19 @@ class AdmissionController:
         self._active[item.request_id] = t.name
         self._decisions[Outcome.ADMIT] += 1
 
-    def pop_admissible(self, now: float, free_sequences: int, free_kv_tokens: int) -> list[WorkItem]:
+    def pop_admissible(self, now: float, free_sequences: int, free_kv_tokens: int,
+                       parked: int = 0) -> list[WorkItem]:
         """The waiting items to admit now, in fair order, within ``free_sequences`` lanes and
         ``free_kv_tokens`` KV tokens (each item needs ``item.kv_tokens``).
 
         Tenants at their active-sequence cap are passed over (their items stay queued). When the
         next item in fair order does not fit the free KV tokens, popping stops: skipping it for
         smaller ones would starve large requests. Call :meth:`expire` first so that no expired item
-        is admitted. At most ``max_running`` requests are active at once (TPOT bound).
+        is admitted. At most ``max_running`` requests are active at once (TPOT bound), not
+        counting the ``parked`` ones (their client is behind: engine/parking.py).
         """
         if self.max_running is not None:
-            free_sequences = min(free_sequences, self.max_running - len(self._active))
+            free_sequences = min(free_sequences, self.max_running - len(self._active) + parked)
         return self._queue.pop(free_sequences, free_kv_tokens, self._admit)
 
     def remove(self, request_id: int) -> WorkItem | None:

@@ -38,6 +38,7 @@ from calserve.core.model_state import TRANSITIONS, ModelEvent, ModelState, is_lo
 from calserve.engine.batches import JobBuilder
 from calserve.engine.completion import SAMPLE_FAILED, ends, expect, sample
 from calserve.engine.core_stats import CoreState, CoreStatistics, CoreStats, FastStep
+from calserve.engine.parking import Parking
 from calserve.engine.planner import Planner
 from calserve.engine.requests import PREFILL_CLASSES, RequestTable
 from calserve.engine.state import CoreOutput, DeviceJob, JobOutcome, Release, Seq
@@ -65,6 +66,7 @@ class EngineCore:
         self.st = CoreState({e: None for e in engines})
         self.stats = CoreStats()
         self.planner = Planner(cfg, models, self.requests, self.builder, self.st, self.stats)
+        self.parking = Parking(self.requests)  # slots of streams whose client is behind
         self.steps = StepHandler(self.requests, self.st, self.stats,
                                  cfg.scheduler.recovery.max_request_retries)
 
@@ -138,6 +140,7 @@ class EngineCore:
         paused = self.st.paused
         timer = math.inf
         reqs = self.requests
+        self.parking.apply()
         for gen in list(self.models.generations.values()):
             q = reqs.queues(gen)
             reqs.expire(gen, now)

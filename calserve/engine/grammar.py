@@ -19,6 +19,17 @@ grammar may end, and nothing but EOS once it is complete; ``min_tokens`` and ``i
 would make the engine sample past EOS) are refused with a ``response_format`` (``api/convert.py``).
 Whitespace between JSON tokens is not free (``whitespace_flexible`` off unless the schema's own
 ``x-guidance`` says otherwise): a model must not be able to pad its answer forever.
+
+Bounded work (a schema is attacker-chosen, and its compile and every per-token mask run on shared
+paths): before compiling, :func:`check_schema_bounds` refuses a schema nested deeper than
+:data:`MAX_SCHEMA_DEPTH`, with more than :data:`MAX_SCHEMA_NODES` values in all, an object with
+more than :data:`MAX_SCHEMA_PROPERTIES` properties, a list (``enum``, ``required``, ...) of more
+than :data:`MAX_SCHEMA_LIST_ITEMS` items, or ``anyOf``/``oneOf``/``allOf`` nested more than
+:data:`MAX_SCHEMA_COMBINATOR_NESTING` deep (llguidance's compile time grows quadratically with an
+object's optional properties and exponentially with nested alternatives: 1,000 optional properties
+took 0.2 s, 10 nested ``anyOf`` 0.3 s, 5,000 properties 4.7 s). What passes is compiled under
+:data:`LIMITS` (llguidance's own fuel: grammar size, lexer states and fuel, Earley items per mask
+step), so neither the compile nor a mask step can run away; a schema over them is a 400 too.
 """
 
 from __future__ import annotations
@@ -37,10 +48,27 @@ import numpy.typing as npt
 
 from calserve.errors import RequestError
 
-__all__ = ["Grammar", "GrammarState", "compile_response_format", "fill_masks", "grammar_tokenizer"]
+__all__ = ["Grammar", "GrammarState", "compile_response_format", "fill_masks", "grammar_tokenizer",
+           "check_schema_bounds", "LIMITS", "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_NODES",
+           "MAX_SCHEMA_PROPERTIES", "MAX_SCHEMA_LIST_ITEMS", "MAX_SCHEMA_COMBINATOR_NESTING"]
 
 _PARAM: Final = "response_format"
 _JSON_DEFAULTS: Final[Any] = {"whitespace_flexible": False}
+
+#: Bounds on a ``response_format`` schema (module docstring), checked before compiling.
+MAX_SCHEMA_DEPTH: Final = 32  # nesting of objects/arrays in the schema document
+MAX_SCHEMA_NODES: Final = 4096  # every object, array and scalar in it
+MAX_SCHEMA_PROPERTIES: Final = 256  # keys of one ``properties`` (or any one object)
+MAX_SCHEMA_LIST_ITEMS: Final = 1024  # items of one list (``enum``, ``required``, ``anyOf``, ...)
+MAX_SCHEMA_COMBINATOR_NESTING: Final = 6  # anyOf/oneOf/allOf inside one another
+_COMBINATORS: Final = frozenset(("anyOf", "oneOf", "allOf"))
+#: llguidance's resource limits for compiling and for every mask step (defaults in brackets):
+#: grammar symbols 50k [500k], lexer states 50k [250k], initial lexer fuel 1M (~20 ms) [1M], per
+#: mask step lexer fuel 50k (~4 ms) [200k] and Earley items 20k (~1 ms) [50k], a production
+#: row's alternatives 1,000 [2,000].
+LIMITS: Final = llguidance.LLParserLimits(
+    max_grammar_size=50_000, max_lexer_states=50_000, initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=50_000, step_max_items=20_000, max_items_in_row=1_000)
 
 _lock = threading.Lock()
 # tokenizer object -> {vocab size: its LLTokenizer} (building one reads the whole vocabulary: once)
@@ -168,22 +196,58 @@ def _schema_of(rf: Any) -> tuple[str, Any] | None:
     return kind, schema
 
 
+def check_schema_bounds(schema: Any) -> None:
+    """Raise the 400 (``response_format``) of a schema past one of the bounds (module
+    docstring). Iterative: the walk itself is bounded by :data:`MAX_SCHEMA_NODES`."""
+    nodes = 0
+    # (value, depth, combinators around it)
+    todo: list[tuple[Any, int, int]] = [(schema, 1, 0)]
+    while todo:
+        value, depth, comb = todo.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise _bad(f"`response_format` schema is too large: more than {MAX_SCHEMA_NODES}"
+                       " values")
+        if isinstance(value, dict):
+            children: Any = value.items()
+            if len(value) > MAX_SCHEMA_PROPERTIES:
+                raise _bad(f"`response_format` schema has an object with {len(value)} keys"
+                           f" (at most {MAX_SCHEMA_PROPERTIES})")
+        elif isinstance(value, list):
+            children = ((None, v) for v in value)
+            if len(value) > MAX_SCHEMA_LIST_ITEMS:
+                raise _bad(f"`response_format` schema has a list of {len(value)} items"
+                           f" (at most {MAX_SCHEMA_LIST_ITEMS})")
+        else:
+            continue
+        if depth >= MAX_SCHEMA_DEPTH:
+            raise _bad(f"`response_format` schema is nested deeper than {MAX_SCHEMA_DEPTH}"
+                       " levels")
+        for key, child in children:
+            c = comb + 1 if key in _COMBINATORS else comb
+            if c > MAX_SCHEMA_COMBINATOR_NESTING:
+                raise _bad("`response_format` schema nests anyOf/oneOf/allOf more than"
+                           f" {MAX_SCHEMA_COMBINATOR_NESTING} deep")
+            todo.append((child, depth + 1, c))
+
+
 def compile_response_format(rf: Any, tok: Any, vocab: int) -> Grammar | None:
     """The grammar of an OpenAI ``response_format`` (None for text / absent); 400s name it."""
     got = _schema_of(rf)
     if got is None:
         return None
     kind, schema = got
+    check_schema_bounds(schema)
     try:
         text = json.dumps(schema)
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
     except Exception as e:  # ValueError/TypeError for a malformed schema; never a 500
         raise _bad(f"`response_format` has an invalid schema: {str(e)[:500]}") from None
     ll = grammar_tokenizer(tok, vocab)
-    is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll)
+    is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=LIMITS)
     if is_err:
         raise _bad(f"`response_format` schema cannot be enforced: {' '.join(msgs)[:500]}")
-    m = llguidance.LLMatcher(ll, grammar, log_level=0)
+    m = llguidance.LLMatcher(ll, grammar, log_level=0, limits=LIMITS)
     if m.is_error():
         raise _bad(f"`response_format` schema cannot be enforced: {m.get_error()[:500]}")
     return Grammar(kind, schema, m)

@@ -26,6 +26,7 @@ from calserve.core.admission import Outcome, WorkItem
 from calserve.core.model_state import ModelState, accepts_requests
 from calserve.core.prefill import classify
 from calserve.engine.actor import open_actor_inbox, run_actor
+from calserve.engine.park_requests import ParkRequests
 from calserve.engine.sampler import resolve_seed
 from calserve.engine.state import Seq
 from calserve.engine.stream import StreamWriter
@@ -64,6 +65,14 @@ class RequestHandle:
         self.report_unread: Callable[[int, float | None], None] = writer.report_unread
         self.report_written: Callable[[], None] = writer.report_written
         self.wait_given_up: Callable[[], Awaitable[None]] = writer.wait_given_up
+        #: parking while the client is behind (engine/parking.py): ``watch()`` turns it on (the
+        #: consumer reports the socket while parked), ``wait_parked()``, ``parked``.
+        self.watch: Callable[[], None] = writer.parking.watch
+        self.wait_parked: Callable[[], Awaitable[None]] = writer.parking.wait_parked
+
+    @property
+    def parked(self) -> bool:
+        return self._writer.parking.parked
 
     async def events(self) -> AsyncIterator[Event]:
         """TokenEvent* then exactly one FinishEvent or ErrorEvent."""
@@ -148,6 +157,8 @@ class RequestRegistry:
         self.draining: str | None = None  # set by engine.drain: why new requests are refused (503)
         self._ids = itertools.count(1)
         self.live: dict[int, Seq] = {}
+        self._parks = ParkRequests(  # streams whose client is behind (engine/parking.py)
+            self._park, nursery)
         self._empty = trio.Event()
         self._empty.set()
         self.requests_total: collections.Counter[str] = collections.Counter()
@@ -202,7 +213,9 @@ class RequestRegistry:
         writer = StreamWriter(srv.stream_buffer_events, max_bytes=srv.stream_buffer_bytes,
                               grace_s=srv.stream_stall_grace_ms / 1000.0,
                               contended=lambda: bool(waiting),
-                              stall_s=srv.stream_contended_stall_ms / 1000.0, name=rid)
+                              stall_s=srv.stream_contended_stall_ms / 1000.0, name=rid,
+                              park=self._parks.wish(seq),
+                              park_cut_s=srv.stream_parked_cut_ms / 1000.0)
         self.live[rid] = seq
         self._empty = trio.Event()
         self.nursery.start_soon(run_actor, seq, recv, writer, gen.source.tokenizer, self, name=f"request-{rid}")
@@ -210,6 +223,15 @@ class RequestRegistry:
         log.debug("request %d accepted (tenant %s, gen %d)", rid, req.tenant, gen.id,
                   extra={"request_id": rid, "generation": gen.id})
         return RequestHandle(rid, writer, self, gen.fingerprint)
+
+    def _park(self, seq: Seq, park: bool | None, now: float) -> None:
+        """Park / resume ``seq`` (engine/parking.py), then a pass (a freed slot admits); None:
+        its stream was given up while parked, cancel it."""
+        if park is None:
+            self.stop(seq, FinishReason.CANCELLED)
+            return
+        self.core.parking.set(seq, park, now)
+        self.shell.apply(self.core.tick(now))
 
     def cancel(self, request_id: int) -> None:
         """Idempotent; unknown or finished ids are ignored."""

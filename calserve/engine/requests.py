@@ -79,6 +79,8 @@ class GenQueues:
     releases: list[Release] = dataclasses.field(default_factory=list)
     # requests whose KV a fault lost, waiting for the reset to re-prefill them (in order)
     lost: list[Seq] = dataclasses.field(default_factory=list)
+    # decode-ready requests whose client is behind, out of the ready set (engine/parking.py)
+    parked: dict[int, Seq] = dataclasses.field(default_factory=dict)
 
 
 class RequestTable:
@@ -151,6 +153,8 @@ class RequestTable:
         q.waiting.pop(seq.rid, None)
         q.decode_ready.pop(seq.rid, None)
         q.holders.pop(seq.rid, None)
+        if q.parked:
+            q.parked.pop(seq.rid, None)
         if q.lost and seq in q.lost:  # parked for re-admission after a fault (cancel, deadline)
             q.lost.remove(seq)
         if seq.admitted:
@@ -240,7 +244,7 @@ class RequestTable:
         free = kv.free_lanes()  # O(1): statistics() counts every lane's state, once per pass
         if free == 0:
             return
-        for item in gen.admission.pop_admissible(now, free, kv.free_tokens()):
+        for item in gen.admission.pop_admissible(now, free, kv.free_tokens(), len(q.parked)):
             seq = q.waiting.pop(item.request_id)
             seq.admitted_at = now  # popped by admission: released at its end
             lease = gen.kv.reserve(seq.rid, gen.id, min(item.kv_tokens, gen.max_seq))
@@ -276,6 +280,7 @@ class RequestTable:
         seq.state = fire(seq.state, _E.LOST)
         q = self.queues(seq.gen)
         q.decode_ready.pop(seq.rid, None)
+        q.parked.pop(seq.rid, None)
         q.lost.append(seq)
         return True
 

@@ -25,6 +25,18 @@ client that never reads would otherwise pin a lane until ``max_tokens`` and keep
 memory until it disconnects. A read by the consumer (the client took the last write) restarts the
 grace period, unless the client's unread bytes alone are over the bound.
 
+Parking (:mod:`calserve.engine.parking`; only where the HTTP layer watches the stream while it is
+parked, :meth:`~calserve.engine.stream_park.StreamPark.watch`): instead of being given up at
+once while others wait, a stream found behind (any of the three signals above) is *parked*:
+``park(True)`` gives its running slot to a waiting request, and nothing more is produced for it.
+The consumer's watcher keeps reporting the socket (after 10 ms, doubling to every 100 ms:
+``calserve.api.write_watch``); as soon as its client caught up (not stalled, nothing
+over the bound, no write pending) it is resumed (``park(False)``); still stalled ``park_cut_s``
+after it was parked (``server.stream_parked_cut_ms``), it is given up as above (and its request
+stopped: ``park(None)``), whether or not others still wait. So a client that
+reads in bursts is paused while others wait, never cut; a client that does not read costs its
+running slot only until it is first seen behind.
+
 Why coalesce on the consumer's side and build the event lazily: one SSE event costs the server more
 than one token (hypercorn's send path alone is ~30 µs per event on this machine, see
 ``bench/http_floor.py``), so whatever a consumer that fell behind finds buffered goes out as one
@@ -51,6 +63,7 @@ from typing import Any, Final, final
 
 import trio
 
+from calserve.engine.stream_park import StreamPark
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, TokenLogprob
 
 __all__ = ["StreamWriter", "StreamStatistics", "token_bytes"]
@@ -98,18 +111,20 @@ class StreamWriter:
     __slots__ = ("_ids", "_texts", "_lps", "_terminal", "_terminal_delivered", "_abandoned",
                  "_waiter", "_abandoned_event", "_coalesced", "_tokens_put", "_delivered",
                  "_bytes", "_room", "_limit", "_grace", "_full_at", "_overflow", "_overflowed",
-                 "_name", "_contended", "_below", "_stall", "_sending_since")
+                 "_name", "_contended", "_below", "_stall", "_sending_since", "parking")
 
     def __init__(self, max_events: int = 1, *, max_bytes: int = 0, grace_s: float = 0.0,
                  contended: Callable[[], bool] | None = None, stall_s: float = 0.0,
-                 name: object = "?") -> None:
+                 name: object = "?", park: Callable[[bool | None], None] | None = None,
+                 park_cut_s: float = 0.0) -> None:
         # ``max_events`` (config ``server.stream_buffer_events``, kept for compatibility) is the
         # bound on buffered token events; the writer needs only 1 since every pending token goes
         # into one event. ``max_bytes`` (0 = unbounded) and ``grace_s`` bound the backlog in bytes
         # (module docstring), ``contended`` (None: never) cuts the grace short; ``stall_s`` (0 =
         # off; ``server.stream_contended_stall_ms``): while contended, a consumer whose write has
         # not completed this long (at least WRITE_STALL_MIN_S) is given up; ``name`` (the
-        # request id) is for the log line.
+        # request id) is for the log line. ``park`` (None: never) parks / resumes the request once
+        # the consumer watches (module docstring); after ``park_cut_s`` parked it is given up.
         if max_events < 1:
             raise ValueError(f"StreamWriter max_events must be >= 1, got {max_events!r}")
         if max_bytes < 0 or grace_s < 0 or stall_s < 0:
@@ -150,6 +165,8 @@ class StreamWriter:
         # (and always when _stall is 0).
         self._stall = max(stall_s, WRITE_STALL_MIN_S) if stall_s else 0.0
         self._sending_since: float | None = None
+        # Parking (module docstring). Invariant: not parked once abandoned or closed.
+        self.parking = StreamPark(park, park_cut_s)
 
     # ---------------------------------------------------------------- producer side (actor)
     @property
@@ -249,6 +266,8 @@ class StreamWriter:
             contended = self._contended
             if contended is None or not contended():
                 return
+            if self.parking.behind(now):
+                return
             why = "other requests wait for its lane"
         else:
             why = "past the grace period (server.stream_stall_grace_ms)"
@@ -265,12 +284,16 @@ class StreamWriter:
         if now - since < self._stall:
             return
         contended = self._contended
-        if contended is not None and contended():
+        if contended is not None and contended() and not self.parking.behind(now):
             self._cut(now - since, "its last write has not completed while other requests wait"
                       " for its lane (server.stream_contended_stall_ms)")
 
     def _cut(self, stalled_s: float, why: str) -> None:
         """Give up on the consumer (logged once, with why): its next read is the overflow."""
+        since = self.parking.since
+        if since is not None:
+            why += (f"; parked {trio.current_time() - since:.2f} s without catching up"
+                    " (server.stream_parked_cut_ms)")
         backlog = self._bytes + self._limit - self._room
         log.warning(
             "request %s: stream cancelled, its client did not read for %.2f s while %d bytes"
@@ -284,6 +307,7 @@ class StreamWriter:
 
     def _give_up(self) -> None:
         """The consumer is gone (or treated as gone): nothing more is kept for it."""
+        self.parking.give_up()  # a parked request is stopped (no token comes to tell its actor)
         self._abandoned = True
         self._ids, self._texts, self._lps = [], [], None
         self._bytes = self._below = 0
@@ -291,6 +315,7 @@ class StreamWriter:
         self._full_at = self._sending_since = None
         if self._abandoned_event is not None:
             self._abandoned_event.set()
+        self._wake()  # a consumer waiting for tokens gets the end (a cut from a report)
 
     def close(self, terminal: FinishEvent | ErrorEvent) -> None:
         """Deliver the terminal event after the pending tokens. Exactly once: a second call raises."""
@@ -299,6 +324,7 @@ class StreamWriter:
         if not isinstance(terminal, (FinishEvent, ErrorEvent)):
             raise TypeError(f"StreamWriter.close takes a FinishEvent or ErrorEvent, got {type(terminal).__name__}")
         self._terminal = terminal
+        self.parking.drop()
         self._wake()
 
     # ---------------------------------------------------------------- consumer side (HTTP)
@@ -309,24 +335,33 @@ class StreamWriter:
         buffers full is as far behind as one whose tokens wait here. ``stalled_for`` (None: not
         stalled): the client has not caught up for that long, past the consumer's stall
         threshold (``server.stream_contended_stall_ms``) — while other requests wait for its
-        lane, that alone gives it up, however few bytes it left. Checks at once (a stream
-        others wait for is given up now, not at its next token)."""
+        lane, that alone parks it (where the consumer watches: module docstring) or gives it
+        up, however few bytes it left. Checks at once (a stream others wait for is parked or
+        given up now, not at its next token); a parked stream is resumed by a report that shows
+        its client caught up (whether or not others still wait), and given up by one that shows
+        it still stalled ``park_cut_s`` after it was parked."""
         if self._abandoned or self._terminal is not None:
             return
         self._room += self._below - n
         self._below = n
-        if stalled_for is not None and self._contended is not None and self._contended():
-            self._cut(stalled_for, "other requests wait for its lane (server."
-                      "stream_contended_stall_ms)")
+        if stalled_for is not None and n and (
+                self.parking.parked or (self._contended is not None and self._contended())):
+            if not self.parking.behind(trio.current_time()):
+                self._cut(stalled_for, "other requests wait for its lane (server."
+                          "stream_contended_stall_ms)")
             return
         if self._bytes > self._room:
             self._over_bound()
         else:
             self._full_at = None
+            if self._sending_since is None:
+                self.parking.resume()  # it caught up (if parked)
 
     def report_written(self) -> None:
-        """The consumer's write of what it took last has completed (the write stall ends)."""
+        """The consumer's write of what it took last has completed (the write stall ends; what
+        it took is the socket's now: :meth:`report_unread`)."""
         self._sending_since = None
+        self._room = self._limit - self._below
 
     async def _wait_ready(self) -> bool:
         """Wait until something can be delivered; False when the stream is over for the consumer.

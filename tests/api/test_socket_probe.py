@@ -100,6 +100,62 @@ def test_a_reader_shows_nothing_unread() -> None:
         t.join(2)
 
 
+def test_coalesced_writes_show_a_never_reader_within_a_few_writes() -> None:
+    """Writes of ~20 KB (14 coalesced logprob tokens, as a busy server sends them, TCP_NODELAY
+    as hypercorn's): the receiver's window first grows (65 -> 106 KB here), then its right edge
+    stops moving; the probe sees the client behind at the first write its window did not make
+    room for, long before the kernel's buffers are full (~200 KB)."""
+    server, client = _pair()
+    server.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        probe = SocketProbe(server, stall_s=0.005)
+        big = b"x" * 20000
+        sent, first = 0, None
+        for i in range(12):
+            _, stalled = probe.sample(i * 0.02)
+            if stalled is not None and first is None:
+                first = sent
+            try:
+                sent += server.send(big)
+            except BlockingIOError:
+                pass
+            time.sleep(0.02)  # a write per 20 ms (the receiver's delayed ACKs come meanwhile)
+        assert first is not None and first <= 100000, first
+    finally:
+        server.close()
+        client.close()
+
+
+def test_a_reader_in_bursts_is_seen_caught_up_after_each_burst() -> None:
+    """A client that reads everything every 100 ms: behind in between (a never-reader looks the
+    same for that long), caught up at the first sample after each read: what resumes a parked
+    stream (the watcher's comment makes the client acknowledge with its window open again)."""
+    server, client = _pair()
+    server.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    client.setblocking(False)
+    try:
+        probe = SocketProbe(server, stall_s=0.005)
+        t = 0.0
+        for burst in range(8):
+            for _ in range(15):  # 15 writes of 1.4 KB before the client reads
+                probe.sample(t)
+                server.send(CHUNK)
+                t += 0.005
+                time.sleep(0.001)
+            while True:  # the client reads it all
+                try:
+                    if not client.recv(1 << 20):
+                        break
+                except BlockingIOError:
+                    break
+            server.send(b":")  # the watcher's comment
+            time.sleep(0.005)
+            assert probe.sample(t)[1] is None, burst
+    finally:
+        server.close()
+        client.close()
+
+
 def test_no_estimate_without_tcp() -> None:
     a, b = socket.socketpair()
     try:

@@ -69,3 +69,77 @@ async def test_cancelled_with_the_handler_closes_nothing(autojump_clock: trio.te
         async with trio.open_nursery() as n:
             n.start_soon(close_later, lambda: closed.append(2))
     assert closed == [2]
+
+
+class _ParkedHandle:
+    """A stream's handle as the watcher sees it: parked while ``parked``; what it was told."""
+
+    def __init__(self) -> None:
+        self.parked = False
+        self.watched = False
+        self.reports: list[tuple[float, int, float | None]] = []
+        self._event = trio.Event()
+
+    def watch(self) -> None:
+        self.watched = True
+
+    async def wait_parked(self) -> None:
+        while not self.parked:
+            await self._event.wait()
+            self._event = trio.Event()
+
+    def park(self) -> None:
+        self.parked = True
+        self._event.set()
+
+    def report_unread(self, n: int, stalled: float | None) -> None:
+        self.reports.append((trio.current_time(), n, stalled))
+
+
+async def test_a_parked_stream_is_polled_and_nudged_never_during_a_write(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """While parked: the socket's figure is reported at POLL_S, doubling up to POLL_MAX_S, and an
+    SSE comment is written after each look unless a write is under way; the stream's own write
+    waits for a comment being written (one write at a time)."""
+    from calserve.api.write_watch import NUDGE_BODY, POLL_MAX_S, POLL_S
+
+    sent: list[tuple[float, bytes]] = []
+    busy = [0]
+
+    async def send(message: dict[str, Any]) -> None:
+        busy[0] += 1
+        assert busy[0] == 1, "two writes at once"
+        sent.append((trio.current_time(), message.get("body", b"")))
+        await trio.sleep(0.002 if message.get("body") == NUDGE_BODY else 0.3)
+        busy[0] -= 1
+
+    h = _ParkedHandle()
+    watch = WriteWatch(lambda: None, timeout_s=30.0)
+    out = watch.wrap(send)
+    async with trio.open_nursery() as n:
+        n.start_soon(watch.watch_parked, h, lambda: (123, 0.05))
+        await trio.sleep(1.0)
+        assert h.watched and not h.reports  # not parked: nothing looked at
+        t0 = trio.current_time()
+        h.park()
+        await trio.sleep(0.5)
+        h.parked = False
+        times = [t - t0 for t, _, _ in h.reports]
+        expect, t, poll = [], 0.0, POLL_S
+        while t + poll <= 0.5 + 1e-9:
+            t += poll
+            expect.append(t)
+            poll = min(2 * poll, POLL_MAX_S)
+        assert [round(x, 6) for x in times] == [round(x, 6) for x in expect]
+        assert all(r[1:] == (123, 0.05) for r in h.reports)
+        nudges = [s for s in sent if s[1] == NUDGE_BODY]
+        assert len(nudges) == len(expect)
+        # A long write of the stream: no comment while it is under way.
+        h.park()
+        await out({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+        await trio.sleep(0.05)
+        h.parked = False
+        await trio.sleep(0.2)
+        n.cancel_scope.cancel()
+    w_at = next(t for t, b in sent if b == b"data: x\n\n")
+    assert not [t for t, b in sent if b == NUDGE_BODY and w_at < t < w_at + 0.3]

@@ -3,12 +3,14 @@
 
 - 60 clients that never read a logprob-heavy stream (chat, 20 top logprobs, ~1.4 KB per token on
   the wire) cost bounded memory. Each is found out on its socket once its TCP receive window stops
-  reopening and, while others wait for admission, cancelled server.stream_contended_stall_ms
-  after (before: only once the kernels' socket buffers, ~140 KB, and server.stream_buffer_bytes
-  were full), which frees its lane; its connection is closed 1 s later. With one tenant a normal
-  request still queues behind them in FIFO order, on later waves too (both launchers); as another
-  tenant (the only config: API keys) it gets the next lane. A client reading a logprob stream
-  beside them is never cut.
+  reopening and, while others wait for admission, parked server.stream_contended_stall_ms after
+  (its running slot goes to the next request; before: only once the kernels' socket buffers,
+  ~140 KB, and server.stream_buffer_bytes were full), then cancelled after
+  server.stream_parked_cut_ms parked, which frees its lane; its connection is closed 1 s later.
+  With one tenant a normal request queues behind them in FIFO order and is still answered
+  within 3 s, on later waves too (both launchers); as another tenant (the only config: API
+  keys) it gets the next lane. Clients reading a logprob stream beside them, as it comes or in
+  bursts every 100 ms, are never cut. A never-reading n = 4 stream is cut like a single one.
 - ~1 MiB prompts (and a 500k-character /tokenize) arriving while a stream runs are refused before
   tokenizing: the stream's largest inter-token gap stays small.
 """
@@ -16,6 +18,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,13 +90,38 @@ def _reading_stream(url: str, headers: dict[str, str]) -> tuple[int, bool, bool]
     return r.status_code, b"data: [DONE]" in tail, b"client_too_slow" in tail
 
 
+def _bursty_stream(port: int, period: float = 0.1) -> tuple[int, bool, bool]:
+    """A client that reads a 20-logprob stream in bursts: every ``period`` s whatever arrived
+    (it is behind for up to that long each time): (status, ended with [DONE], cut as too slow)."""
+    body = json.dumps({**_NEVER_BODY, "max_tokens": 200}).encode()
+    buf = b""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(_raw_request("/v1/chat/completions", json.loads(body), None))
+        s.setblocking(False)
+        deadline = time.monotonic() + 120
+        eof = False
+        while not eof and time.monotonic() < deadline:
+            time.sleep(period)
+            try:
+                while data := s.recv(1 << 20):
+                    buf += data
+                else:
+                    eof = True
+            except BlockingIOError:
+                pass
+            if buf.startswith(b"HTTP/1.1 429") or buf.endswith(b"\r\n0\r\n\r\n"):
+                break
+    status = int(buf.split(b" ", 2)[1]) if buf else 0
+    return status, b"data: [DONE]" in buf[-400:], b"client_too_slow" in buf
+
+
 async def _never_readers(server: ServerProcess, key: str | None, report: dict[str, float],
                          normal_key: str | None, reader: bool = False,
                          body: dict[str, object] = _NEVER_BODY) -> None:
     """Open NEVER_READERS streams that are never read, then a normal request beside them (and,
-    with ``reader``, a client reading a logprob stream); keep the sockets open (unread) until the
-    server is idle again: every one of them was answered (429) or cancelled, its lane freed.
-    Fills ``report``."""
+    with ``reader``, a client reading a logprob stream as it comes and one reading it in bursts
+    every 100 ms); keep the sockets open (unread) until the server is idle again: every one of
+    them was answered (429) or cancelled, its lane freed. Fills ``report``."""
     assert server.port is not None
     base = rss_mib(server)
     peak = base
@@ -120,6 +149,7 @@ async def _never_readers(server: ServerProcess, key: str | None, report: dict[st
         async with trio.open_nursery() as n:
             got: list[tuple[int, float]] = []
             read: list[tuple[int, bool, bool]] = []
+            bursty: list[tuple[int, bool, bool]] = []
 
             async def run_normal() -> None:
                 got.append(await trio.to_thread.run_sync(normal))
@@ -127,20 +157,27 @@ async def _never_readers(server: ServerProcess, key: str | None, report: dict[st
             async def run_reader() -> None:
                 read.append(await trio.to_thread.run_sync(_reading_stream, server.url, headers))
 
+            async def run_bursty() -> None:
+                port = server.port
+                assert port is not None
+                bursty.append(await trio.to_thread.run_sync(_bursty_stream, port))
+
             if reader:
                 n.start_soon(run_reader)
+                n.start_soon(run_bursty)
             n.start_soon(run_normal)
             # Meanwhile and after: RSS, until every never-reader's request is over.
             with trio.fail_after(90):
                 while True:
                     peak = max(peak, rss_mib(server))
-                    if (got and len(read) == int(reader)
+                    if (got and len(read) == len(bursty) == int(reader)
                             and not _busy(await trio.to_thread.run_sync(scrape, server.url))):
                         break
                     await trio.sleep(0.1)
         report["normal_status"], report["normal_s"] = got[0]
         if read:
             report["reader_status"], report["reader_done"], report["reader_cut"] = read[0]
+            report["bursty_status"], report["bursty_done"], report["bursty_cut"] = bursty[0]
         m = await trio.to_thread.run_sync(scrape, server.url)
         report["cancelled_total"] = value(m, "calserve_requests_finished_total",
                                           outcome="cancelled")
@@ -248,11 +285,16 @@ async def test_a_normal_client_beside_60_never_readers_is_answered_within_3s(
 
 WAVES = 3
 MAX_WAVES = 6
-# The issue's target is 3 s; measured 0.6-3.3 s here on a 2-core VM at load 7-9 (before: 12.3 s on
-# a second wave). Each never-reader still costs the ~40 tokens the kernel hides (README "Per-request
-# limits and slow readers"), so 60 in FIFO order cost ~2.4 s of device time at B1: the bound
-# asserted leaves room for a loaded CI host.
-NORMAL_LIMIT_S = 6.0
+# The issue's target. Measured 1.0-2.3 s on later waves here (2 cores, load 5-8); each never-reader
+# costs its running slot only until it is first seen behind (parked: engine/parking.py), ~27
+# logprob tokens the kernel hides, computed on the same CPUs (the software runtime).
+NORMAL_LIMIT_S = 3.0
+
+
+def normal_limit_s() -> float:
+    """NORMAL_LIMIT_S, scaled up only on an oversubscribed host (1-minute load average above twice
+    the CPUs: the full suite beside other builds measured 3.6 s at load ~8 on 2 cores)."""
+    return NORMAL_LIMIT_S * max(1.0, os.getloadavg()[0] / (2 * (os.cpu_count() or 1)))
 
 
 @pytest.mark.timeout(300)
@@ -261,13 +303,17 @@ async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_wave
         launcher: str, request: pytest.FixtureRequest) -> None:
     """Pure single-tenant defaults, both launchers, wave after wave of 60 never-reading
     20-logprob streams (1,000 max tokens: admission lets all of them queue once it has seen how
-    early such streams end) with a normal request, and a client reading a logprob stream, beside
-    each wave. Every never-reader is found out on its socket (its TCP receive window stops
-    reopening) and cancelled ~50 ms after, while others wait (server.stream_contended_stall_ms),
-    so the FIFO queue ahead of the normal request drains in ~2 s; before, each held its lane
-    until ~200 KB had filled the kernels' buffers (12.3 s on a second wave). The reading client
-    is never cut. Each cancelled never-reader's connection is closed CUT_CLOSE_S after (it
-    stayed open until the client left)."""
+    early such streams end) with a normal request, a client reading a logprob stream and one
+    reading it in bursts every 100 ms beside each wave. Every never-reader is found out on its
+    socket (its TCP receive window stops reopening) and parked 25 ms after while others wait
+    (server.stream_contended_stall_ms): its running slot goes to the next request at once, and
+    it is cancelled once parked server.stream_parked_cut_ms (1 s) without catching up. So the
+    FIFO queue ahead of the normal request drains within 3 s; before parking, the bursty reader
+    was cut (it is behind for up to 100 ms each time) and before the socket probe each
+    never-reader held its lane until ~200 KB had filled the kernels' buffers (12.3 s on a second
+    wave). Neither reader is ever cut (the bursty one is paused while parked). Each cancelled
+    never-reader's connection is closed CUT_CLOSE_S after (it stayed open until the client
+    left)."""
     server: ServerProcess = request.getfixturevalue(
         "serve_server" if launcher == "serve" else "default_server")
     body = {**_NEVER_BODY, "max_tokens": 1000}
@@ -275,6 +321,7 @@ async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_wave
     for wave in range(MAX_WAVES):
         report: dict[str, float] = {}
         await _never_readers(server, None, report, None, reader=True, body=body)
+        report["limit_s"] = normal_limit_s()
         print(f"{launcher} wave {wave + 1}:", report)
         reports.append(report)
         if wave + 1 >= WAVES and any(r["normal_status"] == 200 for r in reports[1:]):
@@ -282,10 +329,13 @@ async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_wave
     for r in reports:
         assert r["normal_status"] in (200, 429), r  # 429: admission's own estimate
         if r["normal_status"] == 200:
-            assert r["normal_s"] < NORMAL_LIMIT_S, reports
+            assert r["normal_s"] < r["limit_s"], reports
         assert r["reader_status"] in (200, 429), r
         if r["reader_status"] == 200:
             assert r["reader_done"] and not r["reader_cut"], r
+        assert r["bursty_status"] in (200, 429), r
+        if r["bursty_status"] == 200:
+            assert r["bursty_done"] and not r["bursty_cut"], r
         assert r["rss_growth_mib"] < RSS_GROWTH_LIMIT_MIB, r
         # A never-reader's connection is closed once its stream was cancelled (it stayed open
         # until the client left), on both launchers.
@@ -294,6 +344,84 @@ async def test_one_tenant_a_normal_request_beside_60_never_readers_on_later_wave
     cancelled = [r["cancelled_total"] for r in reports]
     assert all(b > a for a, b in zip(cancelled, cancelled[1:])), reports
     assert "server.stream_contended_stall_ms" in server.stderr
+
+
+async def test_normal_readers_at_saturation_are_never_cut(serve_server: ServerProcess) -> None:
+    """Only legitimate clients, more than the running slots (3): 10 reading 20-logprob streams as
+    data arrives and 3 reading them in bursts every 100 ms, all at once (requests wait for
+    admission the whole time, so every stall rule is armed): every one ends with [DONE], none is
+    cut; the bursty ones may be parked meanwhile."""
+    server = serve_server
+    assert server.port is not None
+    port = server.port
+    before = value(scrape(server.url), "calserve_requests_finished_total", outcome="cancelled")
+    results: list[tuple[int, bool, bool]] = []
+
+    async def reading() -> None:
+        results.append(await trio.to_thread.run_sync(_reading_stream, server.url, {}))
+
+    async def in_bursts() -> None:
+        results.append(await trio.to_thread.run_sync(_bursty_stream, port))
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as n:
+            for _ in range(10):
+                n.start_soon(reading)
+            for _ in range(3):
+                n.start_soon(in_bursts)
+    cancelled = value(scrape(server.url), "calserve_requests_finished_total",
+                      outcome="cancelled") - before
+    print("readers at saturation (status, done, cut):", sorted(results),
+          [ln for ln in server.lines[-200:] if "stream cancelled" in ln])
+    assert len(results) == 13 and cancelled == 0
+    assert all(st == 429 or (done and not cut) for st, done, cut in results), results
+    assert sum(st == 200 for st, _, _ in results) >= 10, results
+
+
+async def test_a_never_reading_n4_stream_is_cut_like_a_single_one(
+        serve_server: ServerProcess) -> None:
+    """One connection, n = 4 choices, never read: every choice's pump reports the connection's
+    socket probe, so (4 choices for 3 running slots: the 4th waits) each is parked and cut within
+    ~1 s like a single stream, and the connection is closed CUT_CLOSE_S after; before, n > 1
+    streams had no probe and no write watch: cut by the engine-side bound, their connection
+    stayed open until the keep-alive timeout (10 s). A normal request afterwards is answered."""
+    server = serve_server
+    assert server.port is not None
+    before = value(scrape(server.url), "calserve_requests_finished_total", outcome="cancelled")
+    body = {**_NEVER_BODY, "n": 4, "max_tokens": 2000}
+    t0 = time.monotonic()
+    s = await trio.open_tcp_stream("127.0.0.1", server.port)
+    try:
+        await s.send_all(_raw_request("/v1/chat/completions", body, None))
+        with trio.fail_after(30):
+            while True:
+                m = await trio.to_thread.run_sync(scrape, server.url)
+                if not _busy(m):
+                    break
+                await trio.sleep(0.05)
+        ended_s = time.monotonic() - t0
+        cancelled = value(m, "calserve_requests_finished_total", outcome="cancelled") - before
+        # The connection is closed by the server (what it wrote, then EOF or a reset).
+        eof = False
+        tail = b""
+        # (well inside the keep-alive timeout, 10 s, which closes an idle connection anyway)
+        with trio.move_on_after(CUT_CLOSE_S + 3):
+            try:
+                while data := await s.receive_some(1 << 20):
+                    tail = (tail + data)[-2000:]
+                eof = True
+            except trio.BrokenResourceError:
+                eof = True
+        closed_s = time.monotonic() - t0
+    finally:
+        await s.aclose()
+    print(f"n=4 never-reader: all choices ended after {ended_s:.2f} s, {cancelled} cancelled,"
+          f" closed {eof} after {closed_s:.2f} s")
+    assert cancelled == 4 and ended_s < 5.0
+    assert eof and b"client_too_slow" in tail and b"[DONE]" not in tail
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": "qwen3", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
 
 
 async def test_megabyte_prompts_do_not_stall_a_running_stream(

@@ -136,3 +136,24 @@ def test_masks_of_a_batch_are_computed_together_and_per_lane(tok: Tokenizer) -> 
              for i in range(4)]
     both = sample_batch(x, lanes).tokens.tolist()
     assert both == [int(sample_batch(x[i:i + 1], [lanes[i]]).tokens[0]) for i in range(4)]
+
+
+def test_schemas_at_the_size_bounds_compile_in_bounded_time_and_past_them_are_refused(
+        tok: Tokenizer) -> None:
+    """engine/grammar.py's schema bounds on the demo tokenizer: each schema at a bound compiles
+    (under llguidance's LIMITS) in well under a second; one past it is a RequestError naming
+    response_format, refused before compiling (in milliseconds, where compiling took seconds)."""
+    import time
+
+    from tests.api.test_bounds import SCHEMAS_AT_BOUNDS, SCHEMAS_PAST_BOUNDS
+
+    for f in SCHEMAS_AT_BOUNDS:
+        t = time.monotonic()
+        assert compile_response_format(f, tok, tok.vocab_size) is not None
+        assert time.monotonic() - t < 1.0, f
+    for f in SCHEMAS_PAST_BOUNDS:
+        t = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            compile_response_format(f, tok, tok.vocab_size)
+        assert e.value.param == "response_format"
+        assert time.monotonic() - t < 0.1, f
