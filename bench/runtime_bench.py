@@ -5,11 +5,19 @@ Run: ``.venv/bin/python bench/runtime_bench.py [--steps 16] [--package PKG]``. P
 batch size (timing ``none``: the kernels' own speed), the speed-up over :class:`ReferenceModel` (numpy,
 one sequence) and the B16 step cost vs 16x the B1 step, all in one run. Not a test: figures depend on
 the machine and its load (the kernels use ``CALRT_SIM_THREADS`` worker threads, default: every CPU).
+
+``--llama-cpp GGUF [--llama-python PY]``: llama.cpp's single-stream decode rate on the same weights
+beside it (llama-cpp-python, run by the interpreter PY in a subprocess, 1 and 2 threads), interleaved
+with the calrt-sim runs round by round (``--rounds``), best of each, and the ratios: one run on one
+box, both sides under the same load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -61,12 +69,44 @@ def bench_reference(w: dict, steps: int, cfg: ModelConfig = CFG) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+# Run by the llama.cpp interpreter: greedy decode `steps` tokens after a short prompt, best of `reps`.
+LLAMA_CPP = """
+import json, sys, time
+import llama_cpp
+path, threads, steps, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512,
+                      n_batch=64, verbose=False)
+prompt = llm.tokenize(b"Once upon a time, there was", add_bos=False)
+best = 0.0
+for _ in range(reps + 1):  # the first round warms up
+    llm.reset()
+    llm.eval(prompt)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.eval([llm.sample(temp=0.0)])
+    best = max(best, steps / (time.perf_counter() - t0))
+print(json.dumps({"tok_s": best}))
+"""
+
+
+def bench_llama_cpp(python: str, gguf: str, threads: int, steps: int, reps: int) -> float:
+    """llama.cpp's B1 decode tokens/s (best of ``reps``) with ``threads`` threads."""
+    out = subprocess.run([python, "-c", LLAMA_CPP, gguf, str(threads), str(steps), str(reps)],
+                         check=True, capture_output=True, text=True, timeout=600).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["tok_s"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--package", metavar="PKG", help="bench this package's model (dev-key signed)")
     ap.add_argument("--no-reference", action="store_true", help="skip the numpy reference")
     ap.add_argument("--reps", type=int, default=3, help="best of REPS runs per batch size")
+    ap.add_argument("--llama-cpp", metavar="GGUF", help="also time llama.cpp on this GGUF (same weights)")
+    ap.add_argument("--llama-python", metavar="PY", default=sys.executable,
+                    help="interpreter with llama-cpp-python (default: this one)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved rounds of calrt-sim and llama.cpp runs (best of all rounds)")
     args = ap.parse_args()
     cfg = CFG
     if args.package:
@@ -84,14 +124,25 @@ def main() -> None:
     ref = None if args.no_reference else bench_reference(w, max(4, args.steps // 2), cfg)
     if ref is not None:
         print(f"numpy reference B1: {ref * 1e3:8.2f} ms/step  {1 / ref:8.1f} tok/s")
+    per = {b: float("inf") for b in (1, 4, 16)}
+    lcp = {t: 0.0 for t in ((1, 2) if args.llama_cpp else ())}
     with Device.open("sim-next", dram_bytes=16 << 30) as dev:
-        per = {b: bench_batch(dev, w, b, args.steps, cfg, args.reps) for b in (1, 4, 16)}
+        for _ in range(max(1, args.rounds)):
+            for b in per:
+                per[b] = min(per[b], bench_batch(dev, w, b, args.steps, cfg, args.reps))
+            for t in lcp:
+                lcp[t] = max(lcp[t], bench_llama_cpp(args.llama_python, args.llama_cpp, t, 2 * args.steps,
+                                                     args.reps))
     for b, s in per.items():
         vs = "" if ref is None else f"  speed-up vs numpy {b / s * ref:6.1f}x"
         print(f"calrt-sim B{b:<2}: {s * 1e3:8.2f} ms/step  {b / s:8.1f} tok/s{vs}")
     print(f"B16 step = {per[16] / per[1]:.2f} x B1 step (vs 16x if lanes were run one by one); "
           f"B16 costs {per[16] / (16 * per[1]) * 100:.0f}% of 16 B1 steps; "
           f"B16 aggregate = {16 * per[1] / per[16]:.1f} x B1 tok/s")
+    for t, tps in lcp.items():
+        print(f"llama.cpp B1 ({t} thread{'s' if t > 1 else ''}): {1e3 / tps:8.2f} ms/step  {tps:8.1f} tok/s;"
+              f"  calrt-sim B1 / llama.cpp = {1 / per[1] / tps:.2f}x,  calrt-sim B16 / llama.cpp ="
+              f" {16 / per[16] / tps:.1f}x")
 
 
 if __name__ == "__main__":
