@@ -44,12 +44,25 @@ typedef struct mm_op {
 typedef struct mm_region {
   mm_op op[3];
   int n_ops;
+  int glu; /* op[0] gate, op[1] up (same shape): a task computes both chunks, then gate = silu(gate) * up */
   sim_isa_id isa;
 } mm_region;
 
 static void mm_task(void *ctx, int task, int worker) {
   (void)worker;
   const mm_region *g = ctx;
+  if (g->glu) {
+    const mm_op *ga = &g->op[0], *up = &g->op[1];
+    const int o0 = task * ga->chunk, o1 = o0 + ga->chunk < ga->out ? o0 + ga->chunk : ga->out;
+    sim_matmul_range_isa(g->isa, ga->W, ga->out, ga->in, ga->X, ga->R, ga->Y, o0, o1);
+    sim_matmul_range_isa(g->isa, up->W, up->out, up->in, up->X, up->R, up->Y, o0, o1);
+    for (int r = 0; r < ga->R; r++) {
+      float *gr = ga->Y + (size_t)r * ga->out;
+      const float *ur = up->Y + (size_t)r * up->out;
+      for (int o = o0; o < o1; o++) gr[o] = (gr[o] / (1.0f + expf(-gr[o]))) * ur[o];
+    }
+    return;
+  }
   int i = g->n_ops - 1;
   while (i > 0 && task < g->op[i].first_task) i--;
   const mm_op *op = &g->op[i];
@@ -79,8 +92,9 @@ static void matmuls(sim_pool *pool, mm_region *g) {
     chunk = (chunk + 23) / 24 * 24; /* whole tiles of every path (8 or 6 or 4 rows) */
     op->chunk = chunk;
     op->first_task = tasks;
-    tasks += (op->out + chunk - 1) / chunk;
+    if (!g->glu || i == 0) tasks += (op->out + chunk - 1) / chunk;
   }
+  if (g->glu) g->op[1].chunk = g->op[0].chunk;
   if (threads > 1 && work >= SIM_PARALLEL_MIN) sim_pool_run(pool, mm_task, g, tasks);
   else
     for (int t = 0; t < tasks; t++) mm_task(g, t, 0);
@@ -136,7 +150,8 @@ typedef struct row_info {
 } row_info;
 
 /* q . k over head_dim with the same fixed 8-lane order as the matmuls (per row: batch-invariant). */
-static inline float dot(const float *restrict a, const float *restrict b, int n) {
+static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b,
+                                                      int n) {
   v8f acc = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int n8 = n & ~7;
   for (int i = 0; i < n8; i += 8) acc += ld8(a + i) * ld8(b + i);
@@ -145,57 +160,85 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
   return s;
 }
 
-/* Causal attention of one (row, head) over its own sequence, positions [0, pos]: a task of the
- * attention region. Each worker has its own score and K-row scratch. */
+/* Causal attention of one (row, KV head) over its own sequence, positions [0, pos], for the `group`
+ * query heads that share that KV head (each K/V row is read once for all of them): a task of the
+ * attention region. Per query head the operations and their order are those of attending alone
+ * (scores s = 0..pos, max, exp and sum in order, the weighted V sum in order of s), whatever the
+ * grouping or the code path below. Each worker has its own score and K/V-row scratch. */
 typedef struct attn_region {
   const calrt_calbin *cb;
   const row_info *rows;
   const float *q;
   float *att;
-  float *scratch; /* [threads][S + D] */
+  float *scratch; /* [threads][group * S + 2 * D + 2 * group] */
   int L, H, KVH, D, S, group, bf16;
   float scale;
+  sim_isa_id isa;
 } attn_region;
 
-static void attn_task(void *ctx, int task, int worker) {
-  const attn_region *a = ctx;
-  const int r = task / a->H, hh = task % a->H, D = a->D, S = a->S;
-  float *sc = a->scratch + (size_t)worker * (size_t)(S + D), *kr = sc + S;
+static inline __attribute__((always_inline)) const float *kv_row(const attn_region *a, const sim_seq *sq,
+                                                                 size_t base, int s, float *buf) {
+  if (!a->bf16) return (const float *)sq->kv + base + (size_t)s * a->D;
+  const uint16_t *b = (const uint16_t *)sq->kv + base + (size_t)s * a->D;
+  for (int d = 0; d < a->D; d++) buf[d] = bf16_to_f32(b[d]);
+  return buf;
+}
+
+static inline __attribute__((always_inline)) void attn_body(const attn_region *a, int task, int worker) {
+  const int r = task / a->KVH, kh = task % a->KVH, D = a->D, S = a->S, G = a->group;
+  float *sc = a->scratch + (size_t)worker * ((size_t)G * S + 2 * (size_t)D + 2 * (size_t)G);
+  float *kr = sc + (size_t)G * S, *vr = kr + D, *mx = vr + D, *sum = mx + G;
   const sim_seq *sq = &a->cb->seqs[a->rows[r].seq];
-  const int n = a->rows[r].pos + 1, kh = hh / a->group;
-  const float *qh = a->q + ((size_t)r * a->H + hh) * D;
+  const int n = a->rows[r].pos + 1;
+  const float *q0 = a->q + ((size_t)r * a->H + (size_t)kh * G) * D;
+  float *a0 = a->att + ((size_t)r * a->H + (size_t)kh * G) * D;
   const size_t kbase = (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * D;
   const size_t vbase = (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * D;
-  float mx = -INFINITY;
+  for (int g = 0; g < G; g++) mx[g] = -INFINITY;
   for (int s = 0; s < n; s++) {
-    const float *ks;
-    if (a->bf16) {
-      const uint16_t *kb = (const uint16_t *)sq->kv + kbase + (size_t)s * D;
-      for (int d = 0; d < D; d++) kr[d] = bf16_to_f32(kb[d]);
-      ks = kr;
-    } else {
-      ks = (const float *)sq->kv + kbase + (size_t)s * D;
+    const float *ks = kv_row(a, sq, kbase, s, kr);
+    for (int g = 0; g < G; g++) {
+      const float v = dot(q0 + (size_t)g * D, ks, D) / a->scale;
+      sc[(size_t)g * S + s] = v;
+      if (v > mx[g]) mx[g] = v;
     }
-    sc[s] = dot(qh, ks, D) / a->scale;
-    if (sc[s] > mx) mx = sc[s];
   }
-  float sum = 0.f;
-  for (int s = 0; s < n; s++) {
-    sc[s] = expf(sc[s] - mx);
-    sum += sc[s];
+  for (int g = 0; g < G; g++) {
+    float *sg = sc + (size_t)g * S, t = 0.f;
+    for (int s = 0; s < n; s++) {
+      sg[s] = expf(sg[s] - mx[g]);
+      t += sg[s];
+    }
+    sum[g] = t;
+    for (int d = 0; d < D; d++) a0[(size_t)g * D + d] = 0.f;
   }
-  float *ah = a->att + ((size_t)r * a->H + hh) * D;
-  for (int d = 0; d < D; d++) ah[d] = 0.f;
   for (int s = 0; s < n; s++) {
-    const float p = sc[s] / sum;
-    if (a->bf16) {
-      const uint16_t *vb = (const uint16_t *)sq->kv + vbase + (size_t)s * D;
-      for (int d = 0; d < D; d++) ah[d] += p * bf16_to_f32(vb[d]);
-    } else {
-      const float *vs = (const float *)sq->kv + vbase + (size_t)s * D;
+    const float *vs = kv_row(a, sq, vbase, s, vr);
+    for (int g = 0; g < G; g++) {
+      const float p = sc[(size_t)g * S + s] / sum[g];
+      float *ah = a0 + (size_t)g * D;
       for (int d = 0; d < D; d++) ah[d] += p * vs[d];
     }
   }
+}
+
+static void attn_default(const attn_region *a, int task, int worker) { attn_body(a, task, worker); }
+#if defined(__x86_64__) && defined(__GNUC__)
+/* The same operations in AVX registers (elementwise products and sums, v8f dots: no reordering). */
+__attribute__((target("avx2"))) static void attn_avx2(const attn_region *a, int task, int worker) {
+  attn_body(a, task, worker);
+}
+#endif
+
+static void attn_task(void *ctx, int task, int worker) {
+  const attn_region *a = ctx;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (a->isa != SIM_ISA_DEFAULT) {
+    attn_avx2(a, task, worker);
+    return;
+  }
+#endif
+  attn_default(a, task, worker);
 }
 
 /* A job's buffers up to this size are kept by the engine's pool for the next job (every decode step
@@ -223,7 +266,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const size_t Rm = (size_t)(rows_max > 0 ? rows_max : 1), threads = (size_t)sim_pool_threads(pool);
   const size_t n_of[] = {
       (sizeof(row_info) * Rm + 3) / 4, Rm * h, Rm * h, Rm * H * D, Rm * KVH * D, Rm * KVH * D, Rm * H * D, Rm * h,
-      Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)S + (size_t)D),
+      Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)group * S + 2 * (size_t)D + 2 * (size_t)group),
       (job->kind == JOB_PREFILL ? 1 : Rm) * V};
   enum { B_ROWS, B_X, B_HN, B_Q, B_K, B_V, B_ATT, B_O, B_G, B_U, B_CS, B_SN, B_SCRATCH, B_LG, B_N };
   size_t off[B_N + 1];
@@ -262,7 +305,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
       sn[(size_t)r * (D / 2) + i] = (float)sin(f);
     }
   }
-  attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, sqrtf((float)D)};
+  attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, sqrtf((float)D), sim_isa()};
   long long attn_work = 0; /* multiply-adds of one layer's attention: small ones run inline */
   for (int r = 0; r < R; r++) attn_work += 2LL * (rows[r].pos + 1) * H * D;
   for (int L = 0; L < m->num_hidden_layers; L++) {
@@ -299,13 +342,13 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     }
     /* Every row's K/V is in the cache before any row attends (a prefill row reads earlier rows'). */
     ar.L = L;
-    sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * H);
+    sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * KVH);
     matmul(pool, w->o, h, H * D, att, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->post_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
-    mm_region gu = {.op = {{w->gate, I, h, hn, R, g, 0, 0}, {w->up, I, h, hn, R, u, 0, 0}}, .n_ops = 2};
-    matmuls(pool, &gu);
-    for (size_t i = 0; i < R_ * I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    mm_region gu = {.op = {{w->gate, I, h, hn, R, g, 0, 0}, {w->up, I, h, hn, R, u, 0, 0}}, .n_ops = 2,
+                    .glu = 1};
+    matmuls(pool, &gu); /* g = silu(gate) * up */
     matmul(pool, w->down, h, I, g, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
     if (atomic_load(&job->abort)) {
