@@ -161,16 +161,15 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
 }
 
 /* Causal attention of one (row, KV head) over its own sequence, positions [0, pos], for the `group`
- * query heads that share that KV head (each K/V row is read once for all of them): a task of the
- * attention region. Per query head the operations and their order are those of attending alone
- * (scores s = 0..pos, max, exp and sum in order, the weighted V sum in order of s), whatever the
- * grouping or the code path below. Each worker has its own score and K/V-row scratch. */
+ * query heads that share that KV head (their K/V rows stay in L1 from one head to the next): a task
+ * of the attention region. Per query head the operations and their order are fixed (attn_body),
+ * whatever the grouping, the thread or the code path. Each worker has its own scratch. */
 typedef struct attn_region {
   const calrt_calbin *cb;
   const row_info *rows;
   const float *q;
   float *att;
-  float *scratch; /* [threads][group * S + 2 * D + 2 * group] */
+  float *scratch; /* [threads][S + 2 * D] */
   int L, H, KVH, D, S, group, bf16;
   float scale;
   sim_isa_id isa;
@@ -184,40 +183,65 @@ static inline __attribute__((always_inline)) const float *kv_row(const attn_regi
   return buf;
 }
 
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+/* Eight KV values at (position s, d..d+7) as floats (bf16 widened exactly). */
+static inline __attribute__((always_inline)) v8f kv8(const attn_region *a, const sim_seq *sq, size_t base,
+                                                     int s, int d) {
+  const size_t at = base + (size_t)s * a->D + (size_t)d;
+  if (!a->bf16) return ld8((const float *)sq->kv + at);
+  v8u16 h;
+  memcpy(&h, (const uint16_t *)sq->kv + at, sizeof h);
+  const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+  v8f f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* One query head after the other (its q and its output accumulators stay in registers while the
+ * positions stream past); per head: scores, max, exp and sum in order of s, p = e / sum, then each
+ * output element out[d] = (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order of s. */
 static inline __attribute__((always_inline)) void attn_body(const attn_region *a, int task, int worker) {
   const int r = task / a->KVH, kh = task % a->KVH, D = a->D, S = a->S, G = a->group;
-  float *sc = a->scratch + (size_t)worker * ((size_t)G * S + 2 * (size_t)D + 2 * (size_t)G);
-  float *kr = sc + (size_t)G * S, *vr = kr + D, *mx = vr + D, *sum = mx + G;
+  float *sc = a->scratch + (size_t)worker * ((size_t)S + 2 * (size_t)D), *kr = sc + S;
   const sim_seq *sq = &a->cb->seqs[a->rows[r].seq];
-  const int n = a->rows[r].pos + 1;
-  const float *q0 = a->q + ((size_t)r * a->H + (size_t)kh * G) * D;
-  float *a0 = a->att + ((size_t)r * a->H + (size_t)kh * G) * D;
+  const int n = a->rows[r].pos + 1, D8 = D & ~7;
   const size_t kbase = (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * D;
   const size_t vbase = (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * D;
-  for (int g = 0; g < G; g++) mx[g] = -INFINITY;
-  for (int s = 0; s < n; s++) {
-    const float *ks = kv_row(a, sq, kbase, s, kr);
-    for (int g = 0; g < G; g++) {
-      const float v = dot(q0 + (size_t)g * D, ks, D) / a->scale;
-      sc[(size_t)g * S + s] = v;
-      if (v > mx[g]) mx[g] = v;
-    }
-  }
   for (int g = 0; g < G; g++) {
-    float *sg = sc + (size_t)g * S, t = 0.f;
+    const float *qh = a->q + ((size_t)r * a->H + (size_t)kh * G + g) * D;
+    float *ah = a->att + ((size_t)r * a->H + (size_t)kh * G + g) * D;
+    float mx = -INFINITY;
     for (int s = 0; s < n; s++) {
-      sg[s] = expf(sg[s] - mx[g]);
-      t += sg[s];
+      sc[s] = dot(qh, kv_row(a, sq, kbase, s, kr), D) / a->scale;
+      if (sc[s] > mx) mx = sc[s];
     }
-    sum[g] = t;
-    for (int d = 0; d < D; d++) a0[(size_t)g * D + d] = 0.f;
-  }
-  for (int s = 0; s < n; s++) {
-    const float *vs = kv_row(a, sq, vbase, s, vr);
-    for (int g = 0; g < G; g++) {
-      const float p = sc[(size_t)g * S + s] / sum[g];
-      float *ah = a0 + (size_t)g * D;
-      for (int d = 0; d < D; d++) ah[d] += p * vs[d];
+    float sum = 0.f;
+    for (int s = 0; s < n; s++) {
+      sc[s] = expf(sc[s] - mx);
+      sum += sc[s];
+    }
+    for (int s = 0; s < n; s++) sc[s] = sc[s] / sum;
+    int d0 = 0;
+    for (; d0 + 64 <= D8; d0 += 64) { /* 8 vectors of accumulators */
+      v8f acc[8];
+      for (int i = 0; i < 8; i++) acc[i] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < n; s++) {
+        const float p = sc[s];
+        for (int i = 0; i < 8; i++) acc[i] += p * kv8(a, sq, vbase, s, d0 + 8 * i);
+      }
+      memcpy(ah + d0, acc, sizeof acc);
+    }
+    for (; d0 < D8; d0 += 8) {
+      v8f acc = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < n; s++) acc += sc[s] * kv8(a, sq, vbase, s, d0);
+      memcpy(ah + d0, &acc, sizeof acc);
+    }
+    for (int d = D8; d < D; d++) {
+      float t = 0.f;
+      for (int s = 0; s < n; s++) t += sc[s] * kv_row(a, sq, vbase, s, kr)[d];
+      ah[d] = t;
     }
   }
 }
@@ -266,7 +290,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const size_t Rm = (size_t)(rows_max > 0 ? rows_max : 1), threads = (size_t)sim_pool_threads(pool);
   const size_t n_of[] = {
       (sizeof(row_info) * Rm + 3) / 4, Rm * h, Rm * h, Rm * H * D, Rm * KVH * D, Rm * KVH * D, Rm * H * D, Rm * h,
-      Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)group * S + 2 * (size_t)D + 2 * (size_t)group),
+      Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)S + 2 * (size_t)D),
       (job->kind == JOB_PREFILL ? 1 : Rm) * V};
   enum { B_ROWS, B_X, B_HN, B_Q, B_K, B_V, B_ATT, B_O, B_G, B_U, B_CS, B_SN, B_SCRATCH, B_LG, B_N };
   size_t off[B_N + 1];
