@@ -52,7 +52,7 @@ def _run(tmp: Path, isa: str, threads: int) -> np.ndarray:
     dst = tmp / f"{isa}-{threads}.npy"
     env = dict(os.environ, CALRT_SIM_ISA=isa, CALRT_SIM_THREADS=str(threads))
     subprocess.run([sys.executable, "-c", RUN, str(dst)], check=True, env=env, timeout=240)
-    return np.load(dst)
+    return np.asarray(np.load(dst), dtype=np.float32)
 
 
 def test_isa_paths_and_threads_bitwise_equal(tmp_path: Path) -> None:
