@@ -89,7 +89,7 @@ static void matmuls(sim_pool *pool, mm_region *g) {
     int chunk = (op->out + want - 1) / want;
     /* Several passes over a chunk's weights (one per block of X rows): keep them in L2. */
     if (op->R > sim_row_block(op->in) && chunk > SIM_CHUNK_FLOATS / op->in) chunk = SIM_CHUNK_FLOATS / op->in;
-    chunk = (chunk + 23) / 24 * 24; /* whole tiles of every path (8 or 6 or 4 rows) */
+    chunk = (chunk + 23) / 24 * 24; /* whole tiles of every path (6 or 4 rows) */
     op->chunk = chunk;
     op->first_task = tasks;
     if (!g->glu || i == 0) tasks += (op->out + chunk - 1) / chunk;

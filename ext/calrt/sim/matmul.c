@@ -11,10 +11,12 @@
  *
  * Several code paths compute that same reduction; one is chosen once per process (sim_isa()):
  *   default  baseline x86-64 / any CPU: tiles of 4 weight rows x 2 lanes
- *   avx2     16 ymm registers: 8 rows x 1 lane (decode B1) and 4 rows x 3 lanes (batches)
- *   avx512   AVX-512VL's 32 ymm registers: 8 x 1 and 6 rows x 4 lanes, so a weight vector loaded
- *            once feeds four lanes (fewer loads per multiply-add at B16); the arithmetic is still
- *            256-bit v8f lane by lane (the same operations as above).
+ *   avx2     16 ymm registers: tiles of 4 rows x 3 lanes
+ *   avx512   AVX-512VL's 32 ymm registers: 6 rows x 4 lanes, so a weight vector loaded once feeds
+ *            four lanes (fewer loads per multiply-add at B16); the arithmetic is still 256-bit v8f
+ *            lane by lane (the same operations as above). (Two rows per zmm register, half the
+ *            instructions, measured slower on Zen 4.)
+ * Decode B1 (one lane, memory-bound) streams one weight row after the other on every path.
  * CALRT_SIM_ISA=default|avx2|avx512 forces one (a path the CPU lacks falls back to the best it has);
  * the tests run every path and compare them bitwise with sim_dot_ref().
  *
@@ -55,12 +57,8 @@ float sim_dot_ref(const float *w, const float *x, int n) {
   return s;
 }
 
-#ifndef PF_BYTES
 #define PF_BYTES 4096 /* how far past the next tile's rows the batch tiles prefetch */
-#endif
-#ifndef PF_LOCALITY
-#define PF_LOCALITY 2
-#endif
+#define PF_LOCALITY 2 /* into L2 (prefetcht1): measured best against t0 / t2 / nta */
 
 /* RO weight rows x RL lanes: RO*RL independent accumulators, each the contract's reduction. pf: when
  * not NULL, memory read sequentially from pf on, RO/2 cache lines per k step (as fast as the tile
@@ -133,7 +131,7 @@ static inline __attribute__((always_inline)) void mm_body(const float *W, int ou
     for (; o + ROB <= o1; o += ROB) {
       const char *pf = (const char *)(W + (size_t)(o + ROB) * in) + PF_BYTES;
       lanes(W, X, Y, in, out, o, rb, re, ROB, RLB,
-            PF_BYTES >= 0 && pf + (size_t)32 * ROB * (in / 8) <= end ? pf : NULL);
+            pf + (size_t)32 * ROB * (in / 8) <= end ? pf : NULL);
     }
     for (; o < o1; o++) lanes(W, X, Y, in, out, o, rb, re, 1, RLB, NULL);
   }
@@ -150,14 +148,10 @@ __attribute__((target("avx2"))) static void mm_avx2(const float *W, int out, int
   mm_body(W, out, in, X, R, Y, o0, o1, 4, 3);
 }
 
-#ifndef AVX512_RO
-#define AVX512_RO 6
-#define AVX512_RL 4
-#endif
 __attribute__((target("avx2,avx512f,avx512vl"))) static void mm_avx512(const float *W, int out, int in,
                                                                        const float *X, int R, float *Y,
                                                                        int o0, int o1) {
-  mm_body(W, out, in, X, R, Y, o0, o1, AVX512_RO, AVX512_RL);
+  mm_body(W, out, in, X, R, Y, o0, o1, 6, 4);
 }
 #endif
 
