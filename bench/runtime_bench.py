@@ -5,11 +5,19 @@ Run: ``.venv/bin/python bench/runtime_bench.py [--steps 16] [--package PKG]``. P
 batch size (timing ``none``: the kernels' own speed), the speed-up over :class:`ReferenceModel` (numpy,
 one sequence) and the B16 step cost vs 16x the B1 step, all in one run. Not a test: figures depend on
 the machine and its load (the kernels use ``CALRT_SIM_THREADS`` worker threads, default: every CPU).
+
+``--llama-cpp GGUF [--llama-python PY]``: llama.cpp's single-stream decode rate on the same weights
+beside it (llama-cpp-python, run by the interpreter PY in a subprocess, 1 and 2 threads), interleaved
+with the calrt-sim runs round by round (``--rounds``), best of each, and the ratios: one run on one
+box, both sides under the same load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -24,10 +32,12 @@ CFG = ModelConfig(
 PROMPT = 32
 
 
-def bench_batch(dev: Device, w: dict, batch: int, steps: int, cfg: ModelConfig = CFG,
-                reps: int = 1) -> float:
-    """Seconds per decode step at compiled batch ``batch`` (all lanes active): the best of ``reps``
-    runs of ``steps`` steps, after one warm-up step."""
+def bench_batch(dev: Device, w: dict[str, np.ndarray], batch: int, steps: int, cfg: ModelConfig = CFG,
+                reps: int = 1) -> tuple[float, float]:
+    """Seconds per decode step at compiled batch ``batch`` (all lanes active), wall clock and CPU time
+    of the process (all threads; a waiting worker thread spins a few microseconds before it sleeps,
+    so with several threads CPU time over-counts a little): the best of ``reps`` runs of ``steps``
+    steps each, after one warm-up step."""
     cb = dev.load_calbin(cfg, w, ProfileSpec(batch, PROMPT + reps * steps + 9, batch))
     try:
         seqs = [cb.create_sequence() for _ in range(batch)]
@@ -37,9 +47,9 @@ def bench_batch(dev: Device, w: dict, batch: int, steps: int, cfg: ModelConfig =
             r = cb.submit_prefill(s, rng.integers(0, cfg.vocab_size, PROMPT)).wait(600)
             assert r.status is JobStatus.OK
             toks.append(int(np.argmax(r.logits[0])))
-        best = float("inf")
+        best, best_cpu = float("inf"), float("inf")
         for rep in range(-1, reps):  # rep -1: one warm-up step (first-touch of the pages)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(1 if rep < 0 else steps):
                 pos = [cb.committed_len(s) for s in seqs]
                 r = cb.submit_decode(seqs, toks, pos, [True] * batch).wait(600)
@@ -47,12 +57,13 @@ def bench_batch(dev: Device, w: dict, batch: int, steps: int, cfg: ModelConfig =
                 toks = [int(np.argmax(row)) for row in r.logits]
             if rep >= 0:
                 best = min(best, (time.perf_counter() - t0) / steps)
-        return best
+                best_cpu = min(best_cpu, (time.process_time() - c0) / steps)
+        return best, best_cpu
     finally:
         cb.release()
 
 
-def bench_reference(w: dict, steps: int, cfg: ModelConfig = CFG) -> float:
+def bench_reference(w: dict[str, np.ndarray], steps: int, cfg: ModelConfig = CFG) -> float:
     m = ReferenceModel(cfg, w)
     logits = m.forward(list(range(PROMPT)))[-1]
     t0 = time.perf_counter()
@@ -61,12 +72,47 @@ def bench_reference(w: dict, steps: int, cfg: ModelConfig = CFG) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+# Run by the llama.cpp interpreter: greedy decode `steps` tokens after a short prompt, best of `reps`.
+LLAMA_CPP = """
+import json, sys, time
+import llama_cpp
+path, threads, steps, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512,
+                      n_batch=64, verbose=False)
+prompt = llm.tokenize(b"Once upon a time, there was", add_bos=False)
+best = best_cpu = 0.0
+for _ in range(reps + 1):  # the first round warms up
+    llm.reset()
+    llm.eval(prompt)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        llm.eval([llm.sample(temp=0.0)])
+    best = max(best, steps / (time.perf_counter() - t0))
+    best_cpu = max(best_cpu, steps / (time.process_time() - c0))
+print(json.dumps({"tok_s": best, "cpu_tok_s": best_cpu}))
+"""
+
+
+def bench_llama_cpp(python: str, gguf: str, threads: int, steps: int, reps: int) -> tuple[float, float]:
+    """llama.cpp's B1 decode tokens/s (best of ``reps``) with ``threads`` threads: per wall-clock
+    second and per CPU second of its process."""
+    out = subprocess.run([python, "-c", LLAMA_CPP, gguf, str(threads), str(steps), str(reps)],
+                         check=True, capture_output=True, text=True, timeout=600).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    return float(res["tok_s"]), float(res["cpu_tok_s"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--package", metavar="PKG", help="bench this package's model (dev-key signed)")
     ap.add_argument("--no-reference", action="store_true", help="skip the numpy reference")
     ap.add_argument("--reps", type=int, default=3, help="best of REPS runs per batch size")
+    ap.add_argument("--llama-cpp", metavar="GGUF", help="also time llama.cpp on this GGUF (same weights)")
+    ap.add_argument("--llama-python", metavar="PY", default=sys.executable,
+                    help="interpreter with llama-cpp-python (default: this one)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved rounds of calrt-sim and llama.cpp runs (best of all rounds)")
     args = ap.parse_args()
     cfg = CFG
     if args.package:
@@ -84,14 +130,29 @@ def main() -> None:
     ref = None if args.no_reference else bench_reference(w, max(4, args.steps // 2), cfg)
     if ref is not None:
         print(f"numpy reference B1: {ref * 1e3:8.2f} ms/step  {1 / ref:8.1f} tok/s")
+    per = {b: float("inf") for b in (1, 4, 16)}
+    cpu = dict(per)
+    lcp = {t: 0.0 for t in ((1, 2) if args.llama_cpp else ())}
+    lcp_cpu = dict(lcp)
     with Device.open("sim-next", dram_bytes=16 << 30) as dev:
-        per = {b: bench_batch(dev, w, b, args.steps, cfg, args.reps) for b in (1, 4, 16)}
+        for _ in range(max(1, args.rounds)):
+            for b in per:
+                wall, cpu_s = bench_batch(dev, w, b, args.steps, cfg, args.reps)
+                per[b], cpu[b] = min(per[b], wall), min(cpu[b], cpu_s)
+            for t in lcp:
+                tps, cps = bench_llama_cpp(args.llama_python, args.llama_cpp, t, 2 * args.steps, args.reps)
+                lcp[t], lcp_cpu[t] = max(lcp[t], tps), max(lcp_cpu[t], cps)
     for b, s in per.items():
         vs = "" if ref is None else f"  speed-up vs numpy {b / s * ref:6.1f}x"
-        print(f"calrt-sim B{b:<2}: {s * 1e3:8.2f} ms/step  {b / s:8.1f} tok/s{vs}")
+        print(f"calrt-sim B{b:<2}: {s * 1e3:8.2f} ms/step  {b / s:8.1f} tok/s  ({cpu[b] * 1e3:7.2f} ms CPU/step,"
+              f" {b / cpu[b]:7.1f} tok per CPU s){vs}")
     print(f"B16 step = {per[16] / per[1]:.2f} x B1 step (vs 16x if lanes were run one by one); "
           f"B16 costs {per[16] / (16 * per[1]) * 100:.0f}% of 16 B1 steps; "
           f"B16 aggregate = {16 * per[1] / per[16]:.1f} x B1 tok/s")
+    for t, tps in lcp.items():
+        print(f"llama.cpp B1 ({t} thread{'s' if t > 1 else ''}): {1e3 / tps:8.2f} ms/step  {tps:8.1f} tok/s"
+              f"  ({lcp_cpu[t]:6.1f} tok per CPU s);  calrt-sim B1 / llama.cpp = {1 / per[1] / tps:.2f}x,"
+              f"  calrt-sim B16 / llama.cpp = {16 / per[16] / tps:.1f}x")
 
 
 if __name__ == "__main__":

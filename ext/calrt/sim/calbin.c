@@ -161,6 +161,7 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
       else cb->lm_head = dp;
     }
     if (st == CALRT_OK && m->tie_word_embeddings) cb->lm_head = cb->embed;
+    if (st == CALRT_OK) sim_weights_hugepages(tensors, n_tensors);
     cb->has_weights = 1;
   }
   if (st != CALRT_OK) {

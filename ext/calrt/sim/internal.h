@@ -59,6 +59,8 @@ sim_pool *sim_pool_new(int n_threads); /* NULL on host OOM (callers then run sin
 int sim_pool_threads(const sim_pool *p);
 void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks);
 void sim_pool_free(sim_pool *p);
+/* The owner's grow-only scratch buffer (64-byte aligned, kept until sim_pool_free); NULL on OOM. */
+void *sim_pool_scratch(sim_pool *p, size_t bytes);
 
 typedef struct sim_engine {
   struct sim_chip *chip;
@@ -176,6 +178,24 @@ uint64_t sim_kv_seq_bytes(const calrt_calbin *cb);
 sim_kvgroup *sim_kvgroup_new(calrt_calbin *cb); /* refs = 1; NULL on host OOM */
 void sim_kvgroup_unref(sim_chip *ch, sim_kvgroup *g); /* chip->mu held; frees + uncharges at 0 */
 void sim_kv_invalidate_all(calrt_calbin *cb);
+
+/* matmul.c: the linear layers (see matmul.c for the reduction every path computes bitwise alike). */
+typedef enum sim_isa_id { SIM_ISA_DEFAULT = 0, SIM_ISA_AVX2 = 1, SIM_ISA_AVX512 = 2, SIM_ISA_COUNT = 3 } sim_isa_id;
+sim_isa_id sim_isa(void); /* the path in use: the CPU's best, or CALRT_SIM_ISA's */
+int sim_isa_supported(sim_isa_id isa);
+const char *sim_isa_name(sim_isa_id isa);
+/* Y[r * out + o] = W[o, :] . X[r, :] for o in [o0, o1), r in [0, R). */
+void sim_matmul_range_isa(sim_isa_id isa, const float *W, int out, int in, const float *X, int R, float *Y,
+                          int o0, int o1);
+float sim_dot_ref(const float *w, const float *x, int n); /* the reduction, in plain scalar code */
+/* One pass over a chunk of weight rows serves sim_row_block(in) rows of X (~256 KiB of X: L2); when
+ * X has more rows, a task's chunk (at most SIM_CHUNK_FLOATS) stays in L2 across the passes. */
+#define SIM_XBLOCK_FLOATS (64 * 1024)
+#define SIM_CHUNK_FLOATS (64 * 1024)
+int sim_row_block(int in);
+
+/* hugepages.c: 2 MiB pages under the caller's weight buffers where possible (a hint). */
+void sim_weights_hugepages(const calrt_tensor *t, size_t n);
 
 /* kernels.c: run the forward pass of `job` (rows: prefill tokens or valid decode lanes). Writes KV at
  * the rows' positions (not committing), logits of output lanes. Returns 0, or 1 if aborted. */

@@ -2,13 +2,13 @@
  *
  * Batch invariance (Invariant): every output element of a linear layer is computed by exactly the
  * same sequence of float operations regardless of how many rows (lanes/tokens) the job has, which
- * lane it is in, which tile shape covers it, or which worker thread computes it: an 8-wide vector
- * accumulator over k in steps of 8, a fixed horizontal sum, then the scalar tail. Tiles, row blocks and
- * the chunks of output rows handed to the pool's threads (pool.c) only decide which (output, row)
- * pairs share a loaded weight vector and who computes them, never the summation order. Norms, RoPE and
- * attention are per row (attention tasks are one (row, head) each). Hence a lane's logits are bitwise
- * independent of B, its lane index, its batch-mates and the thread count. Built with -ffp-contract=off
- * so no FMA contraction can differ between tile shapes.
+ * lane it is in, which tile shape or CPU code path (matmul.c) covers it, or which worker thread
+ * computes it: an 8-wide vector accumulator over k in steps of 8, a fixed horizontal sum, then the
+ * scalar tail. Tiles, row blocks and the chunks of output rows handed to the pool's threads (pool.c)
+ * only decide which (output, row) pairs share a loaded weight vector and who computes them, never the
+ * summation order. Norms, RoPE and attention are per row (attention tasks are one (row, head) each).
+ * Hence a lane's logits are bitwise independent of B, its lane index, its batch-mates and the thread
+ * count. Built with -ffp-contract=off so no FMA contraction can differ between tile shapes.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -19,11 +19,7 @@
 /* v8f values only pass between static inline functions of this file: no ABI is exposed. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-/* The one reduction every linear-layer output element uses, whatever the tile, chunk, batch or thread:
- * eight lane accumulators over k in steps of 8 (lane j sums k = j, j+8, ... in order), the fixed tree
- * ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), then the scalar tail k8..in-1 in order. GCC lowers v8f to
- * two SSE registers on a baseline x86-64 and to one AVX register in the avx2 clone: the same IEEE
- * operations per lane either way (no FMA: -ffp-contract=off, and the avx2 clone does not enable it). */
+/* Attention's q . k uses the linear layers' reduction (matmul.c, sim_dot_ref) on v8f. */
 typedef float v8f __attribute__((vector_size(32)));
 
 static inline __attribute__((always_inline)) v8f ld8(const float *p) {
@@ -34,58 +30,6 @@ static inline __attribute__((always_inline)) v8f ld8(const float *p) {
 
 #define hsum8(a) ((((a)[0] + (a)[4]) + ((a)[2] + (a)[6])) + (((a)[1] + (a)[5]) + ((a)[3] + (a)[7])))
 
-static inline __attribute__((always_inline)) void tile(const float *restrict W, const float *restrict X,
-                                                       float *restrict Y, int in, int out, int o0, int r0,
-                                                       const int RO, const int RL) {
-  v8f acc[4][2];
-  for (int i = 0; i < RO; i++)
-    for (int j = 0; j < RL; j++) acc[i][j] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  const int k8 = in & ~7;
-  for (int k = 0; k < k8; k += 8) {
-    v8f xv[2];
-    for (int j = 0; j < RL; j++) xv[j] = ld8(X + (size_t)(r0 + j) * in + k);
-    for (int i = 0; i < RO; i++) {
-      v8f w = ld8(W + (size_t)(o0 + i) * in + k);
-      for (int j = 0; j < RL; j++) acc[i][j] += w * xv[j];
-    }
-  }
-  for (int i = 0; i < RO; i++)
-    for (int j = 0; j < RL; j++) {
-      float s = hsum8(acc[i][j]);
-      for (int k = k8; k < in; k++) s += W[(size_t)(o0 + i) * in + k] * X[(size_t)(r0 + j) * in + k];
-      Y[(size_t)(r0 + j) * out + o0 + i] = s;
-    }
-}
-
-#define ROW_BLOCK 4 /* rows of X kept in L1 while a task's weight rows (L2-sized) stream past them */
-#define CHUNK_FLOATS 32768 /* a task's weight rows: at most ~128 KiB, so they stay in L2 across row blocks */
-
-/* An AVX2 clone beside the baseline one, picked at load time (an ifunc). Not under ThreadSanitizer,
- * whose runtime is not initialised yet when ifunc resolvers run. */
-#if defined(__x86_64__) && !defined(__SANITIZE_THREAD__)
-#define SIM_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define SIM_CLONES
-#endif
-
-/* Y[r, o] = sum_k W[o, k] * X[r, k] for o in [o0, o1), every row. Within a row block, each group of
- * 4 weight rows is loaded once for all the block's rows. */
-SIM_CLONES static void matmul_range(const float *W, int out, int in,
-                                                                          const float *X, int R, float *Y,
-                                                                          int o0, int o1) {
-  for (int rb = 0; rb < R; rb += ROW_BLOCK) {
-    const int re = rb + ROW_BLOCK < R ? rb + ROW_BLOCK : R;
-    int o = o0;
-    for (; o + 4 <= o1; o += 4) {
-      int r = rb;
-      for (; r + 2 <= re; r += 2) tile(W, X, Y, in, out, o, r, 4, 2);
-      for (; r < re; r++) tile(W, X, Y, in, out, o, r, 4, 1);
-    }
-    for (; o < o1; o++)
-      for (int r = rb; r < re; r++) tile(W, X, Y, in, out, o, r, 1, 1);
-  }
-}
-
 /* Several independent matmuls (e.g. q, k and v of one layer) as one parallel region: each task is a
  * chunk of one matmul's output rows. */
 typedef struct mm_op {
@@ -94,23 +38,37 @@ typedef struct mm_op {
   const float *X;
   int R;
   float *Y;
-  int chunk, first_task; /* outputs per task (a multiple of 4), index of its first task */
+  int chunk, first_task; /* outputs per task (a multiple of 24), index of its first task */
 } mm_op;
 
 typedef struct mm_region {
   mm_op op[3];
   int n_ops;
+  int glu; /* op[0] gate, op[1] up (same shape): a task computes both chunks, then gate = silu(gate) * up */
+  sim_isa_id isa;
 } mm_region;
 
 static void mm_task(void *ctx, int task, int worker) {
   (void)worker;
   const mm_region *g = ctx;
+  if (g->glu) {
+    const mm_op *ga = &g->op[0], *up = &g->op[1];
+    const int o0 = task * ga->chunk, o1 = o0 + ga->chunk < ga->out ? o0 + ga->chunk : ga->out;
+    sim_matmul_range_isa(g->isa, ga->W, ga->out, ga->in, ga->X, ga->R, ga->Y, o0, o1);
+    sim_matmul_range_isa(g->isa, up->W, up->out, up->in, up->X, up->R, up->Y, o0, o1);
+    for (int r = 0; r < ga->R; r++) {
+      float *gr = ga->Y + (size_t)r * ga->out;
+      const float *ur = up->Y + (size_t)r * up->out;
+      for (int o = o0; o < o1; o++) gr[o] = (gr[o] / (1.0f + expf(-gr[o]))) * ur[o];
+    }
+    return;
+  }
   int i = g->n_ops - 1;
   while (i > 0 && task < g->op[i].first_task) i--;
   const mm_op *op = &g->op[i];
   const int o0 = (task - op->first_task) * op->chunk;
   const int o1 = o0 + op->chunk < op->out ? o0 + op->chunk : op->out;
-  matmul_range(op->W, op->out, op->in, op->X, op->R, op->Y, o0, o1);
+  sim_matmul_range_isa(g->isa, op->W, op->out, op->in, op->X, op->R, op->Y, o0, o1);
 }
 
 /* Below this many multiply-adds a region runs inline on the engine thread: handing it to the pool
@@ -123,18 +81,20 @@ static void matmuls(sim_pool *pool, mm_region *g) {
   long long work = 0;
   for (int i = 0; i < g->n_ops; i++) work += (long long)g->op[i].out * g->op[i].in * g->op[i].R;
   const int threads = sim_pool_threads(pool);
+  g->isa = sim_isa();
   int tasks = 0;
   for (int i = 0; i < g->n_ops; i++) {
     mm_op *op = &g->op[i];
     int want = threads > 1 && work >= SIM_PARALLEL_MIN ? 8 * threads : 1;
     int chunk = (op->out + want - 1) / want;
-    if (op->R > ROW_BLOCK && chunk > CHUNK_FLOATS / op->in) chunk = CHUNK_FLOATS / op->in;
-    chunk = (chunk + 3) & ~3;
-    if (chunk < 4) chunk = 4;
+    /* Several passes over a chunk's weights (one per block of X rows): keep them in L2. */
+    if (op->R > sim_row_block(op->in) && chunk > SIM_CHUNK_FLOATS / op->in) chunk = SIM_CHUNK_FLOATS / op->in;
+    chunk = (chunk + 23) / 24 * 24; /* whole tiles of every path (6 or 4 rows) */
     op->chunk = chunk;
     op->first_task = tasks;
-    tasks += (op->out + chunk - 1) / chunk;
+    if (!g->glu || i == 0) tasks += (op->out + chunk - 1) / chunk;
   }
+  if (g->glu) g->op[1].chunk = g->op[0].chunk;
   if (threads > 1 && work >= SIM_PARALLEL_MIN) sim_pool_run(pool, mm_task, g, tasks);
   else
     for (int t = 0; t < tasks; t++) mm_task(g, t, 0);
@@ -190,7 +150,8 @@ typedef struct row_info {
 } row_info;
 
 /* q . k over head_dim with the same fixed 8-lane order as the matmuls (per row: batch-invariant). */
-static inline float dot(const float *restrict a, const float *restrict b, int n) {
+static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b,
+                                                      int n) {
   v8f acc = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int n8 = n & ~7;
   for (int i = 0; i < n8; i += 8) acc += ld8(a + i) * ld8(b + i);
@@ -199,58 +160,114 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
   return s;
 }
 
-/* Causal attention of one (row, head) over its own sequence, positions [0, pos]: a task of the
- * attention region. Each worker has its own score and K-row scratch. */
+/* Causal attention of one (row, KV head) over its own sequence, positions [0, pos], for the `group`
+ * query heads that share that KV head (their K/V rows stay in L1 from one head to the next): a task
+ * of the attention region. Per query head the operations and their order are fixed (attn_body),
+ * whatever the grouping, the thread or the code path. Each worker has its own scratch. */
 typedef struct attn_region {
   const calrt_calbin *cb;
   const row_info *rows;
   const float *q;
   float *att;
-  float *scratch; /* [threads][S + D] */
+  float *scratch; /* [threads][S + 2 * D] */
   int L, H, KVH, D, S, group, bf16;
   float scale;
+  sim_isa_id isa;
 } attn_region;
 
-static void attn_task(void *ctx, int task, int worker) {
-  const attn_region *a = ctx;
-  const int r = task / a->H, hh = task % a->H, D = a->D, S = a->S;
-  float *sc = a->scratch + (size_t)worker * (size_t)(S + D), *kr = sc + S;
+static inline __attribute__((always_inline)) const float *kv_row(const attn_region *a, const sim_seq *sq,
+                                                                 size_t base, int s, float *buf) {
+  if (!a->bf16) return (const float *)sq->kv + base + (size_t)s * a->D;
+  const uint16_t *b = (const uint16_t *)sq->kv + base + (size_t)s * a->D;
+  for (int d = 0; d < a->D; d++) buf[d] = bf16_to_f32(b[d]);
+  return buf;
+}
+
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+/* Eight KV values at (position s, d..d+7) as floats (bf16 widened exactly). */
+static inline __attribute__((always_inline)) v8f kv8(const attn_region *a, const sim_seq *sq, size_t base,
+                                                     int s, int d) {
+  const size_t at = base + (size_t)s * a->D + (size_t)d;
+  if (!a->bf16) return ld8((const float *)sq->kv + at);
+  v8u16 h;
+  memcpy(&h, (const uint16_t *)sq->kv + at, sizeof h);
+  const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+  v8f f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* One query head after the other (its q and its output accumulators stay in registers while the
+ * positions stream past); per head: scores, max, exp and sum in order of s, p = e / sum, then each
+ * output element out[d] = (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order of s. */
+static inline __attribute__((always_inline)) void attn_body(const attn_region *a, int task, int worker) {
+  const int r = task / a->KVH, kh = task % a->KVH, D = a->D, S = a->S, G = a->group;
+  float *sc = a->scratch + (size_t)worker * ((size_t)S + 2 * (size_t)D), *kr = sc + S;
   const sim_seq *sq = &a->cb->seqs[a->rows[r].seq];
-  const int n = a->rows[r].pos + 1, kh = hh / a->group;
-  const float *qh = a->q + ((size_t)r * a->H + hh) * D;
+  const int n = a->rows[r].pos + 1, D8 = D & ~7;
   const size_t kbase = (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * D;
   const size_t vbase = (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * D;
-  float mx = -INFINITY;
-  for (int s = 0; s < n; s++) {
-    const float *ks;
-    if (a->bf16) {
-      const uint16_t *kb = (const uint16_t *)sq->kv + kbase + (size_t)s * D;
-      for (int d = 0; d < D; d++) kr[d] = bf16_to_f32(kb[d]);
-      ks = kr;
-    } else {
-      ks = (const float *)sq->kv + kbase + (size_t)s * D;
+  for (int g = 0; g < G; g++) {
+    const float *qh = a->q + ((size_t)r * a->H + (size_t)kh * G + g) * D;
+    float *ah = a->att + ((size_t)r * a->H + (size_t)kh * G + g) * D;
+    float mx = -INFINITY;
+    for (int s = 0; s < n; s++) {
+      sc[s] = dot(qh, kv_row(a, sq, kbase, s, kr), D) / a->scale;
+      if (sc[s] > mx) mx = sc[s];
     }
-    sc[s] = dot(qh, ks, D) / a->scale;
-    if (sc[s] > mx) mx = sc[s];
-  }
-  float sum = 0.f;
-  for (int s = 0; s < n; s++) {
-    sc[s] = expf(sc[s] - mx);
-    sum += sc[s];
-  }
-  float *ah = a->att + ((size_t)r * a->H + hh) * D;
-  for (int d = 0; d < D; d++) ah[d] = 0.f;
-  for (int s = 0; s < n; s++) {
-    const float p = sc[s] / sum;
-    if (a->bf16) {
-      const uint16_t *vb = (const uint16_t *)sq->kv + vbase + (size_t)s * D;
-      for (int d = 0; d < D; d++) ah[d] += p * bf16_to_f32(vb[d]);
-    } else {
-      const float *vs = (const float *)sq->kv + vbase + (size_t)s * D;
-      for (int d = 0; d < D; d++) ah[d] += p * vs[d];
+    float sum = 0.f;
+    for (int s = 0; s < n; s++) {
+      sc[s] = expf(sc[s] - mx);
+      sum += sc[s];
+    }
+    for (int s = 0; s < n; s++) sc[s] = sc[s] / sum;
+    int d0 = 0;
+    for (; d0 + 64 <= D8; d0 += 64) { /* 8 vectors of accumulators */
+      v8f acc[8];
+      for (int i = 0; i < 8; i++) acc[i] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < n; s++) {
+        const float p = sc[s];
+        for (int i = 0; i < 8; i++) acc[i] += p * kv8(a, sq, vbase, s, d0 + 8 * i);
+      }
+      memcpy(ah + d0, acc, sizeof acc);
+    }
+    for (; d0 < D8; d0 += 8) {
+      v8f acc = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < n; s++) acc += sc[s] * kv8(a, sq, vbase, s, d0);
+      memcpy(ah + d0, &acc, sizeof acc);
+    }
+    for (int d = D8; d < D; d++) {
+      float t = 0.f;
+      for (int s = 0; s < n; s++) t += sc[s] * kv_row(a, sq, vbase, s, kr)[d];
+      ah[d] = t;
     }
   }
 }
+
+static void attn_default(const attn_region *a, int task, int worker) { attn_body(a, task, worker); }
+#if defined(__x86_64__) && defined(__GNUC__)
+/* The same operations in AVX registers (elementwise products and sums, v8f dots: no reordering). */
+__attribute__((target("avx2"))) static void attn_avx2(const attn_region *a, int task, int worker) {
+  attn_body(a, task, worker);
+}
+#endif
+
+static void attn_task(void *ctx, int task, int worker) {
+  const attn_region *a = ctx;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (a->isa != SIM_ISA_DEFAULT) {
+    attn_avx2(a, task, worker);
+    return;
+  }
+#endif
+  attn_default(a, task, worker);
+}
+
+/* A job's buffers up to this size are kept by the engine's pool for the next job (every decode step
+ * and short prefill); a long prefill allocates its own and frees them. */
+#define SIM_SCRATCH_KEEP ((size_t)32 << 20)
 
 int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *pool) {
   const calrt_model_desc *m = &cb->m;
@@ -258,45 +275,51 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const int D = m->head_dim, I = m->intermediate_size, V = m->vocab_size, group = H / KVH;
   const int S = cb->p.max_seq, bf16 = cb->p.kv_dtype == CALRT_KV_BF16;
   const int qkn = m->arch != CALRT_ARCH_LLAMA; /* Qwen3: per-head q/k RMSNorm; Llama: none */
+  if (null_compute || !cb->has_weights) {
+    if (job->kind == JOB_PREFILL) {
+      if (job->n_tok > 0)
+        sim_null_logits(cb, job->tokens[job->n_tok - 1], job->positions[0] + job->n_tok - 1, job->logits);
+    } else {
+      for (int l = 0; l < job->lanes; l++)
+        if (job->valid[l]) sim_null_logits(cb, job->tokens[l], job->positions[l], job->logits + (size_t)l * V);
+    }
+    return 0;
+  }
+  /* Every buffer of the pass in one block: the pool's scratch (no allocation per step), or own. */
+  const int rows_max = job->kind == JOB_PREFILL ? job->n_tok : job->lanes;
+  const size_t Rm = (size_t)(rows_max > 0 ? rows_max : 1), threads = (size_t)sim_pool_threads(pool);
+  const size_t n_of[] = {
+      (sizeof(row_info) * Rm + 3) / 4, Rm * h, Rm * h, Rm * H * D, Rm * KVH * D, Rm * KVH * D, Rm * H * D, Rm * h,
+      Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)S + 2 * (size_t)D),
+      (job->kind == JOB_PREFILL ? 1 : Rm) * V};
+  enum { B_ROWS, B_X, B_HN, B_Q, B_K, B_V, B_ATT, B_O, B_G, B_U, B_CS, B_SN, B_SCRATCH, B_LG, B_N };
+  size_t off[B_N + 1];
+  off[0] = 0;
+  for (int i = 0; i < B_N; i++) off[i + 1] = off[i] + (n_of[i] + 15) / 16 * 16; /* 64-byte aligned */
+  const size_t bytes = sizeof(float) * off[B_N];
+  float *own = NULL, *base = pool && bytes <= SIM_SCRATCH_KEEP ? sim_pool_scratch(pool, bytes) : NULL;
+  if (!base) base = own = aligned_alloc(64, bytes);
+  if (!base) return -1;
+  row_info *rows = (row_info *)(base + off[B_ROWS]);
   int R = 0;
-  row_info *rows;
   if (job->kind == JOB_PREFILL) {
     R = job->n_tok;
-    rows = malloc(sizeof *rows * (size_t)R);
-    if (!rows) return -1;
     for (int t = 0; t < R; t++)
       rows[t] = (row_info){job->seq_ids[0], job->positions[0] + t, job->tokens[t], t == R - 1 ? 0 : -1};
   } else {
-    rows = malloc(sizeof *rows * (size_t)job->lanes);
-    if (!rows) return -1;
     for (int l = 0; l < job->lanes; l++)
       if (job->valid[l]) rows[R++] = (row_info){job->seq_ids[l], job->positions[l], job->tokens[l], l};
   }
-  if (null_compute || !cb->has_weights) {
-    for (int r = 0; r < R; r++)
-      if (rows[r].out_lane >= 0)
-        sim_null_logits(cb, rows[r].token, rows[r].pos, job->logits + (size_t)rows[r].out_lane * V);
-    free(rows);
-    return 0;
-  }
   if (R == 0) {
-    free(rows);
+    free(own);
     return 0;
   }
-  const size_t R_ = (size_t)R, threads = (size_t)sim_pool_threads(pool);
-  float *x = malloc(sizeof(float) * R_ * h), *hn = malloc(sizeof(float) * R_ * h);
-  float *q = malloc(sizeof(float) * R_ * H * D), *k = malloc(sizeof(float) * R_ * KVH * D);
-  float *v = malloc(sizeof(float) * R_ * KVH * D), *att = malloc(sizeof(float) * R_ * H * D);
-  float *o = malloc(sizeof(float) * R_ * h), *g = malloc(sizeof(float) * R_ * I);
-  float *u = malloc(sizeof(float) * R_ * I);
-  float *cs = malloc(sizeof(float) * R_ * (D / 2)), *sn = malloc(sizeof(float) * R_ * (D / 2));
-  float *scratch = malloc(sizeof(float) * threads * ((size_t)S + (size_t)D));
-  float *lg = NULL;
+  const size_t R_ = (size_t)R;
+  float *x = base + off[B_X], *hn = base + off[B_HN], *q = base + off[B_Q], *k = base + off[B_K];
+  float *v = base + off[B_V], *att = base + off[B_ATT], *o = base + off[B_O], *g = base + off[B_G];
+  float *u = base + off[B_U], *cs = base + off[B_CS], *sn = base + off[B_SN];
+  float *scratch = base + off[B_SCRATCH], *lg = base + off[B_LG];
   int rc = 0;
-  if (!x || !hn || !q || !k || !v || !att || !o || !g || !u || !cs || !sn || !scratch) {
-    rc = -1;
-    goto out;
-  }
   for (int r = 0; r < R; r++) {
     memcpy(x + (size_t)r * h, cb->embed + (size_t)rows[r].token * h, sizeof(float) * h);
     for (int i = 0; i < D / 2; i++) {
@@ -306,7 +329,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
       sn[(size_t)r * (D / 2) + i] = (float)sin(f);
     }
   }
-  attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, sqrtf((float)D)};
+  attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, sqrtf((float)D), sim_isa()};
   long long attn_work = 0; /* multiply-adds of one layer's attention: small ones run inline */
   for (int r = 0; r < R; r++) attn_work += 2LL * (rows[r].pos + 1) * H * D;
   for (int L = 0; L < m->num_hidden_layers; L++) {
@@ -343,13 +366,13 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     }
     /* Every row's K/V is in the cache before any row attends (a prefill row reads earlier rows'). */
     ar.L = L;
-    sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * H);
+    sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * KVH);
     matmul(pool, w->o, h, H * D, att, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->post_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
-    mm_region gu = {.op = {{w->gate, I, h, hn, R, g, 0, 0}, {w->up, I, h, hn, R, u, 0, 0}}, .n_ops = 2};
-    matmuls(pool, &gu);
-    for (size_t i = 0; i < R_ * I; i++) g[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    mm_region gu = {.op = {{w->gate, I, h, hn, R, g, 0, 0}, {w->up, I, h, hn, R, u, 0, 0}}, .n_ops = 2,
+                    .glu = 1};
+    matmuls(pool, &gu); /* g = silu(gate) * up */
     matmul(pool, w->down, h, I, g, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
     if (atomic_load(&job->abort)) {
@@ -366,17 +389,11 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
         rows[n_out].out_lane = rows[r].out_lane;
         n_out++;
       }
-    lg = malloc(sizeof(float) * (size_t)n_out * V);
-    if (!lg) {
-      rc = -1;
-      goto out;
-    }
     matmul(pool, cb->lm_head, V, h, hn, n_out, lg);
     for (int r = 0; r < n_out; r++)
       memcpy(job->logits + (size_t)rows[r].out_lane * V, lg + (size_t)r * V, sizeof(float) * V);
   }
 out:
-  free(x); free(hn); free(q); free(k); free(v); free(att); free(o); free(g); free(u);
-  free(cs); free(sn); free(scratch); free(lg); free(rows);
+  free(own);
   return rc;
 }

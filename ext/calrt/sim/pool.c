@@ -13,6 +13,7 @@
  * at most SIM_POOL_MAX.
  */
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -24,15 +25,21 @@ struct sim_pool {
   pthread_t *th;
   pthread_mutex_t mu;
   pthread_cond_t go, done;
-  uint64_t gen;   /* region number (mu) */
-  int stop;       /* (mu) */
-  sim_task_fn fn; /* current region (mu) */
-  void *ctx;
-  int n_tasks;
+  /* The current region, published by `gen` (release): fn/ctx/n_tasks are written while the claim
+   * counter is closed for the new region (so a helper still holding an older region's values can
+   * never claim with them), then the counter opens and gen moves on. */
+  atomic_ullong gen;
+  _Atomic(sim_task_fn) fn;
+  _Atomic(void *) ctx;
+  atomic_int n_tasks;
+  atomic_int stop;
+  atomic_int sleepers; /* helpers blocked on `go` (or about to): the owner signals only then */
   /* (region number << 32) | next task: a claim succeeds only for the region it was read for, so a
    * helper that wakes late can never run a task of a newer region with an older region's fn/ctx. */
   atomic_ullong claim;
   atomic_int finished; /* tasks of the current region that have returned */
+  void *scratch;       /* sim_pool_scratch (the owner's only) */
+  size_t scratch_bytes;
 };
 
 typedef struct helper_arg {
@@ -40,11 +47,30 @@ typedef struct helper_arg {
   int worker;
 } helper_arg;
 
-/* Run tasks of region `gen` until none is left. Returns how many this thread ran. */
+#define CLAIM_CLOSED 0xFFFFFFFFull
+
+/* A few microseconds of busy waiting before a thread blocks: a decode step runs ~120 regions a few
+ * microseconds apart, and a futex wake-up per region costs more than the gap. Bounded, so an idle
+ * engine's helpers sleep and cost the host nothing. */
+#define SPIN_NS 30000
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+static double now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
+/* Run tasks of region `gen` until none is left. */
 static void claim_tasks(sim_pool *p, uint64_t gen, sim_task_fn fn, void *ctx, int n_tasks, int worker) {
   unsigned long long c = atomic_load(&p->claim);
   for (;;) {
-    if ((c >> 32) != (gen & 0xFFFFFFFFu) || (int)(c & 0xFFFFFFFFu) >= n_tasks) return;
+    if ((c >> 32) != (gen & 0xFFFFFFFFu) || (long long)(c & 0xFFFFFFFFu) >= n_tasks) return;
     if (!atomic_compare_exchange_weak(&p->claim, &c, c + 1)) continue; /* c reloaded */
     fn(ctx, (int)(c & 0xFFFFFFFFu), worker);
     if (atomic_fetch_add(&p->finished, 1) + 1 == n_tasks) { /* the region's last task */
@@ -61,19 +87,29 @@ static void *helper(void *arg) {
   free(arg);
   sim_pool *p = a.pool;
   uint64_t seen = 0;
-  pthread_mutex_lock(&p->mu);
   for (;;) {
-    while (p->gen == seen && !p->stop) pthread_cond_wait(&p->go, &p->mu);
-    if (p->stop) break;
-    seen = p->gen;
-    sim_task_fn fn = p->fn;
-    void *ctx = p->ctx;
-    int n = p->n_tasks;
-    pthread_mutex_unlock(&p->mu);
+    uint64_t g = atomic_load(&p->gen);
+    if (g == seen && !atomic_load(&p->stop)) {
+      const double t0 = now_ns();
+      for (int i = 1; (g = atomic_load(&p->gen)) == seen && !atomic_load(&p->stop); i++) {
+        cpu_relax();
+        if ((i & 255) == 0 && now_ns() - t0 > SPIN_NS) break;
+      }
+    }
+    if (g == seen && !atomic_load(&p->stop)) {
+      pthread_mutex_lock(&p->mu);
+      atomic_fetch_add(&p->sleepers, 1);
+      while ((g = atomic_load(&p->gen)) == seen && !atomic_load(&p->stop)) pthread_cond_wait(&p->go, &p->mu);
+      atomic_fetch_sub(&p->sleepers, 1);
+      pthread_mutex_unlock(&p->mu);
+    }
+    if (atomic_load(&p->stop)) break;
+    seen = g;
+    sim_task_fn fn = atomic_load(&p->fn);
+    void *ctx = atomic_load(&p->ctx);
+    int n = atomic_load(&p->n_tasks);
     claim_tasks(p, seen, fn, ctx, n, a.worker); /* nothing left if it woke after the others ran all */
-    pthread_mutex_lock(&p->mu);
   }
-  pthread_mutex_unlock(&p->mu);
   return NULL;
 }
 
@@ -95,7 +131,13 @@ sim_pool *sim_pool_new(int n_threads) {
   pthread_mutex_init(&p->mu, NULL);
   pthread_cond_init(&p->go, NULL);
   pthread_cond_init(&p->done, NULL);
-  atomic_init(&p->claim, 0);
+  atomic_init(&p->gen, 0);
+  atomic_init(&p->fn, NULL);
+  atomic_init(&p->ctx, NULL);
+  atomic_init(&p->n_tasks, 0);
+  atomic_init(&p->stop, 0);
+  atomic_init(&p->sleepers, 0);
+  atomic_init(&p->claim, CLAIM_CLOSED);
   atomic_init(&p->finished, 0);
   if (n_threads > 1) {
     p->th = calloc((size_t)n_threads - 1, sizeof *p->th);
@@ -124,16 +166,28 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
     for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
     return;
   }
-  pthread_mutex_lock(&p->mu);
-  uint64_t gen = ++p->gen;
-  p->fn = fn;
-  p->ctx = ctx;
-  p->n_tasks = n_tasks;
+  const uint64_t gen = atomic_load(&p->gen) + 1; /* only the owner writes gen */
+  const unsigned long long tag = (unsigned long long)(gen & 0xFFFFFFFFu) << 32;
+  atomic_store(&p->claim, tag | CLAIM_CLOSED);
+  atomic_store(&p->fn, fn);
+  atomic_store(&p->ctx, ctx);
+  atomic_store(&p->n_tasks, n_tasks);
   atomic_store(&p->finished, 0);
-  atomic_store(&p->claim, (unsigned long long)(gen & 0xFFFFFFFFu) << 32);
-  pthread_cond_broadcast(&p->go);
-  pthread_mutex_unlock(&p->mu);
+  atomic_store(&p->claim, tag);
+  atomic_store(&p->gen, gen);
+  if (atomic_load(&p->sleepers) > 0) { /* seq_cst: a helper counted after this load sees gen */
+    pthread_mutex_lock(&p->mu);
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+  }
   claim_tasks(p, gen, fn, ctx, n_tasks, 0);
+  if (atomic_load(&p->finished) < n_tasks) {
+    const double t0 = now_ns();
+    for (int i = 1; atomic_load(&p->finished) < n_tasks; i++) {
+      cpu_relax();
+      if ((i & 255) == 0 && now_ns() - t0 > SPIN_NS) break;
+    }
+  }
   if (atomic_load(&p->finished) < n_tasks) {
     pthread_mutex_lock(&p->mu);
     while (atomic_load(&p->finished) < n_tasks) pthread_cond_wait(&p->done, &p->mu);
@@ -141,10 +195,18 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
   }
 }
 
+void *sim_pool_scratch(sim_pool *p, size_t bytes) {
+  if (bytes <= p->scratch_bytes) return p->scratch;
+  free(p->scratch);
+  p->scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+  p->scratch_bytes = p->scratch ? bytes : 0;
+  return p->scratch;
+}
+
 void sim_pool_free(sim_pool *p) {
   if (!p) return;
   pthread_mutex_lock(&p->mu);
-  p->stop = 1;
+  atomic_store(&p->stop, 1);
   pthread_cond_broadcast(&p->go);
   pthread_mutex_unlock(&p->mu);
   for (int i = 0; i < p->n_threads - 1; i++) pthread_join(p->th[i], NULL);
@@ -152,5 +214,6 @@ void sim_pool_free(sim_pool *p) {
   pthread_cond_destroy(&p->go);
   pthread_cond_destroy(&p->done);
   pthread_mutex_destroy(&p->mu);
+  free(p->scratch);
   free(p);
 }

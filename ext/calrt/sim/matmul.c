@@ -1,0 +1,205 @@
+/* matmul.c — the linear layers of calrt-sim: Y[r, o] = sum_k W[o, k] * X[r, k], fp32.
+ *
+ * The contract (what makes a lane's logits bitwise independent of B, its lane, its batch-mates, the
+ * tile shape, the chunking, the thread count and the CPU): every output element is computed by the
+ * one reduction sim_dot_ref() spells out in scalar code — eight lane accumulators over k in steps of 8
+ * (lane j sums W[o,k]*X[r,k] for k = j, j+8, ... in order, a product rounded to float then added),
+ * the fixed tree ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), then the scalar tail k8..in-1 in order.
+ * Multiplies and adds are separate IEEE operations (no FMA: built with -ffp-contract=off, and no
+ * fused intrinsic is used), so each vector lane does exactly the scalar operations whatever the
+ * register width the compiler lowers v8f to (two SSE registers, one AVX register).
+ *
+ * Several code paths compute that same reduction; one is chosen once per process (sim_isa()):
+ *   default  baseline x86-64 / any CPU: tiles of 4 weight rows x 2 lanes
+ *   avx2     16 ymm registers: tiles of 4 rows x 3 lanes
+ *   avx512   AVX-512VL's 32 ymm registers: 6 rows x 4 lanes, so a weight vector loaded once feeds
+ *            four lanes (fewer loads per multiply-add at B16); the arithmetic is still 256-bit v8f
+ *            lane by lane (the same operations as above). (Two rows per zmm register, half the
+ *            instructions, measured slower on Zen 4.)
+ * Decode B1 (one lane, memory-bound) streams one weight row after the other on every path.
+ * CALRT_SIM_ISA=default|avx2|avx512 forces one (a path the CPU lacks falls back to the best it has);
+ * the tests run every path and compare them bitwise with sim_dot_ref().
+ *
+ * Which (output, lane) pairs share a loaded weight vector is all a tile decides. Loop order: a group of
+ * weight rows is loaded from memory once and applied to every lane of a row block (X rows stay in
+ * L1/L2), so at decode each weight byte crosses the memory bus once per step.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi" /* v8f only passes between static inline functions */
+
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) v8f ld8(const float *p) {
+  v8f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+#define HSUM8(a) ((((a)[0] + (a)[4]) + ((a)[2] + (a)[6])) + (((a)[1] + (a)[5]) + ((a)[3] + (a)[7])))
+
+float sim_dot_ref(const float *w, const float *x, int n) {
+  float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const int n8 = n & ~7;
+  for (int k = 0; k < n8; k += 8)
+    for (int j = 0; j < 8; j++) {
+      const float p = w[k + j] * x[k + j];
+      a[j] = a[j] + p;
+    }
+  float s = HSUM8(a);
+  for (int k = n8; k < n; k++) {
+    const float p = w[k] * x[k];
+    s = s + p;
+  }
+  return s;
+}
+
+#define PF_BYTES 4096 /* how far past the next tile's rows the batch tiles prefetch */
+#define PF_LOCALITY 2 /* into L2 (prefetcht1): measured best against t0 / t2 / nta */
+
+/* RO weight rows x RL lanes: RO*RL independent accumulators, each the contract's reduction. pf: when
+ * not NULL, memory read sequentially from pf on, RO/2 cache lines per k step (as fast as the tile
+ * consumes its own RO contiguous rows): the next tiles' rows reach the cache before they are needed.
+ * (The hardware prefetchers see RO short streams, one per row, and learn each one too late.) */
+static inline __attribute__((always_inline)) void tile(const float *restrict W, const float *restrict X,
+                                                       float *restrict Y, int in, int out, int o0, int r0,
+                                                       const int RO, const int RL, const char *pf) {
+  v8f acc[8][4];
+  for (int i = 0; i < RO; i++)
+    for (int j = 0; j < RL; j++) acc[i][j] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const int k8 = in & ~7;
+  const float *w0 = W + (size_t)o0 * in, *x0 = X + (size_t)r0 * in;
+  for (int k = 0; k < k8; k += 8) {
+    if (pf) {
+      for (int p = 0; p < RO / 2; p++) __builtin_prefetch(pf + 64 * p, 0, PF_LOCALITY);
+      pf += 32 * RO;
+    }
+    v8f xv[4];
+    for (int j = 0; j < RL; j++) xv[j] = ld8(x0 + (size_t)j * in + k);
+    for (int i = 0; i < RO; i++) {
+      const v8f w = ld8(w0 + (size_t)i * in + k);
+      for (int j = 0; j < RL; j++) acc[i][j] += w * xv[j];
+    }
+  }
+  for (int i = 0; i < RO; i++)
+    for (int j = 0; j < RL; j++) {
+      float s = HSUM8(acc[i][j]);
+      for (int k = k8; k < in; k++) s += w0[(size_t)i * in + k] * x0[(size_t)j * in + k];
+      Y[(size_t)(r0 + j) * out + o0 + i] = s;
+    }
+}
+
+/* Lanes [rb, re) against weight rows [o, o + RO): full RL-lane tiles, then one narrower tile. The
+ * first tile prefetches (pf) the rows that follow, if any. */
+static inline __attribute__((always_inline)) void lanes(const float *W, const float *X, float *Y, int in,
+                                                        int out, int o, int rb, int re, const int RO,
+                                                        const int RL, const char *pf) {
+  int r = rb;
+  for (; r + RL <= re; r += RL, pf = NULL) tile(W, X, Y, in, out, o, r, RO, RL, pf);
+  switch (re - r) {
+  case 3: if (RL > 3) tile(W, X, Y, in, out, o, r, RO, 3, pf); break;
+  case 2: if (RL > 2) tile(W, X, Y, in, out, o, r, RO, 2, pf); break;
+  case 1: if (RL > 1) tile(W, X, Y, in, out, o, r, RO, 1, pf); break;
+  default: break;
+  }
+}
+
+int sim_row_block(int in) {
+  int rb = SIM_XBLOCK_FLOATS / (in > 0 ? in : 1);
+  return rb < 16 ? 16 : rb;
+}
+
+/* Outputs [o0, o1) of every row. R == 1 (decode B1, memory-bound): one weight row after the other,
+ * a single sequential stream the hardware prefetcher follows at full memory speed (several rows at a
+ * time would be several short streams it learns too late). Otherwise ROB x RLB tiles over blocks of
+ * lanes, each group of ROB weight rows prefetched ahead by software; leftover outputs one by one. */
+static inline __attribute__((always_inline)) void mm_body(const float *W, int out, int in, const float *X,
+                                                          int R, float *Y, int o0, int o1, const int ROB,
+                                                          const int RLB) {
+  if (R == 1) {
+    for (int o = o0; o < o1; o++) tile(W, X, Y, in, out, o, 0, 1, 1, NULL);
+    return;
+  }
+  const int blk = sim_row_block(in);
+  const char *end = (const char *)(W + (size_t)o1 * in);
+  for (int rb = 0; rb < R; rb += blk) {
+    const int re = rb + blk < R ? rb + blk : R;
+    int o = o0;
+    for (; o + ROB <= o1; o += ROB) {
+      const char *pf = (const char *)(W + (size_t)(o + ROB) * in) + PF_BYTES;
+      lanes(W, X, Y, in, out, o, rb, re, ROB, RLB,
+            pf + (size_t)32 * ROB * (in / 8) <= end ? pf : NULL);
+    }
+    for (; o < o1; o++) lanes(W, X, Y, in, out, o, rb, re, 1, RLB, NULL);
+  }
+}
+
+static void mm_default(const float *W, int out, int in, const float *X, int R, float *Y, int o0, int o1) {
+  mm_body(W, out, in, X, R, Y, o0, o1, 4, 2);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SIM_HAVE_X86 1
+__attribute__((target("avx2"))) static void mm_avx2(const float *W, int out, int in, const float *X, int R,
+                                                    float *Y, int o0, int o1) {
+  mm_body(W, out, in, X, R, Y, o0, o1, 4, 3);
+}
+
+__attribute__((target("avx2,avx512f,avx512vl"))) static void mm_avx512(const float *W, int out, int in,
+                                                                       const float *X, int R, float *Y,
+                                                                       int o0, int o1) {
+  mm_body(W, out, in, X, R, Y, o0, o1, 6, 4);
+}
+#endif
+
+static const char *const isa_names[SIM_ISA_COUNT] = {"default", "avx2", "avx512"};
+
+int sim_isa_supported(sim_isa_id isa) {
+  switch (isa) {
+  case SIM_ISA_DEFAULT: return 1;
+#ifdef SIM_HAVE_X86
+  case SIM_ISA_AVX2: return __builtin_cpu_supports("avx2");
+  case SIM_ISA_AVX512: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
+                              __builtin_cpu_supports("avx512vl");
+#endif
+  default: return 0;
+  }
+}
+
+const char *sim_isa_name(sim_isa_id isa) { return isa >= 0 && isa < SIM_ISA_COUNT ? isa_names[isa] : "?"; }
+
+/* The best path this CPU runs, or CALRT_SIM_ISA's (if the CPU has it). Racy first calls agree. */
+sim_isa_id sim_isa(void) {
+  static atomic_int chosen = -1;
+  int c = atomic_load_explicit(&chosen, memory_order_relaxed);
+  if (c >= 0) return (sim_isa_id)c;
+#ifdef SIM_HAVE_X86
+  __builtin_cpu_init();
+#endif
+  c = SIM_ISA_DEFAULT;
+  for (int i = SIM_ISA_COUNT - 1; i > 0; i--)
+    if (sim_isa_supported((sim_isa_id)i)) {
+      c = i;
+      break;
+    }
+  const char *env = getenv("CALRT_SIM_ISA");
+  if (env && *env)
+    for (int i = 0; i < SIM_ISA_COUNT; i++)
+      if (strcmp(env, isa_names[i]) == 0 && sim_isa_supported((sim_isa_id)i)) c = i;
+  atomic_store_explicit(&chosen, c, memory_order_relaxed);
+  return (sim_isa_id)c;
+}
+
+void sim_matmul_range_isa(sim_isa_id isa, const float *W, int out, int in, const float *X, int R, float *Y,
+                          int o0, int o1) {
+  switch (isa) {
+#ifdef SIM_HAVE_X86
+  case SIM_ISA_AVX512: mm_avx512(W, out, in, X, R, Y, o0, o1); return;
+  case SIM_ISA_AVX2: mm_avx2(W, out, in, X, R, Y, o0, o1); return;
+#endif
+  default: mm_default(W, out, in, X, R, Y, o0, o1); return;
+  }
+}

@@ -1,0 +1,74 @@
+/* Every matmul path of this CPU (matmul.c: default, avx2, avx512) against the contract's scalar
+ * reduction, bitwise: odd sizes (in not a multiple of 8, out not a multiple of any tile, lanes not a
+ * multiple of any tile's width), ranges [o0, o1) that split tiles, row counts that need several row
+ * blocks, values of mixed magnitude (so a different order of additions would show). Run by
+ * `make asan-test` at -O1 under ASan/UBSan and at the production -O3. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static uint64_t rng = 0x9E3779B97F4A7C15ULL;
+static float frand(void) {
+  rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
+  const float u = (float)((rng >> 40) & 0xFFFFFF) / 16777216.0f - 0.5f;
+  static const float mag[4] = {1.0f, 1e-3f, 37.0f, 1e4f};
+  return u * mag[(rng >> 20) & 3];
+}
+
+static int failures = 0;
+
+static void check(sim_isa_id isa, int out, int in, int R) {
+  float *W = malloc(sizeof(float) * (size_t)out * in), *X = malloc(sizeof(float) * (size_t)R * in);
+  float *Y = malloc(sizeof(float) * (size_t)R * out);
+  for (size_t i = 0; i < (size_t)out * in; i++) W[i] = frand();
+  for (size_t i = 0; i < (size_t)R * in; i++) X[i] = frand();
+  memset(Y, 0xFF, sizeof(float) * (size_t)R * out); /* NaN: an unwritten element shows */
+  /* the outputs in uneven pieces, as the pool's chunks (and leftovers) would cover them */
+  for (int o0 = 0; o0 < out;) {
+    int o1 = o0 + 1 + (int)(rng % 31);
+    if (o1 > out) o1 = out;
+    sim_matmul_range_isa(isa, W, out, in, X, R, Y, o0, o1);
+    o0 = o1;
+  }
+  for (int r = 0; r < R; r++)
+    for (int o = 0; o < out; o++) {
+      const float want = sim_dot_ref(W + (size_t)o * in, X + (size_t)r * in, in);
+      const float got = Y[(size_t)r * out + o];
+      if (memcmp(&want, &got, sizeof want) != 0) {
+        if (failures++ < 10)
+          fprintf(stderr, "%s: out %d in %d R %d: Y[%d,%d] = %a, reference %a\n", sim_isa_name(isa), out,
+                  in, R, r, o, got, want);
+      }
+    }
+  free(W); free(X); free(Y);
+}
+
+int main(void) {
+  static const int ins[] = {1, 7, 8, 13, 64, 100, 576, 1003};
+  static const int outs[] = {1, 5, 23, 24, 49, 97};
+  static const int rs[] = {1, 2, 3, 4, 5, 6, 7, 9, 16, 17};
+  int ran = 0;
+  for (int isa = 0; isa < SIM_ISA_COUNT; isa++) {
+    if (!sim_isa_supported((sim_isa_id)isa)) {
+      printf("matmul path %s: not on this CPU\n", sim_isa_name((sim_isa_id)isa));
+      continue;
+    }
+    for (size_t a = 0; a < sizeof ins / sizeof *ins; a++)
+      for (size_t b = 0; b < sizeof outs / sizeof *outs; b++)
+        for (size_t c = 0; c < sizeof rs / sizeof *rs; c++) check((sim_isa_id)isa, outs[b], ins[a], rs[c]);
+    /* more rows than one row block holds (several passes over the weights) */
+    const int in = 1003, R = sim_row_block(in) + 5;
+    check((sim_isa_id)isa, 37, in, R);
+    printf("matmul path %s: checked\n", sim_isa_name((sim_isa_id)isa));
+    ran++;
+  }
+  if (failures || ran == 0) {
+    fprintf(stderr, "matmul paths: %d mismatches\n", failures);
+    return 1;
+  }
+  printf("calrt-sim matmul paths: OK (in use: %s)\n", sim_isa_name(sim_isa()));
+  return 0;
+}

@@ -1,0 +1,63 @@
+"""calrt-sim's CPU code paths (``CALRT_SIM_ISA`` default / avx2 / avx512, see ext/calrt/sim/matmul.c)
+and worker-thread counts compute bitwise the same logits end to end: a Qwen3 and a Llama model of
+odd sizes (hidden 100: not a multiple of 8; 120 query outputs: not a multiple of any tile), a long
+prefill (parallel attention), B16 decode with idle lanes, fp32 and bf16 KV. Each setting runs in its
+own process (the path is chosen once per process). The C test ``make -C ext/calrt asan-test``
+checks each path against the scalar reduction element by element; this one checks the whole pass."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+RUN = r"""
+import sys
+import numpy as np
+from calserve.runtime import Device, JobStatus, ProfileSpec
+from calserve.runtime.reference import ModelConfig, random_weights
+
+out = []
+for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM"):
+    cfg = ModelConfig(vocab_size=1003, hidden_size=100, intermediate_size=236, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=20, rope_theta=1e5,
+                      tie_word_embeddings=arch == "LlamaForCausalLM", architecture=arch)
+    w = random_weights(cfg, seed=7)
+    rng = np.random.default_rng(3)
+    with Device.open("sim-next", dram_bytes=1 << 30) as dev:
+        for kv in ("fp32", "bf16"):
+            cb = dev.load_calbin(cfg, w, ProfileSpec(16, 320, 17, kv_dtype=kv))
+            seqs = [cb.create_sequence() for _ in range(16)]
+            toks = []
+            for i, s in enumerate(seqs):
+                r = cb.submit_prefill(s, rng.integers(0, cfg.vocab_size, 260 if i == 0 else 5 + i)).wait(120)
+                assert r.status is JobStatus.OK
+                out.append(r.logits[0].copy())
+                toks.append(int(np.argmax(r.logits[0])))
+            valid = [i % 5 != 3 for i in range(16)]
+            for _ in range(3):
+                r = cb.submit_decode(seqs, toks, [cb.committed_len(s) for s in seqs], valid).wait(120)
+                assert r.status is JobStatus.OK
+                out.extend(r.logits[i].copy() for i in range(16) if valid[i])
+                toks = [int(np.argmax(x)) for x in r.logits]
+            cb.release()
+np.save(sys.argv[1], np.stack(out))
+"""
+
+
+def _run(tmp: Path, isa: str, threads: int) -> np.ndarray:
+    dst = tmp / f"{isa}-{threads}.npy"
+    env = dict(os.environ, CALRT_SIM_ISA=isa, CALRT_SIM_THREADS=str(threads))
+    subprocess.run([sys.executable, "-c", RUN, str(dst)], check=True, env=env, timeout=240)
+    return np.asarray(np.load(dst), dtype=np.float32)
+
+
+def test_isa_paths_and_threads_bitwise_equal(tmp_path: Path) -> None:
+    base = _run(tmp_path, "default", 1)
+    assert base.shape[0] == 2 * 2 * (16 + 3 * 13) and np.isfinite(base).all()
+    for isa, threads in (("default", 2), ("avx2", 1), ("avx2", 2), ("avx512", 1), ("avx512", 2)):
+        got = _run(tmp_path, isa, threads)
+        assert np.array_equal(base.view(np.uint32), got.view(np.uint32)), (isa, threads)
