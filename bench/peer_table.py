@@ -4,7 +4,7 @@ tested with fake rows in ``tests/bench/test_bench_peer.py``).
 
 A run row (one load point against one server) carries ``model``, ``streams``, ``arm`` (``calserve-*``
 or ``llama-server``), ``rep``, ``tok_s`` (output tokens/s), ``ttft_p50_ms``, ``ttft_p99_ms``,
-``tpot_p50_ms`` and optionally ``cpu_ms_per_token`` / ``host_cpu_ms_per_token`` /
+``tpot_p50_ms`` and optionally ``prefill_tok_s`` (one-wave runs: prompt tokens / the last first token), ``cpu_ms_per_token`` / ``host_cpu_ms_per_token`` /
 ``device_cpu_ms_per_token`` (server CPU per output token; calserve splits its software NPU's
 ``calrt-sim-*`` threads from the rest).
 """
@@ -20,7 +20,7 @@ __all__ = ["PEER_ARM", "METRICS", "aggregate", "ratio_rows", "markdown_table", "
            "plot_diagnostics"]
 
 PEER_ARM = "llama-server"
-METRICS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "cpu_ms_per_token",
+METRICS = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "prefill_tok_s", "cpu_ms_per_token",
            "host_cpu_ms_per_token", "device_cpu_ms_per_token")
 
 
@@ -74,7 +74,8 @@ def ratio_rows(agg: dict[tuple[str, int, str], dict[str, Any]]) -> list[dict[str
             row[f"llama_{m}"] = p[m]
         row["calserve_tok_s_range"] = (a["tok_s_min"], a["tok_s_max"])
         row["llama_tok_s_range"] = (p["tok_s_min"], p["tok_s_max"])
-        for m in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "cpu_ms_per_token"):
+        for m in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "prefill_tok_s",
+                  "cpu_ms_per_token"):
             row[f"{m}_ratio"] = _ratio(a[m], p[m])
         row["meets_target"] = bool(row["tok_s_ratio"] >= 1.0) if math.isfinite(row["tok_s_ratio"]) \
             else None
@@ -92,6 +93,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """The headline table: one line per ratio row."""
     head = ("| model | streams | calserve config | calserve tok/s | llama-server tok/s | ratio | "
             "TTFT p50 ms (cs / llama) | TTFT p99 ms (cs / llama) | TPOT p50 ms (cs / llama) | "
+            "prefill tok/s, one wave (cs / llama) | "
             "CPU ms/token (cs host + NPU sim / llama) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -105,13 +107,20 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             f"**{_f(r['tok_s_ratio'], 2)}×** | {_f(r['calserve_ttft_p50_ms'])} / "
             f"{_f(r['llama_ttft_p50_ms'])} | {_f(r['calserve_ttft_p99_ms'])} / "
             f"{_f(r['llama_ttft_p99_ms'])} | {_f(r['calserve_tpot_p50_ms'], 1)} / "
-            f"{_f(r['llama_tpot_p50_ms'], 1)} | {cpu} |")
+            f"{_f(r['llama_tpot_p50_ms'], 1)} | {_f(r['calserve_prefill_tok_s'])} / "
+            f"{_f(r['llama_prefill_tok_s'])} | {cpu} |")
     return "\n".join(lines) + "\n"
 
 
-def _save(fig: Any, path: Path) -> Path:
-    from bench.plots import plt
+def _pyplot() -> Any:
+    import bench.plots  # noqa: F401  (selects the Agg backend)
+    import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    plt = _pyplot()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -120,7 +129,7 @@ def _save(fig: Any, path: Path) -> Path:
 
 def plot_rows(agg: dict[tuple[str, int, str], dict[str, Any]], path: Path) -> Path:
     """Output tok/s (mean, min–max bars) and TTFT p50/p99 per (model, streams), one bar per server."""
-    from bench.plots import plt
+    plt = _pyplot()
 
     groups = sorted({(k[0], k[1]) for k in agg})
     arms = sorted({k[2] for k in agg}, key=lambda a: (a == PEER_ARM, a))
@@ -157,7 +166,9 @@ def plot_diagnostics(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Where calserve loses: (left) the ratios calserve / llama-server of throughput, TTFT p50 and
     TPOT p50 per row (TTFT = prefill + queueing, TPOT = decode); (right) server CPU per output token,
     calserve split into its host work and the software NPU's kernel threads, beside llama-server's."""
-    from bench.plots import np, plt
+    import numpy as np
+
+    plt = _pyplot()
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(15, 4.4))
     labels = [f"{r['model']} {r['streams']}s\n{r['calserve'].removeprefix('calserve-')}" for r in rows]
@@ -176,7 +187,6 @@ def plot_diagnostics(rows: Sequence[dict[str, Any]], path: Path) -> Path:
            label="calserve software NPU kernels (calrt-sim threads)")
     a2.bar(x + 0.2, [r["llama_cpu_ms_per_token"] for r in rows], 0.4, label="llama-server (all threads)")
     a2.set_title("server CPU ms per output token", fontsize=9)
-    a2.set_yscale("log")
     for ax in (a1, a2):
         ax.set_xticks(x)
         ax.set_xticklabels(labels, fontsize=7)

@@ -25,6 +25,12 @@ from calserve.models.gguf_import import read_gguf, unpermute_rope_rows
 from calserve.models.hf import load_safetensors
 
 
+def _field(r: gguf.GGUFReader, key: str) -> object:
+    f = r.get_field(key)
+    assert f is not None, key
+    return f.contents()
+
+
 def _row(arm: str, rep: int, tok_s: float, ttft: float, **kw: float) -> dict[str, object]:
     return {"model": "tiny", "streams": 8, "arm": arm, "rep": rep, "tok_s": tok_s,
             "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft, "tpot_p50_ms": 2.0,
@@ -67,8 +73,8 @@ def test_demo_package_exports_to_a_gguf_calserve_reads_back_identically(tmp_path
     pkg = ensure_demo_package(tmp_path / "home")
     out = export_package(pkg, tmp_path / "demo.gguf")
     r = gguf.GGUFReader(str(out))
-    assert r.get_field("general.architecture").contents() == "qwen3"
-    assert r.get_field("tokenizer.ggml.pre").contents() == "gpt-2"
+    assert _field(r, "general.architecture") == "qwen3"
+    assert _field(r, "tokenizer.ggml.pre") == "gpt-2"
     assert "output.weight" not in {t.name for t in r.tensors}  # tied head
     m = read_gguf(out)
     want = load_safetensors(pkg / "model.safetensors")
@@ -109,11 +115,11 @@ def test_quantized_gguf_rewritten_as_f32_keeps_metadata_and_values(tmp_path: Pat
     wr.close()
     out = gguf_to_f32(src, tmp_path / "f32.gguf")
     r = gguf.GGUFReader(str(out))
-    assert r.get_field("general.architecture").contents() == "llama"
-    assert r.get_field("general.file_type").contents() == int(gguf.LlamaFileType.ALL_F32)
-    assert r.get_field("llama.block_count").contents() == 1
-    assert r.get_field("tokenizer.ggml.tokens").contents() == ["a", "b"]
-    assert r.get_field("tokenizer.chat_template").contents() == "{{ x }}"
+    assert _field(r, "general.architecture") == "llama"
+    assert _field(r, "general.file_type") == int(gguf.LlamaFileType.ALL_F32)
+    assert _field(r, "llama.block_count") == 1
+    assert _field(r, "tokenizer.ggml.tokens") == ["a", "b"]
+    assert _field(r, "tokenizer.chat_template") == "{{ x }}"
     t = {x.name: x for x in r.tensors}
     assert all(x.tensor_type == gguf.GGMLQuantizationType.F32 for x in t.values())
     got = np.asarray(t["blk.0.attn_q.weight"].data).reshape(8, 64)
