@@ -53,7 +53,7 @@ from bench.peer_table import PEER_ARM, aggregate, markdown_table, plot_diagnosti
 from bench.procstat import SIM_DEVICE_THREADS
 from bench.scenario_lib import calserve_config, write_json
 from bench.server import BENCH_OUT, Server, pin_self
-from bench.summary import Record
+from bench.summary import Record, read_records
 from bench.workload import Lengths, TenantSpec
 
 __all__ = ["MODELS", "ARMS", "run", "main"]
@@ -190,11 +190,25 @@ def agreement(a: list[str], b: list[str]) -> dict[str, Any]:
     same = sum(x == y for x, y in zip(a, b))
     fr = []
     for x, y in zip(a, b):
+        if x == y:  # two empty texts (EOS first) agree too
+            fr.append(1.0)
+            continue
         n = 0
         while n < min(len(x), len(y)) and x[n] == y[n]:
             n += 1
         fr.append(n / max(1, len(x), len(y)))
     return {"identical": same, "prompts": len(a), "common_prefix_fraction": sum(fr) / max(1, len(fr))}
+
+
+def agreements(texts: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """``model:arm`` -> :func:`agreement` of that calserve arm's greedy texts with llama-server's."""
+    out = {}
+    for key, mine in sorted(texts.items()):
+        model, _, arm = key.partition(":")
+        peer = texts.get(f"{model}:{PEER_ARM}")
+        if arm != PEER_ARM and peer:
+            out[key] = agreement(mine, peer)
+    return out
 
 
 # ---- one load point -----------------------------------------------------------------------------
@@ -248,7 +262,7 @@ def _row(res: RunResult, cpu0: dict[str, float], cpu1: dict[str, float], **field
 
 
 def _point(srv: Server, out: Path, prep: Prepared, streams: int, quick: bool, rep: int,
-           arm: str) -> tuple[dict[str, Any], RunResult]:
+           arm: str) -> dict[str, Any]:
     _warm(srv.url, streams)
     cpu0 = _thread_cpu(srv.pid)
     res = trio.run(run_load, _spec(srv.url, srv.pid, prep.model, streams, quick, rep))
@@ -256,7 +270,7 @@ def _point(srv: Server, out: Path, prep: Prepared, streams: int, quick: bool, re
     save_run(res, out)
     print(f"--- {prep.model.name} s{streams} {arm} r{rep}\n{headline(res.summary)}", flush=True)
     return _row(res, cpu0, cpu1, model=prep.model.name, streams=streams, arm=arm, rep=rep,
-                wave=prep.model.wave), res
+                wave=prep.model.wave)
 
 
 @dataclasses.dataclass
@@ -268,7 +282,7 @@ class _Ctx:
 
 
 def _serve_point(ctx: _Ctx, prep: Prepared, arm: str, streams: int, rep: int,
-                 run_dir: Path) -> tuple[dict[str, Any], RunResult]:
+                 run_dir: Path) -> dict[str, Any]:
     if arm == PEER_ARM:
         argv = llama_server_argv(ctx.binary, prep.gguf, parallel=streams,
                                  ctx_per_slot=prep.model.ctx_per_slot, threads=ctx.threads)
@@ -281,6 +295,29 @@ def _serve_point(ctx: _Ctx, prep: Prepared, arm: str, streams: int, rep: int,
         if (prep.model.name, arm) not in ctx.texts:
             ctx.texts[(prep.model.name, arm)] = greedy_texts(srv.port)
         return _point(srv, run_dir, prep, streams, ctx.quick, rep, arm)
+
+
+def write_report(out: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``peer_table.md``, ``peer.png``, ``peer_diagnostics.png`` and the latency CDFs of each (model,
+    streams) from the run rows (and the run directories' records); returns the ratio rows."""
+    agg = aggregate(rows)
+    table = ratio_rows(agg)
+    md = markdown_table(table)
+    (out / "peer_table.md").write_text(md)
+    if rows:
+        plot_rows(agg, out / "peer.png")
+    if table:
+        plot_diagnostics(table, out / "peer_diagnostics.png")
+    for model, streams in sorted({(str(r["model"]), int(r["streams"])) for r in rows}):
+        runs: list[tuple[str, list[Record]]] = []
+        for arm in ARMS:
+            f = out / model / f"s{streams}" / f"{arm}-r0" / "records.jsonl"
+            if f.exists():
+                runs.append((arm, read_records(f)))
+        if runs:
+            plots.latency_cdfs(runs, out / f"latency_{model}_s{streams}.png")
+    print(md, flush=True)
+    return table
 
 
 def run(out: Path, quick: bool, *, llama_server: str | None = None, build: bool = False,
@@ -301,7 +338,6 @@ def run(out: Path, quick: bool, *, llama_server: str | None = None, build: bool 
     repeats = repeats or (1 if quick else 2)
     ctx = _Ctx(binary, threads or os.cpu_count() or 1, quick)
     rows: list[dict[str, Any]] = []
-    firsts: dict[tuple[str, int], list[tuple[str, list[Record]]]] = {}
     t0 = time.monotonic()
     for name in models:
         prep = prepare(MODELS[name])
@@ -310,30 +346,12 @@ def run(out: Path, quick: bool, *, llama_server: str | None = None, build: bool 
                 order = ARMS if rep % 2 == 0 else tuple(reversed(ARMS))
                 for arm in order:
                     run_dir = out / name / f"s{streams}" / f"{arm}-r{rep}"
-                    row, res = _serve_point(ctx, prep, arm, streams, rep, run_dir)
-                    rows.append(row)
+                    rows.append(_serve_point(ctx, prep, arm, streams, rep, run_dir))
                     write_json(out / "rows.json", rows)
-                    if rep == 0:
-                        firsts.setdefault((name, streams), []).append((arm, res.records))
-    agg = aggregate(rows)
-    table = ratio_rows(agg)
-    agree = {}
-    for name in models:
-        peer = ctx.texts.get((name, PEER_ARM))
-        for arm in ARMS[:-1]:
-            mine = ctx.texts.get((name, arm))
-            if peer and mine:
-                agree[f"{name}:{arm}"] = agreement(mine, peer)
-    md = markdown_table(table)
-    (out / "peer_table.md").write_text(md)
-    if rows:
-        plot_rows(agg, out / "peer.png")
-    if table:
-        plot_diagnostics(table, out / "peer_diagnostics.png")
-    for (name, streams), runs in firsts.items():
-        plots.latency_cdfs(runs, out / f"latency_{name}_s{streams}.png")
-    write_json(out / "greedy_texts.json", {f"{m}:{a}": t for (m, a), t in ctx.texts.items()})
-    print(md, flush=True)
+    table = write_report(out, rows)
+    texts = {f"{m}:{a}": t for (m, a), t in ctx.texts.items()}
+    write_json(out / "greedy_texts.json", texts)
+    agree = agreements(texts)
     return {
         "llama_server": str(binary),
         "llama_server_version": llama_server_version(binary),
@@ -357,9 +375,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", help="peer: comma-separated of tiny,smollm2 (default both; quick: tiny)")
     ap.add_argument("--repeats", type=int, help="peer: repeats of each point (default 2; quick 1)")
     ap.add_argument("--llama-threads", type=int, help="peer: llama-server -t/-tb (default: all cores)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="peer: rebuild the table and plots from OUT/rows.json, run nothing")
 
 
 def run_from_args(out: Path, quick: bool, a: argparse.Namespace) -> dict[str, Any]:
+    if a.report_only:
+        prev = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+        for k in ("scenario", "quick", "wall_s", "loadgen_pinned_core1"):  # main adds them again
+            prev.pop(k, None)
+        if (out / "greedy_texts.json").exists():
+            prev["greedy_agreement"] = agreements(json.loads((out / "greedy_texts.json").read_text()))
+        return {**prev, "rows": write_report(out, json.loads((out / "rows.json").read_text()))}
     models = tuple(m.strip() for m in a.models.split(",") if m.strip()) if a.models else None
     return run(out, quick, llama_server=a.llama_server, build=a.build, models=models,
                repeats=a.repeats, threads=a.llama_threads)

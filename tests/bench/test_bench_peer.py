@@ -66,7 +66,7 @@ def test_ratio_rows_average_repeats_and_divide_by_llama() -> None:
 def test_agreement_counts_identical_texts_and_common_prefix() -> None:
     a = agreement(["abcd", "xy", ""], ["abcd", "xz", ""])
     assert a["identical"] == 2 and a["prompts"] == 3
-    assert a["common_prefix_fraction"] == pytest.approx((1 + 0.5 + 0) / 3)
+    assert a["common_prefix_fraction"] == pytest.approx((1 + 0.5 + 1) / 3)
 
 
 def test_demo_package_exports_to_a_gguf_calserve_reads_back_identically(tmp_path: Path) -> None:
@@ -171,3 +171,15 @@ def test_llama_server_command_line_matches_the_streams() -> None:
     joined = " ".join(argv)
     assert "--parallel 32" in joined and "-c 16384" in joined and "--cont-batching" in joined
     assert "-t 2" in joined and "-tb 2" in joined and "{port}" in joined
+
+
+def test_report_from_rows_writes_table_and_figures(tmp_path: Path) -> None:
+    from bench.peer import write_report
+
+    rows = [_row("calserve-sim-next", 0, 900, 10), _row("llama-server", 0, 800, 5),
+            _row("calserve-default", 0, 400, 100)]
+    table = write_report(tmp_path, rows)
+    assert [r["calserve"] for r in table] == ["calserve-default", "calserve-sim-next"]
+    assert "**1.12×**" in (tmp_path / "peer_table.md").read_text()
+    assert (tmp_path / "peer.png").stat().st_size > 0
+    assert (tmp_path / "peer_diagnostics.png").stat().st_size > 0
