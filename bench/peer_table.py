@@ -180,13 +180,15 @@ def plot_diagnostics(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     a1.axhline(1.0, color="k", lw=0.8)
     a1.set_yscale("log")
     a1.set_title("calserve / llama-server (tok/s: higher is better; TTFT, TPOT: lower)", fontsize=9)
-    a2.bar(x - 0.2, [r["calserve_host_cpu_ms_per_token"] for r in rows], 0.4,
-           label="calserve host (Python, HTTP, engine)")
-    a2.bar(x - 0.2, [r["calserve_device_cpu_ms_per_token"] for r in rows], 0.4,
-           bottom=[r["calserve_host_cpu_ms_per_token"] for r in rows],
-           label="calserve software NPU kernels (calrt-sim threads)")
-    a2.bar(x + 0.2, [r["llama_cpu_ms_per_token"] for r in rows], 0.4, label="llama-server (all threads)")
-    a2.set_title("server CPU ms per output token", fontsize=9)
+    llama = [r["llama_cpu_ms_per_token"] for r in rows]
+    host = [_ratio(r["calserve_host_cpu_ms_per_token"], p) for r, p in zip(rows, llama)]
+    dev = [_ratio(r["calserve_device_cpu_ms_per_token"], p) for r, p in zip(rows, llama)]
+    a2.bar(x, host, 0.5, label="calserve host (Python, HTTP, engine)")
+    a2.bar(x, dev, 0.5, bottom=host, label="calserve software NPU kernels (calrt-sim threads)")
+    a2.axhline(1.0, color="k", lw=0.8, label="llama-server (all threads) = 1")
+    for xi, (h, d, p) in enumerate(zip(host, dev, llama)):
+        a2.text(xi, h + d, f"{p:.2g} ms", ha="center", va="bottom", fontsize=6)
+    a2.set_title("server CPU per output token, calserve / llama-server (label: llama's ms)", fontsize=9)
     for ax in (a1, a2):
         ax.set_xticks(x)
         ax.set_xticklabels(labels, fontsize=7)
