@@ -130,8 +130,7 @@ def calserve_arm_config(arm: str, prep: Prepared) -> dict[str, Any]:
     model = {"package": prep.package, "timing": "none"}
     if arm == "calserve-sim-next":
         cfg = calserve_config(profiles=[1, 4, 8, 16], timing="none")
-        cfg["models"] = {prep.model.alias: model}
-        cfg["scheduler"]["admission"] = {"max_waiting_requests": 512}
+        cfg["models"] = {prep.model.alias: model}  # otherwise configs/sim-next.yaml
         return cfg
     if arm == "calserve-default":
         return {"models": {prep.model.alias: model}}
@@ -323,18 +322,18 @@ def write_report(out: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run(out: Path, quick: bool, *, llama_server: str | None = None, build: bool = False,
         models: tuple[str, ...] | None = None, repeats: int | None = None,
         threads: int | None = None) -> dict[str, Any]:
+    models = models or (("tiny",) if quick else ("tiny", "smollm2"))
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise PeerUnavailable(f"--models: unknown {unknown}; known {sorted(MODELS)}")
     binary = find_llama_server(llama_server)
     if binary is None:
         if not build:
             raise PeerUnavailable(
                 "no llama-server found (looked at --llama-server, $LLAMA_SERVER, PATH and "
-                f"{cache_dir() / 'bin' / 'llama-server'}); pass --llama-server PATH, or --build to build it from the "
-                "llama-cpp-python sdist into that cache (~6-25 min on 2 cores)")
+                f"{cache_dir() / 'bin' / 'llama-server'}); pass --llama-server PATH, or --build "
+                "to build it from the llama-cpp-python sdist into that cache (~6-25 min on 2 cores)")
         binary = build_llama_server()
-    models = models or (("tiny",) if quick else ("tiny", "smollm2"))
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        raise ValueError(f"--models: unknown {unknown}; known {sorted(MODELS)}")
     repeats = repeats or (1 if quick else 2)
     ctx = _Ctx(binary, threads or os.cpu_count() or 1, quick)
     rows: list[dict[str, Any]] = []
