@@ -97,6 +97,9 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             "CPU ms/token (cs host + NPU sim / llama) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
+        # requests that did not complete (refused, failed, timed out) over the repeats: the row
+        # then compares less work on that side
+        bad = f" ({r['failed']} not ok)" if r.get("failed") else ""
         lo, hi = r["calserve_tok_s_range"]
         plo, phi = r["llama_tok_s_range"]
         cpu = (f"{_f(r['calserve_host_cpu_ms_per_token'], 2)} + "
@@ -104,7 +107,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['model']} | {r['streams']} | {r['calserve']} | {_f(r['calserve_tok_s'])} "
             f"({_f(lo)}–{_f(hi)}) | {_f(r['llama_tok_s'])} ({_f(plo)}–{_f(phi)}) | "
-            f"**{_f(r['tok_s_ratio'], 2)}×** | {_f(r['calserve_ttft_p50_ms'])} / "
+            f"**{_f(r['tok_s_ratio'], 2)}×**{bad} | {_f(r['calserve_ttft_p50_ms'])} / "
             f"{_f(r['llama_ttft_p50_ms'])} | {_f(r['calserve_ttft_p99_ms'])} / "
             f"{_f(r['llama_ttft_p99_ms'])} | {_f(r['calserve_tpot_p50_ms'], 1)} / "
             f"{_f(r['llama_tpot_p50_ms'], 1)} | {_f(r['calserve_prefill_tok_s'])} / "
