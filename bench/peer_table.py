@@ -4,7 +4,8 @@ tested with fake rows in ``tests/bench/test_bench_peer.py``).
 
 A run row (one load point against one server) carries ``model``, ``streams``, ``arm`` (``calserve-*``
 or ``llama-server``), ``rep``, ``tok_s`` (output tokens/s), ``ttft_p50_ms``, ``ttft_p99_ms``,
-``tpot_p50_ms`` and optionally ``prefill_tok_s`` (one-wave runs: prompt tokens / the last first token), ``cpu_ms_per_token`` / ``host_cpu_ms_per_token`` /
+``tpot_p50_ms``, ``failed`` and optionally ``prefill_tok_s`` (one-wave runs: prompt tokens / the
+time of the last first token), ``cpu_ms_per_token`` / ``host_cpu_ms_per_token`` /
 ``device_cpu_ms_per_token`` (server CPU per output token; calserve splits its software NPU's
 ``calrt-sim-*`` threads from the rest).
 """
