@@ -6,7 +6,7 @@ core 1), writes per-point run directories (records.jsonl, summary.json, metrics.
 prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
 
 Names: saturation, knee, m1-async-vs-sync, batching, fairness, fairness-backlogged, overload, soak,
-http-floor, scaleout, sampler-cost, m2-pingpong, chaos, lifecycle.
+http-floor, scaleout, sampler-cost, m2-pingpong, chaos, lifecycle, peer.
 """
 
 from __future__ import annotations
@@ -383,6 +383,13 @@ def lifecycle(out: Path, quick: bool, minutes: float | None = None) -> dict[str,
     return lifecycle_run(out, quick, minutes)
 
 
+def peer(out: Path, quick: bool) -> dict[str, Any]:
+    """calserve vs llama-server on the same weights and client (bench/peer.py); with the defaults of
+    its options (``main`` passes the command line's through :func:`bench.peer.run_from_args`)."""
+    from bench.peer import run as peer_run
+    return peer_run(out, quick)
+
+
 SCENARIOS = {
     "saturation": saturation,
     "knee": knee,
@@ -398,6 +405,7 @@ SCENARIOS = {
     "m2-pingpong": m2_pingpong,
     "chaos": chaos,
     "lifecycle": lifecycle,
+    "peer": peer,
 }
 
 
@@ -408,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="shorter points (a smoke run)")
     ap.add_argument("--minutes", type=float, help="soak length (soak, lifecycle's switching soak)")
     ap.add_argument("--out", type=Path, help="default bench/out/NAME")
+    from bench.peer import add_arguments as peer_arguments
+    peer_arguments(ap)
     a = ap.parse_args(argv)
     out = a.out or BENCH_OUT / a.name
     out.mkdir(parents=True, exist_ok=True)
@@ -416,6 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     fn = SCENARIOS[a.name]
     if a.name in ("soak", "lifecycle"):
         doc = (soak if a.name == "soak" else lifecycle)(out, a.quick, a.minutes)
+    elif a.name == "peer":
+        from bench.peer import PeerUnavailable, run_from_args
+        try:
+            doc = run_from_args(out, a.quick, a)
+        except PeerUnavailable as e:
+            print(f"peer: {e}", file=sys.stderr)
+            return 2
     else:
         doc = fn(out, a.quick)
     doc = {"scenario": a.name, "quick": a.quick, "loadgen_pinned_core1": pinned,
