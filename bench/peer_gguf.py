@@ -111,10 +111,7 @@ def export_package(pkg: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
     tokens, types, merges = _tokenizer_fields((p / man.tokenizer).read_text())
     if len(tokens) != cfg.vocab_size:
         raise ValueError(f"{p}: {len(tokens)} tokens but vocab_size {cfg.vocab_size}")
-    out_p = Path(out)
-    out_p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_p.with_name(out_p.name + ".part")
-    wr = gguf.GGUFWriter(str(tmp), arch)
+    wr = _open_writer(out, arch)
     wr.add_name(man.name)
     wr.add_file_type(int(gguf.LlamaFileType.ALL_F32))
     wr.add_context_length(int(cfg.max_position_embeddings))
@@ -152,12 +149,7 @@ def export_package(pkg: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
             w = llamacpp_permute(w, cfg.num_attention_heads if "q_proj" in name
                                  else cfg.num_key_value_heads)
         wr.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(w))
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-    os.replace(tmp, out_p)
-    return out_p
+    return _finish(wr, out)
 
 
 def gguf_to_f32(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
@@ -169,10 +161,7 @@ def gguf_to_f32(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pat
     arch_field = reader.get_field("general.architecture")
     if arch_field is None:
         raise ValueError(f"{src}: no general.architecture")
-    out_p = Path(out)
-    out_p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_p.with_name(out_p.name + ".part")
-    wr = gguf.GGUFWriter(str(tmp), str(arch_field.contents()))
+    wr = _open_writer(out, str(arch_field.contents()))
     for field in reader.fields.values():
         if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
             continue
@@ -189,13 +178,33 @@ def gguf_to_f32(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pat
         else:
             a = quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32, copy=False)
         wr.add_tensor(t.name, np.ascontiguousarray(a.reshape(shape)))
+    return _finish(wr, out)
+
+
+
+def _part(out: str | os.PathLike[str]) -> Path:
+    """Where a GGUF bound for ``out`` is written first (renamed into place once complete)."""
+    out_p = Path(out)
+    return out_p.with_name(out_p.name + ".part")
+
+
+def _open_writer(out: str | os.PathLike[str], arch: str) -> Any:
+    """A GGUFWriter for ``out``'s ``.part`` file (its directory created)."""
+    import gguf
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    return gguf.GGUFWriter(str(_part(out)), arch)
+
+
+def _finish(wr: Any, out: str | os.PathLike[str]) -> Path:
+    """Write ``wr``'s header, metadata and tensors, close it and rename it onto ``out``: a reader
+    never sees a half-written file."""
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
-    os.replace(tmp, out_p)
-    return out_p
-
+    os.replace(_part(out), out)
+    return Path(out)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.peer_gguf", description=__doc__,
