@@ -16,19 +16,8 @@
 
 #include "internal.h"
 
-/* v8f values only pass between static inline functions of this file: no ABI is exposed. */
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 /* Attention's q . k uses the linear layers' reduction (matmul.c, sim_dot_ref) on v8f. */
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline __attribute__((always_inline)) v8f ld8(const float *p) {
-  v8f v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-#define hsum8(a) ((((a)[0] + (a)[4]) + ((a)[2] + (a)[6])) + (((a)[1] + (a)[5]) + ((a)[3] + (a)[7])))
+#include "v8f.h"
 
 /* Several independent matmuls (e.g. q, k and v of one layer) as one parallel region: each task is a
  * chunk of one matmul's output rows. */
@@ -155,7 +144,7 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
   v8f acc = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int n8 = n & ~7;
   for (int i = 0; i < n8; i += 8) acc += ld8(a + i) * ld8(b + i);
-  float s = hsum8(acc);
+  float s = HSUM8(acc);
   for (int i = n8; i < n; i++) s += a[i] * b[i];
   return s;
 }

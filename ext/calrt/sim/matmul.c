@@ -29,17 +29,7 @@
 
 #include "internal.h"
 
-#pragma GCC diagnostic ignored "-Wpsabi" /* v8f only passes between static inline functions */
-
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline __attribute__((always_inline)) v8f ld8(const float *p) {
-  v8f v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-#define HSUM8(a) ((((a)[0] + (a)[4]) + ((a)[2] + (a)[6])) + (((a)[1] + (a)[5]) + ((a)[3] + (a)[7])))
+#include "v8f.h"
 
 float sim_dot_ref(const float *w, const float *x, int n) {
   float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
