@@ -192,6 +192,13 @@ class SchedulerConfig(_Strict):
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     executor: ExecutorConfig = msgspec.field(default_factory=ExecutorConfig)
     recovery: RecoveryConfig = msgspec.field(default_factory=RecoveryConfig)
+    # Time-slicing (engine/timeslice.py): once the oldest waiting request has waited
+    # timeslice_wait_ms and only the max_running cap blocks it, the running request (of its
+    # tenant first) that has run longest since its admission / resume, at least timeslice_ms, is
+    # parked (keeps its KV, never cut for it) and resumed at the back of the line. 0 = off (the
+    # default until admission's wait estimate and the overload TTFT bound account for it).
+    timeslice_ms: NonNeg = 0
+    timeslice_wait_ms: NonNeg = 100
 
 
 class ServerConfig(_Strict):

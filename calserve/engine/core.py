@@ -43,6 +43,7 @@ from calserve.engine.planner import Planner
 from calserve.engine.requests import PREFILL_CLASSES, RequestTable
 from calserve.engine.state import CoreOutput, DeviceJob, JobOutcome, Release, Seq
 from calserve.engine.steps import StepHandler
+from calserve.engine.timeslice import TimeSlice
 from calserve.engine.types import ErrorEvent, FinishReason
 from calserve.runtime.types import JobEngine, JobStatus
 
@@ -57,6 +58,11 @@ NOTHING: Final = CoreOutput()
 log = logging.getLogger("calserve.engine.core")
 
 
+def _admitting(gen: Generation) -> bool:
+    """Admission runs for ``gen`` (ready, or draining with its waiting requests admitted)."""
+    return gen.state is ModelState.READY or (gen.state is ModelState.DRAINING and gen.admit_waiting)
+
+
 class EngineCore:
     def __init__(self, cfg: CalserveConfig, models: ModelManager, engines: Sequence[JobEngine]) -> None:
         self.cfg = cfg
@@ -67,6 +73,9 @@ class EngineCore:
         self.stats = CoreStats()
         self.planner = Planner(cfg, models, self.requests, self.builder, self.st, self.stats)
         self.parking = Parking(self.requests)  # slots of streams whose client is behind
+        # long streams take turns with waiting requests (engine/timeslice.py)
+        self.timeslice = TimeSlice(self.requests, self.parking, cfg.scheduler.timeslice_ms,
+                                   cfg.scheduler.timeslice_wait_ms)
         self.steps = StepHandler(self.requests, self.st, self.stats,
                                  cfg.scheduler.recovery.max_request_retries)
 
@@ -141,7 +150,10 @@ class EngineCore:
         timer = math.inf
         reqs = self.requests
         self.parking.apply()
-        for gen in list(self.models.generations.values()):
+        gens = list(self.models.generations.values())
+        if not paused and now >= self.st.admit_after:
+            timer = self.timeslice.apply([g for g in gens if _admitting(g)], now)
+        for gen in gens:
             q = reqs.queues(gen)
             reqs.expire(gen, now)
             if q.releases:
@@ -151,12 +163,13 @@ class EngineCore:
                     reqs.confirm_released(gen, batch, now)
                 elif gen not in out.release_gens:
                     out.release_gens.append(gen)
-            if not paused and (gen.state is ModelState.READY or (
-                    gen.state is ModelState.DRAINING and gen.admit_waiting)):
+            if not paused and _admitting(gen):
                 if now >= self.st.admit_after:
                     reqs.admit(gen, now)
                 elif q.waiting:  # degraded: admission cool-down after a reset
                     timer = min(timer, self.st.admit_after)
+            if q.parked:
+                self.timeslice.fill(gen, now)  # slots the queue left free (engine/timeslice.py)
             d = gen.admission.next_deadline()
             if d is not None:
                 timer = min(timer, d)

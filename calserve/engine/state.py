@@ -101,6 +101,7 @@ class Seq:
     admitted_at: float | None = None  # set once admission popped it: active for its tenant
     first_token_at: float | None = None
     ready_since: float = 0.0  # when it last became decode-ready (batching window)
+    run_since: float = 0.0  # when it was last admitted or resumed (time-slicing: engine/timeslice.py)
     # Consecutive decode batches that passed this ready sequence over (starvation accounting).
     passed_over: int = 0
     # A token message held back until the next job was submitted (EngineCore.flush); whoever
