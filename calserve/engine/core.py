@@ -74,8 +74,10 @@ class EngineCore:
         self.planner = Planner(cfg, models, self.requests, self.builder, self.st, self.stats)
         self.parking = Parking(self.requests)  # slots of streams whose client is behind
         # long streams take turns with waiting requests (engine/timeslice.py)
-        self.timeslice = TimeSlice(self.requests, self.parking, cfg.scheduler.timeslice_ms,
-                                   cfg.scheduler.timeslice_wait_ms)
+        sched = cfg.scheduler
+        slo_ms = sched.admission.max_expected_wait_ms or 0  # waits admission promised: not sliced
+        self.timeslice = TimeSlice(self.requests, self.parking, sched.timeslice_ms,
+                                   max(sched.timeslice_wait_ms, 2 * slo_ms))
         self.steps = StepHandler(self.requests, self.st, self.stats,
                                  cfg.scheduler.recovery.max_request_retries)
 

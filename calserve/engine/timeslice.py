@@ -7,7 +7,11 @@ socket probe and :mod:`calserve.engine.parking` never see it behind), so 60 such
 tokens made a normal request queued behind them wait ~38 s. Here, once per scheduling pass and
 before admission (:meth:`TimeSlice.apply`):
 
-- **park**: when the oldest waiting request has waited ``scheduler.timeslice_wait_ms`` and
+- **park**: when the oldest waiting request has waited ``scheduler.timeslice_wait_ms`` (at least
+  twice ``admission.max_expected_wait_ms`` when that is set: under overload admission already
+  keeps waits near that SLO, and slicing requests that will finish soon anyway would turn its
+  FIFO into processor sharing, longer for everyone — measured: the overload test's short-request
+  TTFT p99 0.19 s -> 0.67 s with a 100 ms wait) and
   admission is blocked only by the ``max_running`` cap (a KV lane is free and the waiter's tenant
   is below its cap: parking frees neither), the decode-ready request that has run longest since
   its admission / resume is parked (:meth:`Parking.slice`, the time-slicing reason) if that run is
@@ -22,7 +26,7 @@ A time-sliced request is an ordinary parked one for everything else (deadlines, 
 shutdown, drains: :class:`~calserve.engine.requests.RequestTable` ends or re-admits it like any
 decode-ready request) and is never cut for it (``server.stream_parked_cut_ms`` is its stream's,
 for its client). With no more requests than slots nothing is ever parked. ``timeslice_ms`` 0:
-off (the default for now).
+off.
 """
 
 from __future__ import annotations
