@@ -41,7 +41,7 @@ from calserve.engine.core_stats import CoreState, CoreStatistics, CoreStats, Fas
 from calserve.engine.parking import Parking
 from calserve.engine.planner import Planner
 from calserve.engine.requests import PREFILL_CLASSES, RequestTable
-from calserve.engine.state import CoreOutput, DeviceJob, JobOutcome, Release, Seq
+from calserve.engine.state import NO_OUTPUT, CoreOutput, DeviceJob, JobOutcome, Release, Seq
 from calserve.engine.steps import StepHandler
 from calserve.engine.timeslice import TimeSlice
 from calserve.engine.types import ErrorEvent, FinishReason
@@ -52,8 +52,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineCore", "FastStep", "NOTHING"]
 
-#: The output of a call that asks nothing of the shells (never mutated: shells only read outputs).
-NOTHING: Final = CoreOutput()
+#: The output of a call that asks nothing of the shells (read-only: engine/state.py NO_OUTPUT).
+NOTHING: Final[CoreOutput] = NO_OUTPUT
 
 log = logging.getLogger("calserve.engine.core")
 
@@ -325,6 +325,8 @@ class EngineCore:
         self.st.paused = False
         self._pass(now)
         out = self._take()
+        if out is NOTHING:  # shared and read-only (engine/state.py NO_OUTPUT)
+            out = CoreOutput()
         out.wake = True
         return out
 
