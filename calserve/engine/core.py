@@ -370,4 +370,6 @@ class EngineCore:
             fast_steps_total=st.fast_steps_total, quarantined_jobs_total=st.quarantined_jobs_total,
             readmitted_total=st.readmitted_total,
             epoch=self.st.epoch, job_status_total=dict(st.job_status_total),
+            parked=sum(len(q.parked) for q in qs), parks_total=self.parking.parks_total,
+            timeslices_total=self.parking.slices_total,
         )

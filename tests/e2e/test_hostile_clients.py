@@ -555,18 +555,25 @@ async def plain_never_readers(server: ServerProcess) -> dict[str, float]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["serve", "cli"])
 async def test_one_tenant_a_normal_request_beside_60_plain_never_readers_within_3s(
-        calserve_home: Path, tmp_path: Path) -> None:
-    """Single-tenant defaults plus scheduler.timeslice_ms 100 (`calserve serve`, a fresh server): 60 never-read plain-text streams whose
-    whole answer fits the kernels' buffers look like readers (nothing parks or cuts them); before
-    time-slicing (engine/timeslice.py) a normal request queued behind them waited ~38 s for them to
-    finish, 3 at a time. Now the running ones take turns with it (scheduler.timeslice_ms): it is
-    answered within 3 s, and every request ends once the never-readers' clients leave."""
-    cfg = tmp_path / "timeslice.yaml"
-    cfg.write_text("scheduler:\n  timeslice_ms: 100\n")
-    with serving_calserve(calserve_home, tmp_path, "--config", str(cfg)) as server:
+        launcher: str, calserve_home: Path, tmp_path: Path) -> None:
+    """Single-tenant defaults (a fresh server, both launchers): 60 never-read plain-text streams
+    whose whole answer fits the kernels' buffers look like readers (nothing parks or cuts them for
+    their client); without time-slicing a normal request queued behind them waited ~20-38 s for
+    them to finish, 3 at a time. Now the running ones take turns with it (engine/timeslice.py,
+    on by default): it is answered within 3 s, the turns show in calserve_timeslices_total, and
+    every request ends once the never-readers' clients leave."""
+    launch = serving_calserve(calserve_home, tmp_path) if launcher == "serve" else serving(
+        calserve_home, tmp_path)
+    with launch as server:
         report = await plain_never_readers(server)
+        m = await trio.to_thread.run_sync(scrape, server.url)
     report["limit_s"] = normal_limit_s()
-    print("plain never-readers, one tenant:", report)
+    report["timeslices"] = value(m, "calserve_timeslices_total")
+    report["parked_after"] = value(m, "calserve_requests_parked")
+    print(f"plain never-readers, one tenant, {launcher}:", report)
     assert report["normal_status"] == 200, report
     assert report["normal_s"] < report["limit_s"], report
+    assert report["timeslices"] >= 1 and report["parked_after"] == 0, report
+

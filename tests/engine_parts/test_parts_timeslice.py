@@ -75,6 +75,9 @@ async def _run(n_long: int, delay: float, slice_ms: int, lanes: int = LANES
         with trio.move_on_after(1):  # the last ended request's lane: the runtime's free round trip
             while gen.kv.free_lanes() < lanes:
                 await trio.sleep(0.01)
+        stats = eng.statistics()  # what /metrics exports (calserve_timeslices_total, ..._parked)
+        assert stats.timeslices_total == eng.core.parking.slices_total
+        assert stats.requests_parked == 0
         return {"ends": ends, "tokens": tokens, "ttft": first["short"] - t0,
                 "slices": eng.core.parking.slices_total, "parked": eng.core.parking.parked(),
                 "free_lanes": gen.kv.free_lanes(), "lanes": lanes, "cap": cap}
