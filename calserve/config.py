@@ -192,6 +192,15 @@ class SchedulerConfig(_Strict):
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     executor: ExecutorConfig = msgspec.field(default_factory=ExecutorConfig)
     recovery: RecoveryConfig = msgspec.field(default_factory=RecoveryConfig)
+    # Time-slicing (engine/timeslice.py): once the oldest waiting request has waited
+    # timeslice_wait_ms (at least twice admission.max_expected_wait_ms when that is set: waits
+    # admission promised are not preempted) and only the max_running cap blocks it, the running
+    # request (of its tenant first) that has run longest since its admission / resume, at least
+    # timeslice_ms, is parked (keeps its KV, never cut for it) and resumed at the back of the line.
+    # It bounds how long one tenant's long streams (e.g. clients that never read but whose whole
+    # answer fits their socket buffers) hold a short request of the same tenant. 0 = off.
+    timeslice_ms: NonNeg = 100
+    timeslice_wait_ms: NonNeg = 300
 
 
 class ServerConfig(_Strict):

@@ -76,6 +76,11 @@ class EngineCollector(Collector):
         # admission
         yield _g("calserve_requests_running", "Admitted, not yet terminal requests", s.requests_running)
         yield _g("calserve_requests_waiting", "Requests waiting for admission or model", s.requests_waiting)
+        yield _g("calserve_requests_parked", "Running requests parked: client behind, or taking turns (time-slicing)",
+                 s.requests_parked)
+        yield _c("calserve_stream_parks", "Streams parked because their client was behind", s.stream_parks_total)
+        yield _c("calserve_timeslices", "Running requests parked to let a waiting one run (time-slicing)",
+                 s.timeslices_total)
         yield _g("calserve_waiting_prompt_tokens", "Prompt tokens of waiting requests", s.waiting_prompt_tokens)
         yield _c("calserve_admitted", "Requests admitted", s.admitted_total)
         yield _labelled(C, "calserve_rejected", "Requests rejected at admission by outcome", "outcome",

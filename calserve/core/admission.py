@@ -74,6 +74,7 @@ from calserve.core.service_tracker import ServiceTracker
 from calserve.core.wait_estimate import ServiceModel, WaitEstimate, expected_wait
 
 __all__ = [
+    "tenant_capped",
     "CapacityBudget",
     "Outcome",
     "AdmissionDecision",
@@ -387,3 +388,9 @@ class AdmissionController:
             decode_ratio=self._svc.decode_ratio,
             lane_step_s=self._svc.lane_step_s,
         )
+
+
+def tenant_capped(admission: AdmissionController, tenant: str) -> bool:
+    """``tenant`` is at its ``max_active_sequences`` in ``admission`` (its queued items are passed
+    over until one of its active ones ends)."""
+    return admission._tenants.get(tenant).capped()

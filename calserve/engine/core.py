@@ -41,8 +41,9 @@ from calserve.engine.core_stats import CoreState, CoreStatistics, CoreStats, Fas
 from calserve.engine.parking import Parking
 from calserve.engine.planner import Planner
 from calserve.engine.requests import PREFILL_CLASSES, RequestTable
-from calserve.engine.state import CoreOutput, DeviceJob, JobOutcome, Release, Seq
+from calserve.engine.state import NO_OUTPUT, CoreOutput, DeviceJob, JobOutcome, Release, Seq
 from calserve.engine.steps import StepHandler
+from calserve.engine.timeslice import TimeSlice
 from calserve.engine.types import ErrorEvent, FinishReason
 from calserve.runtime.types import JobEngine, JobStatus
 
@@ -51,10 +52,15 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineCore", "FastStep", "NOTHING"]
 
-#: The output of a call that asks nothing of the shells (never mutated: shells only read outputs).
-NOTHING: Final = CoreOutput()
+#: The output of a call that asks nothing of the shells (read-only: engine/state.py NO_OUTPUT).
+NOTHING: Final[CoreOutput] = NO_OUTPUT
 
 log = logging.getLogger("calserve.engine.core")
+
+
+def _admitting(gen: Generation) -> bool:
+    """Admission runs for ``gen`` (ready, or draining with its waiting requests admitted)."""
+    return gen.state is ModelState.READY or (gen.state is ModelState.DRAINING and gen.admit_waiting)
 
 
 class EngineCore:
@@ -67,6 +73,11 @@ class EngineCore:
         self.stats = CoreStats()
         self.planner = Planner(cfg, models, self.requests, self.builder, self.st, self.stats)
         self.parking = Parking(self.requests)  # slots of streams whose client is behind
+        # long streams take turns with waiting requests (engine/timeslice.py)
+        sched = cfg.scheduler
+        slo_ms = sched.admission.max_expected_wait_ms or 0  # waits admission promised: not sliced
+        self.timeslice = TimeSlice(self.requests, self.parking, sched.timeslice_ms,
+                                   max(sched.timeslice_wait_ms, 2 * slo_ms))
         self.steps = StepHandler(self.requests, self.st, self.stats,
                                  cfg.scheduler.recovery.max_request_retries)
 
@@ -141,7 +152,10 @@ class EngineCore:
         timer = math.inf
         reqs = self.requests
         self.parking.apply()
-        for gen in list(self.models.generations.values()):
+        gens = list(self.models.generations.values())
+        if not paused and now >= self.st.admit_after:
+            timer = self.timeslice.apply([g for g in gens if _admitting(g)], now)
+        for gen in gens:
             q = reqs.queues(gen)
             reqs.expire(gen, now)
             if q.releases:
@@ -151,12 +165,13 @@ class EngineCore:
                     reqs.confirm_released(gen, batch, now)
                 elif gen not in out.release_gens:
                     out.release_gens.append(gen)
-            if not paused and (gen.state is ModelState.READY or (
-                    gen.state is ModelState.DRAINING and gen.admit_waiting)):
+            if not paused and _admitting(gen):
                 if now >= self.st.admit_after:
                     reqs.admit(gen, now)
                 elif q.waiting:  # degraded: admission cool-down after a reset
                     timer = min(timer, self.st.admit_after)
+            if q.parked:
+                self.timeslice.fill(gen, now)  # slots the queue left free (engine/timeslice.py)
             d = gen.admission.next_deadline()
             if d is not None:
                 timer = min(timer, d)
@@ -310,6 +325,8 @@ class EngineCore:
         self.st.paused = False
         self._pass(now)
         out = self._take()
+        if out is NOTHING:  # shared and read-only (engine/state.py NO_OUTPUT)
+            out = CoreOutput()
         out.wake = True
         return out
 
@@ -353,4 +370,6 @@ class EngineCore:
             fast_steps_total=st.fast_steps_total, quarantined_jobs_total=st.quarantined_jobs_total,
             readmitted_total=st.readmitted_total,
             epoch=self.st.epoch, job_status_total=dict(st.job_status_total),
+            parked=sum(len(q.parked) for q in qs), parks_total=self.parking.parks_total,
+            timeslices_total=self.parking.slices_total,
         )

@@ -79,6 +79,11 @@ class CoreStatistics:
     readmitted_total: int
     epoch: int
     job_status_total: dict[str, int] = dataclasses.field(default_factory=dict)
+    # engine/parking.py, engine/timeslice.py: parked now (client behind or time-sliced); parks
+    # because a stream's client was behind; parks by time-slicing
+    parked: int = 0
+    parks_total: int = 0
+    timeslices_total: int = 0
 
 
 class FastStep:

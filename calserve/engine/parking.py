@@ -18,6 +18,12 @@ batched) and does not count against ``max_running`` in admission. A request aske
 job of it is on the device (or before its prefill) is parked by the first pass after it became
 decode-ready (:meth:`Parking.apply`). Resumed, it is decode-ready again (least recently served
 last) and counts again: the running set may then exceed ``max_running`` until a request ends.
+
+The same parked state serves time-slicing (:mod:`calserve.engine.timeslice`): a request parked
+by :meth:`Parking.slice` is recorded with that reason (:meth:`Parking.sliced`), is resumed only by
+the time-slicer (:meth:`Parking.unslice`, never by its stream, and never cut for it: the stream's
+cut timer runs only while the *stream* asked to park). If its stream asks to park meanwhile, the
+reason becomes the client's (the stream's resume then resumes it).
 """
 
 from __future__ import annotations
@@ -35,13 +41,17 @@ class Parking:
     """The engine core's parking (module docstring): :meth:`set` from the request's stream,
     :meth:`apply` once per scheduling pass, before admission."""
 
-    __slots__ = ("_requests", "_want", "parks_total")
+    __slots__ = ("_requests", "_want", "parks_total", "_sliced", "slices_total")
 
     def __init__(self, requests: RequestTable) -> None:
         self._requests = requests
         # Invariant: asked to park, not parked yet (not decode-ready when asked), not ended.
         self._want: dict[int, Seq] = {}
         self.parks_total = 0
+        # Parked by time-slicing (the reason flag), in park order: rid -> (seq, when parked).
+        # Invariant: pruned lazily (:meth:`sliced_queue`) once the request ended or left parked.
+        self._sliced: dict[int, tuple[Seq, float]] = {}
+        self.slices_total = 0
 
     def set(self, seq: Seq, park: bool, now: float) -> None:
         """Park ``seq`` (``park``) or resume it. Idempotent; an ended request is ignored."""
@@ -52,6 +62,7 @@ class Parking:
         q = reqs.queues(seq.gen)
         if park:
             if seq.rid in q.parked:
+                self._sliced.pop(seq.rid, None)  # now parked for its client
                 return
             if q.decode_ready.pop(seq.rid, None) is seq:
                 self._park(q.parked, seq)
@@ -60,10 +71,51 @@ class Parking:
             reqs.wake = True  # its running slot may admit a waiting request now
             return
         self._want.pop(seq.rid, None)
+        if seq.rid in self._sliced:
+            return  # parked by time-slicing: only the time-slicer resumes it
         if q.parked.pop(seq.rid, None) is seq:
-            seq.ready_since = now
-            q.decode_ready[seq.rid] = seq
-            reqs.wake = True
+            self._ready(q.decode_ready, seq, now)
+
+    def _ready(self, ready: dict[int, Seq], seq: Seq, now: float) -> None:
+        seq.ready_since = now
+        seq.run_since = now
+        ready[seq.rid] = seq
+        self._requests.wake = True
+
+    def slice(self, seq: Seq, now: float) -> bool:
+        """Park decode-ready ``seq`` for time-slicing (False: it is not decode-ready)."""
+        q = self._requests.queues(seq.gen)
+        if seq.ended or q.decode_ready.get(seq.rid) is not seq:
+            return False
+        del q.decode_ready[seq.rid]
+        self._park(q.parked, seq)
+        self._sliced[seq.rid] = (seq, now)
+        self.slices_total += 1
+        self._requests.wake = True
+        return True
+
+    def unslice(self, seq: Seq, now: float) -> None:
+        """Resume a request parked by :meth:`slice` (decode-ready again)."""
+        if self._sliced.pop(seq.rid, None) is None:
+            return
+        q = self._requests.queues(seq.gen)
+        if q.parked.pop(seq.rid, None) is seq:
+            self._ready(q.decode_ready, seq, now)
+
+    def sliced(self, rid: int) -> bool:
+        """``rid`` is parked by time-slicing (not for its client)."""
+        return rid in self._sliced
+
+    def sliced_queue(self, q_parked: dict[int, Seq], gen_id: int) -> list[tuple[Seq, float]]:
+        """The time-sliced requests of one generation (its ``parked`` dict), oldest park first;
+        drops the entries of requests that ended or left the parked set (fault, cancel)."""
+        out = []
+        for rid, (seq, t) in list(self._sliced.items()):
+            if seq.ended or (seq.gen.id == gen_id and q_parked.get(rid) is not seq):
+                del self._sliced[rid]
+            elif seq.gen.id == gen_id:
+                out.append((seq, t))
+        return out
 
     def _park(self, parked: dict[int, Seq], seq: Seq) -> None:
         parked[seq.rid] = seq

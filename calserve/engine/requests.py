@@ -247,6 +247,7 @@ class RequestTable:
         for item in gen.admission.pop_admissible(now, free, kv.free_tokens(), len(q.parked)):
             seq = q.waiting.pop(item.request_id)
             seq.admitted_at = now  # popped by admission: released at its end
+            seq.run_since = now
             lease = gen.kv.reserve(seq.rid, gen.id, min(item.kv_tokens, gen.max_seq))
             if lease is None:  # admission and the lane table disagree: never silently drop
                 self.end(seq, error=ErrorEvent("no KV lane available", "internal"), now=now)

@@ -18,7 +18,7 @@ Ownership (who may write what) is the point of this module:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 import numpy as np
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from calserve.engine.generations import Generation
 
 __all__ = ["Seq", "Admitted", "Tokens", "End", "ActorMsg", "DeviceJob", "JobOutcome", "CoreOutput",
-           "Fault", "Release"]
+           "NO_OUTPUT", "Fault", "Release"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +101,7 @@ class Seq:
     admitted_at: float | None = None  # set once admission popped it: active for its tenant
     first_token_at: float | None = None
     ready_since: float = 0.0  # when it last became decode-ready (batching window)
+    run_since: float = 0.0  # when it was last admitted or resumed (time-slicing: engine/timeslice.py)
     # Consecutive decode batches that passed this ready sequence over (starvation accounting).
     passed_over: int = 0
     # A token message held back until the next job was submitted (EngineCore.flush); whoever
@@ -220,3 +221,24 @@ class CoreOutput:
     wake: bool = False
     # the earliest instant a pass must run again (deadline, batching window), inf if none
     timer: float = float("inf")
+
+
+class _ReadOnlyOutput(CoreOutput):
+    """:data:`NO_OUTPUT`: a :class:`CoreOutput` that asks nothing and cannot be changed (empty
+    tuples, no attribute assignment). It is shared by every call that asks nothing (the hot path's
+    answer), so a caller that set ``wake`` on it once would make every later such answer wake the
+    scheduler: after a device recovery whose resume pass asked nothing, the scheduler task then
+    ran pass after pass without waiting (a busy loop, and under a fake clock a test that never
+    ends)."""
+
+    def __init__(self) -> None:
+        for name, value in (("jobs", ()), ("faults", ()), ("release_gens", ()), ("wake", False),
+                            ("timer", float("inf"))):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"the shared empty CoreOutput is read-only (set {name!r} on a new one)")
+
+
+#: The output of a call that asks nothing of the shells (read-only: see ``_ReadOnlyOutput``).
+NO_OUTPUT: Final[CoreOutput] = _ReadOnlyOutput()

@@ -104,4 +104,7 @@ def build_statistics(src: StatisticsSources) -> EngineStatistics:
         job_status_total=core.job_status_total,
         model_phase_seconds={g.alias: dict(g.phase_seconds) for g in src.generations},
         device_restarts_total=rec.device_restarts_total,
+        requests_parked=core.parked,
+        stream_parks_total=core.parks_total,
+        timeslices_total=core.timeslices_total,
     )

@@ -242,6 +242,10 @@ class EngineStatistics:
     job_status_total: dict[str, int] = dataclasses.field(default_factory=dict)
     model_phase_seconds: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     device_restarts_total: int = 0
+    # streams parked (engine/parking.py: the client is behind; engine/timeslice.py: taking turns)
+    requests_parked: int = 0
+    stream_parks_total: int = 0
+    timeslices_total: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

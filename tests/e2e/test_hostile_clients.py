@@ -11,6 +11,8 @@
   within 3 s, on later waves too (both launchers); as another tenant (the only config: API
   keys) it gets the next lane. Clients reading a logprob stream beside them, as it comes or in
   bursts every 100 ms, are never cut. A never-reading n = 4 stream is cut like a single one.
+- 60 never-read plain-text streams (the socket probe cannot see them behind) take turns with a
+  normal request of the same tenant (time-slicing): it is answered within 3 s.
 - ~1 MiB prompts (and a 500k-character /tokenize) arriving while a stream runs are refused before
   tokenizing: the stream's largest inter-token gap stays small.
 """
@@ -511,3 +513,67 @@ async def test_megabyte_prompts_do_not_stall_a_running_stream(
         (400, param) for _ in range(3) for _p, _b, param in hostile)
     assert worst < 0.5, worst
     assert max(gaps) < 0.5, max(gaps)
+
+
+_PLAIN_BODY = {"model": "qwen3", "messages": [{"role": "user", "content": "Write forever"}],
+               "max_tokens": 1000, "stream": True, "ignore_eos": True}
+
+
+async def plain_never_readers(server: ServerProcess) -> dict[str, float]:
+    """NEVER_READERS plain-text streams (1,000 tokens: each fits the kernels' socket buffers, so
+    the socket probe never sees the client behind) that are never read, then a normal request of
+    the same tenant beside them; then the never-readers' clients leave and every request ends,
+    every lane back. (normal's status, its seconds, seconds until idle)."""
+    assert server.port is not None
+    req = _raw_request("/v1/chat/completions", _PLAIN_BODY, None)
+    socks: list[trio.SocketStream] = []
+
+    def normal() -> tuple[int, float]:
+        t = time.monotonic()
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                       json={"model": "qwen3", "max_tokens": 16, "ignore_eos": True,
+                             "messages": [{"role": "user", "content": "Hello"}]})
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["finish_reason"] == "length", r.text
+        return r.status_code, time.monotonic() - t
+
+    try:
+        for _ in range(NEVER_READERS):
+            s = await trio.open_tcp_stream("127.0.0.1", server.port)
+            socks.append(s)
+            await s.send_all(req)
+        await trio.sleep(0.3)  # all of them submitted and queued
+        status, secs = await trio.to_thread.run_sync(normal)
+    finally:
+        for s in socks:
+            await s.aclose()
+    t0 = time.monotonic()
+    with trio.fail_after(90):
+        while _busy(await trio.to_thread.run_sync(scrape, server.url)):
+            await trio.sleep(0.2)
+    return {"normal_status": status, "normal_s": secs, "idle_after_s": time.monotonic() - t0}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["serve", "cli"])
+async def test_one_tenant_a_normal_request_beside_60_plain_never_readers_within_3s(
+        launcher: str, calserve_home: Path, tmp_path: Path) -> None:
+    """Single-tenant defaults (a fresh server, both launchers): 60 never-read plain-text streams
+    whose whole answer fits the kernels' buffers look like readers (nothing parks or cuts them for
+    their client); without time-slicing a normal request queued behind them waited ~20-38 s for
+    them to finish, 3 at a time. Now the running ones take turns with it (engine/timeslice.py,
+    on by default): it is answered within 3 s, the turns show in calserve_timeslices_total, and
+    every request ends once the never-readers' clients leave."""
+    launch = serving_calserve(calserve_home, tmp_path) if launcher == "serve" else serving(
+        calserve_home, tmp_path)
+    with launch as server:
+        report = await plain_never_readers(server)
+        m = await trio.to_thread.run_sync(scrape, server.url)
+    report["limit_s"] = normal_limit_s()
+    report["timeslices"] = value(m, "calserve_timeslices_total")
+    report["parked_after"] = value(m, "calserve_requests_parked")
+    print(f"plain never-readers, one tenant, {launcher}:", report)
+    assert report["normal_status"] == 200, report
+    assert report["normal_s"] < report["limit_s"], report
+    assert report["timeslices"] >= 1 and report["parked_after"] == 0, report
+

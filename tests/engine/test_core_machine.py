@@ -270,7 +270,8 @@ class CoreMachine(RuleBasedStateMachine):
             ended = bool(self.inboxes[rid].msgs) and isinstance(self.inboxes[rid].msgs[-1], End)
             assert seq.ended == ended and seq.ended == (seq.state in TERMINAL), (rid, seq.state)
             if seq.state in (RequestState.DECODE_READY,):
-                assert q.decode_ready.get(rid) is seq, rid
+                # decode-ready, or parked (engine/parking.py, engine/timeslice.py)
+                assert q.decode_ready.get(rid) is seq or q.parked.get(rid) is seq, rid
 
     @invariant()
     def unknown_lanes_are_not_reused(self) -> None:
