@@ -351,6 +351,17 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     return 0;
   }
   const size_t R_ = (size_t)R;
+  /* CALRT_SIM_PROFILE (profile.c): decode steps' wall time per phase */
+  const int prof = job->kind != JOB_PREFILL && sim_prof_enabled();
+  double prof_us[SIM_PROF_PHASES] = {0}, prof_t = prof ? sim_now_us() : 0.0;
+#define PROF_MARK(ph)                                                                                          \
+  do {                                                                                                         \
+    if (prof) {                                                                                                \
+      const double t_ = sim_now_us();                                                                          \
+      prof_us[ph] += t_ - prof_t;                                                                              \
+      prof_t = t_;                                                                                             \
+    }                                                                                                          \
+  } while (0)
   float *x = base + off[B_X], *hn = base + off[B_HN], *q = base + off[B_Q], *k = base + off[B_K];
   float *v = base + off[B_V], *att = base + off[B_ATT], *o = base + off[B_O], *g = base + off[B_G];
   float *u = base + off[B_U], *cs = base + off[B_CS], *sn = base + off[B_SN];
@@ -371,10 +382,12 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   for (int L = 0; L < m->num_hidden_layers; L++) {
     const sim_layer *w = &cb->layers[L];
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->in_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
+    PROF_MARK(SIM_PROF_NORMS);
     mm_region qkv = {.op = {{w->q, H * D, h, hn, R, q, 0, 0}, {w->k, KVH * D, h, hn, R, k, 0, 0},
                             {w->v, KVH * D, h, hn, R, v, 0, 0}},
                      .n_ops = 3};
     matmuls(pool, &qkv);
+    PROF_MARK(SIM_PROF_QKV);
     /* q/k norm (Qwen3) + RoPE, then write K/V of every row into its sequence's cache. */
     for (int r = 0; r < R; r++) {
       const float *c_ = cs + (size_t)r * (D / 2), *s_ = sn + (size_t)r * (D / 2);
@@ -401,16 +414,22 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
       }
     }
     /* Every row's K/V is in the cache before any row attends (a prefill row reads earlier rows'). */
+    PROF_MARK(SIM_PROF_ROPE_KV);
     ar.L = L;
     sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * KVH);
+    PROF_MARK(SIM_PROF_ATTN);
     matmul(pool, w->o, h, H * D, att, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
+    PROF_MARK(SIM_PROF_O);
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->post_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
+    PROF_MARK(SIM_PROF_NORMS);
     mm_region gu = {.op = {{w->gate, I, h, hn, R, g, 0, 0}, {w->up, I, h, hn, R, u, 0, 0}}, .n_ops = 2,
                     .glu = 1};
     matmuls(pool, &gu); /* g = silu(gate) * up */
+    PROF_MARK(SIM_PROF_GATE_UP);
     matmul(pool, w->down, h, I, g, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
+    PROF_MARK(SIM_PROF_DOWN);
     if (atomic_load(&job->abort)) {
       rc = 1;
       goto out;
@@ -425,11 +444,15 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
         rows[n_out].out_lane = rows[r].out_lane;
         n_out++;
       }
+    PROF_MARK(SIM_PROF_NORMS);
     matmul(pool, cb->lm_head, V, h, hn, n_out, lg);
     for (int r = 0; r < n_out; r++)
       memcpy(job->logits + (size_t)rows[r].out_lane * V, lg + (size_t)r * V, sizeof(float) * V);
+    PROF_MARK(SIM_PROF_LM_HEAD);
+    if (prof) sim_prof_add(R, prof_us);
   }
 out:
+#undef PROF_MARK
   free(own);
   return rc;
 }
