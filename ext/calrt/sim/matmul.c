@@ -15,7 +15,8 @@
  *   avx512   AVX-512VL's 32 ymm registers: 6 rows x 4 lanes, so a weight vector loaded once feeds
  *            four lanes (fewer loads per multiply-add at B16); the arithmetic is still 256-bit v8f
  *            lane by lane (the same operations as above). (Two rows per zmm register, half the
- *            instructions, measured slower on Zen 4.)
+ *            instructions, measured slower on Zen 4: there 512-bit multiplies and adds take 1.34x
+ *            the time per multiply-add of 256-bit ones, measured with a register-only loop.)
  * Decode B1 (one lane, memory-bound) streams one weight row after the other on every path.
  * CALRT_SIM_ISA=default|avx2|avx512 forces one (a path the CPU lacks falls back to the best it has);
  * the tests run every path and compare them bitwise with sim_dot_ref().
@@ -54,7 +55,8 @@ float sim_dot_ref(const float *w, const float *x, int n) {
  * reach L2 before they are needed. (The hardware prefetchers see RO short streams, one per row, and
  * learn each one too late.) The caller spreads one group's prefetches evenly over all the lane tiles
  * that use the current group: issued in a burst by the first tile alone (the old way), they fill the
- * core's miss buffers and stall the tile's own loads (measured 10-25% slower at B16 from 2 MiB pages). */
+ * core's miss buffers and stall the tile's own loads (single core, 2 MiB pages: B16 matmuls 5-25%
+ * slower than spread; ~3% of a whole B16 step). */
 static inline __attribute__((always_inline)) void tile(const float *restrict W, const float *restrict X,
                                                        float *restrict Y, int in, int out, int o0, int r0,
                                                        const int RO, const int RL, const char *pf, const int pfn) {
