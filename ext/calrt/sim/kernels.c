@@ -245,7 +245,8 @@ static inline __attribute__((always_inline)) void attn_body(const attn_region *a
     int s0 = 0;
     if (g == 0) kv_prefetch(kb_, rowb, 0, n < PF_POS ? n : PF_POS);
     for (; s0 + 8 <= n; s0 += 8) {
-      if (g == 0 && s0 + PF_POS < n) kv_prefetch(kb_, rowb, s0 + PF_POS, s0 + PF_POS + 8 < n ? s0 + PF_POS + 8 : n);
+      if (g == 0 && s0 + PF_POS < n)
+        kv_prefetch(kb_, rowb, s0 + PF_POS, s0 + PF_POS + 8 < n ? s0 + PF_POS + 8 : n);
       scores8(a, sq, kbase, qh, s0, sc + s0);
     }
     for (int s = s0; s < n; s++) sc[s] = dot(qh, kv_row(a, sq, kbase, s, kr), D) / a->scale;
@@ -354,13 +355,13 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   /* CALRT_SIM_PROFILE (profile.c): decode steps' wall time per phase */
   const int prof = job->kind != JOB_PREFILL && sim_prof_enabled();
   double prof_us[SIM_PROF_PHASES] = {0}, prof_t = prof ? sim_now_us() : 0.0;
-#define PROF_MARK(ph)                                                                                          \
-  do {                                                                                                         \
-    if (prof) {                                                                                                \
-      const double t_ = sim_now_us();                                                                          \
-      prof_us[ph] += t_ - prof_t;                                                                              \
-      prof_t = t_;                                                                                             \
-    }                                                                                                          \
+#define PROF_MARK(ph)                                                                               \
+  do {                                                                                              \
+    if (prof) {                                                                                     \
+      const double t_ = sim_now_us();                                                               \
+      prof_us[ph] += t_ - prof_t;                                                                   \
+      prof_t = t_;                                                                                  \
+    }                                                                                               \
   } while (0)
   float *x = base + off[B_X], *hn = base + off[B_HN], *q = base + off[B_Q], *k = base + off[B_K];
   float *v = base + off[B_V], *att = base + off[B_ATT], *o = base + off[B_O], *g = base + off[B_G];
