@@ -164,6 +164,12 @@ calrt_status sim_err(calrt_status st, const char *fmt, ...) __attribute__((forma
 
 /* timing.c */
 double sim_now_us(void);
+
+/* profile.c: CALRT_SIM_PROFILE=1 -> decode steps' wall time per phase, printed at exit. */
+enum { SIM_PROF_NORMS, SIM_PROF_QKV, SIM_PROF_ROPE_KV, SIM_PROF_ATTN, SIM_PROF_O, SIM_PROF_GATE_UP, SIM_PROF_DOWN,
+       SIM_PROF_LM_HEAD, SIM_PROF_PHASES };
+int sim_prof_enabled(void);
+void sim_prof_add(int rows, const double *phase_us); /* phase_us[SIM_PROF_PHASES] of one step */
 void sim_deadline_ts(double at_us, struct timespec *ts);
 void sim_cond_init(pthread_cond_t *c);
 uint64_t sim_rng_next(uint64_t *state);

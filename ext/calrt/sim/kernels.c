@@ -188,6 +188,42 @@ static inline __attribute__((always_inline)) v8f kv8(const attn_region *a, const
   return f;
 }
 
+#define PF_POS 16 /* how many positions ahead of the scores the first head prefetches K */
+
+/* One KV value at (position s, d) as a float. */
+static inline __attribute__((always_inline)) float kv_elem(const attn_region *a, const sim_seq *sq,
+                                                           size_t base, int s, int d) {
+  const size_t at = base + (size_t)s * a->D + (size_t)d;
+  return a->bf16 ? bf16_to_f32(((const uint16_t *)sq->kv)[at]) : ((const float *)sq->kv)[at];
+}
+
+/* The scores of positions s0..s0+7, each exactly dot(q, k_s) / scale (the linear layers' reduction):
+ * eight independent accumulator chains side by side instead of one position's chain after the other
+ * (a single chain waits on the add latency), then per position the same horizontal sum, tail and
+ * division. */
+static inline __attribute__((always_inline)) void scores8(const attn_region *a, const sim_seq *sq,
+                                                          size_t kbase, const float *qh, int s0, float *sc) {
+  const int D = a->D, D8 = D & ~7;
+  v8f acc[8];
+  for (int t = 0; t < 8; t++) acc[t] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int d = 0; d < D8; d += 8) {
+    const v8f qv = ld8(qh + d);
+    for (int t = 0; t < 8; t++) acc[t] += qv * kv8(a, sq, kbase, s0 + t, d);
+  }
+  for (int t = 0; t < 8; t++) {
+    float x = HSUM8(acc[t]);
+    for (int d = D8; d < D; d++) x += qh[d] * kv_elem(a, sq, kbase, s0 + t, d);
+    sc[t] = x / a->scale;
+  }
+}
+
+/* Positions [s0, s1) of a KV head's K or V rows (row bytes each) towards L1. */
+static inline __attribute__((always_inline)) void kv_prefetch(const char *rows, size_t row_bytes, int s0,
+                                                              int s1) {
+  for (const char *p = rows + (size_t)s0 * row_bytes, *e = rows + (size_t)s1 * row_bytes; p < e; p += 64)
+    __builtin_prefetch(p, 0, 3);
+}
+
 /* One query head after the other (its q and its output accumulators stay in registers while the
  * positions stream past); per head: scores, max, exp and sum in order of s, p = e / sum, then each
  * output element out[d] = (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order of s. */
@@ -198,16 +234,28 @@ static inline __attribute__((always_inline)) void attn_body(const attn_region *a
   const int n = a->rows[r].pos + 1, D8 = D & ~7;
   const size_t kbase = (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * D;
   const size_t vbase = (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * D;
+  const size_t esz = a->bf16 ? 2 : 4, rowb = (size_t)D * esz;
+  const char *kb_ = (const char *)sq->kv + kbase * esz, *vb_ = (const char *)sq->kv + vbase * esz;
   for (int g = 0; g < G; g++) {
     const float *qh = a->q + ((size_t)r * a->H + (size_t)kh * G + g) * D;
     float *ah = a->att + ((size_t)r * a->H + (size_t)kh * G + g) * D;
-    float mx = -INFINITY;
-    for (int s = 0; s < n; s++) {
-      sc[s] = dot(qh, kv_row(a, sq, kbase, s, kr), D) / a->scale;
-      if (sc[s] > mx) mx = sc[s];
+    /* The first head streams this KV head's rows from memory (the others find them in L1/L2): it
+     * prefetches K PF_POS positions ahead of its scores and V during its exp pass. (Short streams:
+     * the hardware prefetchers learn each too late; ~10% of the attention at B16.) */
+    int s0 = 0;
+    if (g == 0) kv_prefetch(kb_, rowb, 0, n < PF_POS ? n : PF_POS);
+    for (; s0 + 8 <= n; s0 += 8) {
+      if (g == 0 && s0 + PF_POS < n)
+        kv_prefetch(kb_, rowb, s0 + PF_POS, s0 + PF_POS + 8 < n ? s0 + PF_POS + 8 : n);
+      scores8(a, sq, kbase, qh, s0, sc + s0);
     }
+    for (int s = s0; s < n; s++) sc[s] = dot(qh, kv_row(a, sq, kbase, s, kr), D) / a->scale;
+    float mx = -INFINITY;
+    for (int s = 0; s < n; s++)
+      if (sc[s] > mx) mx = sc[s];
     float sum = 0.f;
     for (int s = 0; s < n; s++) {
+      if (g == 0) kv_prefetch(vb_, rowb, s, s + 1);
       sc[s] = expf(sc[s] - mx);
       sum += sc[s];
     }
@@ -304,6 +352,17 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     return 0;
   }
   const size_t R_ = (size_t)R;
+  /* CALRT_SIM_PROFILE (profile.c): decode steps' wall time per phase */
+  const int prof = job->kind != JOB_PREFILL && sim_prof_enabled();
+  double prof_us[SIM_PROF_PHASES] = {0}, prof_t = prof ? sim_now_us() : 0.0;
+#define PROF_MARK(ph)                                                                               \
+  do {                                                                                              \
+    if (prof) {                                                                                     \
+      const double t_ = sim_now_us();                                                               \
+      prof_us[ph] += t_ - prof_t;                                                                   \
+      prof_t = t_;                                                                                  \
+    }                                                                                               \
+  } while (0)
   float *x = base + off[B_X], *hn = base + off[B_HN], *q = base + off[B_Q], *k = base + off[B_K];
   float *v = base + off[B_V], *att = base + off[B_ATT], *o = base + off[B_O], *g = base + off[B_G];
   float *u = base + off[B_U], *cs = base + off[B_CS], *sn = base + off[B_SN];
@@ -324,10 +383,12 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   for (int L = 0; L < m->num_hidden_layers; L++) {
     const sim_layer *w = &cb->layers[L];
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->in_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
+    PROF_MARK(SIM_PROF_NORMS);
     mm_region qkv = {.op = {{w->q, H * D, h, hn, R, q, 0, 0}, {w->k, KVH * D, h, hn, R, k, 0, 0},
                             {w->v, KVH * D, h, hn, R, v, 0, 0}},
                      .n_ops = 3};
     matmuls(pool, &qkv);
+    PROF_MARK(SIM_PROF_QKV);
     /* q/k norm (Qwen3) + RoPE, then write K/V of every row into its sequence's cache. */
     for (int r = 0; r < R; r++) {
       const float *c_ = cs + (size_t)r * (D / 2), *s_ = sn + (size_t)r * (D / 2);
@@ -354,16 +415,22 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
       }
     }
     /* Every row's K/V is in the cache before any row attends (a prefill row reads earlier rows'). */
+    PROF_MARK(SIM_PROF_ROPE_KV);
     ar.L = L;
     sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * KVH);
+    PROF_MARK(SIM_PROF_ATTN);
     matmul(pool, w->o, h, H * D, att, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
+    PROF_MARK(SIM_PROF_O);
     for (int r = 0; r < R; r++) rmsnorm(x + (size_t)r * h, w->post_norm, h, m->rms_norm_eps, hn + (size_t)r * h);
+    PROF_MARK(SIM_PROF_NORMS);
     mm_region gu = {.op = {{w->gate, I, h, hn, R, g, 0, 0}, {w->up, I, h, hn, R, u, 0, 0}}, .n_ops = 2,
                     .glu = 1};
     matmuls(pool, &gu); /* g = silu(gate) * up */
+    PROF_MARK(SIM_PROF_GATE_UP);
     matmul(pool, w->down, h, I, g, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
+    PROF_MARK(SIM_PROF_DOWN);
     if (atomic_load(&job->abort)) {
       rc = 1;
       goto out;
@@ -378,11 +445,15 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
         rows[n_out].out_lane = rows[r].out_lane;
         n_out++;
       }
+    PROF_MARK(SIM_PROF_NORMS);
     matmul(pool, cb->lm_head, V, h, hn, n_out, lg);
     for (int r = 0; r < n_out; r++)
       memcpy(job->logits + (size_t)rows[r].out_lane * V, lg + (size_t)r * V, sizeof(float) * V);
+    PROF_MARK(SIM_PROF_LM_HEAD);
+    if (prof) sim_prof_add(R, prof_us);
   }
 out:
+#undef PROF_MARK
   free(own);
   return rc;
 }

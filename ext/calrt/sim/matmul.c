@@ -15,7 +15,8 @@
  *   avx512   AVX-512VL's 32 ymm registers: 6 rows x 4 lanes, so a weight vector loaded once feeds
  *            four lanes (fewer loads per multiply-add at B16); the arithmetic is still 256-bit v8f
  *            lane by lane (the same operations as above). (Two rows per zmm register, half the
- *            instructions, measured slower on Zen 4.)
+ *            instructions, measured slower on Zen 4: there 512-bit multiplies and adds take 1.34x
+ *            the time per multiply-add of 256-bit ones, measured with a register-only loop.)
  * Decode B1 (one lane, memory-bound) streams one weight row after the other on every path.
  * CALRT_SIM_ISA=default|avx2|avx512 forces one (a path the CPU lacks falls back to the best it has);
  * the tests run every path and compare them bitwise with sim_dot_ref().
@@ -47,16 +48,18 @@ float sim_dot_ref(const float *w, const float *x, int n) {
   return s;
 }
 
-#define PF_BYTES 4096 /* how far past the next tile's rows the batch tiles prefetch */
 #define PF_LOCALITY 2 /* into L2 (prefetcht1): measured best against t0 / t2 / nta */
 
 /* RO weight rows x RL lanes: RO*RL independent accumulators, each the contract's reduction. pf: when
- * not NULL, memory read sequentially from pf on, RO/2 cache lines per k step (as fast as the tile
- * consumes its own RO contiguous rows): the next tiles' rows reach the cache before they are needed.
- * (The hardware prefetchers see RO short streams, one per row, and learn each one too late.) */
+ * not NULL, memory read sequentially from pf on, pfn cache lines per k step: the next group's rows
+ * reach L2 before they are needed. (The hardware prefetchers see RO short streams, one per row, and
+ * learn each one too late.) The caller spreads one group's prefetches evenly over all the lane tiles
+ * that use the current group: issued in a burst by the first tile alone (the old way), they fill the
+ * core's miss buffers and stall the tile's own loads (single core, 2 MiB pages: B16 matmuls 5-25%
+ * slower than spread; ~3% of a whole B16 step). */
 static inline __attribute__((always_inline)) void tile(const float *restrict W, const float *restrict X,
                                                        float *restrict Y, int in, int out, int o0, int r0,
-                                                       const int RO, const int RL, const char *pf) {
+                                                       const int RO, const int RL, const char *pf, const int pfn) {
   v8f acc[8][4];
   for (int i = 0; i < RO; i++)
     for (int j = 0; j < RL; j++) acc[i][j] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -64,8 +67,8 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
   const float *w0 = W + (size_t)o0 * in, *x0 = X + (size_t)r0 * in;
   for (int k = 0; k < k8; k += 8) {
     if (pf) {
-      for (int p = 0; p < RO / 2; p++) __builtin_prefetch(pf + 64 * p, 0, PF_LOCALITY);
-      pf += 32 * RO;
+      for (int p = 0; p < pfn; p++) __builtin_prefetch(pf + 64 * p, 0, PF_LOCALITY);
+      pf += 64 * pfn;
     }
     v8f xv[4];
     for (int j = 0; j < RL; j++) xv[j] = ld8(x0 + (size_t)j * in + k);
@@ -82,17 +85,21 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
     }
 }
 
-/* Lanes [rb, re) against weight rows [o, o + RO): full RL-lane tiles, then one narrower tile. The
- * first tile prefetches (pf) the rows that follow, if any. */
+/* Lanes [rb, re) against weight rows [o, o + RO): full RL-lane tiles, then one narrower tile. pf (if
+ * not NULL): the RO rows that follow, prefetched a part by each tile (ceil(lines / (tiles * k steps))
+ * lines per k step, so the group is covered whatever the tile count). */
 static inline __attribute__((always_inline)) void lanes(const float *W, const float *X, float *Y, int in,
                                                         int out, int o, int rb, int re, const int RO,
                                                         const int RL, const char *pf) {
+  const int steps = ((re - rb + RL - 1) / RL) * (in / 8 > 0 ? in / 8 : 1);
+  const int pfn = pf ? (RO * in / 16 + steps - 1) / steps : 0;
+  const size_t pf_tile = (size_t)64 * pfn * (size_t)(in / 8);
   int r = rb;
-  for (; r + RL <= re; r += RL, pf = NULL) tile(W, X, Y, in, out, o, r, RO, RL, pf);
+  for (; r + RL <= re; r += RL, pf = pf ? pf + pf_tile : NULL) tile(W, X, Y, in, out, o, r, RO, RL, pf, pfn);
   switch (re - r) {
-  case 3: if (RL > 3) tile(W, X, Y, in, out, o, r, RO, 3, pf); break;
-  case 2: if (RL > 2) tile(W, X, Y, in, out, o, r, RO, 2, pf); break;
-  case 1: if (RL > 1) tile(W, X, Y, in, out, o, r, RO, 1, pf); break;
+  case 3: if (RL > 3) tile(W, X, Y, in, out, o, r, RO, 3, pf, pfn); break;
+  case 2: if (RL > 2) tile(W, X, Y, in, out, o, r, RO, 2, pf, pfn); break;
+  case 1: if (RL > 1) tile(W, X, Y, in, out, o, r, RO, 1, pf, pfn); break;
   default: break;
   }
 }
@@ -110,7 +117,7 @@ static inline __attribute__((always_inline)) void mm_body(const float *W, int ou
                                                           int R, float *Y, int o0, int o1, const int ROB,
                                                           const int RLB) {
   if (R == 1) {
-    for (int o = o0; o < o1; o++) tile(W, X, Y, in, out, o, 0, 1, 1, NULL);
+    for (int o = o0; o < o1; o++) tile(W, X, Y, in, out, o, 0, 1, 1, NULL, 0);
     return;
   }
   const int blk = sim_row_block(in);
@@ -119,9 +126,8 @@ static inline __attribute__((always_inline)) void mm_body(const float *W, int ou
     const int re = rb + blk < R ? rb + blk : R;
     int o = o0;
     for (; o + ROB <= o1; o += ROB) {
-      const char *pf = (const char *)(W + (size_t)(o + ROB) * in) + PF_BYTES;
-      lanes(W, X, Y, in, out, o, rb, re, ROB, RLB,
-            pf + (size_t)32 * ROB * (in / 8) <= end ? pf : NULL);
+      const char *pf = (const char *)(W + (size_t)(o + ROB) * in);
+      lanes(W, X, Y, in, out, o, rb, re, ROB, RLB, pf + (size_t)4 * ROB * in <= end ? pf : NULL);
     }
     for (; o < o1; o++) lanes(W, X, Y, in, out, o, rb, re, 1, RLB, NULL);
   }
