@@ -107,14 +107,17 @@ class IncrementalDetokenizer:
         if self._flushed:
             raise RuntimeError("IncrementalDetokenizer.push after flush")
         self.tokens_seen += 1
-        ids = self._ids
-        ids.append(token_id)
-        out = stream.step(self._hf, token_id)
+        out: str | None = stream.step(self._hf, token_id)
         if out is None:
+            self._ids.append(token_id)  # held: decoded again by flush() if the stream ends here
             return ""
-        del ids[: self._read]
+        # emitted: the window of this push is what was held since the last emit, and this token
+        ids = self._ids
+        if self._read:
+            del ids[: self._read]
+        ids.append(token_id)
         self._read = len(ids)
-        return str(out)
+        return out
 
     def flush(self) -> str:
         """The held-back tail (possibly with replacement characters); the stream is over."""
