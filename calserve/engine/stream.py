@@ -64,7 +64,9 @@ from typing import Any, Final, final
 import trio
 
 from calserve.engine.stream_park import StreamPark
-from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, TokenLogprob
+from calserve.engine.types import (
+    ErrorEvent, Event, FinishEvent, TokenEvent, TokenLogprob, token_event,
+)
 
 __all__ = ["StreamWriter", "StreamStatistics", "token_bytes"]
 
@@ -405,8 +407,8 @@ class StreamWriter:
         if self._stall:
             self._sending_since = trio.current_time()
         self._delivered += 1
-        return TokenEvent(tuple(ids), texts[0] if len(texts) == 1 else "".join(texts),
-                          None if lps is None else tuple(lps))
+        return token_event(tuple(ids), texts[0] if len(texts) == 1 else "".join(texts),
+                           None if lps is None else tuple(lps))
 
     def _take_terminal(self) -> FinishEvent | ErrorEvent:
         assert self._terminal is not None
@@ -435,6 +437,9 @@ class StreamWriter:
 
         Lets the HTTP layer write everything in one send. After the writer gave up on a consumer
         that fell too far behind (overflow), that consumer's next read is ``[ErrorEvent]``."""
+        if self._texts and self._terminal is None and not self._abandoned:
+            self._sending_since = None  # the hot path: what _wait_ready would do, without a frame
+            return [self._take_tokens()]
         if not await self._wait_ready():
             end = self._overflow
             if end is None:
