@@ -5,7 +5,7 @@
 (~1.2 µs on the demo tokenizer). For a tokenizer whose decoder is the plain ``ByteLevel`` one,
 the text of a token sequence is the lossy UTF-8 decoding of the concatenation of each token's
 bytes (special tokens skipped), so the step reduces to: a token whose bytes are complete text on
-their own, with nothing held, is its pre-decoded text (one list index); otherwise its bytes are
+their own, with nothing held, is its pre-decoded text (one dict lookup); otherwise its bytes are
 appended to what is held, and the held bytes are emitted once their decoding is non-empty and does
 not end in U+FFFD (``DecodeStream``'s rule). :class:`ByteLevelStream` has ``DecodeStream``'s
 ``step(tokenizer, id) -> str | None`` and gives the same answers for every token sequence
@@ -13,10 +13,10 @@ not end in U+FFFD (``DecodeStream``'s rule). :class:`ByteLevelStream` has ``Deco
 trained byte-level BPE).
 
 :func:`byte_table` builds a tokenizer's table once (per tokenizer object and
-``skip_special_tokens``, weakly cached) and checks it: the whole vocabulary decoded by the
-tokenizer in one call, in order and reversed, must equal the lossy decoding of the table's bytes,
-else there is no table and the detokenizer keeps ``DecodeStream``. Building it is one Python step
-per vocabulary entry (~0.1 s for a 150k vocabulary, once per loaded tokenizer).
+``skip_special_tokens``, weakly cached) and checks it: the tokenizer's own decoding, in order and
+reversed, must equal the lossy decoding of the table's bytes for a sample of the vocabulary (every added token, the first 1,024 ids — the byte tokens — and
+1,024 spread over the rest, ~2 ms), else there is no table and the detokenizer keeps
+``DecodeStream``. Tokens are filled in as they are first met (one dict entry each).
 """
 
 from __future__ import annotations
@@ -53,21 +53,34 @@ _CHAR_BYTES: Final = _char_bytes()
 
 @final
 class ByteTable:
-    """Per token id: its bytes (b"" for a skipped special token), and its text when those bytes
-    are complete text on their own (non-empty, valid UTF-8, not ending in U+FFFD), else None."""
+    """A byte-level tokenizer's tokens, filled in as they are first met (a 150k vocabulary is
+    never walked on the serving thread): per token id its bytes (b"" for a skipped special token
+    or an id the tokenizer does not know), and in ``clean`` its text when those bytes are
+    complete text on their own (non-empty, valid UTF-8, not ending in U+FFFD)."""
 
-    __slots__ = ("raw", "clean")
+    __slots__ = ("raw", "clean", "_backend", "_skip", "_special")
 
-    def __init__(self, raw: list[bytes]) -> None:
-        self.raw = raw
-        clean: list[str | None] = []
-        for b in raw:
-            try:
-                text: str | None = b.decode("utf-8")
-            except UnicodeDecodeError:
-                text = None
-            clean.append(text if text and not text.endswith(_REPLACEMENT) else None)
-        self.clean = clean
+    def __init__(self, backend: Any, skip_special_tokens: bool, special: set[int]) -> None:
+        self.raw: dict[int, bytes] = {}
+        self.clean: dict[int, str] = {}
+        self._backend = backend
+        self._skip = skip_special_tokens
+        self._special = special
+
+    def add(self, token_id: int) -> bytes:
+        """Fill in ``token_id`` (``raw`` and, if it is, ``clean``); returns its bytes."""
+        if token_id < 0:
+            raise OverflowError(f"token id {token_id} is negative")
+        tok = self._backend.id_to_token(token_id)
+        b = b"" if tok is None or (self._skip and token_id in self._special) else _token_bytes(tok)
+        self.raw[token_id] = b
+        try:
+            text = b.decode("utf-8")
+        except UnicodeDecodeError:
+            text = ""
+        if text and not text.endswith(_REPLACEMENT):
+            self.clean[token_id] = text
+        return b
 
 
 def _token_bytes(token: str) -> bytes:
@@ -82,35 +95,35 @@ def _token_bytes(token: str) -> bytes:
     return bytes(out)
 
 
+_SAMPLE: Final = 1024
+
+
 def _build(backend: Any, skip_special_tokens: bool) -> ByteTable | None:
     if _decoders is None or not isinstance(getattr(backend, "decoder", None), _decoders.ByteLevel):
         return None
     n = int(backend.get_vocab_size(with_added_tokens=True))
-    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
-    raw: list[bytes] = []
-    for i in range(n):
-        tok = backend.id_to_token(i)
-        if tok is None or (skip_special_tokens and i in special):
-            raw.append(b"")
-        else:
-            raw.append(_token_bytes(tok))
-    ids = list(range(n))
+    added = backend.get_added_tokens_decoder()
+    table = ByteTable(backend, skip_special_tokens, {i for i, t in added.items() if t.special})
+    # The check: every added token, the first ids (the byte tokens) and ids spread over the rest
+    ids = sorted({*added, *range(min(n, _SAMPLE)), *range(0, n, max(1, n // _SAMPLE)), n, n + 1})
+    raw = {i: table.add(i) for i in ids}
     for order in (ids, ids[::-1]):
         want = backend.decode(order, skip_special_tokens=skip_special_tokens)
         if want != b"".join(raw[i] for i in order).decode("utf-8", "replace"):
             return None
-    return ByteTable(raw)
+    return table
 
 
 _TABLES: weakref.WeakKeyDictionary[Any, dict[bool, ByteTable | None]] = weakref.WeakKeyDictionary()
 
 
 def byte_table(backend: Any, skip_special_tokens: bool = True) -> ByteTable | None:
-    """The checked table of a HF ``tokenizers.Tokenizer`` (None: not a plain byte-level decoder,
-    or the check failed: keep ``DecodeStream``)."""
+    """The checked table of a HF ``tokenizers.Tokenizer``, one per tokenizer object and
+    ``skip_special_tokens`` (None: not a plain byte-level decoder, or the check failed: keep
+    ``DecodeStream``)."""
     try:
         per = _TABLES.setdefault(backend, {})
-    except TypeError:  # not weakly referenceable: build it every time (no such tokenizer today)
+    except TypeError:  # not weakly referenceable: one table per detokenizer (none such today)
         return _build(backend, skip_special_tokens)
     if skip_special_tokens not in per:
         per[skip_special_tokens] = _build(backend, skip_special_tokens)
@@ -122,28 +135,26 @@ class ByteLevelStream:
     """``DecodeStream`` for a byte-level tokenizer, from its :class:`ByteTable` (module
     docstring). Invariant: ``_held`` is the bytes of the tokens since the last emit."""
 
-    __slots__ = ("_clean", "_raw", "_n", "_held")
+    __slots__ = ("_raw", "_clean", "_add", "_held")
 
     def __init__(self, table: ByteTable) -> None:
-        self._clean = table.clean
         self._raw = table.raw
-        self._n = len(table.raw)
+        self._clean = table.clean
+        self._add = table.add
         self._held = b""
 
     def step(self, tokenizer: object, token_id: int) -> str | None:
         """The text ``token_id`` completes (None: nothing yet), as ``DecodeStream.step``;
         ``tokenizer`` is ignored (the table is its)."""
-        if token_id < 0:
-            raise OverflowError(f"token id {token_id} is negative")
-        if token_id >= self._n:  # not in the vocabulary: decodes to nothing, like the tokenizer
-            piece = b""
-        else:
-            if not self._held:
-                text = self._clean[token_id]
-                if text is not None:
-                    return text
-            piece = self._raw[token_id]
-        held = self._held + piece
+        raw = self._raw.get(token_id)
+        if raw is None:
+            raw = self._add(token_id)
+        held = self._held
+        if not held:
+            text = self._clean.get(token_id)
+            if text is not None:
+                return text
+        held += raw
         out = held.decode("utf-8", "replace")
         if out and not out.endswith(_REPLACEMENT):
             self._held = b""
