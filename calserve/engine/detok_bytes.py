@@ -101,6 +101,13 @@ _SAMPLE: Final = 1024
 def _build(backend: Any, skip_special_tokens: bool) -> ByteTable | None:
     if _decoders is None or not isinstance(getattr(backend, "decoder", None), _decoders.ByteLevel):
         return None
+    try:
+        return _checked(backend, skip_special_tokens)
+    except Exception:  # a tokenizers version without one of these calls: keep DecodeStream
+        return None
+
+
+def _checked(backend: Any, skip_special_tokens: bool) -> ByteTable | None:
     n = int(backend.get_vocab_size(with_added_tokens=True))
     added = backend.get_added_tokens_decoder()
     table = ByteTable(backend, skip_special_tokens, {i for i, t in added.items() if t.special})
