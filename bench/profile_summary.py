@@ -3,6 +3,8 @@
 ``python -m bench.profile_summary PROFILE.folded [--top 25]`` prints the functions with the most
 samples on-CPU by self time and by inclusive time (a function counted once per stack), as fractions
 of all samples: the "where the per-token time goes" table of the http-floor profile.
+``--categories`` prints the trio thread's samples by part of the serving path instead
+(:data:`CATEGORIES`, the table of bench/README's host-path sections).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import collections
 import re
 from pathlib import Path
 
-__all__ = ["summarize", "main"]
+__all__ = ["summarize", "categories", "CATEGORIES", "main"]
 
 _LINE = re.compile(r"^(.*) (\d+)$")
 
@@ -53,13 +55,62 @@ def summarize(path: Path, top: int = 25, only: str | None = "unrolled_run"
             "inclusive": [(f, n / t) for f, n in incl.most_common(top)]}
 
 
+#: (key, what, frame prefixes): a stack counts in the first category one of whose frames it has
+#: (so the send path inside the pump is "send", the actor step inside the submit is "actor").
+CATEGORIES: list[tuple[str, str, tuple[str, ...]]] = [
+    ("send", "hypercorn's send path (HTTPStream.app_send and below)", ("HTTPStream.app_send ",)),
+    ("actor", "actor step (detokenizer, stop strings, StreamWriter.put_token)",
+     ("_TokenStep.", "ActorInbox.send_nowait ", "run_actor ")),
+    ("pump", "pump_stream minus the send (receive_many, encode, metrics, socket probe, pacing)",
+     ("pump_stream ",)),
+    ("planner", "planner pass (admission, decode batch build)", ("EngineCore._pass ",)),
+    ("steps", "step bookkeeping (StepHandler.complete minus the actor step, sampling, verify)",
+     ("StepHandler.complete ", "EngineCore.fast_decode ", "EngineCore.finish_fast ")),
+    ("device", "device submit + completion wait (binding, completion fd)",
+     ("submit_decode_wait ", "submit_prefill_wait ", "_wait_hot ", "CompletionFdWaiter",
+      "DeviceExecutor.")),
+    ("http", "HTTP request start and end, connection handling",
+     ("TCPServer.", "_Guard.", "ASGIWrapper.", "H11Protocol.")),
+]
+
+
+def categories(path: Path, only: str | None = "unrolled_run") -> dict[str, float]:
+    """Shares of the (trio thread's) samples per :data:`CATEGORIES` key, plus ``other``."""
+    count: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        n = int(m.group(2))
+        frames = [_frame(f) for f in m.group(1).split(";") if f]
+        if not frames or (only is not None and not any(f.startswith(only + " ") for f in frames)):
+            continue
+        total += n
+        for key, _, prefixes in CATEGORIES:
+            if any(f.startswith(p) for f in frames for p in prefixes):
+                count[key] += n
+                break
+        else:
+            count["other"] += n
+    t = max(1, total)
+    return {k: count[k] / t for k in [c[0] for c in CATEGORIES] + ["other"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.profile_summary", description=__doc__)
     ap.add_argument("profile", type=Path)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--all-threads", action="store_true",
                     help="every thread's stacks (default: the trio thread's only)")
+    ap.add_argument("--categories", action="store_true",
+                    help="shares per part of the serving path (bench/README's host-path table)")
     a = ap.parse_args(argv)
+    if a.categories:
+        what = {c[0]: c[1] for c in CATEGORIES} | {"other": "everything else"}
+        for key, share in categories(a.profile, None if a.all_threads else "unrolled_run").items():
+            print(f"  {share * 100:5.1f} %  {what[key]}")
+        return 0
     doc = summarize(a.profile, a.top, None if a.all_threads else "unrolled_run")
     print(f"samples: {int(doc['samples'][0][1])}")
     for kind in ("self", "inclusive"):

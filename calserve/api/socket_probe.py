@@ -58,8 +58,9 @@ _NOTSENT: Final = 144  # __u32 tcpi_notsent_bytes
 _SND_WND: Final = 228  # __u32 tcpi_snd_wnd (the peer's advertised window, scaled, bytes)
 _INFO_LEN: Final = 232
 _TCP_INFO: Final = getattr(socket, "TCP_INFO", None) if sys.platform == "linux" else None
-_U64 = struct.Struct("=Q")
-_U32 = struct.Struct("=I")
+# The three fields in one unpack: (tcpi_bytes_acked, tcpi_notsent_bytes, tcpi_snd_wnd)
+_FIELDS = struct.Struct(f"={_BYTES_ACKED}xQ{_NOTSENT - _BYTES_ACKED - 8}xI{_SND_WND - _NOTSENT - 4}xI")
+assert _FIELDS.size == _INFO_LEN
 # The window counts as open (the client has read what it got) when it is within what arrived
 # since the last sample (a reader's window dips by at most about that: the ACK of a write is sent
 # before the client reads it) plus this of the largest seen; a never-reader's falls steadily.
@@ -105,8 +106,7 @@ class SocketProbe:
         if len(info) < _INFO_LEN:
             self._ok = False
             return 0, None
-        acked = _U64.unpack_from(info, _BYTES_ACKED)[0]
-        wnd = _U32.unpack_from(info, _SND_WND)[0]
+        acked, notsent, wnd = _FIELDS.unpack_from(info)
         if wnd > self._max_wnd:
             self._max_wnd = wnd
         arrived = acked - self._acked
@@ -132,7 +132,7 @@ class SocketProbe:
             self._base = acked
             self._base_edge = edge
             self._caught_up = now
-        unread = int(acked - self._base + _U32.unpack_from(info, _NOTSENT)[0])
+        unread = int(acked - self._base + notsent)
         behind = now - self._caught_up
         return unread, behind if unread and behind >= self.stall_s else None
 

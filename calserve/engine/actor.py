@@ -8,7 +8,8 @@ core's (``Seq.state``, moved by :mod:`calserve.engine.requests` through the one 
 engine bug the core's table catches where it happens. It is the one place that turns a client's cancel (an abandoned stream) into
 ``EngineCore.abort`` (through :class:`ActorSink`).
 
-The per-token work lives in :class:`_TokenStep`, the actor's own state object. With a plain trio
+The per-token work lives in :class:`_TokenStep`, the actor's own state object (its step bound
+once per request: the plain one without stop strings). With a plain trio
 memory channel as inbox the actor task runs it for every ``Tokens`` message (one task hop per
 token). With an :class:`ActorInbox` (``open_actor_inbox``) the sender runs the very same step
 synchronously when the actor is idle — parked with nothing queued — which saves that hop (~45k
@@ -56,8 +57,8 @@ class _TokenStep:
     actor task, or (with an :class:`ActorInbox`) the inbox on the actor's behalf while the task is
     parked. ``stop_wanted`` is for the task: a reason the engine must be told (``sink.stop``)."""
 
-    __slots__ = ("completion", "stopped", "stop_wanted", "_detok", "_stops", "_min_tokens",
-                 "_writer")
+    __slots__ = ("completion", "stopped", "stop_wanted", "on_tokens", "_detok", "_stops",
+                 "_min_tokens", "_writer", "_push", "_put")
 
     def __init__(self, seq: Seq, writer: StreamWriter, tokenizer: Any) -> None:
         self.completion = 0
@@ -67,17 +68,35 @@ class _TokenStep:
         self._stops = StopMatcher(seq.req.sampling.stop) if seq.req.sampling.stop else None
         self._min_tokens = seq.req.sampling.min_tokens
         self._writer = writer
+        self._push = self._detok.push_one  # the per-token calls, bound once per request
+        self._put = writer.put_token
+        #: The step for one ``Tokens`` message: True when the actor task must run
+        #: (``stop_wanted`` set). Without stop strings, the plain step (the same effects without
+        #: the matcher's branch; ``tests/engine_parts/test_parts_actor.py`` runs both).
+        self.on_tokens: Callable[[Tokens], bool] = (
+            self._step_plain if self._stops is None else self._step)
 
-    def on_tokens(self, msg: Tokens) -> bool:
+    def _step_plain(self, msg: Tokens) -> bool:
+        """:meth:`_step` of a request without stop strings."""
+        token_id, logprob, _, hidden = msg
+        self.completion += 1
+        if hidden:
+            return False
+        if self._put(token_id, self._push(token_id), logprob) and self.stop_wanted is None:
+            self.stop_wanted = FinishReason.CANCELLED  # the consumer is gone
+            return True
+        return False
+
+    def _step(self, msg: Tokens) -> bool:
         """One token: detokenise, stop strings, write. True when the actor task must run
         (``stop_wanted`` set)."""
         if self.stopped:
             return False
         self.completion += 1
-        if msg.hidden:
+        token_id, logprob, _, hidden = msg
+        if hidden:
             return False
-        token_id = msg.token_id
-        text = self._detok.push_one(token_id)
+        text = self._push(token_id)
         stops = self._stops
         wanted = False
         if stops is not None:
@@ -86,9 +105,7 @@ class _TokenStep:
                 self.stopped = True
                 self.stop_wanted = FinishReason.STOP
                 wanted = True
-        writer = self._writer
-        writer.put_token(token_id, text, msg.logprob)
-        if writer.abandoned and self.stop_wanted is None:
+        if self._put(token_id, text, logprob) and self.stop_wanted is None:
             self.stop_wanted = FinishReason.CANCELLED
             wanted = True
         return wanted

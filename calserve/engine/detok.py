@@ -11,7 +11,9 @@ tokens (for tokenizers whose decoding of a token depends on its left neighbours,
 rules) plus the new ones, and emit only the difference. For a HF ``tokenizers`` tokenizer (ours:
 ``calserve.models.tokenizer.Tokenizer`` exposes it as ``backend``) the per-token step runs in Rust
 (``tokenizers.decoders.DecodeStream``, the same algorithm) instead of two Python-level ``decode``
-calls: ~1.4 µs instead of ~4.8 µs per token on the demo tokenizer, on the serving hot path.
+calls: ~1.4 µs instead of ~4.8 µs per token on the demo tokenizer, on the serving hot path; for
+a byte-level tokenizer (the demo's, Qwen's, GPT-2's) a table lookup with the same answers instead
+(:mod:`calserve.engine.detok_bytes`, ~0.2 µs).
 
 :class:`StopMatcher` holds back text that could still become a stop string, and on a match returns
 only the text before it: the stop text and everything after it are never emitted (OpenAI
@@ -27,6 +29,8 @@ import collections
 import functools
 from collections.abc import Sequence
 from typing import Any, Final, Protocol, final
+
+from calserve.engine.detok_bytes import ByteLevelStream, byte_table
 
 try:  # tokenizers >= 0.21
     from tokenizers import Tokenizer as _HfTokenizer
@@ -71,7 +75,11 @@ class IncrementalDetokenizer:
         # and _ids[:_read] is the window of the last emitting push, _ids[_read:] the held tokens.
         backend = getattr(tokenizer, "backend", None)
         self._hf: Any = backend if _HfTokenizer is not None and isinstance(backend, _HfTokenizer) else None
-        self._stream: Any = _DecodeStream(skip_special_tokens=skip_special_tokens) if self._hf is not None else None
+        self._stream: Any = None
+        if self._hf is not None:  # a byte-level tokenizer's step is a table lookup (detok_bytes)
+            table = byte_table(self._hf, skip_special_tokens)
+            self._stream = (ByteLevelStream(table) if table is not None
+                            else _DecodeStream(skip_special_tokens=skip_special_tokens))
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
@@ -107,14 +115,17 @@ class IncrementalDetokenizer:
         if self._flushed:
             raise RuntimeError("IncrementalDetokenizer.push after flush")
         self.tokens_seen += 1
-        ids = self._ids
-        ids.append(token_id)
-        out = stream.step(self._hf, token_id)
+        out: str | None = stream.step(self._hf, token_id)
         if out is None:
+            self._ids.append(token_id)  # held: decoded again by flush() if the stream ends here
             return ""
-        del ids[: self._read]
+        # emitted: the window of this push is what was held since the last emit, and this token
+        ids = self._ids
+        if self._read:
+            del ids[: self._read]
+        ids.append(token_id)
         self._read = len(ids)
-        return str(out)
+        return out
 
     def flush(self) -> str:
         """The held-back tail (possibly with replacement characters); the stream is over."""

@@ -173,6 +173,7 @@ class StepHandler:
         deferred = self.st.deferred
         timeline = reqs.timeline
         stop = FinishReason.STOP
+        new = tuple.__new__  # Tokens(...) without the NamedTuple's Python-level __new__
         for i, s in enumerate(seqs):
             commit(s.lease.lane, 1)
             position = s.position = s.position + 1
@@ -196,7 +197,7 @@ class StepHandler:
                 timeline.request(now, "first_token", rid)
             reason = ends(s, tok, generated, position, now, eos)
             # the EOS / stop token itself is not shown to the client
-            msg = Tokens(tok, logprobs[i], first, reason is stop)
+            msg = new(Tokens, (tok, logprobs[i], first, reason is stop))
             if reason is None:
                 s.deferred = msg  # continues: delivered after the next submit (see flush)
                 deferred.append(s)

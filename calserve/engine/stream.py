@@ -64,7 +64,9 @@ from typing import Any, Final, final
 import trio
 
 from calserve.engine.stream_park import StreamPark
-from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, TokenLogprob
+from calserve.engine.types import (
+    ErrorEvent, Event, FinishEvent, TokenEvent, TokenLogprob, token_event,
+)
 
 __all__ = ["StreamWriter", "StreamStatistics", "token_bytes"]
 
@@ -201,32 +203,38 @@ class StreamWriter:
             self._waiter = None
             trio.lowlevel.reschedule(t)
 
-    def put_token(self, token_id: int, text: str, logprob: TokenLogprob | None = None) -> None:
+    def put_token(self, token_id: int, text: str, logprob: TokenLogprob | None = None) -> bool:
         """Queue one token and the text it adds (may be ""). The actor's hot path: never blocks,
         never drops, allocates no event. After ``aclose`` it is discarded; after ``close`` it
-        raises RuntimeError (a producer bug: tokens after the terminal event)."""
+        raises RuntimeError (a producer bug: tokens after the terminal event). Returns
+        :attr:`abandoned` (after this token: the producer should cancel the request)."""
         if self._terminal is not None:
             raise RuntimeError("StreamWriter.put after close")
         self._tokens_put += 1
         if self._abandoned:
-            return
+            return True
         texts = self._texts
         if texts:
             self._coalesced += 1
         texts.append(text)
         self._ids.append(token_id)
-        if logprob is not None:
+        if logprob is None:
+            b = self._bytes = self._bytes + TOKEN_BYTES + len(text)  # token_bytes(text, None)
+        else:
             if self._lps is None:
                 self._lps = [logprob]
             else:
                 self._lps.append(logprob)
-        b = self._bytes = self._bytes + token_bytes(text, logprob)
+            b = self._bytes = self._bytes + token_bytes(text, logprob)
         if b > self._room:
             self._over_bound()
         elif self._sending_since is not None:
             self._check_write_stall()
-        if self._waiter is not None:
-            self._wake()
+        t = self._waiter
+        if t is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(t)
+        return self._abandoned
 
     def put(self, event: TokenEvent) -> None:
         """Queue a token event (several tokens possible). Same rules as :meth:`put_token`."""
@@ -399,8 +407,8 @@ class StreamWriter:
         if self._stall:
             self._sending_since = trio.current_time()
         self._delivered += 1
-        return TokenEvent(tuple(ids), texts[0] if len(texts) == 1 else "".join(texts),
-                          None if lps is None else tuple(lps))
+        return token_event(tuple(ids), texts[0] if len(texts) == 1 else "".join(texts),
+                           None if lps is None else tuple(lps))
 
     def _take_terminal(self) -> FinishEvent | ErrorEvent:
         assert self._terminal is not None
@@ -429,6 +437,9 @@ class StreamWriter:
 
         Lets the HTTP layer write everything in one send. After the writer gave up on a consumer
         that fell too far behind (overflow), that consumer's next read is ``[ErrorEvent]``."""
+        if self._texts and self._terminal is None and not self._abandoned:
+            self._sending_since = None  # the hot path: what _wait_ready would do, without a frame
+            return [self._take_tokens()]
         if not await self._wait_ready():
             end = self._overflow
             if end is None:
