@@ -30,7 +30,8 @@ class _LazyApp:
 
             # The hypercorn CLI exits 0 whatever its worker does: a start-up failure ends the
             # worker itself (exit code 1, one log line), not a server answering 503 for ever.
-            self._app = create_app(exit_on_start_failure=True)
+            # Its connections get calserve serve's guard (api/listener.py install_cli_guard).
+            self._app = create_app(exit_on_start_failure=True, guard_cli_listener=True)
         return self._app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

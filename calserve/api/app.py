@@ -160,13 +160,17 @@ def create_app(
     engine_factory: EngineFactory | None = None,
     prepare_config: Callable[[CalserveConfig], CalserveConfig] | None = None,
     exit_on_start_failure: bool = False,
+    guard_cli_listener: bool = False,
 ) -> CalserveApp:
     """Build the app. ``config`` None = ``load_config()`` at start-up (``CALSERVE_CONFIG`` or the
     embedded default); ``engine_factory(config)`` returns the engine's async context manager
     (default ``Engine.open``); ``prepare_config`` lets ``calserve serve`` rewrite the loaded config.
     ``exit_on_start_failure`` (``calserve:app`` under the hypercorn CLI): a config that cannot be
     loaded or a model that fails to load at start-up ends the process with exit code 1 after one
-    log line (``calserve serve`` exits 1 through its own shutdown trigger instead)."""
+    log line (``calserve serve`` exits 1 through its own shutdown trigger instead).
+    ``guard_cli_listener`` (``calserve:app``): under the hypercorn CLI's trio worker, the
+    connection guard of ``calserve serve`` (cap, header timeout, error bodies, socket probe:
+    :func:`calserve.api.listener.install_cli_guard`) is put in front of hypercorn's connections."""
     app = CalserveApp("calserve")
     app.refusals = RateLimitedLog(log)
     app.config["RESPONSE_TIMEOUT"] = None  # quart's 60 s default would end streams without [DONE]
@@ -192,6 +196,10 @@ def create_app(
         app.config["MAX_CONTENT_LENGTH"] = host.config.server.max_body_bytes
         app.config["BODY_TIMEOUT"] = host.config.server.body_timeout_s  # quart routes' bodies
         app.limits = host.config.server
+        if guard_cli_listener:
+            from calserve.api.listener import install_cli_guard
+
+            install_cli_guard(host.config.server, state.metrics.registry)
         # Listen first: the engine opens (the model loads) in the background; host.run returns
         # at once and never raises (a start-up failure is host.start_failure, logged once).
         await app.nursery.start(host.run)

@@ -1,13 +1,16 @@
-"""``calserve serve``'s HTTP listener: hypercorn's trio worker with calserve's connection guard.
+"""The HTTP listener's connection guard, under both launchers.
 
-:func:`serve_guarded` is ``hypercorn.trio.serve`` (``worker_serve`` of hypercorn 0.18: lifespan,
-sockets, listeners, graceful shutdown) with our own per-connection handler in front of hypercorn's
-``TCPServer``. The hypercorn CLI (``hypercorn -k trio calserve:app``) builds its listener itself, so
-what is here exists under ``calserve serve`` only (the app-level defences of
-:mod:`calserve.api.hygiene` apply under both):
+:func:`serve_guarded` (``calserve serve``) is ``hypercorn.trio.serve`` (``worker_serve`` of
+hypercorn 0.18: lifespan, sockets, listeners, graceful shutdown) with our own per-connection
+handler in front of hypercorn's ``TCPServer``. Under the hypercorn CLI (``hypercorn -k trio
+calserve:app``) hypercorn's own ``worker_serve`` builds the listener; it looks up the name
+``TCPServer`` in ``hypercorn.trio.run`` only after the app's lifespan start-up, so
+:func:`install_cli_guard` (called from that start-up) puts the same handler there. What is here
+(the app-level defences of :mod:`calserve.api.hygiene` come on top, under both):
 
 - keep-alive: ``server.keep_alive_timeout_s`` is hypercorn's ``keep_alive_timeout`` (the time a
-  connection may sit with no request, fresh or between requests);
+  connection may sit with no request, fresh or between requests; under the CLI its own
+  ``--keep-alive``, 5 s by default);
 - header timeout: a request head must be complete ``server.header_timeout_s`` after its first byte,
   else 408 (OpenAI shape) and the connection is closed; hypercorn's own timer would allow a head
   to trickle in for the whole keep-alive time;
@@ -56,7 +59,8 @@ from calserve.api.hygiene import RateLimitedLog, error_response_bytes
 from calserve.api.socket_probe import PROBE_KEY, SocketProbe
 from calserve.config import ServerConfig
 
-__all__ = ["serve_guarded", "connection_cap", "rewrite_error_response", "FD_RESERVE"]
+__all__ = ["serve_guarded", "install_cli_guard", "connection_cap", "rewrite_error_response",
+           "FD_RESERVE"]
 
 log = logging.getLogger("calserve.serve")
 
@@ -141,11 +145,11 @@ class _Guard:
         self.refusing = 0
         self.idle: OrderedDict[_Conn, None] = OrderedDict()  # oldest idle first
         self.log = RateLimitedLog(log)
-        self._open = Gauge("calserve_http_connections", "open client connections (calserve serve)",
+        self._open = Gauge("calserve_http_connections", "open client connections",
                            registry=registry)
         self._closed = Counter(
             "calserve_http_connections_closed", "client connections the server closed or refused "
-            "to protect itself (calserve serve): refused (cap), evicted (idle, at the cap), "
+            "to protect itself: refused (cap), evicted (idle, at the cap), "
             "header_timeout", ["reason"], registry=registry)
 
     def count(self, reason: str) -> None:
@@ -404,3 +408,30 @@ async def serve_guarded(
                 server_nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()
+
+
+def install_cli_guard(limits: ServerConfig, registry: CollectorRegistry | None) -> bool:
+    """Under the hypercorn CLI's trio worker: every connection accepted from now on goes through
+    the guard (module docstring), as under ``calserve serve``. Call it during the app's lifespan
+    start-up: ``hypercorn.trio.run.worker_serve`` binds its handler, ``partial(TCPServer, ...)``,
+    right after the start-up completes. False (nothing done) when that worker is not loaded (the
+    app served otherwise, in-process tests) or its ``TCPServer`` is not hypercorn's any more
+    (installed already)."""
+    import sys
+
+    run = sys.modules.get("hypercorn.trio.run")
+    if run is None or getattr(run, "TCPServer", None) is not TCPServer:
+        return False
+    guard = _Guard(limits, connection_cap(limits.max_connections), registry)
+
+    def guarded(app: AppWrapper, hc: HyperConfig, context: WorkerContext,
+                state: ConnectionState, stream: trio.SocketStream) -> Awaitable[None]:
+        # worker_serve awaits what ``partial(TCPServer, app, config, context, state)(stream)``
+        # returns (a TCPServer is awaitable): here the guard's handler coroutine.
+        hc.h11_max_incomplete_size = min(hc.h11_max_incomplete_size, limits.max_header_bytes)
+        return guard.handle(app, hc, context, state, stream)
+
+    run.TCPServer = guarded  # type: ignore[attr-defined]
+    log.info("hypercorn CLI: connections guarded (server.max_connections %d, header_timeout_s %g)",
+             guard.cap, limits.header_timeout_s)
+    return True

@@ -97,12 +97,12 @@ def server_env(home: Path, config: Path | None = None) -> dict[str, str]:
 
 
 def start_hypercorn(home: Path, config: Path | None = None, *, trio_worker: bool = True,
-                    cwd: Path) -> ServerProcess:
+                    cwd: Path, nofile: int | None = None) -> ServerProcess:
     argv = [sys.executable, "-m", "hypercorn", "-b", "127.0.0.1:0", "--graceful-timeout", "5"]
     if trio_worker:
         argv += ["-k", "trio"]
     argv.append("calserve:app")
-    return ServerProcess(argv, server_env(home, config), cwd)
+    return ServerProcess(argv, server_env(home, config), cwd, nofile)
 
 
 @contextlib.contextmanager
@@ -141,6 +141,16 @@ def serving_calserve(home: Path, cwd: Path, *args: str) -> Iterator[ServerProces
 def open_fds(pid: int) -> int:
     """How many file descriptors process ``pid`` has open (Linux)."""
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def serving_pid(proc: ServerProcess) -> int:
+    """The pid that serves: the hypercorn CLI's worker (it always forks one), else the process."""
+    pid = proc.proc.pid
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return pid
+    return int(children[0]) if children else pid
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -16,7 +16,8 @@ from calserve.config import ServerConfig
 
 from .rawhttp import (COMPLETION, GET_HEALTH, assert_openai_error, close_times, connect,
                       exchange, is_closed, parse_response, post, read_response, read_until)
-from .server import ServerProcess, open_fds, serving_calserve, start_calserve_serve
+from .server import (ServerProcess, open_fds, serving_calserve, serving_pid, start_calserve_serve,
+                     start_hypercorn)
 
 STREAM = b'{"model":"qwen3","prompt":"hi","max_tokens":3,"stream":true}'
 DEFAULTS = ServerConfig()
@@ -63,11 +64,14 @@ def _timed_closes(port: int, timeout: float) -> tuple[list[float | None], bytes]
 @pytest.mark.timeout(60)
 def test_idle_and_slow_header_connections_are_closed_hypercorn_cli(server: ServerProcess) -> None:
     """`hypercorn -k trio calserve:app`: hypercorn's own --keep-alive (default 5 s) closes idle
-    connections once the app no longer kills its timer (calserve.api.hygiene.shield_final_send),
-    and it bounds an incomplete head too (the timer runs until a head is complete)."""
+    connections once the app no longer kills its timer (calserve.api.hygiene.shield_final_send);
+    an incomplete head is cut by whichever comes first, that timer (it runs until a head is
+    complete) or the guard's server.header_timeout_s (5 s, a 408)."""
     assert server.port is not None
-    times, _ = _timed_closes(server.port, 15.0)
+    times, slow = _timed_closes(server.port, 15.0)
     assert all(t is not None and 3.5 < t < 8.0 for t in times), times
+    if slow:
+        assert_openai_error(parse_response(slow), 408, "request_timeout")
 
 
 @pytest.mark.timeout(90)
@@ -86,18 +90,25 @@ def test_idle_and_slow_header_connections_are_closed_calserve_serve(
 
 @pytest.mark.timeout(60)
 def test_protocol_errors_hypercorn_cli(server: ServerProcess) -> None:
-    """What the app itself refuses under the CLI too: CL + TE (400, closed), a head over
-    server.max_header_bytes (431), deep JSON (400 invalid_json); the server keeps serving."""
+    """What the app itself refuses: CL + TE (400, closed), a head over server.max_header_bytes
+    (431), deep JSON (400 invalid_json); the server keeps serving. And hypercorn's own framing
+    errors in the OpenAI shape: under the CLI too since the guard is installed in front of its
+    connections (api/listener.py install_cli_guard)."""
     assert server.port is not None
     _check_app_level_errors(server.port)
+    _check_framing_errors(server.port)
 
 
 @pytest.mark.timeout(60)
 def test_protocol_errors_calserve_serve(serve_default: ServerProcess) -> None:
-    """The same, plus hypercorn's own framing errors in the OpenAI shape (`calserve serve` only)."""
+    """The same under `calserve serve`."""
     port = serve_default.port
     assert port is not None
     _check_app_level_errors(port)
+    _check_framing_errors(port)
+
+
+def _check_framing_errors(port: int) -> None:
     r, closed = exchange(port, b"NOT HTTP\r\n\r\n")
     assert_openai_error(r, 400, "invalid_http")
     assert closed
@@ -141,25 +152,29 @@ def _check_app_level_errors(port: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_connection_flood_under_a_256_fd_limit_calserve_serve(
-        calserve_home: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["serve", "cli"])
+def test_connection_flood_under_a_256_fd_limit(
+        launcher: str, calserve_home: Path, tmp_path: Path) -> None:
     """The probe that locked every new client out (241 idle clients, 256 fds), against
-    `calserve serve` with default settings: the cap (clamped to the fd limit) keeps fds below
-    it; idle connections make room for new ones; busy ones get a clean 503; afterwards the server
-    serves as before."""
-    proc = start_calserve_serve(calserve_home, cwd=tmp_path, nofile=256)
+    `calserve serve` and `hypercorn -k trio calserve:app` with default settings: the cap
+    (clamped to the fd limit) keeps fds below it; idle connections make room for new ones; busy
+    ones get a clean 503; afterwards the server serves as before. (Under the CLI the guard is
+    put in front of hypercorn's own connections at start-up: api/listener.py install_cli_guard.)"""
+    proc = (start_calserve_serve(calserve_home, cwd=tmp_path, nofile=256) if launcher == "serve"
+            else start_hypercorn(calserve_home, cwd=tmp_path, nofile=256))
     socks: list[socket.socket] = []
     try:
         proc.wait_ready()
         port = proc.port
         assert port is not None
         assert "serving at most 192 connections" in proc.stderr, proc.stderr
+        pid = serving_pid(proc)
         for _ in range(300):  # idle keep-alive clients, more than the fds allow
             s = connect(port)
             s.sendall(GET_HEALTH)
             assert read_response(s).status == 200
             socks.append(s)
-        assert open_fds(proc.proc.pid) < 256
+        assert open_fds(pid) < 256
         alive = sum(not is_closed(s, 0.001) for s in socks)
         assert 150 < alive <= 192, alive
         r, _ = exchange(port, GET_HEALTH)
@@ -178,7 +193,7 @@ def test_connection_flood_under_a_256_fd_limit_calserve_serve(
             r, closed = exchange(port, GET_HEALTH)
             assert_openai_error(r, 503, "too_many_connections")
             assert r.headers["retry-after"] == "1" and closed
-        assert open_fds(proc.proc.pid) < 256
+        assert open_fds(pid) < 256
         for s in socks:
             s.close()
         socks.clear()
