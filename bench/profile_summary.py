@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["summarize", "categories", "CATEGORIES", "main"]
@@ -30,6 +31,17 @@ def _frame(f: str) -> str:
     return f"{m.group(1)} ({short})"
 
 
+def _stacks(path: Path, only: str | None) -> Iterator[tuple[list[str], int]]:
+    """The folded file's stacks (frames, samples), those with a frame named ``only`` if given."""
+    for line in path.read_text().splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        frames = [_frame(f) for f in m.group(1).split(";") if f]
+        if frames and (only is None or any(f.startswith(only + " ") for f in frames)):
+            yield frames, int(m.group(2))
+
+
 def summarize(path: Path, top: int = 25, only: str | None = "unrolled_run"
               ) -> dict[str, list[tuple[str, float]]]:
     """``only``: keep the stacks with a frame of that name (default: the trio thread's; py-spy
@@ -37,14 +49,7 @@ def summarize(path: Path, top: int = 25, only: str | None = "unrolled_run"
     self_: collections.Counter[str] = collections.Counter()
     incl: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in path.read_text().splitlines():
-        m = _LINE.match(line)
-        if not m:
-            continue
-        n = int(m.group(2))
-        frames = [_frame(f) for f in m.group(1).split(";") if f]
-        if not frames or (only is not None and not any(f.startswith(only + " ") for f in frames)):
-            continue
+    for frames, n in _stacks(path, only):
         total += n
         self_[frames[-1]] += n
         for f in set(frames):
@@ -78,14 +83,7 @@ def categories(path: Path, only: str | None = "unrolled_run") -> dict[str, float
     """Shares of the (trio thread's) samples per :data:`CATEGORIES` key, plus ``other``."""
     count: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in path.read_text().splitlines():
-        m = _LINE.match(line)
-        if not m:
-            continue
-        n = int(m.group(2))
-        frames = [_frame(f) for f in m.group(1).split(";") if f]
-        if not frames or (only is not None and not any(f.startswith(only + " ") for f in frames)):
-            continue
+    for frames, n in _stacks(path, only):
         total += n
         for key, _, prefixes in CATEGORIES:
             if any(f.startswith(p) for f in frames for p in prefixes):

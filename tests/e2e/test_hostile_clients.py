@@ -117,6 +117,18 @@ def _bursty_stream(port: int, period: float = 0.1) -> tuple[int, bool, bool]:
     return status, b"data: [DONE]" in buf[-400:], b"client_too_slow" in buf
 
 
+async def _open_never_readers(server: ServerProcess, req: bytes,
+                              socks: list[trio.SocketStream]) -> None:
+    """NEVER_READERS connections that each send ``req`` and never read (into ``socks``, which the
+    caller closes), then time for all of them to be submitted and queued."""
+    assert server.port is not None
+    for _ in range(NEVER_READERS):
+        s = await trio.open_tcp_stream("127.0.0.1", server.port)
+        socks.append(s)
+        await s.send_all(req)
+    await trio.sleep(0.3)
+
+
 async def _never_readers(server: ServerProcess, key: str | None, report: dict[str, float],
                          normal_key: str | None, reader: bool = False,
                          body: dict[str, object] = _NEVER_BODY) -> None:
@@ -131,11 +143,7 @@ async def _never_readers(server: ServerProcess, key: str | None, report: dict[st
     socks: list[trio.SocketStream] = []
     t0 = time.monotonic()
     try:
-        for _ in range(NEVER_READERS):
-            s = await trio.open_tcp_stream("127.0.0.1", server.port)
-            socks.append(s)
-            await s.send_all(req)
-        await trio.sleep(0.3)  # all of them submitted and queued
+        await _open_never_readers(server, req, socks)
 
         headers = {"Authorization": f"Bearer {normal_key}"} if normal_key else {}
 
@@ -538,11 +546,7 @@ async def plain_never_readers(server: ServerProcess) -> dict[str, float]:
         return r.status_code, time.monotonic() - t
 
     try:
-        for _ in range(NEVER_READERS):
-            s = await trio.open_tcp_stream("127.0.0.1", server.port)
-            socks.append(s)
-            await s.send_all(req)
-        await trio.sleep(0.3)  # all of them submitted and queued
+        await _open_never_readers(server, req, socks)
         status, secs = await trio.to_thread.run_sync(normal)
     finally:
         for s in socks:
