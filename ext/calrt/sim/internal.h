@@ -61,6 +61,10 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks);
 void sim_pool_free(sim_pool *p);
 /* The owner's grow-only scratch buffer (64-byte aligned, kept until sim_pool_free); NULL on OOM. */
 void *sim_pool_scratch(sim_pool *p, size_t bytes);
+/* CALRT_SIM_PROFILE only (else zeros): the owner's time spent waiting for helpers' tasks at the end
+ * of its regions (microseconds) and the regions run on the pool, both since the pool was created. */
+double sim_pool_wait_us(const sim_pool *p);
+long long sim_pool_regions(const sim_pool *p);
 
 typedef struct sim_engine {
   struct sim_chip *chip;
@@ -169,7 +173,8 @@ double sim_now_us(void);
 enum { SIM_PROF_NORMS, SIM_PROF_QKV, SIM_PROF_ROPE_KV, SIM_PROF_ATTN, SIM_PROF_O, SIM_PROF_GATE_UP, SIM_PROF_DOWN,
        SIM_PROF_LM_HEAD, SIM_PROF_PHASES };
 int sim_prof_enabled(void);
-void sim_prof_add(int rows, const double *phase_us); /* phase_us[SIM_PROF_PHASES] of one step */
+/* One decode step: phase_us[SIM_PROF_PHASES], the owner's wait at region ends, the pool regions run. */
+void sim_prof_add(int rows, const double *phase_us, double wait_us, long long regions);
 void sim_deadline_ts(double at_us, struct timespec *ts);
 void sim_cond_init(pthread_cond_t *c);
 uint64_t sim_rng_next(uint64_t *state);

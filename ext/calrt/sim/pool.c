@@ -39,6 +39,8 @@ struct sim_pool {
   atomic_ullong claim;
   atomic_int finished; /* tasks of the current region that have returned */
   void *scratch;       /* sim_pool_scratch (the owner's only) */
+  double wait_us;      /* CALRT_SIM_PROFILE: owner only (sim_pool_wait_us) */
+  long long regions;
   size_t scratch_bytes;
 };
 
@@ -181,6 +183,9 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
     pthread_mutex_unlock(&p->mu);
   }
   claim_tasks(p, gen, fn, ctx, n_tasks, 0);
+  const int prof = sim_prof_enabled();
+  const double w0 = prof && atomic_load(&p->finished) < n_tasks ? now_ns() : 0.0;
+  if (prof) p->regions++;
   if (atomic_load(&p->finished) < n_tasks) {
     const double t0 = now_ns();
     for (int i = 1; atomic_load(&p->finished) < n_tasks; i++) {
@@ -193,7 +198,11 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
     while (atomic_load(&p->finished) < n_tasks) pthread_cond_wait(&p->done, &p->mu);
     pthread_mutex_unlock(&p->mu);
   }
+  if (w0 > 0.0) p->wait_us += (now_ns() - w0) / 1e3;
 }
+
+double sim_pool_wait_us(const sim_pool *p) { return p ? p->wait_us : 0.0; }
+long long sim_pool_regions(const sim_pool *p) { return p ? p->regions : 0; }
 
 void *sim_pool_scratch(sim_pool *p, size_t bytes) {
   if (bytes <= p->scratch_bytes) return p->scratch;
