@@ -19,9 +19,10 @@ up. In flight bytes
 errs low (a window update can lag a read by one segment; a receive window still growing at the
 start hides what it took): it never calls a reader behind that is not.
 
-``calserve serve`` makes one probe per connection (:mod:`calserve.api.listener`) and hands it to
-the app through the ASGI scope's ``state`` (:data:`PROBE_KEY`). Under the hypercorn CLI, which
-hands the app no socket, :func:`probe_from_send` finds it behind the ASGI ``send`` of hypercorn
+The connection guard (:mod:`calserve.api.listener`: ``calserve serve``, and the hypercorn CLI once
+the app installed it at start-up) makes one probe per connection and hands it to the app through
+the ASGI scope's ``state`` (:data:`PROBE_KEY`). Without the guard (the app served by hypercorn in
+another way), :func:`probe_from_send` finds the socket behind the ASGI ``send`` of hypercorn
 0.17/0.18's HTTP/1.1 stream (``HTTPStream.send`` -> ``H11Protocol.send`` -> ``TCPServer.stream``);
 any other shape (HTTP/2, TLS, another server or version) gives no probe, and a test pins that the
 CLI still gives one. The streaming pump reports the figure to the request's stream before each
