@@ -58,6 +58,15 @@ NOTHING: Final[CoreOutput] = NO_OUTPUT
 log = logging.getLogger("calserve.engine.core")
 
 
+def _waking(out: CoreOutput) -> CoreOutput:
+    """``out`` asking for a pass in any case (a fresh output for the shared read-only
+    ``NOTHING``)."""
+    if out is NOTHING:
+        out = CoreOutput()
+    out.wake = True
+    return out
+
+
 def _admitting(gen: Generation) -> bool:
     """Admission runs for ``gen`` (ready, or draining with its waiting requests admitted)."""
     return gen.state is ModelState.READY or (gen.state is ModelState.DRAINING and gen.admit_waiting)
@@ -129,11 +138,7 @@ class EngineCore:
         are free, and the next pass — which the output asks for — can admit into them. (A pass
         that frees inline uses the lanes in that same pass and asks for nothing.)"""
         self.requests.confirm_released(gen, batch, now)
-        out = self._take()
-        if out is NOTHING:
-            out = CoreOutput()
-        out.wake = True
-        return out
+        return _waking(self._take())
 
     def _take(self) -> CoreOutput:
         st = self.st
@@ -152,11 +157,11 @@ class EngineCore:
         timer = math.inf
         reqs = self.requests
         self.parking.apply()
-        gens = list(self.models.generations.values())
-        if not paused and now >= self.st.admit_after:
-            timer = self.timeslice.apply([g for g in gens if _admitting(g)], now)
-        for gen in gens:
+        for gen in list(self.models.generations.values()):
             q = reqs.queues(gen)
+            admitting = not paused and _admitting(gen)
+            if admitting and now >= self.st.admit_after:  # before its expiry and admission
+                timer = min(timer, self.timeslice.apply(gen, now))
             reqs.expire(gen, now)
             if q.releases:
                 if gen.calbin.frees_inline and not paused:
@@ -165,7 +170,7 @@ class EngineCore:
                     reqs.confirm_released(gen, batch, now)
                 elif gen not in out.release_gens:
                     out.release_gens.append(gen)
-            if not paused and _admitting(gen):
+            if admitting:
                 if now >= self.st.admit_after:
                     reqs.admit(gen, now)
                 elif q.waiting:  # degraded: admission cool-down after a reset
@@ -324,11 +329,7 @@ class EngineCore:
         """Recovery is over: new jobs again (a pass runs)."""
         self.st.paused = False
         self._pass(now)
-        out = self._take()
-        if out is NOTHING:  # shared and read-only (engine/state.py NO_OUTPUT)
-            out = CoreOutput()
-        out.wake = True
-        return out
+        return _waking(self._take())
 
     def leftover_sequences(self, gen: Generation) -> list[int]:
         """At close, after the drain: the runtime sequences still bound to a lane (0 after a clean
@@ -370,6 +371,6 @@ class EngineCore:
             fast_steps_total=st.fast_steps_total, quarantined_jobs_total=st.quarantined_jobs_total,
             readmitted_total=st.readmitted_total,
             epoch=self.st.epoch, job_status_total=dict(st.job_status_total),
-            parked=sum(len(q.parked) for q in qs), parks_total=self.parking.parks_total,
+            parked=self.parking.parked(), parks_total=self.parking.parks_total,
             timeslices_total=self.parking.slices_total,
         )

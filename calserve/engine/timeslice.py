@@ -59,50 +59,44 @@ class TimeSlice:
         self._slice_s = slice_ms / 1000.0
         self._wait_s = wait_ms / 1000.0
 
-    def _cap(self, gen: Generation) -> int | None:
-        cap: int | None = gen.admission.max_running
-        return cap
-
-    def _running(self, gen: Generation, q: GenQueues) -> int:
+    @staticmethod
+    def _running(q: GenQueues) -> int:
         """Admitted, not ended, not parked (what ``pop_admissible`` counts against the cap)."""
         return len(q.holders) - len(q.parked)
 
-    def apply(self, gens: Iterable[Generation], now: float) -> float:
-        """Resume the time-sliced requests the queue's head arrived after, then park one if the
-        head waited long enough; the instant a park may next be due (``math.inf``: none)."""
-        timer = math.inf
+    def apply(self, gen: Generation, now: float) -> float:
+        """For one admitting generation, before its admission: resume the time-sliced requests
+        the queue's head arrived after, then park one if the head waited long enough; the
+        instant a park may next be due (``math.inf``: none)."""
         parking = self._parking
-        for gen in gens:
-            cap = self._cap(gen)
-            q = self._requests.queues(gen)
-            sliced = parking.sliced_queue(q.parked, gen.id)
-            if cap is None:
-                for seq, _ in sliced:  # the cap was lifted (never with a constant config)
-                    parking.unslice(seq, now)
-                continue
-            head = next(iter(q.waiting.values()), None)
-            running = self._running(gen, q)
-            for seq, t in sliced:
-                if running >= cap or (head is not None and head.arrival <= t):
-                    break
+        cap = gen.admission.max_running
+        q = self._requests.queues(gen)
+        sliced = parking.sliced_queue(q.parked, gen.id)
+        if cap is None:
+            for seq, _ in sliced:  # the cap was lifted (never with a constant config)
                 parking.unslice(seq, now)
-                running += 1
-            if self._slice_s <= 0 or head is None or running < cap:
-                continue
-            if gen.kv.free_lanes() == 0 or tenant_capped(gen.admission, head.tenant):
-                continue  # parking would free nothing the head needs
-            due = head.arrival + self._wait_s
-            if now < due:
-                timer = min(timer, due)
-                continue
-            victim = self._longest(q.decode_ready.values(), head.tenant, now)
-            if victim is not None:
-                parking.slice(victim, now)
-                continue
-            started = [s.run_since for s in q.decode_ready.values()]
-            if started:  # none has run a whole slice yet: the first that will have
-                timer = min(timer, min(started) + self._slice_s)
-        return timer
+            return math.inf
+        head = next(iter(q.waiting.values()), None)
+        running = self._running(q)
+        for seq, t in sliced:
+            if running >= cap or (head is not None and head.arrival <= t):
+                break
+            parking.unslice(seq, now)
+            running += 1
+        if self._slice_s <= 0 or head is None or running < cap:
+            return math.inf
+        if gen.kv.free_lanes() == 0 or tenant_capped(gen.admission, head.tenant):
+            return math.inf  # parking would free nothing the head needs
+        due = head.arrival + self._wait_s
+        if now < due:
+            return due
+        victim = self._longest(q.decode_ready.values(), head.tenant, now)
+        if victim is not None:
+            parking.slice(victim, now)
+            return math.inf
+        started = [s.run_since for s in q.decode_ready.values()]
+        # none has run a whole slice yet: the first that will have
+        return min(started) + self._slice_s if started else math.inf
 
     def _longest(self, ready: Iterable[Seq], tenant: str, now: float) -> Seq | None:
         """The decode-ready request that has run longest (at least a slice), the tenant's first."""
@@ -121,11 +115,11 @@ class TimeSlice:
         q = self._requests.queues(gen)
         if not q.parked:
             return
-        cap = self._cap(gen)
+        cap = gen.admission.max_running
         sliced = self._parking.sliced_queue(q.parked, gen.id)
         if not sliced or cap is None:
             return
-        running = self._running(gen, q)
+        running = self._running(q)
         for seq, _ in sliced:
             if running >= cap:
                 break
