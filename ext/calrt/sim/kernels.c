@@ -9,6 +9,7 @@
  * summation order. Norms, RoPE and attention are per row (attention tasks are one (row, head) each).
  * Hence a lane's logits are bitwise independent of B, its lane index, its batch-mates and the thread
  * count. Built with -ffp-contract=off so no FMA contraction can differ between tile shapes.
+ * SiLU's and the softmax's expf run 8 at a time (vexp.c): elementwise, bitwise glibc's expf.
  */
 #include <math.h>
 #include <stdlib.h>
