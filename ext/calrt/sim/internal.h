@@ -205,6 +205,17 @@ float sim_dot_ref(const float *w, const float *x, int n); /* the reduction, in p
 #define SIM_CHUNK_FLOATS (64 * 1024)
 int sim_row_block(int in);
 
+/* vexp.c: expf elementwise, 8 at a time, bitwise equal to the C library's expf (checked against this
+ * process's expf once; scalar expf where it does not match or the CPU lacks FMA). */
+typedef enum sim_vexp_id { SIM_VEXP_SCALAR = 0, SIM_VEXP_AVX2 = 1, SIM_VEXP_AVX512 = 2, SIM_VEXP_COUNT = 3 } sim_vexp_id;
+sim_vexp_id sim_vexp_mode(void);
+const char *sim_vexp_name(sim_vexp_id m);
+int sim_vexp_supported(sim_vexp_id m); /* can this CPU run path m */
+extern const uint64_t sim_vexp_tab[32];
+void sim_vexp_n(sim_vexp_id m, const float *x, float *y, int n); /* y = expf(x) on path m (tests) */
+void sim_silu_mul(float *g, const float *u, int n);                /* g = (g / (1 + expf(-g))) * u */
+void sim_exp_shift(float *x, int n, float m);                      /* x = expf(x - m) */
+
 /* hugepages.c: 2 MiB pages under the caller's weight buffers where possible (a hint). */
 void sim_weights_hugepages(const calrt_tensor *t, size_t n);
 
