@@ -104,6 +104,7 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
         "efficiency_at_4k": best["efficiency"],
         "knee_tok_s": kdoc["knee_tok_s"],
         "knee_efficiency_by_step_us": kdoc["efficiency_by_step_us"],
+        "knee_host_only_efficiency_by_step_us": kdoc["host_only_efficiency_by_step_us"],
         "box_floor_us_per_event": kdoc["box_floor_us_per_event"],
         "sweep": rows,
         "knee_points": knee_rows,
@@ -115,6 +116,9 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
 
 #: The knee's steps in quick mode: the 4 ms reference and the two of issue 18's target (2 and 1 ms).
 KNEE_QUICK_US = [4000, 2000, 1000]
+#: The knee's host-only points (null compute): issue 18's two target steps.
+KNEE_HOST_ONLY_US = [2000, 1000]
+HOST_ONLY_SERIES = "c=64, null compute (host only)"
 
 
 def knee(out: Path, quick: bool) -> dict[str, Any]:
@@ -128,21 +132,31 @@ def knee(out: Path, quick: bool) -> dict[str, Any]:
 
     dur = 4.0 if quick else 8.0
     rows = []
-    for us in (KNEE_QUICK_US if quick else KNEE_STEPS_US):
+    # The knee proper (the demo model computed by the software runtime, whose threads share the
+    # serving core), then the host path alone at issue 18's two target steps: the same load with the
+    # runtime's math skipped (runtime.null_compute; an NPU would not compute on the host's core).
+    points = [(us, False) for us in (KNEE_QUICK_US if quick else KNEE_STEPS_US)]
+    points += [(us, True) for us in KNEE_HOST_ONLY_US]
+    for us, null in points:
         lim = workload_limit(16, us, 16, 256, *sat_prefill_us(us))
-        with Server.calserve(calserve_config(profiles=[16], timing=f"{STEP_PREFIX}{us}"),
-                             out / f"server-step-{us}") as srv:
-            run_point(srv, out / f"knee-{us}-warmup", concurrency=64, duration=1.0, progress=False)
-            res = run_point(srv, out / f"knee-{us}us", concurrency=64, duration=dur, output="256",
+        tag = f"{us}us-null" if null else f"{us}us"
+        with Server.calserve(calserve_config(profiles=[16], timing=f"{STEP_PREFIX}{us}",
+                                             null_compute=null), out / f"server-step-{tag}") as srv:
+            run_point(srv, out / f"knee-{tag}-warmup", concurrency=64, duration=1.0, progress=False)
+            res = run_point(srv, out / f"knee-{tag}", concurrency=64, duration=dur, output="256",
                             prompt="16")
-        rows.append(point_row(res, step_us=us, device_limit=lim, series="c=64",
+        rows.append(point_row(res, step_us=us, device_limit=lim,
+                              series=HOST_ONLY_SERIES if null else "c=64",
                               efficiency=_steady(res) / lim))
     floor = floor_point(out, 250, 2.0 if quick else 4.0)
-    held = [r for r in rows if r["efficiency"] >= 0.9]
+    knee_rows = [r for r in rows if r["series"] == "c=64"]
+    held = [r for r in knee_rows if r["efficiency"] >= 0.9]
     plots.sweep_plot(rows, "device_limit", out / "knee.png",
                      xlabel="device-bound limit (tokens/s)", logx=True)
     return {"knee_tok_s": max((r["device_limit"] for r in held), default=None),
-            "efficiency_by_step_us": {str(r["step_us"]): r["efficiency"] for r in rows},
+            "efficiency_by_step_us": {str(r["step_us"]): r["efficiency"] for r in knee_rows},
+            "host_only_efficiency_by_step_us": {str(r["step_us"]): r["efficiency"] for r in rows
+                                                if r["series"] == HOST_ONLY_SERIES},
             "box_floor_us_per_event": floor["us_per_event"],
             "box_floor": {k: floor[k] for k in ("us_per_event", "events_per_s", "event_bytes")},
             "target": ">= 0.9 at 2000 and 1000 us", "knee_points": rows}

@@ -182,8 +182,11 @@ calrt_status calrt_job_submit(calrt_job *job, calrt_engine engine) {
   e->counters.submitted++;
   cb->inflight++;
   seq_users(job, +1);
-  pthread_cond_signal(&e->cond);
+  /* Signalled after the unlock: woken under the lock, the worker would block on the mutex we still
+   * hold and need a second wake-up (two futex calls, an IPI each on a VM, on every submit). The
+   * worker re-checks n_queued under the mutex, so nothing is lost. */
   pthread_mutex_unlock(&ch->mu);
+  pthread_cond_signal(&e->cond);
   return CALRT_OK;
 }
 
