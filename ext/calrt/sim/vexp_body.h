@@ -4,19 +4,24 @@
 #define VX_CAT(a, b) VX_CAT2(a, b)
 #define VX(name) VX_CAT(name, VEXP_SUFFIX)
 
+/* |x| >= 88 or NaN in any of the eight: glibc's special branch (top 12 bits of |x| >= those of
+ * 88.0f); then all eight go through expf itself (*y) and the answer is 1. */
+static inline __attribute__((always_inline)) int VX(special8)(__m256 x, const v8f *xp, v8f *y) {
+  const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20), _mm256_set1_epi32(0x7ff));
+  if (_mm256_testz_si256(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(VX_TOP12_88 - 1)), _mm256_set1_epi32(-1)))
+    return 0;
+  for (int i = 0; i < 8; i++) (*y)[i] = expf((*xp)[i]);
+  return 1;
+}
+
 #if VEXP_FUSED == 2
 /* Eight of glibc's expf (its FMA build) on non-special inputs in one register of eight doubles (the
  * same double operations per element as the four-wide code); the table from four registers
  * (two-source permutes) instead of a gather. */
 static inline __attribute__((always_inline)) v8f VX(exp8)(const v8f *xp) {
   const __m256 x = (__m256)*xp;
-  const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20), _mm256_set1_epi32(0x7ff));
-  if (__builtin_expect(!_mm256_testz_si256(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(VX_TOP12_88 - 1)),
-                                           _mm256_set1_epi32(-1)), 0)) {
-    v8f y;
-    for (int i = 0; i < 8; i++) y[i] = expf((*xp)[i]);
-    return y;
-  }
+  v8f special;
+  if (__builtin_expect(VX(special8)(x, xp, &special), 0)) return special;
   const __m512d shift = _mm512_set1_pd(VX_SHIFT), inv = _mm512_set1_pd(VX_INVLN2N);
   const __m512d xd = _mm512_cvtps_pd(x);
   __m512d kd = _mm512_fmadd_pd(xd, inv, shift);
@@ -56,14 +61,8 @@ static inline __attribute__((always_inline)) __m128 VX(exp4)(__m128 x, const __m
 
 static inline __attribute__((always_inline)) v8f VX(exp8)(const v8f *xp) {
   const __m256 x = (__m256)*xp;
-  /* |x| >= 88 or NaN: glibc's special branch (top 12 bits of |x| >= those of 88.0f) */
-  const __m256i top = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 20), _mm256_set1_epi32(0x7ff));
-  if (__builtin_expect(!_mm256_testz_si256(_mm256_cmpgt_epi32(top, _mm256_set1_epi32(VX_TOP12_88 - 1)),
-                                           _mm256_set1_epi32(-1)), 0)) {
-    v8f y;
-    for (int i = 0; i < 8; i++) y[i] = expf((*xp)[i]);
-    return y;
-  }
+  v8f special;
+  if (__builtin_expect(VX(special8)(x, xp, &special), 0)) return special;
   const __m256d inv = _mm256_set1_pd(VX_INVLN2N), shift = _mm256_set1_pd(VX_SHIFT), c0 = _mm256_set1_pd(VX_C0),
                 c1 = _mm256_set1_pd(VX_C1), c2 = _mm256_set1_pd(VX_C2), one = _mm256_set1_pd(1.0);
   const __m128 a = VX(exp4)(_mm256_castps256_ps128(x), inv, shift, c0, c1, c2, one);
