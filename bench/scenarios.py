@@ -118,7 +118,7 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
 KNEE_QUICK_US = [4000, 2000, 1000]
 #: The knee's host-only points (null compute): issue 18's two target steps.
 KNEE_HOST_ONLY_US = [2000, 1000]
-HOST_ONLY_SERIES = "c=64, null compute (host only)"
+KNEE_SERIES, HOST_ONLY_SERIES = "c=64", "c=64, null compute (host only)"
 
 
 def knee(out: Path, quick: bool) -> dict[str, Any]:
@@ -146,10 +146,10 @@ def knee(out: Path, quick: bool) -> dict[str, Any]:
             res = run_point(srv, out / f"knee-{tag}", concurrency=64, duration=dur, output="256",
                             prompt="16")
         rows.append(point_row(res, step_us=us, device_limit=lim,
-                              series=HOST_ONLY_SERIES if null else "c=64",
+                              series=HOST_ONLY_SERIES if null else KNEE_SERIES,
                               efficiency=_steady(res) / lim))
     floor = floor_point(out, 250, 2.0 if quick else 4.0)
-    knee_rows = [r for r in rows if r["series"] == "c=64"]
+    knee_rows = [r for r in rows if r["series"] == KNEE_SERIES]
     held = [r for r in knee_rows if r["efficiency"] >= 0.9]
     plots.sweep_plot(rows, "device_limit", out / "knee.png",
                      xlabel="device-bound limit (tokens/s)", logx=True)

@@ -89,20 +89,20 @@ static void exp_shift_scalar(float *x, int n, float m) {
   for (int i = 0; i < n; i++) x[i] = expf(x[i] - m);
 }
 
+/* The matmul path of the same name's CPU features (matmul.c, sim_isa_supported) plus FMA. */
+static sim_isa_id vexp_isa(sim_vexp_id m) {
+  return m == SIM_VEXP_AVX512 ? SIM_ISA_AVX512 : m == SIM_VEXP_AVX2 ? SIM_ISA_AVX2 : SIM_ISA_DEFAULT;
+}
+
 int sim_vexp_supported(sim_vexp_id m) {
-  switch (m) {
-  case SIM_VEXP_SCALAR: return 1;
+  if (m == SIM_VEXP_SCALAR) return 1;
 #ifdef VEXP_X86
-  case SIM_VEXP_AVX2:
+  if (m == SIM_VEXP_AVX2 || m == SIM_VEXP_AVX512) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  case SIM_VEXP_AVX512:
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512vl");
-#endif
-  default: return 0;
+    return sim_isa_supported(vexp_isa(m)) && __builtin_cpu_supports("fma");
   }
+#endif
+  return 0;
 }
 
 static const char *const vexp_names[SIM_VEXP_COUNT] = {"scalar", "avx2", "avx512"};
@@ -143,10 +143,9 @@ sim_vexp_id sim_vexp_mode(void) {
   int c = atomic_load_explicit(&chosen, memory_order_relaxed);
   if (c >= 0) return (sim_vexp_id)c;
   const sim_isa_id isa = sim_isa();
-  const int cap = isa == SIM_ISA_AVX512 ? SIM_VEXP_AVX512 : isa == SIM_ISA_AVX2 ? SIM_VEXP_AVX2 : SIM_VEXP_SCALAR;
   c = SIM_VEXP_SCALAR;
-  for (int m = cap; m > SIM_VEXP_SCALAR; m--)
-    if (sim_vexp_supported((sim_vexp_id)m) && agrees((sim_vexp_id)m)) {
+  for (int m = SIM_VEXP_COUNT - 1; m > SIM_VEXP_SCALAR; m--)
+    if (vexp_isa((sim_vexp_id)m) <= isa && sim_vexp_supported((sim_vexp_id)m) && agrees((sim_vexp_id)m)) {
       c = m;
       break;
     }
