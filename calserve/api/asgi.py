@@ -38,6 +38,7 @@ from urllib.parse import urlparse
 import trio
 
 from calserve.api.bodies import check_declared, too_large
+from calserve.api.chunked_send import chunked_send
 from calserve.api.choices import pump_choices, release_all, run_json_choices, submit_choices
 from calserve.api.convert import Prepared, prepare_body
 from calserve.api.errors import ApiError, to_api_error
@@ -205,7 +206,7 @@ class FastRoutes:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
                 probe = self._probe(scope, send)
-                out = watched_send(probe, send, [handle], nursery,
+                out = watched_send(probe, chunked_send(send), [handle], nursery,
                                    self._state.config.server.send_timeout_s)
                 await pump_stream(lease, enc, out, metrics, prep, self._state.pacer, probe)
                 _close_if_cut(probe, [enc.terminal], nursery)
@@ -243,8 +244,8 @@ class FastRoutes:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
                 probe = self._probe(scope, send)
-                out = watched_send(probe, send, [lease.handle for lease in leases], nursery,
-                                   self._state.config.server.send_timeout_s)
+                out = watched_send(probe, chunked_send(send), [lease.handle for lease in leases],
+                                   nursery, self._state.config.server.send_timeout_s)
                 encs = await pump_choices(leases, out, metrics, prep, tok, self._state.pacer,
                                           probe)
                 _close_if_cut(probe, [e.terminal for e in encs], nursery)

@@ -54,7 +54,8 @@ def shield_final_send(send: Send) -> Send:
         else:
             await send(message)
 
-    guarded.__wrapped__ = send  # type: ignore[attr-defined]  # the server's own (socket_probe)
+    guarded.__wrapped__ = send  # type: ignore[attr-defined]  # the server's own (socket_probe,
+    # chunked_send: a body chunk with more_body skips this wrapper, so it must act on nothing else)
     return guarded
 
 

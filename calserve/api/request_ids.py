@@ -49,5 +49,6 @@ def echo_request_id(send: Send, rid: str) -> Send:
             message = {**message, "headers": [*message.get("headers", ()), header]}
         await send(message)
 
-    wrapped.__wrapped__ = send  # type: ignore[attr-defined]  # the server's own (socket_probe)
+    wrapped.__wrapped__ = send  # type: ignore[attr-defined]  # the server's own (socket_probe,
+    # chunked_send: a body chunk with more_body skips this wrapper, so it must act on nothing else)
     return wrapped

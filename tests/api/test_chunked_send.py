@@ -1,0 +1,119 @@
+"""Streamed bodies written as HTTP/1.1 chunks straight to hypercorn's connection
+(:mod:`calserve.api.chunked_send`): the bytes on the wire, byte for byte, under ``calserve serve``
+(a real hypercorn listener on 127.0.0.1), that the direct path is the one taken, keep-alive after
+it, and the fallback to hypercorn's own framing for HTTP/1.0."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h11
+import msgspec
+import pytest
+import trio
+
+from calserve.api.chunked_send import chunked_send
+
+from .rawconn import Conn, guarded_server, post
+
+STREAM = b'{"model":"qwen3","prompt":"hi","max_tokens":6,"stream":true}'
+
+
+async def _head(c: Conn) -> tuple[int, dict[str, str]]:
+    while b"\r\n\r\n" not in c.buf:
+        assert await c._more(), c.buf
+    head, _, c.buf = c.buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    return int(lines[0].split(" ")[1]), {
+        k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+
+
+async def _chunks(c: Conn) -> list[bytes]:
+    """A chunked body, strictly parsed (hex size line, exactly that many bytes, CRLF), up to and
+    including the last (empty) chunk and its empty trailer."""
+    out: list[bytes] = []
+    while True:
+        while b"\r\n" not in c.buf:
+            assert await c._more(), (out, c.buf)
+        line, _, c.buf = c.buf.partition(b"\r\n")
+        size = int(line, 16)
+        while len(c.buf) < size + 2:
+            assert await c._more(), (out, c.buf)
+        data, tail, c.buf = c.buf[:size], c.buf[size:size + 2], c.buf[size + 2:]
+        assert tail == b"\r\n", (line, data, tail)
+        if size == 0:
+            return out
+        out.append(data)
+
+
+def _events(body: bytes) -> list[Any]:
+    assert body.endswith(b"data: [DONE]\n\n"), body[-80:]
+    evs = [e for e in body.split(b"\n\n") if e]
+    assert evs[-1] == b"data: [DONE]"
+    return [msgspec.json.decode(e[len(b"data: "):]) for e in evs[:-1]]
+
+
+@pytest.fixture
+def h11_data(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the non-empty ``h11.Data`` events h11 framed (the path not taken)."""
+    sizes: list[int] = []
+    orig = h11.Connection.send
+
+    def send(self: h11.Connection, event: Any) -> bytes | None:
+        if isinstance(event, h11.Data) and event.data:
+            sizes.append(len(event.data))
+        return orig(self, event)
+
+    monkeypatch.setattr(h11.Connection, "send", send)
+    return sizes
+
+
+async def test_stream_chunks_go_to_the_connection_directly_and_keep_alive_holds(
+        h11_data: list[int]) -> None:
+    async with guarded_server() as port:
+        h11_data.clear()  # the readiness probe's JSON answer
+        c = await Conn.open(port)
+        for _ in range(2):  # the second request on the same connection: keep-alive intact
+            await c.send(post("/v1/completions", STREAM))
+            status, headers = await _head(c)
+            assert status == 200 and headers["transfer-encoding"] == "chunked", headers
+            assert headers["content-type"] == "text/event-stream"
+            chunks = await _chunks(c)
+            evs = _events(b"".join(chunks))
+            assert len(chunks) >= 2  # several events, each its own chunk
+            text = "".join(ch["text"] for e in evs for ch in e["choices"])
+            assert sum(1 for e in evs for ch in e["choices"] if ch["finish_reason"]) == 1
+            assert text  # the fake engine's tokens
+            assert c.buf == b""  # nothing past the last chunk
+        assert h11_data == []  # every body chunk went the direct way
+        r = await c.request(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert r.status == 200
+
+
+async def test_http10_client_gets_hypercorns_own_framing(h11_data: list[int]) -> None:
+    async with guarded_server() as port:
+        h11_data.clear()
+        c = await Conn.open(port)
+        req = post("/v1/completions", STREAM).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+        await c.send(req)
+        status, headers = await _head(c)
+        assert status == 200 and "transfer-encoding" not in headers, headers
+        with trio.fail_after(10):
+            while await c._more():  # HTTP/1.0 without a length: the body ends with the connection
+                pass
+        evs = _events(c.buf)
+        assert sum(1 for e in evs for ch in e["choices"] if ch["finish_reason"]) == 1
+        assert h11_data  # h11 framed them (no chunking in HTTP/1.0)
+
+
+async def test_anything_but_hypercorns_h11_stream_keeps_its_send() -> None:
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    class Other:
+        async def app_send(self, message: dict[str, Any]) -> None:
+            pass
+
+    assert chunked_send(send) is send
+    bound = Other().app_send
+    assert chunked_send(bound) is bound
