@@ -9,7 +9,12 @@ HTTP/1.1 response without a Content-Length, which is what h11 frames as ``Transf
 chunked``, all that machinery produces ``b"%x\\r\\n" % len(body) + body + b"\\r\\n"`` and hands it to
 ``protocol_send``: :func:`chunked_send` does exactly that itself, through hypercorn's own
 ``protocol_send`` (its send lock, its shield, its handling of a connection that broke), so nothing
-about the connection's lifecycle changes.
+about the connection's lifecycle changes. On a plain TCP socket (not TLS) with no write of
+hypercorn's under way, the chunk is first offered to the socket in the same call (``os.write`` on
+the non-blocking descriptor): what the kernel takes at once needs no trip through trio's scheduler
+(hypercorn's send lock and trio's socket write each yield once per write); whatever it does not take
+(a full send buffer, an error) goes on through ``protocol_send``, which waits for room or closes the
+connection as before.
 
 What stays hypercorn's: the response head (sent before), the end of the body (a message without
 ``more_body`` or an empty one: h11 writes the last chunk and hypercorn recycles the connection for
@@ -30,8 +35,12 @@ another server or version, a test double) gets ``send`` itself back.
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
+
+import trio
 
 __all__ = ["chunked_send"]
 
@@ -66,13 +75,35 @@ def chunked_send(send: Send) -> Send:
             or any(bytes(name).lower() in _FRAMING for name, _ in response.get("headers", ()))):
         return send
     raw = proto.send  # the connection's TCPServer.protocol_send
+    tcp: Any = getattr(raw, "__self__", None)
+    lock: Any = getattr(tcp, "send_lock", None)
+    sock: Any = getattr(getattr(tcp, "stream", None), "socket", None)
+    if (lock is None or isinstance(getattr(tcp, "stream", None), trio.SSLStream)
+            or not callable(getattr(sock, "fileno", None))
+            or getattr(sock, "type", None) != socket.SOCK_STREAM):
+        sock = None  # not a plain socket we may write to: every chunk through protocol_send
     body_state = h11.SEND_BODY
 
     async def direct(message: dict[str, Any]) -> None:
         body = message.get("body", b"")
         if (body and message.get("more_body", False) and not stream.closed
                 and conn.our_state is body_state):
-            await raw(RawData(data=b"%x\r\n%b\r\n" % (len(body), body)))
+            frame = b"%x\r\n%b\r\n" % (len(body), body)
+            if sock is not None and not lock.locked():
+                # What the socket takes now, in this call; the rest (a full buffer, an error)
+                # through hypercorn's write, which waits for room or handles the broken
+                # connection. No other write can come between: hypercorn writes under this lock,
+                # and nothing here yields before protocol_send takes it.
+                fd = sock.fileno()  # -1 once closed (never a reused descriptor)
+                if fd >= 0:
+                    try:
+                        n = os.write(fd, frame)
+                    except OSError:
+                        n = 0
+                    if n == len(frame):
+                        return
+                    frame = frame[n:]
+            await raw(RawData(data=frame))
         else:
             await send(message)
 
