@@ -63,7 +63,8 @@ def summarize(path: Path, top: int = 25, only: str | None = "unrolled_run"
 #: (key, what, frame prefixes): a stack counts in the first category one of whose frames it has
 #: (so the send path inside the pump is "send", the actor step inside the submit is "actor").
 CATEGORIES: list[tuple[str, str, tuple[str, ...]]] = [
-    ("send", "hypercorn's send path (HTTPStream.app_send and below)", ("HTTPStream.app_send ",)),
+    ("send", "the send path (hypercorn's HTTPStream.app_send and below; a body chunk's direct "
+     "write, chunked_send)", ("HTTPStream.app_send ", "chunked_send.<locals>.direct ")),
     ("actor", "actor step (detokenizer, stop strings, StreamWriter.put_token)",
      ("_TokenStep.", "ActorInbox.send_nowait ", "run_actor ")),
     ("pump", "pump_stream minus the send (receive_many, encode, metrics, socket probe, pacing)",
