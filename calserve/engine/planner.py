@@ -242,13 +242,14 @@ class Planner:
 
     def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int) -> DeviceJob | None:
         job, skipped = self.builder.decode_batch(gen, q.decode_ready, now, B)
+        get = q.decode_ready.get
         for rid, why in skipped:
-            seq = q.decode_ready.get(rid)
+            seq = get(rid)
             if seq is None:
                 continue
             if why == "batch_full" or why == "tenant_share":
-                seq.passed_over += 1
-                if seq.passed_over == STARVATION_PASSES:
+                n = seq.passed_over = seq.passed_over + 1
+                if n == STARVATION_PASSES:
                     self.stats.starvation_events_total += 1
                     log.info("request %d passed over by %d decode batches", rid, STARVATION_PASSES,
                              extra={"request_id": rid})
@@ -258,9 +259,8 @@ class Planner:
                 self.requests.stop(seq, FinishReason.LENGTH, now=now)
         if job is None:
             return None
-        for s in job.seqs:
-            self.requests.submitted(s, job)
-        self.requests.trace.append(("decode", tuple(s.rid for s in job.seqs)))
+        self.requests.submitted_all(job)
+        self.requests.trace.append(("decode", tuple([s.rid for s in job.seqs])))
         return job
 
     def can_continue(self, done: DeviceJob, engine: JobEngine | None, ready_now: int, now: float) -> bool:
@@ -321,11 +321,12 @@ class Planner:
         gen = job.gen
         ready = self.requests.queues(gen).decode_ready
         self.rr.next(_DECODE_ONLY)
-        for s in job.seqs:
+        seqs = job.seqs
+        for s in seqs:
             del ready[s.rid]
-            gen.kv.begin_update(s.lease.lane, s.position, 1)
-            self.requests.submitted(s, job)
+        gen.kv.begin_decode([s.lease.lane for s in seqs], [s.position for s in seqs])
+        self.requests.submitted_all(job)
         self.builder.continuations_total += 1
         self.builder.record_decode(job)
-        self.requests.trace.append(("decode", tuple(s.rid for s in job.seqs)))
+        self.requests.trace.append(("decode", tuple([s.rid for s in seqs])))
 
