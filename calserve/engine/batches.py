@@ -47,6 +47,7 @@ class JobBuilder:
     def __init__(self, cfg: CalserveConfig) -> None:
         self.cfg = cfg
         self._profiles: dict[tuple[int, int], BatchProfile] = {}  # (generation id, B) -> profile
+        self._valid_masks: dict[tuple[int, int], np.ndarray] = {}  # (B, active lanes) -> mask
         self.batches_total: dict[int, int] = collections.Counter()
         self.lanes_active_total: dict[int, int] = collections.Counter()
         self.lanes_total: dict[int, int] = collections.Counter()
@@ -133,23 +134,38 @@ class JobBuilder:
                       ) -> tuple[DeviceJob | None, list[tuple[int, str]]]:
         """:meth:`decode_batch` for lanes :func:`single_tenant_lanes` chose (the same lanes and
         skip reasons the general builder gives that ready set)."""
-        fill = B - len(chosen)
-        begin = gen.kv.begin_update
+        n = len(chosen)
+        fill = B - n
         wait = 0.0
         for seq in chosen:
             del ready[seq.rid]
             seq.passed_over = 0
-            begin(seq.lease.lane, seq.position, 1)
             wait += now - seq.ready_since
-        lanes: list[Seq | None] = [*chosen, *([None] * fill)]
-        job = self._decode_job(
-            gen, B, lanes, [s.last_token for s in chosen] + [profile.inactive_token_id] * fill,
-            [s.position for s in chosen] + [profile.inactive_position] * fill,
-            [1] * len(chosen) + [0] * fill,
-            [-1 if s.seq_id is None else s.seq_id for s in chosen] + [-1] * fill, now)
+        positions = [s.position for s in chosen]
+        # every chosen lane's KV transaction opens, in lane order (begin_update per lane, one call)
+        gen.kv.begin_decode([s.lease.lane for s in chosen], positions)
+        sids = [-1 if s.seq_id is None else s.seq_id for s in chosen]
+        # One int32 [3, B] array, its rows (contiguous views) are the job's tensors.
+        host = np.array(([s.last_token for s in chosen] + [profile.inactive_token_id] * fill,
+                         positions + [profile.inactive_position] * fill, sids + [-1] * fill),
+                        np.int32)
+        job = DeviceJob("decode", gen, [*chosen, *([None] * fill)], host[0], host[1],
+                        self._valid(B, n), now, seq_ids=host[2], calbin=gen.calbins[B])
+        job.expect = list(zip(sids, positions))  # active == 0..n-1: the chosen lanes
         self.batch_wait_s_total += wait
         self.record_decode(job)
         return job, [(rid, why) for rid in ready]
+
+    def _valid(self, B: int, n: int) -> np.ndarray:
+        """The uint8 valid mask of a batch of ``B`` lanes whose first ``n`` are active: one
+        read-only array per (B, n), shared by every such job (a job's arrays are never written
+        after construction; the continuation shares its predecessor's too)."""
+        v = self._valid_masks.get((B, n))
+        if v is None:
+            v = np.array([1] * n + [0] * (B - n), np.uint8)
+            v.flags.writeable = False
+            self._valid_masks[(B, n)] = v
+        return v
 
     def next_profile(self, done: DeviceJob) -> int | None:
         """The compiled batch a full pass would pick for ``done``'s sequences alone (None: not the

@@ -169,8 +169,17 @@ class DeviceJob:
     active: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.active = [i for i, s in enumerate(self.lanes) if s is not None]
-        self.seqs = [s for s in self.lanes if s is not None]
+        lanes = self.lanes
+        try:
+            n = lanes.index(None)
+        except ValueError:
+            n = len(lanes)
+        if lanes.count(None) == len(lanes) - n:  # the usual layout: active lanes first
+            self.active = list(range(n))
+            self.seqs = lanes[:n]  # type: ignore[assignment]  # no None before index n
+        else:
+            self.active = [i for i, s in enumerate(lanes) if s is not None]
+            self.seqs = [s for s in lanes if s is not None]
         if self.calbin is None:
             self.calbin = self.gen.calbin
 
