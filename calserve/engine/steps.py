@@ -167,15 +167,16 @@ class StepHandler:
         reqs = self.requests
         tokens, logprobs = sampled
         eos = gen.source.eos_token_ids
-        commit = gen.kv.commit
         charge = gen.admission.charge_decoded
         ready = reqs.queues(gen).decode_ready
         deferred = self.st.deferred
         timeline = reqs.timeline
         stop = FinishReason.STOP
         new = tuple.__new__  # Tokens(...) without the NamedTuple's Python-level __new__
+        # Every lane's KV commit first, in lane order, in one call (a commit touches only its own
+        # lane's record, which nothing below reads before the commit would have happened).
+        gen.kv.commit_decode([s.lease.lane for s in seqs])
         for i, s in enumerate(seqs):
-            commit(s.lease.lane, 1)
             position = s.position = s.position + 1
             rid = s.rid
             charge(s.req.tenant, rid)
