@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 from typing import TYPE_CHECKING
 
 from calserve.config import CalserveConfig
@@ -37,6 +38,7 @@ STARVATION_PASSES = 32
 log = logging.getLogger("calserve.engine.planner")
 
 _DECODE_ONLY = frozenset((QueueClass.DECODE,))
+_DEADLINE = operator.attrgetter("deadline")
 
 
 def job_device_s(gen: Generation, job: DeviceJob) -> float:
@@ -134,7 +136,9 @@ class Planner:
                     elif gen.selecting:  # spec §8: the profile of this pass, by ready count
                         B = select_profile(len(q.decode_ready), now - first.ready_since, gen.calbins,
                                            self.cfg.scheduler.batch.selection)
-                    deadlines = [s.deadline for s in q.decode_ready.values() if s.deadline is not None]
+                    deadlines = list(map(_DEADLINE, q.decode_ready.values()))  # one C-level pass
+                    if None in deadlines:
+                        deadlines = [d for d in deadlines if d is not None]
                     earliest = min(deadlines) if deadlines else None
                     fire, wake_at = batching_window(
                         now, len(q.decode_ready), B, first.ready_since, earliest, window_us,
