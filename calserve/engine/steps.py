@@ -176,14 +176,13 @@ class StepHandler:
         # Every lane's KV commit first, in lane order, in one call (a commit touches only its own
         # lane's record, which nothing below reads before the commit would have happened).
         gen.kv.commit_decode([s.lease.lane for s in seqs])
-        for i, s in enumerate(seqs):
+        for s, tok, logprob in zip(seqs, tokens, logprobs, strict=True):
             position = s.position = s.position + 1
             rid = s.rid
             charge(s.req.tenant, rid)
             if s.pending_reason is not None or s.pending_error is not None:
                 reqs.end(s, s.pending_reason, s.pending_error, now=now)  # output dropped (drained)
                 continue
-            tok = tokens[i]
             if tok == SAMPLE_FAILED:
                 reqs.end(s, error=ErrorEvent("sampling failed for this request", "internal"), now=now)
                 continue
@@ -198,7 +197,7 @@ class StepHandler:
                 timeline.request(now, "first_token", rid)
             reason = ends(s, tok, generated, position, now, eos)
             # the EOS / stop token itself is not shown to the client
-            msg = new(Tokens, (tok, logprobs[i], first, reason is stop))
+            msg = new(Tokens, (tok, logprob, first, reason is stop))
             if reason is None:
                 s.deferred = msg  # continues: delivered after the next submit (see flush)
                 deferred.append(s)
