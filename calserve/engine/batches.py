@@ -78,11 +78,13 @@ class JobBuilder:
                          np.ones(1, np.uint8), now)
 
     def decode_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int
-                     ) -> tuple[DeviceJob | None, list[tuple[int, str]]]:
+                     ) -> tuple[DeviceJob | None, list[tuple[int, str]] | str]:
         """A decode batch for compiled batch ``B`` over the ready set (fair lane order), and the
         ready sequences it skipped with why (``batch_full``, ``tenant_share``, ``deadline``,
         ``length``) for the core to act on. The chosen sequences leave ``ready`` and their KV
-        transaction opens."""
+        transaction opens. The skipped ones as ``(request id, why)`` in ready order, or, when
+        every sequence left in ``ready`` was skipped for the same reason (the one-tenant pick),
+        that reason alone (a str: no list of pairs per batch)."""
         profile = self.profile(gen, B)
         fcfg = self.cfg.scheduler.fairness
         if self.fast and fcfg.policy != "fcfs":
@@ -131,7 +133,7 @@ class JobBuilder:
 
     def _picked_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int,
                       profile: BatchProfile, chosen: list[Seq], why: str
-                      ) -> tuple[DeviceJob | None, list[tuple[int, str]]]:
+                      ) -> tuple[DeviceJob | None, str]:
         """:meth:`decode_batch` for lanes :func:`single_tenant_lanes` chose (the same lanes and
         skip reasons the general builder gives that ready set)."""
         n = len(chosen)
@@ -154,7 +156,7 @@ class JobBuilder:
         job.expect = list(zip(sids, positions))  # active == 0..n-1: the chosen lanes
         self.batch_wait_s_total += wait
         self.record_decode(job)
-        return job, [(rid, why) for rid in ready]
+        return job, why  # every sequence left in ready was skipped for ``why``
 
     def _valid(self, B: int, n: int) -> np.ndarray:
         """The uint8 valid mask of a batch of ``B`` lanes whose first ``n`` are active: one

@@ -246,6 +246,12 @@ class Planner:
 
     def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int) -> DeviceJob | None:
         job, skipped = self.builder.decode_batch(gen, q.decode_ready, now, B)
+        if isinstance(skipped, str):  # every sequence left ready was passed over (lanes full)
+            for passed in q.decode_ready.values():
+                n = passed.passed_over = passed.passed_over + 1
+                if n == STARVATION_PASSES:
+                    self._starving(passed.rid)
+            skipped = []
         get = q.decode_ready.get
         for rid, why in skipped:
             seq = get(rid)
@@ -254,9 +260,7 @@ class Planner:
             if why == "batch_full" or why == "tenant_share":
                 n = seq.passed_over = seq.passed_over + 1
                 if n == STARVATION_PASSES:
-                    self.stats.starvation_events_total += 1
-                    log.info("request %d passed over by %d decode batches", rid, STARVATION_PASSES,
-                             extra={"request_id": rid})
+                    self._starving(rid)
             elif why == "deadline":
                 self.requests.stop(seq, FinishReason.DEADLINE, now=now)
             elif why == "length":
@@ -266,6 +270,12 @@ class Planner:
         self.requests.submitted_all(job)
         self.requests.trace.append(("decode", tuple([s.rid for s in job.seqs])))
         return job
+
+    def _starving(self, rid: int) -> None:
+        """A starvation event: request ``rid`` was passed over by STARVATION_PASSES batches."""
+        self.stats.starvation_events_total += 1
+        log.info("request %d passed over by %d decode batches", rid, STARVATION_PASSES,
+                 extra={"request_id": rid})
 
     def can_continue(self, done: DeviceJob, engine: JobEngine | None, ready_now: int, now: float) -> bool:
         """Whether a full pass after ``done`` could only run its sequences next, as one decode batch
