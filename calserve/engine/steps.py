@@ -18,7 +18,7 @@ from calserve.core.request_state import TRANSITIONS, RequestEvent, RequestState
 from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import RequestTable, exhausted
-from calserve.engine.state import DeviceJob, Fault, JobOutcome, Seq, Tokens
+from calserve.engine.state import STATUS_NAMES, DeviceJob, Fault, JobOutcome, Seq, Tokens
 from calserve.engine.types import ErrorEvent, FinishReason
 from calserve.runtime.types import DeviceBusy, DeviceFaulted, JobStatus
 
@@ -66,10 +66,10 @@ class StepHandler:
             return
         r = outcome.result
         assert r is not None
-        key = "timeout" if outcome.timed_out else r.status.name.lower()
+        key = "timeout" if outcome.timed_out else STATUS_NAMES[r.status]
         counts[key] = counts.get(key, 0) + 1
         if r.status is not JobStatus.OK:
-            reason: str | None = r.status.name.lower()
+            reason: str | None = STATUS_NAMES[r.status]
         else:
             reason = None if verified else self._check(job, r)
         if reason is None:
