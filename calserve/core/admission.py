@@ -290,13 +290,17 @@ class AdmissionController:
         t.vt += amount / w
         t.lane_vt += amount / w
         rem = self._remaining
+        # min(a, b) / max(0.0, x) as conditionals: the same picks (the first argument on ties
+        # and NaN), without two builtin calls per token
         r = rem.get(request_id)
         if r is not None:
-            dec = min(amount, r)
+            dec = r if r < amount else amount
             rem[request_id] = r - dec
         else:
-            dec = min(amount, t.est)
-        t.est = max(0.0, t.est - dec)
+            est = t.est
+            dec = est if est < amount else amount
+        est = t.est - dec
+        t.est = est if est > 0.0 else 0.0
         self._svc.served_decode(request_id)
 
     def release(self, request_id: int) -> None:
