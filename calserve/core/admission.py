@@ -301,7 +301,11 @@ class AdmissionController:
             dec = est if est < amount else amount
         est = t.est - dec
         t.est = est if est > 0.0 else 0.0
-        self._svc.served_decode(request_id)
+        svc = self._svc  # svc.served_decode(request_id), inlined
+        svc.decode_total += 1
+        d = svc.decoded
+        if request_id in d:
+            d[request_id] += 1
 
     def release(self, request_id: int) -> None:
         """An admitted request's sequence ended (any reason). Its undelivered estimate is dropped:
