@@ -301,7 +301,7 @@ class AdmissionController:
             dec = est if est < amount else amount
         est = t.est - dec
         t.est = est if est > 0.0 else 0.0
-        svc = self._svc  # svc.served_decode(request_id), inlined
+        svc = self._svc  # svc.served(request_id, False, 1), inlined
         svc.decode_total += 1
         d = svc.decoded
         if request_id in d:
