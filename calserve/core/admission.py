@@ -290,22 +290,14 @@ class AdmissionController:
         t.vt += amount / w
         t.lane_vt += amount / w
         rem = self._remaining
-        # min(a, b) / max(0.0, x) as conditionals: the same picks (the first argument on ties
-        # and NaN), without two builtin calls per token
         r = rem.get(request_id)
         if r is not None:
-            dec = r if r < amount else amount
+            dec = min(amount, r)
             rem[request_id] = r - dec
         else:
-            est = t.est
-            dec = est if est < amount else amount
-        est = t.est - dec
-        t.est = est if est > 0.0 else 0.0
-        svc = self._svc  # svc.served(request_id, False, 1), inlined
-        svc.decode_total += 1
-        d = svc.decoded
-        if request_id in d:
-            d[request_id] += 1
+            dec = min(amount, t.est)
+        t.est = max(0.0, t.est - dec)
+        self._svc.served_decode(request_id)
 
     def release(self, request_id: int) -> None:
         """An admitted request's sequence ended (any reason). Its undelivered estimate is dropped:

@@ -33,12 +33,6 @@ class QueueClass(enum.Enum):
     MEDIUM = "medium"
     LONG = "long"
 
-    # Members compare by identity (a plain Enum): the identity hash is consistent with that and
-    # is C-level, where Enum's own ``__hash__`` (``hash(self._name_)``) is a Python call — the
-    # round robin and the dispatch hash these several times per decode step. (Set and dict
-    # iteration order of members was never meaningful: str hashes are randomised per process.)
-    __hash__ = object.__hash__
-
 
 def classify(prompt_tokens: int, queues_cfg: QueuesConfig) -> QueueClass:
     """The prefill class of a prompt of ``prompt_tokens`` tokens (never DECODE)."""

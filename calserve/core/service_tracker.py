@@ -27,17 +27,14 @@ class ServiceTracker:
         self.service = service
         self._len: dict[int, float] = {}  # request id -> decode steps requested (max_new - 1)
         self._prefill: dict[int, float] = {}  # request id -> modeled prefill seconds
-        # request id -> decode tokens delivered; with ``decode_total`` (all decode tokens), written
-        # by :meth:`served` and, inlined, the admission controller's
-        # per-token charge (``AdmissionController.charge_decoded``). Invariant: same keys as _len.
-        self.decoded: dict[int, int] = {}
+        self._decoded: dict[int, int] = {}  # request id -> decode tokens delivered
         self._unprefilled: set[int] = set()
         self.pending_prefill_s = 0.0
         # Observed delivered / requested decode tokens (early EOS, cancels), EWMA from 1.
         self.decode_ratio = 1.0
         # Observed seconds per decode lane-step while saturated; None until the first sample.
         self.lane_step_s: float | None = None
-        self.decode_total = 0
+        self._decode_total = 0
         self._obs_at: float | None = None  # start of the current saturated observation window
         self._obs_tokens = 0
 
@@ -51,19 +48,26 @@ class ServiceTracker:
     def admit(self, request_id: int, prompt_tokens: int, max_new_tokens: int) -> None:
         self._len[request_id] = float(max_new_tokens - 1)
         self._prefill[request_id] = p = self.service.prefill_s(prompt_tokens)
-        self.decoded[request_id] = 0
+        self._decoded[request_id] = 0
         self._unprefilled.add(request_id)
         self.pending_prefill_s += p
 
     def served(self, request_id: int, prefill: bool, decode_tokens: int) -> None:
         """Service delivered to an admitted request (unknown ids only count toward the speed)."""
-        self.decode_total += decode_tokens
+        self._decode_total += decode_tokens
         if request_id not in self._len:
             return
         if prefill and request_id in self._unprefilled:
             self._unprefilled.discard(request_id)
             self.pending_prefill_s -= self._prefill[request_id]
-        self.decoded[request_id] += decode_tokens
+        self._decoded[request_id] += decode_tokens
+
+    def served_decode(self, request_id: int) -> None:
+        """``served(request_id, False, 1)``: one decode token (the per-token call)."""
+        self._decode_total += 1
+        d = self._decoded
+        if request_id in d:
+            d[request_id] += 1
 
     def release(self, request_id: int) -> None:
         want = self._len.pop(request_id, None)
@@ -73,7 +77,7 @@ class ServiceTracker:
         if request_id in self._unprefilled:
             self._unprefilled.discard(request_id)
             self.pending_prefill_s -= p
-        got = self.decoded.pop(request_id)
+        got = self._decoded.pop(request_id)
         if want > 0 and got > 0:  # prefill-only or never-served requests say nothing about lengths
             self.decode_ratio += DECODE_RATIO_ALPHA * (min(1.0, got / want) - self.decode_ratio)
         if not self._unprefilled:
@@ -82,7 +86,7 @@ class ServiceTracker:
     def running_remaining(self) -> list[float]:
         """Decode steps left of each admitted request, scaled by the decode ratio, ascending."""
         r = self.decode_ratio
-        return sorted(r * max(0.0, n - self.decoded[rid]) for rid, n in self._len.items())
+        return sorted(r * max(0.0, n - self._decoded[rid]) for rid, n in self._len.items())
 
     def observe(self, now: float, saturated: bool) -> None:
         """Sample the decode speed: seconds per decode lane-step over windows of at least
@@ -90,14 +94,14 @@ class ServiceTracker:
         unsaturated call restarts the window, so a quiet period never makes a burst look slow."""
         if not saturated or self._obs_at is None or now < self._obs_at:
             self._obs_at = now if saturated else None
-            self._obs_tokens = self.decode_total
+            self._obs_tokens = self._decode_total
             return
         dt = now - self._obs_at
         if dt < OBSERVE_WINDOW_S:
             return
-        done = self.decode_total - self._obs_tokens
+        done = self._decode_total - self._obs_tokens
         if done > 0:
             sample = dt / done
             self.lane_step_s = sample if self.lane_step_s is None else (
                 self.lane_step_s + OBSERVE_ALPHA * (sample - self.lane_step_s))
-        self._obs_at, self._obs_tokens = now, self.decode_total
+        self._obs_at, self._obs_tokens = now, self._decode_total

@@ -101,7 +101,7 @@ def _admission_state(a: AdmissionController) -> Any:
     st_ = a.statistics()
     return (dataclasses.asdict(st_),
             {n: (t.service, t.vt, t.lane_vt, t.est) for n, t in a._tenants.items()},
-            dict(a._remaining), a._svc.running_remaining(), a._svc.decode_total, dict(a._svc.decoded))
+            dict(a._remaining), a._svc.running_remaining(), a._svc._decode_total)
 
 
 @settings(max_examples=200, deadline=None)
