@@ -36,6 +36,8 @@ import trio
 from calserve.config import FaultsConfig
 from calserve.engine.fault_plan import FaultPlan
 from calserve.engine.backend_waits import CompletionFdWaiter, DeviceThreads, EngineThread, wait_or_none
+from calserve.runtime.binding import bad_lanes as binding_bad_lanes
+from calserve.runtime.binding import verify_lanes as binding_verify_lanes
 from calserve.runtime.reference import ModelConfig
 from calserve.runtime.types import (
     EngineCounters,
@@ -319,14 +321,10 @@ class _RuntimeCalbin:
     def verify_lanes(
         self, result: JobResult, job_id: int, lanes: Sequence[int], expect: Sequence[tuple[int, int]]
     ) -> list[int]:
-        from calserve.runtime.binding import verify_lanes
-
-        return verify_lanes(result, job_id, lanes, expect)
+        return binding_verify_lanes(result, job_id, lanes, expect)
 
     def checksum_ok(self, result: JobResult, lanes: Sequence[int]) -> list[bool]:
-        from calserve.runtime.binding import bad_lanes
-
-        bad = bad_lanes(result, lanes)  # one C call
+        bad = binding_bad_lanes(result, lanes)  # one C call
         if not bad:
             return [True] * len(lanes)
         return [lane not in bad for lane in lanes]

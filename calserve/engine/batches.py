@@ -47,6 +47,7 @@ class JobBuilder:
     def __init__(self, cfg: CalserveConfig) -> None:
         self.cfg = cfg
         self._profiles: dict[tuple[int, int], BatchProfile] = {}  # (generation id, B) -> profile
+        self._valid_masks: dict[tuple[int, int], np.ndarray] = {}  # (B, active lanes) -> mask
         self.batches_total: dict[int, int] = collections.Counter()
         self.lanes_active_total: dict[int, int] = collections.Counter()
         self.lanes_total: dict[int, int] = collections.Counter()
@@ -77,11 +78,13 @@ class JobBuilder:
                          np.ones(1, np.uint8), now)
 
     def decode_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int
-                     ) -> tuple[DeviceJob | None, list[tuple[int, str]]]:
+                     ) -> tuple[DeviceJob | None, list[tuple[int, str]] | str]:
         """A decode batch for compiled batch ``B`` over the ready set (fair lane order), and the
         ready sequences it skipped with why (``batch_full``, ``tenant_share``, ``deadline``,
         ``length``) for the core to act on. The chosen sequences leave ``ready`` and their KV
-        transaction opens."""
+        transaction opens. The skipped ones as ``(request id, why)`` in ready order, or, when
+        every sequence left in ``ready`` was skipped for the same reason (the one-tenant pick),
+        that reason alone (a str: no list of pairs per batch)."""
         profile = self.profile(gen, B)
         fcfg = self.cfg.scheduler.fairness
         if self.fast and fcfg.policy != "fcfs":
@@ -130,26 +133,41 @@ class JobBuilder:
 
     def _picked_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int,
                       profile: BatchProfile, chosen: list[Seq], why: str
-                      ) -> tuple[DeviceJob | None, list[tuple[int, str]]]:
+                      ) -> tuple[DeviceJob | None, str]:
         """:meth:`decode_batch` for lanes :func:`single_tenant_lanes` chose (the same lanes and
         skip reasons the general builder gives that ready set)."""
-        fill = B - len(chosen)
-        begin = gen.kv.begin_update
+        n = len(chosen)
+        fill = B - n
         wait = 0.0
         for seq in chosen:
             del ready[seq.rid]
             seq.passed_over = 0
-            begin(seq.lease.lane, seq.position, 1)
             wait += now - seq.ready_since
-        lanes: list[Seq | None] = [*chosen, *([None] * fill)]
-        job = self._decode_job(
-            gen, B, lanes, [s.last_token for s in chosen] + [profile.inactive_token_id] * fill,
-            [s.position for s in chosen] + [profile.inactive_position] * fill,
-            [1] * len(chosen) + [0] * fill,
-            [-1 if s.seq_id is None else s.seq_id for s in chosen] + [-1] * fill, now)
+        positions = [s.position for s in chosen]
+        # every chosen lane's KV transaction opens, in lane order (begin_update per lane, one call)
+        gen.kv.begin_decode([s.lease.lane for s in chosen], positions)
+        sids = [-1 if s.seq_id is None else s.seq_id for s in chosen]
+        # One int32 [3, B] array, its rows (contiguous views) are the job's tensors.
+        host = np.array(([s.last_token for s in chosen] + [profile.inactive_token_id] * fill,
+                         positions + [profile.inactive_position] * fill, sids + [-1] * fill),
+                        np.int32)
+        job = DeviceJob("decode", gen, [*chosen, *([None] * fill)], host[0], host[1],
+                        self._valid(B, n), now, seq_ids=host[2], calbin=gen.calbins[B])
+        job.expect = list(zip(sids, positions))  # active == 0..n-1: the chosen lanes
         self.batch_wait_s_total += wait
         self.record_decode(job)
-        return job, [(rid, why) for rid in ready]
+        return job, why  # every sequence left in ready was skipped for ``why``
+
+    def _valid(self, B: int, n: int) -> np.ndarray:
+        """The uint8 valid mask of a batch of ``B`` lanes whose first ``n`` are active: one
+        read-only array per (B, n), shared by every such job (a job's arrays are never written
+        after construction; the continuation shares its predecessor's too)."""
+        v = self._valid_masks.get((B, n))
+        if v is None:
+            v = np.array([1] * n + [0] * (B - n), np.uint8)
+            v.flags.writeable = False
+            self._valid_masks[(B, n)] = v
+        return v
 
     def next_profile(self, done: DeviceJob) -> int | None:
         """The compiled batch a full pass would pick for ``done``'s sequences alone (None: not the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -24,6 +25,8 @@ log = logging.getLogger("calserve.engine.completion")
 SAMPLE_FAILED = -1
 
 Sampled = tuple[list[int], list[TokenLogprob | None]]
+
+_PLAIN_GREEDY = attrgetter("req.sampling.plain_greedy")
 
 
 def ends(s: Seq, tok: int, generated: int, position: int, now: float,
@@ -80,7 +83,7 @@ def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
         active = job.active
         n = len(active)
         rows = logits[:n] if active[-1] == n - 1 else logits[active]
-    if all([s.req.sampling.plain_greedy for s in seqs]):
+    if all(map(_PLAIN_GREEDY, seqs)):
         # what sample_batch returns for such lanes, minus its setup
         return greedy_argmax(rows), [None] * len(seqs)
     vocab = rows.shape[1]

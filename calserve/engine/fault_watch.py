@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from calserve.config import CalserveConfig
 from calserve.engine.degrade import DegradeReason, GuardSettings, PingPongGuard
 from calserve.engine.reset_budget import BudgetLevel
-from calserve.engine.state import CoreOutput, DeviceJob, JobOutcome
+from calserve.engine.state import STATUS_NAMES, CoreOutput, DeviceJob, JobOutcome
 from calserve.engine.step_times import StepTimes
 from calserve.engine.trace import Timeline
 from calserve.runtime.types import JobEngine, JobStatus
@@ -87,9 +87,10 @@ class FaultWatch:
             self.timeline.job(engine.name, job.kind, batch, len(job.seqs), job.job_id, t_submit, now,
                               0.0, "refused")
             return
-        status = "timeout" if outcome.timed_out else r.status.name.lower()
-        self.guard.submitted(engine.name)
-        self.timeline.job(engine.name, job.kind, batch, len(job.seqs), job.job_id, t_submit, now,
+        status = "timeout" if outcome.timed_out else STATUS_NAMES[r.status]
+        name = engine.name
+        self.guard.submitted(name)
+        self.timeline.job(name, job.kind, batch, len(job.seqs), job.job_id, t_submit, now,
                           r.device_us / 1e6, status)
         if r.status is not JobStatus.OK or outcome.timed_out:
             return

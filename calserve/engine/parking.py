@@ -109,7 +109,9 @@ class Parking:
     def sliced_queue(self, q_parked: dict[int, Seq], gen_id: int) -> list[tuple[Seq, float]]:
         """The time-sliced requests of one generation (its ``parked`` dict), oldest park first;
         drops the entries of requests that ended or left the parked set (fault, cancel)."""
-        out = []
+        out: list[tuple[Seq, float]] = []
+        if not self._sliced:  # the usual pass: nothing is time-sliced
+            return out
         for rid, (seq, t) in list(self._sliced.items()):
             if seq.ended or (seq.gen.id == gen_id and q_parked.get(rid) is not seq):
                 del self._sliced[rid]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 from typing import TYPE_CHECKING
 
 from calserve.config import CalserveConfig
@@ -37,6 +38,7 @@ STARVATION_PASSES = 32
 log = logging.getLogger("calserve.engine.planner")
 
 _DECODE_ONLY = frozenset((QueueClass.DECODE,))
+_DEADLINE = operator.attrgetter("deadline")
 
 
 def job_device_s(gen: Generation, job: DeviceJob) -> float:
@@ -134,7 +136,9 @@ class Planner:
                     elif gen.selecting:  # spec §8: the profile of this pass, by ready count
                         B = select_profile(len(q.decode_ready), now - first.ready_since, gen.calbins,
                                            self.cfg.scheduler.batch.selection)
-                    deadlines = [s.deadline for s in q.decode_ready.values() if s.deadline is not None]
+                    deadlines = list(map(_DEADLINE, q.decode_ready.values()))  # one C-level pass
+                    if None in deadlines:
+                        deadlines = [d for d in deadlines if d is not None]
                     earliest = min(deadlines) if deadlines else None
                     fire, wake_at = batching_window(
                         now, len(q.decode_ready), B, first.ready_since, earliest, window_us,
@@ -242,26 +246,36 @@ class Planner:
 
     def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int) -> DeviceJob | None:
         job, skipped = self.builder.decode_batch(gen, q.decode_ready, now, B)
+        if isinstance(skipped, str):  # every sequence left ready was passed over (lanes full)
+            for passed in q.decode_ready.values():
+                n = passed.passed_over = passed.passed_over + 1
+                if n == STARVATION_PASSES:
+                    self._starving(passed.rid)
+            skipped = []
+        get = q.decode_ready.get
         for rid, why in skipped:
-            seq = q.decode_ready.get(rid)
+            seq = get(rid)
             if seq is None:
                 continue
             if why == "batch_full" or why == "tenant_share":
-                seq.passed_over += 1
-                if seq.passed_over == STARVATION_PASSES:
-                    self.stats.starvation_events_total += 1
-                    log.info("request %d passed over by %d decode batches", rid, STARVATION_PASSES,
-                             extra={"request_id": rid})
+                n = seq.passed_over = seq.passed_over + 1
+                if n == STARVATION_PASSES:
+                    self._starving(rid)
             elif why == "deadline":
                 self.requests.stop(seq, FinishReason.DEADLINE, now=now)
             elif why == "length":
                 self.requests.stop(seq, FinishReason.LENGTH, now=now)
         if job is None:
             return None
-        for s in job.seqs:
-            self.requests.submitted(s, job)
-        self.requests.trace.append(("decode", tuple(s.rid for s in job.seqs)))
+        self.requests.submitted_all(job)
+        self.requests.trace.append(("decode", tuple([s.rid for s in job.seqs])))
         return job
+
+    def _starving(self, rid: int) -> None:
+        """A starvation event: request ``rid`` was passed over by STARVATION_PASSES batches."""
+        self.stats.starvation_events_total += 1
+        log.info("request %d passed over by %d decode batches", rid, STARVATION_PASSES,
+                 extra={"request_id": rid})
 
     def can_continue(self, done: DeviceJob, engine: JobEngine | None, ready_now: int, now: float) -> bool:
         """Whether a full pass after ``done`` could only run its sequences next, as one decode batch
@@ -321,11 +335,12 @@ class Planner:
         gen = job.gen
         ready = self.requests.queues(gen).decode_ready
         self.rr.next(_DECODE_ONLY)
-        for s in job.seqs:
+        seqs = job.seqs
+        for s in seqs:
             del ready[s.rid]
-            gen.kv.begin_update(s.lease.lane, s.position, 1)
-            self.requests.submitted(s, job)
+        gen.kv.begin_decode([s.lease.lane for s in seqs], [s.position for s in seqs])
+        self.requests.submitted_all(job)
         self.builder.continuations_total += 1
         self.builder.record_decode(job)
-        self.requests.trace.append(("decode", tuple(s.rid for s in job.seqs)))
+        self.requests.trace.append(("decode", tuple([s.rid for s in seqs])))
 

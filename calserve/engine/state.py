@@ -24,13 +24,17 @@ import numpy as np
 
 from calserve.core.request_state import TERMINAL, RequestState
 from calserve.engine.types import ErrorEvent, FinishReason, GenerateRequest, TokenLogprob
-from calserve.runtime.types import JobEngine, JobResult
+from calserve.runtime.types import JobEngine, JobResult, JobStatus
 
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation
 
 __all__ = ["Seq", "Admitted", "Tokens", "End", "ActorMsg", "DeviceJob", "JobOutcome", "CoreOutput",
-           "NO_OUTPUT", "Fault", "Release"]
+           "NO_OUTPUT", "Fault", "Release", "STATUS_NAMES"]
+
+#: ``status.name.lower()`` of every job status, the key of the per-status counts and fault
+#: reasons (an enum's ``name`` is a Python-level property: looked up once here, not per step).
+STATUS_NAMES: Final[dict[JobStatus, str]] = {s: s.name.lower() for s in JobStatus}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +173,17 @@ class DeviceJob:
     active: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.active = [i for i, s in enumerate(self.lanes) if s is not None]
-        self.seqs = [s for s in self.lanes if s is not None]
+        lanes = self.lanes
+        try:
+            n = lanes.index(None)
+        except ValueError:
+            n = len(lanes)
+        if lanes.count(None) == len(lanes) - n:  # the usual layout: active lanes first
+            self.active = list(range(n))
+            self.seqs = lanes[:n]  # type: ignore[assignment]  # no None before index n
+        else:
+            self.active = [i for i, s in enumerate(lanes) if s is not None]
+            self.seqs = [s for s in lanes if s is not None]
         if self.calbin is None:
             self.calbin = self.gen.calbin
 

@@ -18,7 +18,7 @@ from calserve.core.request_state import TRANSITIONS, RequestEvent, RequestState
 from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import RequestTable, exhausted
-from calserve.engine.state import DeviceJob, Fault, JobOutcome, Seq, Tokens
+from calserve.engine.state import STATUS_NAMES, DeviceJob, Fault, JobOutcome, Seq, Tokens
 from calserve.engine.types import ErrorEvent, FinishReason
 from calserve.runtime.types import DeviceBusy, DeviceFaulted, JobStatus
 
@@ -66,10 +66,10 @@ class StepHandler:
             return
         r = outcome.result
         assert r is not None
-        key = "timeout" if outcome.timed_out else r.status.name.lower()
+        key = "timeout" if outcome.timed_out else STATUS_NAMES[r.status]
         counts[key] = counts.get(key, 0) + 1
         if r.status is not JobStatus.OK:
-            reason: str | None = r.status.name.lower()
+            reason: str | None = STATUS_NAMES[r.status]
         else:
             reason = None if verified else self._check(job, r)
         if reason is None:
@@ -167,22 +167,22 @@ class StepHandler:
         reqs = self.requests
         tokens, logprobs = sampled
         eos = gen.source.eos_token_ids
-        commit = gen.kv.commit
         charge = gen.admission.charge_decoded
         ready = reqs.queues(gen).decode_ready
         deferred = self.st.deferred
         timeline = reqs.timeline
         stop = FinishReason.STOP
         new = tuple.__new__  # Tokens(...) without the NamedTuple's Python-level __new__
-        for i, s in enumerate(seqs):
-            commit(s.lease.lane, 1)
+        # Every lane's KV commit first, in lane order, in one call (a commit touches only its own
+        # lane's record, which nothing below reads before the commit would have happened).
+        gen.kv.commit_decode([s.lease.lane for s in seqs])
+        for s, tok, logprob in zip(seqs, tokens, logprobs, strict=True):
             position = s.position = s.position + 1
             rid = s.rid
             charge(s.req.tenant, rid)
             if s.pending_reason is not None or s.pending_error is not None:
                 reqs.end(s, s.pending_reason, s.pending_error, now=now)  # output dropped (drained)
                 continue
-            tok = tokens[i]
             if tok == SAMPLE_FAILED:
                 reqs.end(s, error=ErrorEvent("sampling failed for this request", "internal"), now=now)
                 continue
@@ -197,7 +197,7 @@ class StepHandler:
                 timeline.request(now, "first_token", rid)
             reason = ends(s, tok, generated, position, now, eos)
             # the EOS / stop token itself is not shown to the client
-            msg = new(Tokens, (tok, logprobs[i], first, reason is stop))
+            msg = new(Tokens, (tok, logprob, first, reason is stop))
             if reason is None:
                 s.deferred = msg  # continues: delivered after the next submit (see flush)
                 deferred.append(s)

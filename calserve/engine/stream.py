@@ -437,9 +437,19 @@ class StreamWriter:
 
         Lets the HTTP layer write everything in one send. After the writer gave up on a consumer
         that fell too far behind (overflow), that consumer's next read is ``[ErrorEvent]``."""
-        if self._texts and self._terminal is None and not self._abandoned:
-            self._sending_since = None  # the hot path: what _wait_ready would do, without a frame
-            return [self._take_tokens()]
+        if self._terminal is None and not self._abandoned:
+            self._sending_since = None  # the hot paths: what _wait_ready would do, without a frame
+            if self._texts:
+                return [self._take_tokens()]
+            if self._waiter is None:
+                # nothing yet (a consumer that keeps up): _wait_ready's park, inline
+                self._room = self._limit - self._below  # done with what it took
+                if self._room >= 0:
+                    self._full_at = None
+                self._waiter = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+                if self._texts and self._terminal is None and not self._abandoned:
+                    return [self._take_tokens()]  # woken by a token (what _wait_ready returns to)
         if not await self._wait_ready():
             end = self._overflow
             if end is None:

@@ -83,6 +83,18 @@ class _Twin:
         m.core.builder.fast = fast
         m.core.steps.fast = fast
         self.m = m
+        # every job handed to an engine, as the device sees it (the arrays and the echo expected)
+        self.jobs: list[tuple[Any, ...]] = []
+        hand_over = m.core.planner.hand_over
+
+        def recording(engine: JobEngine, job: Any) -> None:
+            if job.kind == "decode":
+                self.jobs.append((engine, job.tokens.tolist(), job.positions.tolist(),
+                                  job.valid.tolist(), job.seq_ids.tolist(), list(job.expect),
+                                  list(job.active), [s.rid for s in job.seqs]))
+            hand_over(engine, job)
+
+        m.core.planner.hand_over = recording  # type: ignore[method-assign]
 
     def submit(self, prompt: list[int], sp: SamplingParams, tenant: str, deadline: float) -> None:
         m = self.m
@@ -124,7 +136,9 @@ class _Twin:
         msgs = {rid: [(type(x).__name__, getattr(x, "token_id", None), getattr(x, "hidden", None),
                        getattr(x, "first", None), getattr(x, "reason", None)) for x in b.msgs]
                 for rid, b in m.inboxes.items()}
-        return msgs, list(m.core.requests.trace)
+        return (msgs, list(m.core.requests.trace), self.jobs,
+                {rid: s.passed_over for rid, s in m.seqs.items()},
+                m.core.stats.starvation_events_total)
 
 
 _sampling = st.builds(
