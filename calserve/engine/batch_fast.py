@@ -15,11 +15,11 @@ the same lanes in the same order and the same skip reasons.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from operator import attrgetter
 from typing import Protocol, TypeVar
 
-__all__ = ["single_tenant_lanes", "ReadySeq"]
+__all__ = ["single_tenant_lanes", "earliest_deadline", "ReadySeq"]
 
 
 class _Req(Protocol):
@@ -52,6 +52,14 @@ _POSITION = attrgetter("position")
 _DEADLINE = attrgetter("deadline")
 _TENANT = attrgetter("req.tenant")
 
+def earliest_deadline(seqs: Iterable[ReadySeq]) -> float | None:
+    """The earliest deadline of ``seqs`` (None: none has one), in one C-level pass."""
+    deadlines = list(map(_DEADLINE, seqs))
+    if None in deadlines:
+        deadlines = [d for d in deadlines if d is not None]
+    return min(deadlines) if deadlines else None
+
+
 BATCH_FULL = "batch_full"
 TENANT_SHARE = "tenant_share"
 
@@ -72,10 +80,8 @@ def single_tenant_lanes(ready: Mapping[int, S], now: float, b: int, max_seq: int
         return None
     if max(map(_POSITION, vals)) >= max_seq:
         return None
-    deadlines = list(map(_DEADLINE, vals))
-    if None in deadlines:
-        deadlines = [d for d in deadlines if d is not None]
-    if deadlines and min(deadlines) <= now + urgency_s:
+    earliest = earliest_deadline(vals)
+    if earliest is not None and earliest <= now + urgency_s:
         return None
     if len(set(map(_TENANT, vals))) != 1:
         return None

@@ -140,17 +140,15 @@ def byte_table(backend: Any, skip_special_tokens: bool = True) -> ByteTable | No
 @final
 class ByteLevelStream:
     """``DecodeStream`` for a byte-level tokenizer, from its :class:`ByteTable` (module
-    docstring). Invariant: ``held`` is the bytes of the tokens since the last emit; ``clean`` is
-    the table's ``clean`` (both read-only for callers: the detokenizer's per-token fast path reads
-    them to skip the call when nothing is held)."""
+    docstring). Invariant: ``_held`` is the bytes of the tokens since the last emit."""
 
-    __slots__ = ("_raw", "clean", "_add", "held")
+    __slots__ = ("_raw", "_clean", "_add", "_held")
 
     def __init__(self, table: ByteTable) -> None:
         self._raw = table.raw
-        self.clean = table.clean
+        self._clean = table.clean
         self._add = table.add
-        self.held = b""
+        self._held = b""
 
     def step(self, tokenizer: object, token_id: int) -> str | None:
         """The text ``token_id`` completes (None: nothing yet), as ``DecodeStream.step``;
@@ -158,15 +156,15 @@ class ByteLevelStream:
         raw = self._raw.get(token_id)
         if raw is None:
             raw = self._add(token_id)
-        held = self.held
+        held = self._held
         if not held:
-            text = self.clean.get(token_id)
+            text = self._clean.get(token_id)
             if text is not None:
                 return text
         held += raw
         out = held.decode("utf-8", "replace")
         if out and not out.endswith(_REPLACEMENT):
-            self.held = b""
+            self._held = b""
             return out
-        self.held = held
+        self._held = held
         return None

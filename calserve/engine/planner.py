@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import operator
 from typing import TYPE_CHECKING
 
 from calserve.config import CalserveConfig
@@ -19,6 +18,7 @@ from calserve.core.decode import batching_window, select_profile
 from calserve.core.model_share import ModelShare, may_take_engine
 from calserve.core.model_state import serves_jobs
 from calserve.core.prefill import QueueClass, ServiceRoundRobin, fair_prefill_index
+from calserve.engine.batch_fast import earliest_deadline
 from calserve.engine.batches import JobBuilder
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import PREFILL_CLASSES, GenQueues, RequestTable
@@ -38,7 +38,6 @@ STARVATION_PASSES = 32
 log = logging.getLogger("calserve.engine.planner")
 
 _DECODE_ONLY = frozenset((QueueClass.DECODE,))
-_DEADLINE = operator.attrgetter("deadline")
 
 
 def job_device_s(gen: Generation, job: DeviceJob) -> float:
@@ -136,10 +135,7 @@ class Planner:
                     elif gen.selecting:  # spec §8: the profile of this pass, by ready count
                         B = select_profile(len(q.decode_ready), now - first.ready_since, gen.calbins,
                                            self.cfg.scheduler.batch.selection)
-                    deadlines = list(map(_DEADLINE, q.decode_ready.values()))  # one C-level pass
-                    if None in deadlines:
-                        deadlines = [d for d in deadlines if d is not None]
-                    earliest = min(deadlines) if deadlines else None
+                    earliest = earliest_deadline(q.decode_ready.values())
                     fire, wake_at = batching_window(
                         now, len(q.decode_ready), B, first.ready_since, earliest, window_us,
                     )

@@ -384,11 +384,16 @@ class StreamWriter:
                 return True
             if self._waiter is not None:
                 raise RuntimeError("StreamWriter has one consumer: two tasks are reading it")
-            self._room = self._limit - self._below  # done with what it took
-            if self._room >= 0:  # (its client is not known to be over the bound on its own)
-                self._full_at = None
-            self._waiter = trio.lowlevel.current_task()
+            self._park()
             await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+
+    def _park(self) -> None:
+        """The consumer waits for the producer (nothing to deliver): it is done with what it
+        took, and it is the task a put() wakes."""
+        self._room = self._limit - self._below
+        if self._room >= 0:  # (its client is not known to be over the bound on its own)
+            self._full_at = None
+        self._waiter = trio.lowlevel.current_task()
 
     def _abort_wait(self, _: Any) -> trio.lowlevel.Abort:
         # Cancelled while parked: forget the waiter at once, so a later put() does not
@@ -442,11 +447,8 @@ class StreamWriter:
             if self._texts:
                 return [self._take_tokens()]
             if self._waiter is None:
-                # nothing yet (a consumer that keeps up): _wait_ready's park, inline
-                self._room = self._limit - self._below  # done with what it took
-                if self._room >= 0:
-                    self._full_at = None
-                self._waiter = trio.lowlevel.current_task()
+                # nothing yet (a consumer that keeps up): _wait_ready's park, without its frame
+                self._park()
                 await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
                 if self._texts and self._terminal is None and not self._abandoned:
                     return [self._take_tokens()]  # woken by a token (what _wait_ready returns to)
