@@ -95,20 +95,25 @@ class Conn:
         self.buf += d
         return bool(d)
 
-    async def response(self) -> Response:
+    async def head(self) -> tuple[int, dict[str, str]]:
+        """The next response head: its status and headers (names lower-cased); the body, if any,
+        stays in ``buf``."""
         while b"\r\n\r\n" not in self.buf:
             if not await self._more():
                 raise ConnectionError(f"EOF before a response head: {self.buf!r}")
-        head, _, rest = self.buf.partition(b"\r\n\r\n")
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         headers = {k.strip().lower(): v.strip()
                    for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        return int(lines[0].split(" ")[1]), headers
+
+    async def response(self) -> Response:
+        status, headers = await self.head()
         n = int(headers.get("content-length", "0"))
-        self.buf = rest
         while len(self.buf) < n and await self._more():
             pass
         body, self.buf = self.buf[:n], self.buf[n:]
-        return Response(int(lines[0].split(" ")[1]), headers, body)
+        return Response(status, headers, body)
 
     async def request(self, data: bytes) -> Response:
         await self.send(data)

@@ -19,15 +19,6 @@ from .rawconn import Conn, guarded_server, post
 STREAM = b'{"model":"qwen3","prompt":"hi","max_tokens":6,"stream":true}'
 
 
-async def _head(c: Conn) -> tuple[int, dict[str, str]]:
-    while b"\r\n\r\n" not in c.buf:
-        assert await c._more(), c.buf
-    head, _, c.buf = c.buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    return int(lines[0].split(" ")[1]), {
-        k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-
-
 async def _chunks(c: Conn) -> list[bytes]:
     """A chunked body, strictly parsed (hex size line, exactly that many bytes, CRLF), up to and
     including the last (empty) chunk and its empty trailer."""
@@ -75,7 +66,7 @@ async def test_stream_chunks_go_to_the_connection_directly_and_keep_alive_holds(
         c = await Conn.open(port)
         for _ in range(2):  # the second request on the same connection: keep-alive intact
             await c.send(post("/v1/completions", STREAM))
-            status, headers = await _head(c)
+            status, headers = await c.head()
             assert status == 200 and headers["transfer-encoding"] == "chunked", headers
             assert headers["content-type"] == "text/event-stream"
             chunks = await _chunks(c)
@@ -96,7 +87,7 @@ async def test_http10_client_gets_hypercorns_own_framing(h11_data: list[int]) ->
         c = await Conn.open(port)
         req = post("/v1/completions", STREAM).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
         await c.send(req)
-        status, headers = await _head(c)
+        status, headers = await c.head()
         assert status == 200 and "transfer-encoding" not in headers, headers
         with trio.fail_after(10):
             while await c._more():  # HTTP/1.0 without a length: the body ends with the connection
@@ -149,7 +140,7 @@ async def test_what_the_socket_does_not_take_goes_through_hypercorn_in_order(
         c = Conn(trio.SocketStream(sock))
         await c.send(post("/v1/completions", body))
         await trio.sleep(0.3)  # not reading: the server's writes fill the kernels' buffers
-        status, headers = await _head(c)
+        status, headers = await c.head()
         assert status == 200 and headers["transfer-encoding"] == "chunked"
         with trio.fail_after(30):
             chunks = await _chunks(c)
