@@ -281,8 +281,14 @@ class AdmissionController:
         """``charge(tenant, decode_tokens=1, request_id=request_id)``, the same arithmetic in the
         same order without its generality: the step handler's once-per-token call."""
         amount = self.output_token_cost
-        t = self._tenants.get(tenant)
-        t.deliver(amount)
+        t = self._tenants.states.get(tenant)
+        if t is None:
+            t = self._tenants.get(tenant)
+        # t.deliver(amount), inlined (the same three updates in the same order)
+        t.service += amount
+        w = t.policy.weight
+        t.vt += amount / w
+        t.lane_vt += amount / w
         rem = self._remaining
         r = rem.get(request_id)
         if r is not None:
@@ -291,7 +297,7 @@ class AdmissionController:
         else:
             dec = min(amount, t.est)
         t.est = max(0.0, t.est - dec)
-        self._svc.served(request_id, False, 1)
+        self._svc.served_decode(request_id)
 
     def release(self, request_id: int) -> None:
         """An admitted request's sequence ended (any reason). Its undelivered estimate is dropped:

@@ -120,6 +120,8 @@ class TenantBook:
         self._policies = dict(policies)
         self._default = default
         self._tenants: dict[str, TenantState] = {}
+        #: The tenants created so far by name (read-only for callers: :meth:`get` creates them).
+        self.states: Mapping[str, TenantState] = self._tenants
         self.busy: set[str] = set()
 
     def policy(self, name: str) -> TenantPolicy:

@@ -85,32 +85,6 @@ _BEGIN_UPDATE_TO = TRANSITIONS[_S.ACTIVE][KvEvent.BEGIN_UPDATE]
 _COMMIT_TO = TRANSITIONS[_S.UPDATING][KvEvent.COMMIT]
 
 
-def _begin_update(rec: _Lane, lane: int, position: int, n: int) -> None:
-    """Active -> Updating for ``n`` tokens at ``position`` (the checks and the move of
-    :meth:`KvLaneManager.begin_update`)."""
-    if rec.state is not _S.ACTIVE:
-        raise IllegalTransition("kv", rec.state, KvEvent.BEGIN_UPDATE)
-    if position != rec.committed_len:
-        raise ValueError(f"lane {lane}: position {position} != committed_len {rec.committed_len}")
-    if n < 1 or rec.committed_len + n > rec.reserved_len:
-        raise ValueError(f"lane {lane}: writing {n} tokens at {position} exceeds reserved_len "
-                         f"{rec.reserved_len}")
-    rec.state = _BEGIN_UPDATE_TO  # = fire(ACTIVE, BEGIN_UPDATE), checked above
-    rec.pending = n
-
-
-def _commit(rec: _Lane, lane: int, n: int) -> None:
-    """Updating -> Active, ``committed_len += n`` (the checks and the move of
-    :meth:`KvLaneManager.commit`; the manager counts the tokens)."""
-    if rec.state is not _S.UPDATING:
-        raise IllegalTransition("kv", rec.state, KvEvent.COMMIT)
-    if not 0 <= n <= rec.pending:
-        raise ValueError(f"lane {lane}: commit of {n} tokens but {rec.pending} were submitted")
-    rec.state = _COMMIT_TO  # = fire(UPDATING, COMMIT), checked above
-    rec.committed_len += n
-    rec.pending = 0
-
-
 class KvLaneManager:
     """Lanes of one configured calbin. Not thread-safe: one owner (the engine's scheduler task)."""
 
@@ -169,26 +143,64 @@ class KvLaneManager:
 
     def begin_update(self, lane: int, position: int, n: int) -> None:
         """Active -> Updating before a job writing ``n`` tokens at ``position`` is submitted."""
-        _begin_update(self._lane(lane), lane, position, n)
+        rec = self._lane(lane)
+        if rec.state is not _S.ACTIVE:
+            raise IllegalTransition("kv", rec.state, KvEvent.BEGIN_UPDATE)
+        if position != rec.committed_len:
+            raise ValueError(f"lane {lane}: position {position} != committed_len {rec.committed_len}")
+        if n < 1 or rec.committed_len + n > rec.reserved_len:
+            raise ValueError(f"lane {lane}: writing {n} tokens at {position} exceeds reserved_len "
+                             f"{rec.reserved_len}")
+        rec.state = _BEGIN_UPDATE_TO  # = fire(ACTIVE, BEGIN_UPDATE), checked above
+        rec.pending = n
 
     def commit(self, lane: int, n: int) -> None:
         """Updating -> Active after device and output succeeded: ``committed_len += n``."""
-        _commit(self._lane(lane), lane, n)
+        rec = self._lane(lane)
+        if rec.state is not _S.UPDATING:
+            raise IllegalTransition("kv", rec.state, KvEvent.COMMIT)
+        if not 0 <= n <= rec.pending:
+            raise ValueError(f"lane {lane}: commit of {n} tokens but {rec.pending} were submitted")
+        rec.state = _COMMIT_TO  # = fire(UPDATING, COMMIT), checked above
+        rec.committed_len += n
+        rec.pending = 0
         self._tokens_committed += n
 
     def begin_decode(self, lanes: list[int], positions: list[int]) -> None:
         """:meth:`begin_update` of one token for each ``lanes[k]`` at ``positions[k]``, in that
         order (a decode batch's lanes: one call per batch, the same checks and moves per lane)."""
-        lane_of = self._lane
+        recs = self._lanes
+        num = self.num_lanes
         for lane, position in zip(lanes, positions, strict=True):
-            _begin_update(lane_of(lane), lane, position, 1)
+            if not 0 <= lane < num:
+                raise ValueError(f"lane {lane} out of range 0..{num - 1}")
+            rec = recs[lane]
+            if rec.state is not _S.ACTIVE:
+                raise IllegalTransition("kv", rec.state, KvEvent.BEGIN_UPDATE)
+            if position != rec.committed_len:
+                raise ValueError(f"lane {lane}: position {position} != committed_len {rec.committed_len}")
+            if rec.committed_len + 1 > rec.reserved_len:
+                raise ValueError(f"lane {lane}: writing 1 tokens at {position} exceeds reserved_len "
+                                 f"{rec.reserved_len}")
+            rec.state = _BEGIN_UPDATE_TO
+            rec.pending = 1
 
     def commit_decode(self, lanes: list[int]) -> None:
         """:meth:`commit` of one token for each of ``lanes``, in that order (one call per decode
         batch, the same checks and moves per lane)."""
-        lane_of = self._lane
+        recs = self._lanes
+        num = self.num_lanes
         for lane in lanes:
-            _commit(lane_of(lane), lane, 1)
+            if not 0 <= lane < num:
+                raise ValueError(f"lane {lane} out of range 0..{num - 1}")
+            rec = recs[lane]
+            if rec.state is not _S.UPDATING:
+                raise IllegalTransition("kv", rec.state, KvEvent.COMMIT)
+            if rec.pending < 1:
+                raise ValueError(f"lane {lane}: commit of 1 tokens but {rec.pending} were submitted")
+            rec.state = _COMMIT_TO
+            rec.committed_len += 1
+            rec.pending = 0
             self._tokens_committed += 1
 
     def rollback(self, lane: int) -> None:

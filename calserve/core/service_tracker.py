@@ -62,6 +62,13 @@ class ServiceTracker:
             self.pending_prefill_s -= self._prefill[request_id]
         self._decoded[request_id] += decode_tokens
 
+    def served_decode(self, request_id: int) -> None:
+        """``served(request_id, False, 1)``: one decode token (the per-token call)."""
+        self._decode_total += 1
+        d = self._decoded
+        if request_id in d:
+            d[request_id] += 1
+
     def release(self, request_id: int) -> None:
         want = self._len.pop(request_id, None)
         if want is None:

@@ -80,6 +80,8 @@ class IncrementalDetokenizer:
             table = byte_table(self._hf, skip_special_tokens)
             self._stream = (ByteLevelStream(table) if table is not None
                             else _DecodeStream(skip_special_tokens=skip_special_tokens))
+        self._clean: dict[int, str] | None = (
+            self._stream.clean if isinstance(self._stream, ByteLevelStream) else None)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
@@ -115,7 +117,11 @@ class IncrementalDetokenizer:
         if self._flushed:
             raise RuntimeError("IncrementalDetokenizer.push after flush")
         self.tokens_seen += 1
-        out: str | None = stream.step(self._hf, token_id)
+        clean = self._clean
+        # the byte-level stream's step when nothing is held (a table hit), without the call
+        out: str | None = (clean.get(token_id) if clean is not None and not stream.held else None)
+        if out is None:
+            out = stream.step(self._hf, token_id)
         if out is None:
             self._ids.append(token_id)  # held: decoded again by flush() if the stream ends here
             return ""

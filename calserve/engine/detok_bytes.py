@@ -140,15 +140,17 @@ def byte_table(backend: Any, skip_special_tokens: bool = True) -> ByteTable | No
 @final
 class ByteLevelStream:
     """``DecodeStream`` for a byte-level tokenizer, from its :class:`ByteTable` (module
-    docstring). Invariant: ``_held`` is the bytes of the tokens since the last emit."""
+    docstring). Invariant: ``held`` is the bytes of the tokens since the last emit; ``clean`` is
+    the table's ``clean`` (both read-only for callers: the detokenizer's per-token fast path reads
+    them to skip the call when nothing is held)."""
 
-    __slots__ = ("_raw", "_clean", "_add", "_held")
+    __slots__ = ("_raw", "clean", "_add", "held")
 
     def __init__(self, table: ByteTable) -> None:
         self._raw = table.raw
-        self._clean = table.clean
+        self.clean = table.clean
         self._add = table.add
-        self._held = b""
+        self.held = b""
 
     def step(self, tokenizer: object, token_id: int) -> str | None:
         """The text ``token_id`` completes (None: nothing yet), as ``DecodeStream.step``;
@@ -156,15 +158,15 @@ class ByteLevelStream:
         raw = self._raw.get(token_id)
         if raw is None:
             raw = self._add(token_id)
-        held = self._held
+        held = self.held
         if not held:
-            text = self._clean.get(token_id)
+            text = self.clean.get(token_id)
             if text is not None:
                 return text
         held += raw
         out = held.decode("utf-8", "replace")
         if out and not out.endswith(_REPLACEMENT):
-            self._held = b""
+            self.held = b""
             return out
-        self._held = held
+        self.held = held
         return None

@@ -204,10 +204,15 @@ class RequestTable:
 
     @staticmethod
     def submitted_all(job: Any) -> None:
-        """:meth:`submitted` for each of ``job``'s sequences, in lane order."""
-        submitted = RequestTable.submitted
+        """:meth:`submitted` for each of ``job``'s sequences, in lane order (one call per job)."""
+        event = _E.PREFILL_SUBMIT if job.kind == "prefill" else _E.DECODE_SUBMIT
+        table = TRANSITIONS
         for seq in job.seqs:
-            submitted(seq, job)
+            nxt = table[seq.state].get(event)
+            if nxt is None:
+                fire(seq.state, event)  # raises IllegalTransition naming the move
+            seq.state = nxt
+            seq.inflight = job
 
     def expire(self, gen: Generation, now: float) -> None:
         """Deadlines: waiting requests via admission, admitted ones via the lazy deadline heap."""
