@@ -215,6 +215,11 @@ static inline __attribute__((always_inline)) void scores8(const attn_region *a, 
     const v8f qv = ld8(qh + d);
     for (int t = 0; t < 8; t++) acc[t] += qv * kv8(a, sq, kbase, s0 + t, d);
   }
+  if (D8 == D) { /* the eight horizontal sums as one vector (hsum8x8: HSUM8's operations), then / scale */
+    const v8f x = hsum8x8(acc) / a->scale;
+    memcpy(sc, &x, sizeof x);
+    return;
+  }
   for (int t = 0; t < 8; t++) {
     float x = HSUM8(acc[t]);
     for (int d = D8; d < D; d++) x += qh[d] * kv_elem(a, sq, kbase, s0 + t, d);

@@ -17,6 +17,9 @@
  *            lane by lane (the same operations as above). (Two rows per zmm register, half the
  *            instructions, measured slower on Zen 4: there 512-bit multiplies and adds take 1.34x
  *            the time per multiply-add of 256-bit ones, measured with a register-only loop.)
+ * A tile of 4+ rows (in a multiple of 8) ends with hsum8x8 (v8f.h): a lane's row sums, adjacent in Y,
+ * as one vector, each by the same additions as HSUM8 (at B16 the element-by-element sums were ~10%
+ * of the kernel's time on SmolLM2's shapes).
  * Decode B1 (one lane, memory-bound) streams one weight row after the other on every path.
  * CALRT_SIM_ISA=default|avx2|avx512 forces one (a path the CPU lacks falls back to the best it has);
  * the tests run every path and compare them bitwise with sim_dot_ref().
@@ -76,6 +79,15 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
       const v8f w = ld8(w0 + (size_t)i * in + k);
       for (int j = 0; j < RL; j++) acc[i][j] += w * xv[j];
     }
+  }
+  if (RO >= 4 && k8 == in) { /* a lane's RO outputs are adjacent in Y: their sums as one vector */
+    for (int j = 0; j < RL; j++) {
+      v8f col[8];
+      for (int i = 0; i < 8; i++) col[i] = i < RO ? acc[i][j] : (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      const v8f s = hsum8x8(col);
+      memcpy(Y + (size_t)(r0 + j) * out + o0, &s, sizeof(float) * (size_t)RO);
+    }
+    return;
   }
   for (int i = 0; i < RO; i++)
     for (int j = 0; j < RL; j++) {
