@@ -190,16 +190,15 @@ class JobBuilder:
         for one candidate). Changes no state: the core commits it."""
         if done.kind == "prefill":
             return self._first_decode_job(done, tokens[0], positions[0], now)
+        expect = [(sid, p) for (sid, _), p in zip(done.expect, positions, strict=True)]
+        if len(tokens) == len(done.lanes):  # every lane active (in lane order): no filler lanes
+            return done.successor(np.array(tokens, np.int32), np.array(positions, np.int32), now, expect)
         toks = done.tokens.tolist()  # inactive lanes keep the declared filler token/position
         pos = done.positions.tolist()
         for i, t, p in zip(done.active, tokens, positions, strict=True):
             toks[i] = t
             pos[i] = p
-        job = DeviceJob("decode", done.gen, done.lanes, np.array(toks, np.int32),
-                        np.array(pos, np.int32), done.valid, now,
-                        seq_ids=done.seq_ids, calbin=done.calbin)  # read-only after construction
-        job.expect = [(sid, p) for (sid, _), p in zip(done.expect, positions, strict=True)]
-        return job
+        return done.successor(np.array(toks, np.int32), np.array(pos, np.int32), now, expect)
 
     def _first_decode_job(self, done: DeviceJob, token: int, position: int, now: float) -> DeviceJob:
         gen = done.gen

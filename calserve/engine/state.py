@@ -187,6 +187,23 @@ class DeviceJob:
         if self.calbin is None:
             self.calbin = self.gen.calbin
 
+    def successor(self, tokens: np.ndarray, positions: np.ndarray, created_at: float,
+                  expect: list[tuple[int, int]]) -> DeviceJob:
+        """A new, unsubmitted job over this one's lanes, profile member and sequences with other
+        inputs: a continuation's whole construction is a field copy (the lane-derived ``seqs`` and
+        ``active``, and the read-only ``lanes``, ``valid`` and ``seq_ids``, are shared, none is ever
+        mutated). The hot path of every fast decode step (``JobBuilder.continuation``)."""
+        job = object.__new__(DeviceJob)
+        d = job.__dict__
+        d.update(self.__dict__)
+        d["tokens"] = tokens
+        d["positions"] = positions
+        d["created_at"] = created_at
+        d["expect"] = expect
+        d["job_id"] = -1
+        d["epoch"] = 0
+        return job
+
 
 class JobOutcome(NamedTuple):
     """How a job ended. Exactly one of ``result`` / ``submit_error`` is set. (A NamedTuple: one is
