@@ -125,9 +125,9 @@ class DeviceExecutor:
 
     def _finish(self, step: FastStep) -> None:
         later, self._observe_later = self._observe_later, None
+        self.shell.apply(self.core.finish_fast(step))  # its tokens go out first
         if later is not None:
             self.watch.observe(self.engine, *later)
-        self.shell.apply(self.core.finish_fast(step))
 
     async def _execute(self, job: DeviceJob, pending: FastStep | None = None) -> JobOutcome:
         """Submit ``job`` and wait for it. ``pending``'s bookkeeping (else the deferred messages)
