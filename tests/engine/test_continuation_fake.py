@@ -18,6 +18,7 @@ import trio.testing
 
 from calserve.core.kv import KvLaneManager
 from calserve.engine.core import EngineCore
+from calserve.engine.fault_watch import FaultWatch
 from calserve.engine.planner import Planner
 from calserve.engine.engine import Engine
 from calserve.testing.fake_device import FakeBackend
@@ -39,6 +40,16 @@ async def _run(
         monkeypatch.setattr(EngineCore, "fast_decode", lambda self, engine, job, outcome, now: None)
     if mode == "off":
         monkeypatch.setattr(Planner, "continue_decode", lambda self, done, now: None)
+    seen: list[tuple[str, str, int, frozenset[int], float, float, str]] = []
+    observe = FaultWatch.observe
+
+    def record(self: FaultWatch, engine: Any, job: Any, outcome: Any, t_submit: float, now: float) -> None:
+        r = outcome.result
+        seen.append((engine.name, job.kind, job.calbin.spec.compiled_batch, frozenset(s.rid for s in job.seqs),
+                     t_submit, now, "refused" if r is None else r.status.name))
+        observe(self, engine, job, outcome, t_submit, now)
+
+    monkeypatch.setattr(FaultWatch, "observe", record)
     be = FakeBackend("sim-next", seed=7, jitter_s=0.0005)
     cfg = config(batch={"profiles": [batch]}, executor={"max_inflight": inflight}, **sched)
     out: dict[int, tuple[list[int], list[float], object]] = {}
@@ -66,7 +77,8 @@ async def _run(
         await trio.sleep(0.05)  # the last requests' sequences are freed after their terminal events
         jobs = [(kind, frozenset(rids)) for kind, rids in eng.core.requests.trace]
         sched = eng.core.statistics(trio.current_time())
-        return {"out": out, "jobs": jobs, "continuations": sched.continuations_total,
+        return {"out": out, "jobs": jobs, "observed": seen,
+                "step_times": dict(eng.driver.watch.times.snapshot()), "continuations": sched.continuations_total,
                 "fast": sched.fast_steps_total,
                 "batches": dict(sched.batches_total), "lanes": dict(sched.lanes_active_total)}
 
@@ -123,6 +135,13 @@ def test_shortcut_makes_the_same_decisions(
     _same_streams(on, off)
     assert on["jobs"] == off["jobs"]
     assert (on["batches"], on["lanes"]) == (off["batches"], off["lanes"])
+    # The fault watch saw every job exactly once with the same times, whether the executor recorded
+    # it before deciding the next job or (fast steps) right after that job's submit.
+    def by_time(o: tuple[Any, ...]) -> tuple[float, str]:
+        return o[5], o[0]
+    assert sorted(on["observed"], key=by_time) == sorted(off["observed"], key=by_time)
+    assert len(on["observed"]) == sum(on["batches"].values()) + len(work)  # decode jobs + prefills
+    assert on["step_times"] == off["step_times"]
 
 
 @pytest.mark.parametrize("mode", ["fast", "after"])
