@@ -22,7 +22,7 @@ static inline __attribute__((always_inline)) v8f ld8(const float *p) {
 typedef int v8i __attribute__((vector_size(32)));
 
 /* HSUM8 of eight accumulators at once: s[i] = HSUM8(a[i]), each the same three levels of additions
- * on the same operands (so bitwise HSUM8's), done on whole vectors: 7 adds and 11 shuffles for the
+ * on the same operands (so bitwise HSUM8's), done on whole vectors: 7 adds and 15 shuffles for the
  * eight sums where eight HSUM8s extract and add element by element. Level 1 pairs each accumulator's
  * halves (a0+a4, a1+a5, a2+a6, a3+a7), level 2 pairs those (p0+p2, p1+p3), level 3 adds the two. */
 static inline __attribute__((always_inline)) v8f hsum8x8(const v8f a[8]) {
