@@ -49,7 +49,7 @@ static void check(sim_isa_id isa, int out, int in, int R) {
 
 /* hsum8x8 (the tiles' and attention's vector epilogue) against HSUM8 one accumulator at a time, bitwise:
  * mixed magnitudes (so another association would round differently), signed zeros, subnormals,
- * infinities of both signs (inf - inf = NaN on one path only would show) and NaNs. */
+ * infinities of both signs (inf - inf = NaN on one path only would show) and NaNs (as NaN). */
 static void check_hsum(void) {
   static const float special[] = {0.0f, -0.0f, 1e-45f, -1e-44f, 3.4e38f, -3.4e38f, __builtin_inff(),
                                   -__builtin_inff(), __builtin_nanf("")};
@@ -63,7 +63,10 @@ static void check_hsum(void) {
     const v8f s = hsum8x8(a);
     for (int i = 0; i < 8; i++) {
       const float want = HSUM8(a[i]), got = s[i];
-      if (memcmp(&want, &got, sizeof want) != 0 && failures++ < 10)
+      /* Any NaN matches a NaN: a compiler may swap an addition's operands (exact for numbers), and
+       * with two NaN operands (or inf + -inf) which NaN comes out depends on the order, in HSUM8's
+       * scalar code as much as here. */
+      if (memcmp(&want, &got, sizeof want) != 0 && !(want != want && got != got) && failures++ < 10)
         fprintf(stderr, "hsum8x8: trial %d, accumulator %d: %a, HSUM8 %a\n", trial, i, got, want);
     }
   }
