@@ -16,6 +16,7 @@ normalised per prompt token bucket only by its profile (prefills vary, the P99 c
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 from collections.abc import Mapping
@@ -24,16 +25,30 @@ __all__ = ["StepTimes", "P99_MIN_SAMPLES", "WINDOW"]
 
 WINDOW = 512  # recent job times kept per key
 P99_MIN_SAMPLES = 32  # fewer observed times: no observed P99 yet
-_RECOMPUTE = 32  # the P99 is recomputed after this many new samples (sorting is not per step)
+_RECOMPUTE = 32  # the P99 is republished after this many new samples
 
 
 class _Window:
-    __slots__ = ("times", "p99", "fresh")
+    """The last ``WINDOW`` times in arrival order and the same times sorted. Why both: the P99 is
+    then an index into ``ordered``, where sorting the window every ``_RECOMPUTE`` jobs cost ~60 µs
+    on every 16th decode step (two keys a step), right between a completion and its tokens'
+    delivery; keeping ``ordered`` costs two bisections and a short memmove per job.
+    Invariant: ``sorted(times) == ordered``."""
+
+    __slots__ = ("times", "ordered", "p99", "fresh")
 
     def __init__(self) -> None:
-        self.times: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.times: collections.deque[float] = collections.deque()
+        self.ordered: list[float] = []
         self.p99: float | None = None
         self.fresh = 0
+
+    def append(self, seconds: float) -> None:
+        if len(self.times) == WINDOW:
+            old = self.times.popleft()
+            del self.ordered[bisect.bisect_left(self.ordered, old)]
+        self.times.append(seconds)
+        bisect.insort(self.ordered, seconds)
 
 
 class StepTimes:
@@ -49,11 +64,11 @@ class StepTimes:
         w = self._w.get(key)
         if w is None:
             w = self._w[key] = _Window()
-        w.times.append(seconds)
+        w.append(seconds)
         w.fresh += 1
         if w.fresh >= _RECOMPUTE and len(w.times) >= P99_MIN_SAMPLES:
             w.fresh = 0
-            w.p99 = _p99(w.times)
+            w.p99 = _p99_sorted(w.ordered)
             return w.p99
         return None
 
@@ -77,6 +92,6 @@ class StepTimes:
         return {f"{k}/{b}": w.p99 for (k, b), w in self._w.items() if w.p99 is not None}
 
 
-def _p99(times: collections.deque[float]) -> float:
-    s = sorted(times)
+def _p99_sorted(s: list[float]) -> float:
+    """The P99 of ascending ``s`` (non-empty): the smallest value at or above 99 % of them."""
     return s[min(len(s) - 1, max(0, math.ceil(0.99 * len(s)) - 1))]
