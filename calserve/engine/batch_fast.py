@@ -52,6 +52,7 @@ _POSITION = attrgetter("position")
 _DEADLINE = attrgetter("deadline")
 _TENANT = attrgetter("req.tenant")
 
+
 def earliest_deadline(seqs: Iterable[ReadySeq]) -> float | None:
     """The earliest deadline of ``seqs`` (None: none has one), in one C-level pass."""
     deadlines = list(map(_DEADLINE, seqs))

@@ -60,7 +60,8 @@ class DeviceExecutor:
         self.shell = shell
         self.watch = watch
         self._t_submit = 0.0
-        # A fast step's FaultWatch.observe, run right after its successor's submit (see run()).
+        # A fast step's FaultWatch.observe, run after its successor's submit and its own
+        # bookkeeping and token delivery (see run() and _finish()).
         self._observe_later: tuple[DeviceJob, JobOutcome, float, float] | None = None
         self._send, self._recv = trio.open_memory_channel[DeviceJob](1)
         self.jobs = 0

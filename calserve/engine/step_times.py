@@ -31,8 +31,8 @@ _RECOMPUTE = 32  # the P99 is republished after this many new samples
 class _Window:
     """The last ``WINDOW`` times in arrival order and the same times sorted. Why both: the P99 is
     then an index into ``ordered``, where sorting the window every ``_RECOMPUTE`` jobs cost ~60 µs
-    on every 16th decode step (two keys a step), right between a completion and its tokens'
-    delivery; keeping ``ordered`` costs two bisections and a short memmove per job.
+    on every 16th decode step (two keys a step), on the executor's thread of control before it
+    waits again; keeping ``ordered`` costs two bisections and a short memmove per job.
     Invariant: ``sorted(times) == ordered``."""
 
     __slots__ = ("times", "ordered", "p99", "fresh")
