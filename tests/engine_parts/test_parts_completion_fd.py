@@ -208,3 +208,43 @@ async def test_serving_gc_tuning_after_model_load() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+async def test_a_shorter_deadline_after_a_longer_one_still_times_out(
+        fd_backend: tuple[RuntimeBackend, _RuntimeCalbin]) -> None:
+    """The alarm (no cancel scope per wait) sleeps until the deadline of the wait it last saw: a
+    later wait with an earlier deadline must wake it, or the hung job would be noticed only at the
+    first wait's (30 s) deadline."""
+    be, cb = fd_backend
+    waiter = be._fw[0][JobEngine.PING]
+    seq = await cb.create_sequence()
+    _, r = await cb.submit_prefill_wait(seq, _arr(1), JobEngine.PING, 30.0)
+    assert r is not None and r.status is JobStatus.OK
+    assert waiter.alarm_sleeping  # towards the first wait's deadline, 30 s away
+    be.inject_fault(FaultKind.TIMEOUT, JobEngine.PING, 1)
+    t0 = trio.current_time()
+    with trio.fail_after(5):
+        _, r = await cb.submit_decode_wait(_arr(seq), _arr(5), _arr(1), np.array([1], np.uint8),
+                                           JobEngine.PING, 0.1)
+    assert r is None and waiter.alarms == 1
+    assert 0.1 <= trio.current_time() - t0 < 2.0
+    assert be.counters(JobEngine.PING).timeouts == 1
+    await be.reset()
+
+
+async def test_the_alarm_parks_when_nothing_is_waited_for(
+        fd_backend: tuple[RuntimeBackend, _RuntimeCalbin]) -> None:
+    """Jobs that complete leave no alarm behind: once their deadline passed, the alarm parks (no
+    wake-ups at rest) and never writes the fd for a wait that is over."""
+    be, cb = fd_backend
+    waiter = be._fw[0][JobEngine.PING]
+    seq = await cb.create_sequence()
+    for i in range(3):
+        _, r = await cb.submit_prefill_wait(seq, _arr(1 + i), JobEngine.PING, 0.2)
+        assert r is not None and r.status is JobStatus.OK
+    assert waiter.alarm_sleeping
+    wakeups = waiter.wakeups
+    await trio.sleep(0.4)  # past the last deadline
+    assert not waiter.alarm_sleeping and waiter.alarms == 0
+    assert waiter.wakeups == wakeups
+    assert be.counters(JobEngine.PING).timeouts == 0
