@@ -33,6 +33,14 @@ class QueueClass(enum.Enum):
     MEDIUM = "medium"
     LONG = "long"
 
+    # Members are singletons compared by identity: the identity hash is the same dict semantics as
+    # Enum's ``hash(self._name_)``, without a Python-level call per lookup (the planner looks up
+    # queues by class several times per decode step).
+    __hash__ = object.__hash__
+
+
+_CLASSES: tuple[QueueClass, ...] = tuple(QueueClass)  # iterating the Enum itself is a generator
+
 
 def classify(prompt_tokens: int, queues_cfg: QueuesConfig) -> QueueClass:
     """The prefill class of a prompt of ``prompt_tokens`` tokens (never DECODE)."""
@@ -87,9 +95,13 @@ class ServiceRoundRobin:
     def next(self, available: Collection[QueueClass]) -> QueueClass | None:
         """The class that gets the next service opportunity, among ``available`` (non-empty) ones;
         None when nothing is available."""
+        if len(available) == 1:  # one class: it gets the pick, its credit goes +w -w (unchanged)
+            for only in available:
+                self._picks[only] += 1
+                return only
         total = 0
         best: QueueClass | None = None
-        for c in QueueClass:
+        for c in _CLASSES:
             if c not in available:
                 continue
             self._credit[c] += self._weights[c]

@@ -86,3 +86,38 @@ def test_fair_prefill_pick_is_the_least_served_tenants_first_prompt() -> None:
     assert fair_prefill_index(queue, {"a": 1.0, "b": 2.0, "c": 0.5}) == 3
     assert fair_prefill_index(queue, {"a": 1.0, "b": 2.0}) == 3  # c never served: counts as 0.0
     assert fair_prefill_index(["x"], {}) == 0
+
+
+def _reference_next(weights: dict[Q, int], credit: dict[Q, int], available: set[Q]) -> Q | None:
+    """The smooth weighted round robin as the class docstring states it, every class in order."""
+    total = 0
+    best: Q | None = None
+    for c in Q:
+        if c in available:
+            credit[c] += weights[c]
+            total += weights[c]
+            if best is None or credit[c] > credit[best]:
+                best = c
+    if best is not None:
+        credit[best] -= total
+    return best
+
+
+@given(st.lists(st.sets(st.sampled_from(list(Q))), max_size=60),
+       st.lists(st.integers(1, 9), min_size=4, max_size=4))
+def test_picks_match_the_stated_algorithm(picks: list[set[Q]], ws: list[int]) -> None:
+    """Every pick (the one-class shortcut included) is the docstring's algorithm's, so are the
+    credits after it (the shortcut leaves a lone class's credit as +w -w would)."""
+    weights = dict(zip(Q, ws))
+    rr = ServiceRoundRobin(weights)
+    credit = {c: 0 for c in Q}
+    counts = {c: 0 for c in Q}
+    for available in picks:
+        want = _reference_next(weights, credit, available)
+        assert rr.next(available) is want
+        if want is not None:
+            counts[want] += 1
+        assert rr.statistics().picks == counts
+    # the credits agree too: the same picks follow from any further available set
+    for c in Q:
+        assert rr.next({c, Q.DECODE}) is _reference_next(weights, credit, {c, Q.DECODE})
