@@ -76,7 +76,19 @@ class FaultWatch:
 
     # ------------------------------------------------------------------------------ executors
     def hang_timeout(self, job: DeviceJob) -> float:
-        return self.times.timeout(job.kind, job.calbin.spec.compiled_batch, modeled_s(job))
+        """How long ``job`` may take before it is hung (:meth:`StepTimes.timeout`). A decode job
+        with a modeled step keeps the figure: it depends only on its profile's timing and the
+        executor's settings, and every continuation (a copy of its predecessor) reuses it instead of
+        looking the timing up again on the critical path to its submit. Without a modeled time it
+        follows the observed P99 and is computed per job."""
+        t = job.hang_timeout_s
+        if t is not None:
+            return t
+        modeled = modeled_s(job)
+        t = self.times.timeout(job.kind, job.calbin.spec.compiled_batch, modeled)
+        if modeled is not None and job.kind == "decode":
+            job.hang_timeout_s = t
+        return t
 
     def observe(self, engine: JobEngine, job: DeviceJob, outcome: JobOutcome, t_submit: float,
                 now: float) -> None:

@@ -167,6 +167,9 @@ class DeviceJob:
     # The calbin (profile member of the generation's KV group) the job runs on; left None at
     # construction, it is the generation's KV owner (prefills, single-profile generations).
     calbin: Any = None
+    # The hung-job timeout once computed from the package's modeled decode step (constant for the
+    # profile: continuations copy it, see FaultWatch.hang_timeout); None: computed per job.
+    hang_timeout_s: float | None = None
     # Derived once at construction (the hot path reads them several times per step):
     # Invariant: seqs == the non-None lanes in lane order; active == their lane indices (ascending).
     seqs: list[Seq] = dataclasses.field(init=False)

@@ -189,3 +189,31 @@ async def test_shortcut_respects_the_batching_window(autojump_clock: object) -> 
         toks = [t async for ev in h.events() if isinstance(ev, TokenEvent) for t in ev.token_ids]
         assert toks == fake_greedy((1, 2, 3), 10)
         assert eng.core.statistics(trio.current_time()).continuations_total == 0
+
+
+@pytest.mark.parametrize("batch,inflight", [(1, 1), (4, 2)], ids=["B1", "B4-pingpong"])
+def test_continuations_reuse_the_hang_timeout_they_would_compute(
+    monkeypatch: pytest.MonkeyPatch, batch: int, inflight: int
+) -> None:
+    """A decode job with a modeled step keeps its hung-job timeout and its continuations reuse it
+    (no timing lookup on the way to their submit): every job's timeout is still the one computed
+    from scratch, and the reuse did happen."""
+    from calserve.engine.fault_watch import modeled_s
+
+    seen: list[tuple[bool, float, float]] = []
+    orig = FaultWatch.hang_timeout
+
+    def record(self: FaultWatch, job: Any) -> float:
+        kept = job.hang_timeout_s is not None
+        t = orig(self, job)
+        seen.append((kept, t, self.times.timeout(job.kind, job.calbin.spec.compiled_batch,
+                                                 modeled_s(job))))
+        return t
+
+    monkeypatch.setattr(FaultWatch, "hang_timeout", record)
+    work: Workload = [(0.0, (1, 2, 3), 40, "a"), (0.012, (4, 5), 25, "b"), (0.3, (6,), 30, "a")]
+    res = _run_fresh(monkeypatch, "fast", work, batch, inflight)
+    _check_outputs(res, work)
+    assert res["continuations"] > 0
+    assert all(t == fresh for _, t, fresh in seen)
+    assert sum(kept for kept, _, _ in seen) >= res["continuations"] // 2
