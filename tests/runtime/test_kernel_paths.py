@@ -1,9 +1,10 @@
-"""calrt-sim's CPU code paths (``CALRT_SIM_ISA`` default / avx2 / avx512, see ext/calrt/sim/matmul.c)
-and worker-thread counts compute bitwise the same logits end to end: a Qwen3 and a Llama model of
-odd sizes (hidden 100: not a multiple of 8; 120 query outputs: not a multiple of any tile), a long
-prefill (parallel attention), B16 decode with idle lanes, fp32 and bf16 KV. Each setting runs in its
-own process (the path is chosen once per process). The C test ``make -C ext/calrt asan-test``
-checks each path against the scalar reduction element by element; this one checks the whole pass."""
+"""calrt-sim's CPU code paths (``CALRT_SIM_ISA`` default / avx2 / avx512 / avx512z, see
+ext/calrt/sim/matmul.c) and worker-thread counts compute bitwise the same logits end to end: a Qwen3
+and a Llama model of odd sizes (hidden 100: not a multiple of 8; 120 query outputs: not a multiple of
+any tile), a long prefill (parallel attention), B16 decode with idle lanes (an odd lane count: avx512z
+pairs the last lane with zeros), fp32 and bf16 KV. Each setting runs in its own process (the path is
+chosen once per process). The C test ``make -C ext/calrt asan-test`` checks each path against the
+scalar reduction element by element; this one checks the whole pass."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def _run(tmp: Path, isa: str, threads: int) -> np.ndarray:
 def test_isa_paths_and_threads_bitwise_equal(tmp_path: Path) -> None:
     base = _run(tmp_path, "default", 1)
     assert base.shape[0] == 2 * 2 * (16 + 3 * 13) and np.isfinite(base).all()
-    for isa, threads in (("default", 2), ("avx2", 1), ("avx2", 2), ("avx512", 1), ("avx512", 2)):
+    for isa, threads in (("default", 2), ("avx2", 1), ("avx2", 2), ("avx512", 1), ("avx512", 2),
+                         ("avx512z", 1), ("avx512z", 2)):
         got = _run(tmp_path, isa, threads)
         assert np.array_equal(base.view(np.uint32), got.view(np.uint32)), (isa, threads)

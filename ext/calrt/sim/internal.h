@@ -191,7 +191,13 @@ void sim_kvgroup_unref(sim_chip *ch, sim_kvgroup *g); /* chip->mu held; frees + 
 void sim_kv_invalidate_all(calrt_calbin *cb);
 
 /* matmul.c: the linear layers (see matmul.c for the reduction every path computes bitwise alike). */
-typedef enum sim_isa_id { SIM_ISA_DEFAULT = 0, SIM_ISA_AVX2 = 1, SIM_ISA_AVX512 = 2, SIM_ISA_COUNT = 3 } sim_isa_id;
+typedef enum sim_isa_id {
+  SIM_ISA_DEFAULT = 0,
+  SIM_ISA_AVX2 = 1,
+  SIM_ISA_AVX512 = 2,
+  SIM_ISA_AVX512Z = 3,
+  SIM_ISA_COUNT = 4
+} sim_isa_id;
 sim_isa_id sim_isa(void); /* the path in use: the CPU's best, or CALRT_SIM_ISA's */
 int sim_isa_supported(sim_isa_id isa);
 const char *sim_isa_name(sim_isa_id isa);

@@ -14,14 +14,16 @@
  *   avx2     16 ymm registers: tiles of 4 rows x 3 lanes
  *   avx512   AVX-512VL's 32 ymm registers: 6 rows x 4 lanes, so a weight vector loaded once feeds
  *            four lanes (fewer loads per multiply-add at B16); the arithmetic is still 256-bit v8f
- *            lane by lane (the same operations as above). (Two rows per zmm register, half the
- *            instructions, measured slower on Zen 4: there 512-bit multiplies and adds take 1.34x
- *            the time per multiply-add of 256-bit ones, measured with a register-only loop.)
+ *            lane by lane (the same operations as above). The default on AMD (Zen 4 splits 512-bit
+ *            operations: there they took 1.34x the time per multiply-add of 256-bit ones).
+ *   avx512z  AVX-512DQ, the default elsewhere: 512-bit arithmetic, a zmm holding the eight
+ *            accumulators of two lanes for one weight row (mm_avx512z below); 6 rows x 4 lane pairs.
+ *            On a Sapphire Rapids VM: B16 matmuls single-thread 1.2x avx512's (weights streamed).
  * A tile of 4+ rows (in a multiple of 8) ends with hsum8x8 (v8f.h): a lane's row sums, adjacent in Y,
  * as one vector, each by the same additions as HSUM8 (at B16 the element-by-element sums were ~10%
  * of the kernel's time on SmolLM2's shapes).
  * Decode B1 (one lane, memory-bound) streams one weight row after the other on every path.
- * CALRT_SIM_ISA=default|avx2|avx512 forces one (a path the CPU lacks falls back to the best it has);
+ * CALRT_SIM_ISA=default|avx2|avx512|avx512z forces one (a path the CPU lacks falls back to the best it has);
  * the tests run every path and compare them bitwise with sim_dot_ref().
  *
  * Which (output, lane) pairs share a loaded weight vector is all a tile decides. Loop order: a group of
@@ -32,6 +34,10 @@
 #include <string.h>
 
 #include "internal.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #include "v8f.h"
 
@@ -161,9 +167,130 @@ __attribute__((target("avx2,avx512f,avx512vl"))) static void mm_avx512(const flo
                                                                        int o0, int o1) {
   mm_body(W, out, in, X, R, Y, o0, o1, 6, 4);
 }
+
+/* avx512z: the same reduction with 512-bit arithmetic. A zmm register holds two 8-float accumulators
+ * of one weight row: lanes r and r + 1 (an X "pair", repacked once per row block into a buffer where
+ * the two lanes' k..k+7 sit side by side), the weight row's k..k+7 broadcast to both halves. Each
+ * element still does exactly the scalar operations of the contract (a product rounded, then added to
+ * its own accumulator, k in order), so the bits are those of every other path; the multiplies and adds
+ * are half as many instructions. Tiles: 6 rows x 4 pairs (24 zmm accumulators). An odd lane count
+ * pairs the last lane with zeros (computed, never stored). */
+typedef float v16f __attribute__((vector_size(64)));
+
+#define ZPAIRS 4
+#define ZBUF_FLOATS (SIM_XBLOCK_FLOATS + 4096 + 16)
+static __thread _Alignas(64) float zbuf[ZBUF_FLOATS]; /* a thread's repacked X pairs */
+
+__attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static inline __attribute__((always_inline)) v16f
+bcast8(const float *p) { /* vbroadcastf32x8 zmm, m256: a load, no shuffle */
+  return (v16f)_mm512_broadcast_f32x8(_mm256_loadu_ps(p));
+}
+
+/* RO weight rows from o0 x RP pairs from pair p0 of the repacked block (lanes rb + 2 * p0 ...);
+ * nl: real lanes in this tile (2 * RP, or one less for an odd last lane). */
+__attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static inline __attribute__((always_inline)) void
+ztile(const float *restrict W, const float *restrict X, const float *restrict XP, float *restrict Y, int in,
+      int out, int o0, int rb, int p0, const int RO, const int RP, int nl, const char *pf, const int pfn) {
+  v16f acc[6][ZPAIRS];
+  for (int i = 0; i < RO; i++)
+    for (int j = 0; j < RP; j++) acc[i][j] = (v16f){0};
+  const int k8 = in & ~7;
+  const float *w0 = W + (size_t)o0 * in, *xp0 = XP + (size_t)p0 * 2 * k8;
+  for (int k = 0; k < k8; k += 8) {
+    if (pf) {
+      for (int p = 0; p < pfn; p++) __builtin_prefetch(pf + 64 * p, 0, PF_LOCALITY);
+      pf += 64 * pfn;
+    }
+    v16f xv[ZPAIRS];
+    for (int j = 0; j < RP; j++) memcpy(&xv[j], xp0 + (size_t)j * 2 * k8 + 2 * k, sizeof xv[j]);
+    for (int i = 0; i < RO; i++) {
+      const v16f w = bcast8(w0 + (size_t)i * in + k);
+      for (int j = 0; j < RP; j++) acc[i][j] += w * xv[j];
+    }
+  }
+  for (int j = 0; j < RP; j++)
+    for (int h = 0; h < 2; h++) {
+      const int r = rb + 2 * (p0 + j) + h;
+      if (2 * j + h >= nl) break;
+      v8f col[8];
+      for (int i = 0; i < 8; i++) {
+        col[i] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (i < RO) memcpy(&col[i], (const float *)&acc[i][j] + 8 * h, sizeof col[i]);
+      }
+      if (RO >= 4 && k8 == in) {
+        const v8f s = hsum8x8(col);
+        memcpy(Y + (size_t)r * out + o0, &s, sizeof(float) * (size_t)RO);
+        continue;
+      }
+      for (int i = 0; i < RO; i++) {
+        float s = HSUM8(col[i]);
+        for (int k = k8; k < in; k++) s += w0[(size_t)i * in + k] * X[(size_t)r * in + k];
+        Y[(size_t)r * out + o0 + i] = s;
+      }
+    }
+}
+
+/* Lanes [rb, re) (repacked in XP from rb on) against weight rows [o, o + RO); pf as in lanes(). */
+__attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static inline __attribute__((always_inline)) void
+zlanes(const float *W, const float *X, const float *XP, float *Y, int in, int out, int o, int rb, int re,
+       const int RO, const char *pf) {
+  const int pairs = (re - rb + 1) / 2;
+  const int steps = ((pairs + ZPAIRS - 1) / ZPAIRS) * (in / 8 > 0 ? in / 8 : 1);
+  const int pfn = pf ? (RO * in / 16 + steps - 1) / steps : 0;
+  const size_t pf_tile = (size_t)64 * pfn * (size_t)(in / 8);
+  int p = 0;
+  for (; p + ZPAIRS <= pairs; p += ZPAIRS, pf = pf ? pf + pf_tile : NULL) {
+    const int nl = re - rb - 2 * p < 2 * ZPAIRS ? re - rb - 2 * p : 2 * ZPAIRS;
+    ztile(W, X, XP, Y, in, out, o, rb, p, RO, ZPAIRS, nl, pf, pfn);
+  }
+  const int nl = re - rb - 2 * p;
+  switch (pairs - p) {
+  case 3: ztile(W, X, XP, Y, in, out, o, rb, p, RO, 3, nl, pf, pfn); break;
+  case 2: ztile(W, X, XP, Y, in, out, o, rb, p, RO, 2, nl, pf, pfn); break;
+  case 1: ztile(W, X, XP, Y, in, out, o, rb, p, RO, 1, nl, pf, pfn); break;
+  default: break;
+  }
+}
+
+__attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static void mm_avx512z(const float *W, int out,
+                                                                                  int in, const float *X,
+                                                                                  int R, float *Y, int o0,
+                                                                                  int o1) {
+  const int k8 = in & ~7;
+  int blk = sim_row_block(in);
+  if (blk * in + in > ZBUF_FLOATS) blk = (ZBUF_FLOATS / in - 1) & ~1;
+  if (R == 1 || k8 == 0 || blk < 2) { /* B1 streams rows (memory-bound); a huge row: the ymm path */
+    mm_body(W, out, in, X, R, Y, o0, o1, 6, 4);
+    return;
+  }
+  /* The buffer's address once (an opaque value): in a shared library each use of a __thread variable
+   * may be a __tls_get_addr call, and GCC re-derived it inside the tile loops, spilling the
+   * accumulators around each call (B16 1.35x slower than avx512). */
+  float *zb = zbuf;
+  __asm__("" : "+r"(zb));
+  const char *end = (const char *)(W + (size_t)o1 * in);
+  for (int rb = 0; rb < R; rb += blk) {
+    const int re = rb + blk < R ? rb + blk : R;
+    for (int r = rb; r < re; r += 2) { /* pair (r, r + 1): [x_r k..k+7 | x_r+1 k..k+7] per k step */
+      float *dst = zb + (size_t)(r - rb) * k8;
+      const float *a = X + (size_t)r * in, *b = r + 1 < re ? X + (size_t)(r + 1) * in : NULL;
+      for (int k = 0; k < k8; k += 8) {
+        memcpy(dst + 2 * k, a + k, 8 * sizeof(float));
+        if (b) memcpy(dst + 2 * k + 8, b + k, 8 * sizeof(float));
+        else memset(dst + 2 * k + 8, 0, 8 * sizeof(float));
+      }
+    }
+    int o = o0;
+    for (; o + 6 <= o1; o += 6) {
+      const char *pf = (const char *)(W + (size_t)(o + 6) * in);
+      zlanes(W, X, zb, Y, in, out, o, rb, re, 6, pf + (size_t)4 * 6 * in <= end ? pf : NULL);
+    }
+    for (; o < o1; o++) zlanes(W, X, zb, Y, in, out, o, rb, re, 1, NULL);
+  }
+}
 #endif
 
-static const char *const isa_names[SIM_ISA_COUNT] = {"default", "avx2", "avx512"};
+static const char *const isa_names[SIM_ISA_COUNT] = {"default", "avx2", "avx512", "avx512z"};
 
 int sim_isa_supported(sim_isa_id isa) {
   switch (isa) {
@@ -172,12 +299,24 @@ int sim_isa_supported(sim_isa_id isa) {
   case SIM_ISA_AVX2: return __builtin_cpu_supports("avx2");
   case SIM_ISA_AVX512: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
                               __builtin_cpu_supports("avx512vl");
+  case SIM_ISA_AVX512Z: return sim_isa_supported(SIM_ISA_AVX512) && __builtin_cpu_supports("avx512dq");
 #endif
   default: return 0;
   }
 }
 
 const char *sim_isa_name(sim_isa_id isa) { return isa >= 0 && isa < SIM_ISA_COUNT ? isa_names[isa] : "?"; }
+
+/* AMD's AVX-512 cores up to Zen 4 split a 512-bit operation in two 256-bit halves: there a register-only
+ * loop of 512-bit multiplies and adds took 1.34x the time per multiply-add of 256-bit ones, so
+ * avx512z is not their default (CALRT_SIM_ISA=avx512z still runs it). */
+static int zmm_slow(void) {
+#ifdef SIM_HAVE_X86
+  return __builtin_cpu_is("amd");
+#else
+  return 1;
+#endif
+}
 
 /* The best path this CPU runs, or CALRT_SIM_ISA's (if the CPU has it). Racy first calls agree. */
 sim_isa_id sim_isa(void) {
@@ -189,7 +328,7 @@ sim_isa_id sim_isa(void) {
 #endif
   c = SIM_ISA_DEFAULT;
   for (int i = SIM_ISA_COUNT - 1; i > 0; i--)
-    if (sim_isa_supported((sim_isa_id)i)) {
+    if (sim_isa_supported((sim_isa_id)i) && !(i == SIM_ISA_AVX512Z && zmm_slow())) {
       c = i;
       break;
     }
@@ -205,6 +344,7 @@ void sim_matmul_range_isa(sim_isa_id isa, const float *W, int out, int in, const
                           int o0, int o1) {
   switch (isa) {
 #ifdef SIM_HAVE_X86
+  case SIM_ISA_AVX512Z: mm_avx512z(W, out, in, X, R, Y, o0, o1); return;
   case SIM_ISA_AVX512: mm_avx512(W, out, in, X, R, Y, o0, o1); return;
   case SIM_ISA_AVX2: mm_avx2(W, out, in, X, R, Y, o0, o1); return;
 #endif
