@@ -256,9 +256,15 @@ def serve_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def tenant_server(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[ServerProcess]:
-    """The defaults plus two tenants' API keys (nothing else configured)."""
+    """The defaults plus two tenants' API keys and a 600 s default deadline. Why the deadline:
+    48 lane slots held by 2,000-token streams make admission's expected wait (module
+    calserve.core.wait_estimate: a slot frees when a stream ends) ~2,000 x 48 x the observed
+    lane-step, 47 s at 0.5 ms here but past the 120 s default once CI's load makes it 1.3 ms, and
+    then it refuses (429) the normal request and most never-readers (spec 5.2, CI: 7 of 60
+    admitted). This test is about the lane a parked never-reader gives back, not that estimate."""
     yaml = ("tenants:\n  crowd:\n    api_keys: [crowd-key]\n"
-            "  normal:\n    api_keys: [normal-key]\n")
+            "  normal:\n    api_keys: [normal-key]\n"
+            "scheduler:\n  admission:\n    deadline_default_ms: 600000\n")
     with serving(calserve_home, tmp_path_factory.mktemp("hostile-tenants"), yaml) as proc:
         yield proc
 
