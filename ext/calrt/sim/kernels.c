@@ -64,6 +64,13 @@ static void mm_task(void *ctx, int task, int worker) {
  * above it; the tiny demo model's jobs stay below it unless the prompt is long. */
 #define SIM_PARALLEL_MIN (1LL << 18)
 
+/* Tasks per thread of a parallel matmul (each a chunk of output rows, claimed dynamically). Fewer,
+ * larger chunks: SmolLM2 B16, 2 threads, alternated: 8 per thread 349-353 tok/s, 4: 363, 2: 367-377,
+ * 1: 372; with one CPU kept busy by another process all were equal (226-243), the dynamic claim
+ * keeping the balance. Why finer chunks cost more is not proven: packing avx512z's lanes once per
+ * region instead of per task, or prefetching across a chunk's end, did not change it. */
+#define SIM_TASKS_PER_THREAD 2
+
 /* Run the region's matmuls on the pool (small regions inline, see SIM_PARALLEL_MIN). */
 static void matmuls(sim_pool *pool, mm_region *g) {
   long long work = 0;
@@ -73,7 +80,7 @@ static void matmuls(sim_pool *pool, mm_region *g) {
   int tasks = 0;
   for (int i = 0; i < g->n_ops; i++) {
     mm_op *op = &g->op[i];
-    int want = threads > 1 && work >= SIM_PARALLEL_MIN ? 8 * threads : 1;
+    int want = threads > 1 && work >= SIM_PARALLEL_MIN ? SIM_TASKS_PER_THREAD * threads : 1;
     int chunk = (op->out + want - 1) / want;
     /* Several passes over a chunk's weights (one per block of X rows): keep them in L2. */
     if (op->R > sim_row_block(op->in) && chunk > SIM_CHUNK_FLOATS / op->in) chunk = SIM_CHUNK_FLOATS / op->in;
