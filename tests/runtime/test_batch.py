@@ -125,3 +125,42 @@ def test_remove_tokens_at_end_then_redecode(device: Device, small_weights: dict,
         assert np.array_equal(r.logits[0], rows[j])
         tok = int(np.argmax(r.logits[0]))
         assert tok == toks[j + 1]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_decode_steps_equal_one_prefill_of_the_same_tokens(next_device: Device, small_weights: dict,
+                                                           arch: str, kv_dtype: str) -> None:
+    """A decode step's RoPE and KV write run inside its attention tasks (each decode row is its own
+    sequence); a prefill's run for all rows before its attention. Both must give the same bits: the
+    logits after decoding t_1..t_k one step at a time (B16, several lanes at once) equal those of one
+    prefill of prompt + t_1..t_k, and so does the KV the steps wrote."""
+    cfg, w = (SMALL, small_weights) if arch == "qwen3" else (SMALL_LLAMA, random_weights(SMALL_LLAMA, seed=11))
+    rng = np.random.default_rng(5)
+    cb = next_device.load_calbin(cfg, w, ProfileSpec(16, 64, 32, kv_dtype=kv_dtype))
+    lanes = 5
+    seqs = [cb.create_sequence() for _ in range(lanes)]
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, 4 + 3 * i)] for i in range(lanes)]
+    toks = [_prefill(cb, s, p) for s, p in zip(seqs, prompts)]
+    idle = cb.create_sequence()  # what the 11 inactive lanes name (they compute nothing)
+    _prefill(cb, idle, [5, 6, 7])
+    pad = 16 - lanes
+    fed: list[list[int]] = [[] for _ in range(lanes)]
+    last = None
+    for _ in range(6):
+        r = cb.submit_decode(seqs + [idle] * pad, toks + [11] * pad,
+                             [cb.committed_len(s) for s in seqs] + [3] * pad,
+                             [True] * lanes + [False] * pad).wait(30)
+        assert r.status is JobStatus.OK
+        for i in range(lanes):
+            fed[i].append(toks[i])
+        last = r.logits[:lanes].copy()
+        toks = [int(np.argmax(row)) for row in r.logits[:lanes]]
+    assert last is not None
+    for i in range(lanes):
+        one = cb.create_sequence()
+        r = cb.submit_prefill(one, prompts[i] + fed[i]).wait(30)
+        assert r.status is JobStatus.OK
+        assert np.array_equal(r.logits[0], last[i]), i
+        assert np.array_equal(cb.read_kv(one), cb.read_kv(seqs[i])), i
+        cb.free_sequence(one)
