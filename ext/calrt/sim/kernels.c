@@ -155,45 +155,6 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
   return s;
 }
 
-/* Row r's RoPE and KV write for KV head kh: the group's query heads and the key head (Qwen3: each
- * RMS-normed first) rotated in place, then the key and value heads written into the row's sequence's
- * cache at its position. Every head's operations are its own, so any order of (row, head) gives the
- * same bits. */
-typedef struct rope_kv_ctx {
-  calrt_calbin *cb;
-  const sim_layer *w;
-  const row_info *rows;
-  float *q, *k;
-  const float *v, *cs, *sn;
-  int L, H, KVH, D, S, group, qkn, bf16;
-  float eps;
-} rope_kv_ctx;
-
-static void rope_kv(const rope_kv_ctx *c, int r, int kh) {
-  const int D = c->D, G = c->group;
-  const float *c_ = c->cs + (size_t)r * (D / 2), *s_ = c->sn + (size_t)r * (D / 2);
-  for (int g = 0; g < G; g++) {
-    float *qh = c->q + ((size_t)r * c->H + (size_t)kh * G + g) * D;
-    if (c->qkn) rmsnorm(qh, c->w->q_norm, D, c->eps, qh);
-    rope(qh, D, c_, s_);
-  }
-  sim_seq *sq = &c->cb->seqs[c->rows[r].seq];
-  float *khp = c->k + ((size_t)r * c->KVH + kh) * D;
-  const float *vhp = c->v + ((size_t)r * c->KVH + kh) * D;
-  if (c->qkn) rmsnorm(khp, c->w->k_norm, D, c->eps, khp);
-  rope(khp, D, c_, s_);
-  for (int kv = 0; kv < 2; kv++) {
-    const float *src = kv ? vhp : khp;
-    const size_t off = ((((size_t)c->L * 2 + kv) * c->KVH + kh) * c->S + (size_t)c->rows[r].pos) * D;
-    if (c->bf16) {
-      uint16_t *dst = (uint16_t *)sq->kv + off;
-      for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
-    } else {
-      memcpy((float *)sq->kv + off, src, sizeof(float) * D);
-    }
-  }
-}
-
 /* Causal attention of one (row, KV head) over its own sequence, positions [0, pos], for the `group`
  * query heads that share that KV head (their K/V rows stay in L1 from one head to the next): a task
  * of the attention region. Per query head the operations and their order are fixed (attn_body),
@@ -201,14 +162,49 @@ static void rope_kv(const rope_kv_ctx *c, int r, int kh) {
 typedef struct attn_region {
   const calrt_calbin *cb;
   const row_info *rows;
-  const float *q;
+  float *q; /* rotated in place by rope_kv */
   float *att;
   float *scratch; /* [threads][S + 2 * D] */
   int L, H, KVH, D, S, group, bf16;
   float scale;
   sim_isa_id isa;
-  const rope_kv_ctx *rk; /* decode: each task first does its own (row, KV head)'s RoPE and KV write */
+  /* rope_kv's inputs: layer L's weights (its q/k norms), the rows' k and v, their RoPE tables */
+  const sim_layer *w;
+  float *k;
+  const float *v, *cs, *sn;
+  int qkn;
+  float eps;
+  int rope_in_task; /* decode: each task first does its own (row, KV head)'s rope_kv */
 } attn_region;
+
+/* Row r's RoPE and KV write for KV head kh: the group's query heads and the key head (Qwen3: each
+ * RMS-normed first) rotated in place, then the key and value heads written into the row's sequence's
+ * cache at its position. Every head's operations are its own, so any order of (row, head) gives the
+ * same bits. */
+static void rope_kv(const attn_region *a, int r, int kh) {
+  const int D = a->D, G = a->group;
+  const float *c_ = a->cs + (size_t)r * (D / 2), *s_ = a->sn + (size_t)r * (D / 2);
+  for (int g = 0; g < G; g++) {
+    float *qh = a->q + ((size_t)r * a->H + (size_t)kh * G + g) * D;
+    if (a->qkn) rmsnorm(qh, a->w->q_norm, D, a->eps, qh);
+    rope(qh, D, c_, s_);
+  }
+  const sim_seq *sq = &a->cb->seqs[a->rows[r].seq];
+  float *khp = a->k + ((size_t)r * a->KVH + kh) * D;
+  const float *vhp = a->v + ((size_t)r * a->KVH + kh) * D;
+  if (a->qkn) rmsnorm(khp, a->w->k_norm, D, a->eps, khp);
+  rope(khp, D, c_, s_);
+  for (int kv = 0; kv < 2; kv++) {
+    const float *src = kv ? vhp : khp;
+    const size_t off = ((((size_t)a->L * 2 + kv) * a->KVH + kh) * a->S + (size_t)a->rows[r].pos) * D;
+    if (a->bf16) {
+      uint16_t *dst = (uint16_t *)sq->kv + off;
+      for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
+    } else {
+      memcpy((float *)sq->kv + off, src, sizeof(float) * D);
+    }
+  }
+}
 
 static inline __attribute__((always_inline)) const float *kv_row(const attn_region *a, const sim_seq *sq,
                                                                  size_t base, int s, float *buf) {
@@ -286,7 +282,7 @@ static inline __attribute__((always_inline)) void kv_prefetch(const char *rows, 
  * output element out[d] = (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order of s. */
 static inline __attribute__((always_inline)) void attn_body(const attn_region *a, int task, int worker) {
   const int r = task / a->KVH, kh = task % a->KVH, D = a->D, S = a->S, G = a->group;
-  if (a->rk) rope_kv(a->rk, r, kh);
+  if (a->rope_in_task) rope_kv(a, r, kh);
   float *sc = a->scratch + (size_t)worker * ((size_t)S + 2 * (size_t)D), *kr = sc + S;
   const sim_seq *sq = &a->cb->seqs[a->rows[r].seq];
   const int n = a->rows[r].pos + 1, D8 = D & ~7;
@@ -442,13 +438,12 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
       sn[(size_t)r * (D / 2) + i] = (float)sin(f);
     }
   }
-  rope_kv_ctx rk = {cb, NULL, rows, q, k, v, cs, sn, 0, H, KVH, D, S, group, qkn, bf16, m->rms_norm_eps};
   int distinct = job->kind != JOB_PREFILL;
   for (int r = 0; r < R && distinct; r++)
     for (int r2 = 0; r2 < r; r2++)
       if (rows[r2].seq == rows[r].seq) distinct = 0;
   attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, sqrtf((float)D), sim_isa(),
-                    distinct ? &rk : NULL};
+                    NULL, k, v, cs, sn, qkn, m->rms_norm_eps, distinct};
   long long attn_work = 0; /* multiply-adds of one layer's attention: small ones run inline */
   for (int r = 0; r < R; r++) attn_work += 2LL * (rows[r].pos + 1) * H * D;
   for (int L = 0; L < m->num_hidden_layers; L++) {
@@ -463,13 +458,12 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     /* q/k norm (Qwen3) + RoPE, then write K/V of every row into its sequence's cache: inside each
      * attention task when every row is its own sequence (decode: no row reads another's KV), else
      * here for all rows first (a prefill row reads earlier rows'). */
-    rk.w = w;
-    rk.L = L;
-    if (!ar.rk)
-      for (int r = 0; r < R; r++)
-        for (int kh = 0; kh < KVH; kh++) rope_kv(&rk, r, kh);
-    PROF_MARK(SIM_PROF_ROPE_KV);
     ar.L = L;
+    ar.w = w;
+    if (!ar.rope_in_task)
+      for (int r = 0; r < R; r++)
+        for (int kh = 0; kh < KVH; kh++) rope_kv(&ar, r, kh);
+    PROF_MARK(SIM_PROF_ROPE_KV);
     sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * KVH);
     PROF_MARK(SIM_PROF_ATTN);
     matmul(pool, w->o, h, H * D, att, R, o);
