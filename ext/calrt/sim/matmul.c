@@ -75,18 +75,29 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
     for (int j = 0; j < RL; j++) acc[i][j] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int k8 = in & ~7;
   const float *w0 = W + (size_t)o0 * in, *x0 = X + (size_t)r0 * in;
-  for (int k = 0; k < k8; k += 8) {
-    if (pf) {
+#define TILE_K_STEP(k)                                                                                 \
+  do {                                                                                               \
+    v8f xv[4];                                                                                       \
+    for (int j = 0; j < RL; j++) xv[j] = ld8(x0 + (size_t)j * in + (k));                             \
+    for (int i = 0; i < RO; i++) {                                                                   \
+      const v8f w = ld8(w0 + (size_t)i * in + (k));                                                  \
+      for (int j = 0; j < RL; j++) acc[i][j] += w * xv[j];                                           \
+    }                                                                                                \
+  } while (0)
+  if (!pf)
+    for (int k = 0; k < k8; k += 8) TILE_K_STEP(k);
+  else if (pfn == 1)
+    for (int k = 0; k < k8; k += 8, pf += 64) {
+      __builtin_prefetch(pf, 0, PF_LOCALITY);
+      TILE_K_STEP(k);
+    }
+  else
+    for (int k = 0; k < k8; k += 8) {
       for (int p = 0; p < pfn; p++) __builtin_prefetch(pf + 64 * p, 0, PF_LOCALITY);
       pf += 64 * pfn;
+      TILE_K_STEP(k);
     }
-    v8f xv[4];
-    for (int j = 0; j < RL; j++) xv[j] = ld8(x0 + (size_t)j * in + k);
-    for (int i = 0; i < RO; i++) {
-      const v8f w = ld8(w0 + (size_t)i * in + k);
-      for (int j = 0; j < RL; j++) acc[i][j] += w * xv[j];
-    }
-  }
+#undef TILE_K_STEP
   if (RO >= 4 && k8 == in) { /* a lane's RO outputs are adjacent in Y: their sums as one vector */
     for (int j = 0; j < RL; j++) {
       v8f col[8];
