@@ -289,14 +289,17 @@ class AdmissionController:
         w = t.policy.weight
         t.vt += amount / w
         t.lane_vt += amount / w
+        # min(amount, x) and max(0.0, x) as conditionals: the same values, no builtin call
         rem = self._remaining
         r = rem.get(request_id)
         if r is not None:
-            dec = min(amount, r)
+            dec = r if r < amount else amount
             rem[request_id] = r - dec
         else:
-            dec = min(amount, t.est)
-        t.est = max(0.0, t.est - dec)
+            est = t.est
+            dec = est if est < amount else amount
+        left = t.est - dec
+        t.est = left if left > 0.0 else 0.0
         self._svc.served_decode(request_id)
 
     def release(self, request_id: int) -> None:

@@ -113,7 +113,7 @@ class StreamWriter:
     __slots__ = ("_ids", "_texts", "_lps", "_terminal", "_terminal_delivered", "_abandoned",
                  "_waiter", "_abandoned_event", "_coalesced", "_tokens_put", "_delivered",
                  "_bytes", "_room", "_limit", "_grace", "_full_at", "_overflow", "_overflowed",
-                 "_name", "_contended", "_below", "_stall", "_sending_since", "parking")
+                 "_name", "_contended", "_below", "_stall", "_sending_since", "_now", "parking")
 
     def __init__(self, max_events: int = 1, *, max_bytes: int = 0, grace_s: float = 0.0,
                  contended: Callable[[], bool] | None = None, stall_s: float = 0.0,
@@ -167,6 +167,9 @@ class StreamWriter:
         # (and always when _stall is 0).
         self._stall = max(stall_s, WRITE_STALL_MIN_S) if stall_s else 0.0
         self._sending_since: float | None = None
+        # The run's clock, looked up at the first take that needs it (a writer may be built
+        # outside trio): trio.current_time() is three Python calls, this one.
+        self._now: Callable[[], float] | None = None
         # Parking (module docstring). Invariant: not parked once abandoned or closed.
         self.parking = StreamPark(park, park_cut_s)
 
@@ -410,7 +413,10 @@ class StreamWriter:
         if self._below <= self._limit:  # the grace restarts unless its client is over on its own
             self._full_at = None
         if self._stall:
-            self._sending_since = trio.current_time()
+            now = self._now
+            if now is None:
+                now = self._now = trio.lowlevel.current_clock().current_time
+            self._sending_since = now()
         self._delivered += 1
         return token_event(tuple(ids), texts[0] if len(texts) == 1 else "".join(texts),
                            None if lps is None else tuple(lps))
