@@ -168,7 +168,8 @@ class StreamWriter:
         self._stall = max(stall_s, WRITE_STALL_MIN_S) if stall_s else 0.0
         self._sending_since: float | None = None
         # The run's clock, looked up at the first take that needs it (a writer may be built
-        # outside trio): trio.current_time() is three Python calls, this one.
+        # outside trio): trio.current_time() is three Python calls, this one. Invariant: set
+        # whenever _sending_since is (that take sets both), so the stall check reads it too.
         self._now: Callable[[], float] | None = None
         # Parking (module docstring). Invariant: not parked once abandoned or closed.
         self.parking = StreamPark(park, park_cut_s)
@@ -289,9 +290,9 @@ class StreamWriter:
         ``stall_s`` (at least :data:`WRITE_STALL_MIN_S`) already and other requests wait for its
         lane (a client that does not read blocks the write once the kernel's buffers are full,
         whatever the launcher)."""
-        since = self._sending_since
-        assert since is not None
-        now = trio.current_time()
+        since, clock = self._sending_since, self._now
+        assert since is not None and clock is not None  # both set by the take that set since
+        now = clock()
         if now - since < self._stall:
             return
         contended = self._contended
