@@ -115,6 +115,26 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
     }
 }
 
+/* How the tiles of one weight-row group share the prefetch of the next group (pf: its first byte;
+ * NULL: none): `per_step` lines a k step, each tile `tile_bytes` on from the one before, and no tile
+ * once the group's end is reached (lanes() says why). lanes() and zlanes() both use it. */
+typedef struct pf_plan {
+  int per_step;
+  size_t tile_bytes;
+  const char *end;
+} pf_plan;
+
+static inline __attribute__((always_inline)) pf_plan pf_plan_for(const char *pf, int RO, int in, int tiles) {
+  const int steps = tiles * (in / 8 > 0 ? in / 8 : 1);
+  const int per_step = pf ? (RO * in / 16 + steps - 1) / steps : 0;
+  return (pf_plan){per_step, (size_t)64 * per_step * (size_t)(in / 8), pf ? pf + (size_t)4 * RO * in : NULL};
+}
+
+/* The next tile's prefetch start (NULL once the group is covered). */
+static inline __attribute__((always_inline)) const char *pf_next(const char *pf, const pf_plan *plan) {
+  return pf && pf + plan->tile_bytes < plan->end ? pf + plan->tile_bytes : NULL;
+}
+
 /* Lanes [rb, re) against weight rows [o, o + RO): full RL-lane tiles, then one narrower tile. pf (if
  * not NULL): the RO rows that follow, prefetched a part by each tile (ceil(lines / (tiles * k steps))
  * lines per k step, so the group is covered whatever the tile count), and no tile after the one that
@@ -125,13 +145,10 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
 static inline __attribute__((always_inline)) void lanes(const float *W, const float *X, float *Y, int in,
                                                         int out, int o, int rb, int re, const int RO,
                                                         const int RL, const char *pf) {
-  const int steps = ((re - rb + RL - 1) / RL) * (in / 8 > 0 ? in / 8 : 1);
-  const int pfn = pf ? (RO * in / 16 + steps - 1) / steps : 0;
-  const size_t pf_tile = (size_t)64 * pfn * (size_t)(in / 8);
-  const char *pf_end = pf ? pf + (size_t)4 * RO * in : NULL;
+  const pf_plan plan = pf_plan_for(pf, RO, in, (re - rb + RL - 1) / RL);
+  const int pfn = plan.per_step;
   int r = rb;
-  for (; r + RL <= re; r += RL, pf = pf && pf + pf_tile < pf_end ? pf + pf_tile : NULL)
-    tile(W, X, Y, in, out, o, r, RO, RL, pf, pfn);
+  for (; r + RL <= re; r += RL, pf = pf_next(pf, &plan)) tile(W, X, Y, in, out, o, r, RO, RL, pf, pfn);
   switch (re - r) {
   case 3: if (RL > 3) tile(W, X, Y, in, out, o, r, RO, 3, pf, pfn); break;
   case 2: if (RL > 2) tile(W, X, Y, in, out, o, r, RO, 2, pf, pfn); break;
@@ -263,12 +280,10 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static inline __attrib
 zlanes(const float *W, const float *X, const float *XP, float *Y, int in, int out, int o, int rb, int re,
        const int RO, const char *pf) {
   const int pairs = (re - rb + 1) / 2;
-  const int steps = ((pairs + ZPAIRS - 1) / ZPAIRS) * (in / 8 > 0 ? in / 8 : 1);
-  const int pfn = pf ? (RO * in / 16 + steps - 1) / steps : 0;
-  const size_t pf_tile = (size_t)64 * pfn * (size_t)(in / 8);
-  const char *pf_end = pf ? pf + (size_t)4 * RO * in : NULL;
+  const pf_plan plan = pf_plan_for(pf, RO, in, (pairs + ZPAIRS - 1) / ZPAIRS);
+  const int pfn = plan.per_step;
   int p = 0;
-  for (; p + ZPAIRS <= pairs; p += ZPAIRS, pf = pf && pf + pf_tile < pf_end ? pf + pf_tile : NULL) {
+  for (; p + ZPAIRS <= pairs; p += ZPAIRS, pf = pf_next(pf, &plan)) {
     const int nl = re - rb - 2 * p < 2 * ZPAIRS ? re - rb - 2 * p : 2 * ZPAIRS;
     ztile(W, X, XP, Y, in, out, o, rb, p, RO, ZPAIRS, nl, pf, pfn);
   }
