@@ -138,6 +138,8 @@ class IncrementalDetokenizer:
         if self._flushed:
             return ""
         self._flushed = True
+        if self._read >= len(self._ids):  # nothing held: both decodes below would be the same
+            return ""
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         return new_text[len(prefix_text) :]

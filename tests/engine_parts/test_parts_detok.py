@@ -200,3 +200,46 @@ def test_push_one_after_flush_raises_on_both_paths(tok: Tokenizer) -> None:
         d.flush()
         with pytest.raises(RuntimeError, match="after flush"):
             d.push_one(6)
+
+
+class _CountingDecode(_DecodeOnly):
+    """The generic path, counting its ``decode`` calls."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        super().__init__(tok)
+        self.calls = 0
+
+    def decode(self, ids: object, skip_special_tokens: bool = True) -> str:
+        self.calls += 1
+        return super().decode(ids, skip_special_tokens)
+
+
+@given(_text)
+def test_flush_decodes_nothing_when_nothing_is_held(tok: Tokenizer, text: str) -> None:
+    """Every request's end flushes its detokenizer: when every token was emitted already the tail
+    is "" without a decode (two tokenizer calls of cold code before the terminal event); when a
+    token is held, flush still decodes it (the tail is the same as before)."""
+    ids = tok.encode(text)
+    counting = _CountingDecode(tok)
+    d = IncrementalDetokenizer(counting)
+    out = "".join(d.push([i]) for i in ids)
+    held = d._read < len(d._ids)
+    before = counting.calls
+    tail = d.flush()
+    assert out + tail == tok.decode(ids)
+    assert (counting.calls - before > 0) == held
+    if not held:
+        assert tail == ""
+
+
+def test_flush_of_a_held_token_still_decodes_it(tok: Tokenizer) -> None:
+    """The other side of the fast exit: an unfinished UTF-8 sequence at the end is held back by
+    the pushes and flushed (with its replacement character), by its decode (of the held tokens; with left context, two)."""
+    emoji = tok.encode("🎉")
+    assert len(emoji) > 1  # the fixture's small vocabulary splits it into byte tokens
+    counting = _CountingDecode(tok)
+    d = IncrementalDetokenizer(counting)
+    assert d.push(emoji[:1]) == ""
+    before = counting.calls
+    assert d.flush() == tok.decode(emoji[:1]) != ""
+    assert counting.calls - before >= 1
