@@ -178,7 +178,17 @@ class CoreMachine(RuleBasedStateMachine):
             assert core.slots[engine] is fast.nxt  # submitted first ...
             self.apply(core.finish_fast(fast))  # ... its predecessor's bookkeeping right after
             return
-        self.apply(core.on_completion(engine, job, outcome, self.now, fast))
+        out = core.on_completion(engine, job, outcome, self.now, fast)
+        self.apply(out)
+        if not out.wake:
+            # No wake asked for: the completion's own pass did what the scheduler task's would
+            # (a request that ended there freed its lane and admission slot; core.on_completion
+            # runs that pass itself instead of waking the task for a second). A pass now finds
+            # nothing new to start.
+            before = dict(core.slots)
+            again = core.tick(self.now)
+            assert not again.jobs and dict(core.slots) == before, (before, again)
+            self.apply(again)
 
     # ------------------------------------------------------------------------------ rules
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
@@ -375,3 +385,30 @@ def test_a_move_the_lifecycle_table_does_not_allow_raises() -> None:
         pass
     else:
         raise AssertionError("a second ending was accepted")
+
+
+def test_a_request_ending_in_a_completion_asks_for_no_second_pass() -> None:
+    """The completion's pass frees the ended request's lane and admits into it; the scheduler task
+    is not woken for a second pass that would find nothing (cold code before the client's last
+    token on an idle server), and nothing is left undone."""
+    m = CoreMachine()
+    m.setup(two_engines=False, fcfs=False)
+    m.submit([1, 2, 3], 2, "a", None)
+    m.submit([4, 5], 2, "b", None)
+    core = m.core
+    wakes = []
+    while any(j is not None for j in core.slots.values()):
+        engine = next(e for e, j in core.slots.items() if j is not None)
+        job = core.slots[engine]
+        assert job is not None
+        outcome = m.outcome(job, "ok")
+        fast = core.fast_decode(engine, job, outcome, m.now)
+        if fast is not None and fast.nxt is not None:
+            m.apply(core.finish_fast(fast))
+            continue
+        out = core.on_completion(engine, job, outcome, m.now, fast)
+        wakes.append(out.wake)
+        m.apply(out)
+    assert all(isinstance(b.msgs[-1], End) for b in m.inboxes.values())
+    assert wakes and not any(wakes)
+    m.nothing_leaks_at_rest()
