@@ -168,7 +168,9 @@ class CoreMachine(RuleBasedStateMachine):
         status = JobStatus.CCU_FAULT if kind == "ccu" else JobStatus.DMA_UNKNOWN
         return JobOutcome(result=self.cb.run(job, status))
 
-    def complete(self, engine: JobEngine, kind: str) -> None:
+    def complete(self, engine: JobEngine, kind: str) -> CoreOutput | None:
+        """The device answers ``engine``'s job; the completion's output (None: a continuation was
+        submitted first, the fast path)."""
         core = self.core
         job = core.slots[engine]
         assert job is not None
@@ -177,7 +179,7 @@ class CoreMachine(RuleBasedStateMachine):
         if fast is not None and fast.nxt is not None:
             assert core.slots[engine] is fast.nxt  # submitted first ...
             self.apply(core.finish_fast(fast))  # ... its predecessor's bookkeeping right after
-            return
+            return None
         out = core.on_completion(engine, job, outcome, self.now, fast)
         self.apply(out)
         if not out.wake:
@@ -189,6 +191,7 @@ class CoreMachine(RuleBasedStateMachine):
             again = core.tick(self.now)
             assert not again.jobs and dict(core.slots) == before, (before, again)
             self.apply(again)
+        return out
 
     # ------------------------------------------------------------------------------ rules
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
@@ -398,17 +401,9 @@ def test_a_request_ending_in_a_completion_asks_for_no_second_pass() -> None:
     core = m.core
     wakes = []
     while any(j is not None for j in core.slots.values()):
-        engine = next(e for e, j in core.slots.items() if j is not None)
-        job = core.slots[engine]
-        assert job is not None
-        outcome = m.outcome(job, "ok")
-        fast = core.fast_decode(engine, job, outcome, m.now)
-        if fast is not None and fast.nxt is not None:
-            m.apply(core.finish_fast(fast))
-            continue
-        out = core.on_completion(engine, job, outcome, m.now, fast)
-        wakes.append(out.wake)
-        m.apply(out)
+        out = m.complete(next(e for e, j in core.slots.items() if j is not None), "ok")
+        if out is not None:
+            wakes.append(out.wake)
     assert all(isinstance(b.msgs[-1], End) for b in m.inboxes.values())
     assert wakes and not any(wakes)
     m.nothing_leaks_at_rest()

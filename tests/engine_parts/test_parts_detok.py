@@ -234,7 +234,8 @@ def test_flush_decodes_nothing_when_nothing_is_held(tok: Tokenizer, text: str) -
 
 def test_flush_of_a_held_token_still_decodes_it(tok: Tokenizer) -> None:
     """The other side of the fast exit: an unfinished UTF-8 sequence at the end is held back by
-    the pushes and flushed (with its replacement character), by its decode (of the held tokens; with left context, two)."""
+    the pushes and flushed (with its replacement character) by decoding it (the held tokens; with
+    left context before them, two decodes)."""
     emoji = tok.encode("🎉")
     assert len(emoji) > 1  # the fixture's small vocabulary splits it into byte tokens
     counting = _CountingDecode(tok)
