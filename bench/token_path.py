@@ -21,6 +21,8 @@ difference between two step counts is the instructions per token of this path, e
 in the sender's call) instead of a trio memory channel: what the registry hook would give.
 ``--tokens-per-event K`` gives each stream K tokens between two reads of its consumer (the grouping
 the server's streams have under load, ~4-5 in ``http-floor``): the per-event work is then shared.
+``--hold sleep|timer`` holds each stream 1 µs after every event, as the pacer does while the server
+groups: by ``trio.sleep_until`` or by the app's :class:`~calserve.api.pacing.HoldTimer`.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def _tokenizer() -> Any:
     return Tokenizer(tokenizers.Tokenizer.from_str(demo_tokenizer_json()), eos_token_ids=[0])
 
 
-async def _run(tok: Any, steps: int, inline: bool, group: int = 1) -> float:
+async def _run(tok: Any, steps: int, inline: bool, group: int = 1, hold: str = "none") -> float:
     from calserve.api.convert import Prepared
     from calserve.api.metrics import ApiMetrics
     from calserve.api.render import LogprobFormatter
@@ -92,13 +94,23 @@ async def _run(tok: Any, steps: int, inline: bool, group: int = 1) -> float:
     async def asgi_send(message: dict[str, Any]) -> None:
         await trio.lowlevel.checkpoint()  # the socket write
 
+    from calserve.api.pacing import HoldTimer, StreamPacer
+
+    # --hold: every event is followed by a hold of 1 µs (it ends at the next scheduling round, so
+    # the grouping is the producer's as without one), waited out by the HoldTimer or (not started)
+    # by trio.sleep_until: what each costs per event
+    timer = HoldTimer()
+    pacer = StreamPacer(fixed_s=1e-6, timer=timer) if hold != "none" else None
+
     async def consume(w: StreamWriter) -> None:
         lease = RequestLease(Handle(w))
         enc = StreamEncoder.for_request(prep, LogprobFormatter(tok))
-        await pump_stream(lease, enc, asgi_send, metrics, prep)
+        await pump_stream(lease, enc, asgi_send, metrics, prep, pacer)
 
     rng = random.Random(0)
     async with trio.open_nursery() as nursery:
+        if hold == "timer":
+            await nursery.start(timer.run)
         inboxes: list[Any] = []
         for _ in range(STREAMS):
             send, recv = open_actor_inbox() if inline else trio.open_memory_channel[Any](float("inf"))
@@ -122,6 +134,7 @@ async def _run(tok: Any, steps: int, inline: bool, group: int = 1) -> float:
         for s in inboxes:
             s.send_nowait(End(FinishReason.LENGTH))
         await trio.testing.wait_all_tasks_blocked()
+        timer.stop()
         return time.process_time() - t0
 
 
@@ -149,16 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-event", type=int, default=1,
                     help="tokens each stream gets between two reads of its consumer (as the "
                          "server's stream grouping gives under load; 1: one event per token)")
+    ap.add_argument("--hold", choices=("none", "sleep", "timer"), default="none",
+                    help="hold each stream 1 µs after every event, by trio.sleep_until (sleep) or "
+                         "the server's HoldTimer (timer): the pacing's cost per event")
     a = ap.parse_args(argv)
     tok = _tokenizer()
     vocab = tok.backend.get_vocab_size(with_added_tokens=True)
     best = float("inf")
     for _ in range(a.reps):
         g = max(1, a.tokens_per_event)
-        dt = trio.run(_run, tok, a.steps, a.inbox == "inline", g)
+        dt = trio.run(_run, tok, a.steps, a.inbox == "inline", g, a.hold)
         base = trio.run(_producer_only, a.steps, vocab, g)
         best = min(best, (dt - base) / (STREAMS * a.steps) * 1e6)
-    print(f"{Path(__file__).stem} inbox={a.inbox} tokens/event={a.tokens_per_event}: "
+    print(f"{Path(__file__).stem} inbox={a.inbox} tokens/event={a.tokens_per_event} hold={a.hold}: "
           f"{best:.2f} µs CPU per token "
           f"(actor + StreamWriter + pump_stream + metrics; {STREAMS} streams, B{BATCH})")
     return 0

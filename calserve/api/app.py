@@ -203,11 +203,14 @@ def create_app(
         # Listen first: the engine opens (the model loads) in the background; host.run returns
         # at once and never raises (a start-up failure is host.start_failure, logged once).
         await app.nursery.start(host.run)
+        # the streams' hold timer (pacing.HoldTimer): one task wakes every held stream
+        await app.nursery.start(state.holds.run)
         if exit_on_start_failure:
             app.nursery.start_soon(_exit_on_start_failure, host)
 
     @app.after_serving
     async def _stop() -> None:
+        state.holds.stop()
         if state.host is not None:
             await state.host.stop(_STOP_TIMEOUT_S)
 

@@ -210,6 +210,8 @@ async def pump_stream(lease: RequestLease, enc: StreamEncoder, send: Send, metri
 
     obs = _Observer(metrics, prep.alias, prep.request.tenant)
     receive_many = lease.handle.receive_many
+    # the pacer's shared timer (trio.sleep_until until its task runs; pacing.HoldTimer)
+    hold = pacer.timer.hold_until if pacer is not None else trio.sleep_until
     tell_unread = _unread_reporter(lease.handle, probe)
     written: Callable[[], None] | None = getattr(lease.handle, "report_written", None)
     encode = enc.encode
@@ -222,7 +224,7 @@ async def pump_stream(lease: RequestLease, enc: StreamEncoder, send: Send, metri
         hold_until = 0.0  # no read before this (0: the first token is never held)
         while True:
             if hold_until:
-                await trio.sleep_until(hold_until)
+                await hold(hold_until)
                 hold_until = 0.0
             try:
                 batch = await receive_many()

@@ -19,7 +19,7 @@ from prometheus_client import Gauge
 
 from calserve.api.lifecycle import EngineFactory, EngineHost
 from calserve.api.metrics import ApiMetrics
-from calserve.api.pacing import StreamPacer
+from calserve.api.pacing import HoldTimer, StreamPacer
 from calserve.api.protocol import EngineLike
 from calserve.config import CalserveConfig, load_config
 from calserve.errors import AuthError, EngineError
@@ -43,6 +43,9 @@ class ApiState:
         self.api_keys: dict[str, str] = {}  # key -> tenant; empty = one "default" tenant
         self.startup_error: BaseException | None = None  # why before_serving failed, if it did
         self._pacer: StreamPacer | None = None
+        #: How the streams wait out the pacer's holds: one task wakes them all (started and
+        #: stopped with the app; until then a hold is ``trio.sleep_until``).
+        self.holds = HoldTimer()
         reg = self.metrics.registry
         Gauge("calserve_stream_grouping", "1 while streams group tokens per chunk because the "
               "serving thread is saturated (server.stream_busy_interval_ms)",
@@ -68,7 +71,7 @@ class ApiState:
         """The streams' hold interval, shared by all of them (one serving thread, one load)."""
         p = self._pacer
         if p is None:
-            p = self._pacer = StreamPacer.from_config(self.config.server)
+            p = self._pacer = StreamPacer.from_config(self.config.server, self.holds)
         return p
 
     def engine(self) -> EngineLike:

@@ -107,8 +107,10 @@ async def test_streams_group_tokens_only_while_saturated(
         t = FakeTimes()
         state = get_state(h.app)
         # The pacer's clocks are real ones in production; here every call is one more window.
+        timer = state.holds  # the app's (started with it): the holds go through it
+        assert timer.running
         p = state._pacer = StreamPacer(0.0, 0.05, 0.9, window_s=1e-9,
-                                       clock=lambda: t.wall, cpu=lambda: t.cpu)
+                                       clock=lambda: t.wall, cpu=lambda: t.cpu, timer=timer)
 
         def tick_clock() -> float:
             t.run(0.1, 1.0 if busy else 0.1)
@@ -131,6 +133,7 @@ async def test_streams_group_tokens_only_while_saturated(
         assert len(texts[0] or "") == 1  # the first token is never held
         assert max(len(x or "") for x in texts) >= 4  # ~5 tokens per 50 ms chunk
         assert len(texts) <= n // 4
+        assert timer.holds >= len(texts) - 2 and timer.statistics() == 0
     else:
         assert [len(x or "") for x in texts] == [1] * n
 
@@ -164,8 +167,9 @@ async def test_disconnect_while_a_chunk_is_held_cancels_at_once(
     cfg = make_config(server={"stream_busy_interval_ms": 5000})
     async with harness_factory(cfg, token_delay=0.01) as h:
         t = FakeTimes()
+        timer = get_state(h.app).holds
         get_state(h.app)._pacer = StreamPacer(0.0, 5.0, 0.9, window_s=1e-9,
-                                              clock=lambda: t.wall, cpu=lambda: t.cpu)
+                                              clock=lambda: t.wall, cpu=lambda: t.cpu, timer=timer)
 
         def busy_clock() -> float:
             t.run(0.1, 1.0)
@@ -187,5 +191,6 @@ async def test_disconnect_while_a_chunk_is_held_cancels_at_once(
         await trio.sleep(0.01)
         assert rid in h.engine.cancelled_ids and h.engine.active == {}
         assert trio.current_time() - t0 < 0.5  # not when the hold ends
+        assert timer.holds >= 1  # it was held by the app's timer, and that hold was cancelled
         text = await (await h.client.get("/metrics")).get_data(as_text=True)
         assert "calserve_streams_active 0.0" in text
