@@ -27,10 +27,10 @@ The first token of a stream is never held (TTFT is unchanged); a held chunk neve
 interval; the terminal event goes out with the tokens held before it.
 
 A hold is a wait until a time, once per event of every grouped stream. ``trio.sleep_until`` costs a
-cancel scope with its own deadline and a ``Cancelled`` raised and caught when it expires (~26 µs of
-CPU per call measured in a loop of 64 tasks holding 2 ms each); :class:`HoldTimer` keeps the held
-streams in one heap and wakes the due ones from one task (~10 µs per hold in the same loop), the
-timer's own deadline being the heap's earliest (issue 18).
+cancel scope with its own deadline and a ``Cancelled`` raised and caught when it expires: ~113k
+instructions per event under callgrind (``python -m bench.token_path --hold sleep``, its docstring
+has the recipe); :class:`HoldTimer` keeps the held streams in one heap and wakes the due ones from one
+task whose own deadline is the heap's earliest: ~5k (``--hold timer``; issue 18, bench/README).
 """
 
 from __future__ import annotations
