@@ -86,7 +86,7 @@ class HoldTimer:
     Invariant: every live entry (a task, not None) belongs to a task parked in :meth:`hold_until`;
     while :meth:`run` sleeps, its scope's deadline is at most the earliest entry's time."""
 
-    __slots__ = ("_heap", "_seq", "_scope", "_stop", "_running", "holds")
+    __slots__ = ("_heap", "_seq", "_scope", "_stop", "holds")
 
     def __init__(self) -> None:
         # (until, tie-breaker, [task or None]): a cancelled hold sets its entry's task to None
@@ -94,12 +94,11 @@ class HoldTimer:
         self._seq = itertools.count()
         self._scope: trio.CancelScope | None = None  # the timer's sleep, while it sleeps
         self._stop: trio.CancelScope | None = None  # the whole of run(), while it runs
-        self._running = False
         self.holds = 0  # holds taken by the timer (tests, statistics)
 
     @property
     def running(self) -> bool:
-        return self._running
+        return self._stop is not None
 
     def statistics(self) -> int:
         """Entries in the heap (live holds plus cancelled ones not yet due)."""
@@ -109,7 +108,6 @@ class HoldTimer:
         """Wake each held task at its time until :meth:`stop` or a cancel (then the rest at once:
         their reads happen, nothing is lost). A bug in here ends the timer, never its nursery:
         the holds then fall back to ``trio.sleep_until``."""
-        self._running = True
         self._stop = stop = trio.CancelScope()
         task_status.started()
         try:
@@ -118,7 +116,6 @@ class HoldTimer:
         except Exception:
             log.exception("the stream hold timer failed; holds fall back to trio.sleep_until")
         finally:
-            self._running = False
             self._scope = self._stop = None
             heap = self._heap
             for _, _, entry in heap:
@@ -151,7 +148,7 @@ class HoldTimer:
 
     async def hold_until(self, until: float) -> None:
         """Return at ``until`` (trio's clock) or later; at once (a checkpoint) when it has passed."""
-        if not self._running:
+        if self._stop is None:  # the timer does not run
             await trio.sleep_until(until)
             return
         if until <= trio.current_time():
