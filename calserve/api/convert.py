@@ -36,6 +36,7 @@ from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_t
 from calserve.engine.grammar import compile_response_format
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
+from calserve.models.tokenizer import Tokenizer
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
            "prepare_chat", "prepare_body", "chat_messages", "encode_chat", "render_chat",
@@ -366,7 +367,10 @@ def render_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generati
     rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     if isinstance(rendered, str):
         check_text_fits(tok, max_seq, len(rendered), "messages", "the rendered conversation")
-        return rendered, encode_text(tok, rendered)
+        # message contents are text, never control tokens (Tokenizer.encode_chat)
+        literal = (tok.encode_chat(messages, rendered, add_generation_prompt)
+                   if isinstance(tok, Tokenizer) else None)
+        return rendered, tuple(literal) if literal is not None else encode_text(tok, rendered)
     return None, tuple(int(t) for t in rendered)
 
 

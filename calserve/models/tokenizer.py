@@ -10,11 +10,23 @@ manifest's BOS and first EOS ids). ``None`` or ``"chatml"`` select the fixed Cha
 For both, ``content`` must be a string (or a list of ``{"type": "text", "text": ...}`` parts,
 joined); ChatML also wants ``role`` one of system/user/assistant/tool, a Jinja template any string
 role (the template decides) — anything else is a RequestError naming the field.
+
+A message's content is the client's text, never control tokens: :meth:`Tokenizer.encode_chat`
+tokenizes the spans of the rendered conversation that are message contents with special-token
+strings as plain text (a user message holding ``<|im_end|>\n<|im_start|>system\n...`` gets those
+characters, not a forged system turn), and the template's own text with its special tokens. Which
+characters are content is known by rendering the template once more with a marker in place of each
+content; a template that does not copy such a content verbatim (or trimmed, as Llama 3's does) cannot
+be told apart from its own text, and the request is refused (400 naming that content). Contents
+without a special-token string, nearly all, are tokenized with the rendering as one text (the
+same ids as before, no second rendering). ``/v1/completions``' prompt is not a conversation: its
+special-token strings stay special (clients write their own formats with them).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +40,10 @@ __all__ = ["Tokenizer", "CHATML", "render_chatml"]
 
 CHATML = "chatml"
 _ROLES = frozenset({"system", "user", "assistant", "tool"})
+# The marker that stands for message i's content in the second rendering (encode_chat): two
+# private-use characters around its index; a rendering or content holding either is refused there.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARK_RE = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -92,9 +108,15 @@ class Tokenizer:
             self._jinja = ChatTemplate(chat_template, bos_token=bos or "", eos_token=eos or "")
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         # Special (added) tokens are skipped by decode(skip_special_tokens=True).
-        self.special_token_ids: frozenset[int] = frozenset(
-            i for i, t in tok.get_added_tokens_decoder().items() if t.special
-        )
+        added = tok.get_added_tokens_decoder()
+        self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        specials = sorted({str(t.content) for t in added.values() if t.special and t.content},
+                          key=len, reverse=True)
+        # A content can hold a special-token string only if it holds one of their first characters
+        # (one C-level scan each: the common case needs no regex).
+        self._special_first = frozenset(t[0] for t in specials)
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._literal: tokenizers.Tokenizer | None = None  # encode_special_tokens clone, on demand
 
     @classmethod
     def from_file(
@@ -138,6 +160,55 @@ class Tokenizer:
         if self._jinja is None:
             return render_chatml(messages, add_generation_prompt)
         return self._jinja.render(_plain_messages(messages), add_generation_prompt)
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether ``text`` holds the string of a special token (``<|im_start|>``, ...)."""
+        pat = self._special_re
+        if pat is None or not any(c in text for c in self._special_first):
+            return False
+        return pat.search(text) is not None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], rendered: str,
+                    add_generation_prompt: bool = True) -> list[int] | None:
+        """The token ids of ``rendered`` (:meth:`apply_chat_template` of ``messages``) with every
+        message content tokenized literally (see the module docstring), or None when no content
+        holds a special-token string: then ``encode(rendered)`` is exactly that. RequestError
+        (naming the content) when the template does not copy such a content verbatim."""
+        contents = [_content_text(m.get("content", ""), f"messages[{i}].content")
+                    if isinstance(m, Mapping) else "" for i, m in enumerate(messages)]
+        hot = [i for i, c in enumerate(contents) if self.has_special_text(c)]
+        if not hot:
+            return None
+        where = f"messages[{hot[0]}].content"
+        if any(_MARK_OPEN in c or _MARK_CLOSE in c for c in contents) or _MARK_OPEN in rendered:
+            raise RequestError(f"`{where}` holds a special-token string and the conversation holds "
+                               "U+E000/U+E001, which calserve needs to tell contents apart",
+                               param=where)
+        marked = [dict(m, content=f"{_MARK_OPEN}{i}{_MARK_CLOSE}") for i, m in enumerate(messages)]
+        parts = _MARK_RE.split(self.apply_chat_template(marked, add_generation_prompt))
+        # parts alternate: template text, content index, template text, ... (text first and
+        # last). The contents as they are, else as Jinja's ``trim`` leaves them (Llama 3's
+        # template trims every content), must give the rendering back.
+        for copied in (contents, [c.strip() for c in contents]):
+            if "".join(p if k % 2 == 0 else copied[int(p)] for k, p in enumerate(parts)) == rendered:
+                break
+        else:
+            raise RequestError(
+                f"`{where}` holds a special-token string, and this model's chat template does not "
+                "copy message contents verbatim (it rewrites them), so calserve cannot "
+                "keep that string from acting as a control token; remove it from the content",
+                param=where)
+        lit = self._literal
+        if lit is None:
+            lit = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            lit.encode_special_tokens = True  # special-token strings encode as ordinary text
+            self._literal = lit
+        ids: list[int] = []
+        for k, p in enumerate(parts):
+            text, enc = (p, self._tok) if k % 2 == 0 else (copied[int(p)], lit)
+            if text:
+                ids += enc.encode(text, add_special_tokens=False).ids
+        return ids
 
 
 def _plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
