@@ -268,7 +268,8 @@ class EngineCore:
             return self._take()
         step.finished = True
         assert step.nxt is not None
-        self.steps.complete(step.job, step.outcome, True, step.sampled, step.now)
+        # every sequence continues: fast_decode applied the finish rule as of step.now
+        self.steps.complete(step.job, step.outcome, True, step.sampled, step.now, continuing=True)
         self.planner.commit_continuation(step.nxt)
         self.flush()
         return self._take()

@@ -54,7 +54,11 @@ class StepHandler:
                 s.inbox.send_nowait(msg)
 
     def complete(self, job: DeviceJob, outcome: JobOutcome, verified: bool,
-                  sampled: Sampled | None, now: float) -> None:
+                  sampled: Sampled | None, now: float, continuing: bool = False) -> None:
+        """``job``'s completion as of ``now``. ``verified``: its echo and checksums were checked
+        already; ``sampled``: its tokens were drawn already; ``continuing``: the finish rule was
+        applied already, as of ``now``, and no sequence ends (``EngineCore.fast_decode`` decided the
+        next job on it: it is not evaluated twice)."""
         self.flush()
         seqs = job.seqs
         for s in seqs:
@@ -73,7 +77,8 @@ class StepHandler:
         else:
             reason = None if verified else self._check(job, r)
         if reason is None:
-            self._ok(job, seqs, sampled if sampled is not None else sample(job, seqs, r.logits), now)
+            self._ok(job, seqs, sampled if sampled is not None else sample(job, seqs, r.logits), now,
+                     continuing)
         else:
             self._failed(job, seqs, reason, outcome.timed_out, now)
 
@@ -157,7 +162,8 @@ class StepHandler:
             else:
                 reqs.end(s, error=exhausted(ev, s), now=now)
 
-    def _ok_decode(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float) -> None:
+    def _ok_decode(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float,
+                   continuing: bool = False) -> None:
         """:meth:`_ok` for a decode job, the per-token path: the same steps in the same order per
         lane, with what is the same for every lane looked up once per batch (the KV table's and
         the admission controller's methods, the ready set, the deferred list, the EOS set) and
@@ -195,7 +201,8 @@ class StepHandler:
             if first:
                 s.first_token_at = now
                 timeline.request(now, "first_token", rid)
-            reason = ends(s, tok, generated, position, now, eos)
+            # (``continuing``: the fast step found that no sequence ends, with these values)
+            reason = None if continuing else ends(s, tok, generated, position, now, eos)
             # the EOS / stop token itself is not shown to the client
             msg = new(Tokens, (tok, logprob, first, reason is stop))
             if reason is None:
@@ -211,9 +218,10 @@ class StepHandler:
             s.inbox.send_nowait(msg)
             reqs.end(s, reason, now=now)
 
-    def _ok(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float) -> None:
+    def _ok(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float,
+            continuing: bool = False) -> None:
         if self.fast and job.kind == "decode":
-            self._ok_decode(job, seqs, sampled, now)
+            self._ok_decode(job, seqs, sampled, now, continuing)
             return
         gen = job.gen
         reqs = self.requests

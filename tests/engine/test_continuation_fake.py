@@ -217,3 +217,28 @@ def test_continuations_reuse_the_hang_timeout_they_would_compute(
     assert res["continuations"] > 0
     assert all(t == fresh for _, t, fresh in seen)
     assert sum(kept for kept, _, _ in seen) >= res["continuations"] // 2
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_fast_step_applies_the_finish_rule_once_per_token(monkeypatch: pytest.MonkeyPatch,
+                                                            batch: int) -> None:
+    # The fast step decides that every sequence continues (completion.ends per lane) before the
+    # bookkeeping; the bookkeeping then takes that decision instead of applying the rule again.
+    import calserve.engine.core as core_mod
+    import calserve.engine.steps as steps_mod
+
+    calls = {"core": 0, "steps": 0}
+    for name, mod in (("core", core_mod), ("steps", steps_mod)):
+        def counted(*args: Any, _ends: Any = mod.ends, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _ends(*args)
+        monkeypatch.setattr(mod, "ends", counted)
+    work: Workload = [(0.0, (1, 2, 3), 40, "a"), (0.0, (4, 5), 40, "b")][:2 if batch > 1 else 1]
+    res = _run_fresh(monkeypatch, "fast", work, batch, 1)
+    _check_outputs(res, work)
+    tokens = 40 * len(work)
+    assert res["fast"] >= 30
+    # once per token; twice only for a request's prefill (its bookkeeping is the general one) and
+    # for a lane of the step in which some sequence ends (the fast step stops there and the
+    # general bookkeeping applies the rule to the whole step). Applied twice: 2 x tokens.
+    assert tokens <= calls["core"] + calls["steps"] <= tokens + 2 * len(work)
