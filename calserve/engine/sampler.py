@@ -254,12 +254,17 @@ _BUCKET_SHIFT: Final = np.uint64(48)
 _BUCKETS: Final = 16 * 64 + 1  # 64 octaves below the maximum, then one bucket for the rest
 
 
-def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64]) -> npt.NDArray[np.bool_]:
-    """The top-p set of each row of weights ``e`` (max 1.0) without sorting the vocabulary.
+def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64],
+                  x: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
+    """The top-p set of each row of weights ``e = exp(x/T - max)`` (max 1.0) without sorting the
+    vocabulary.
 
     Bucket masses (a histogram over float bits) locate the bucket where the cumulative mass in
     descending order crosses top_p: buckets above it are kept whole, buckets below dropped, and
-    only the tokens of that one bucket are sorted (value desc, id asc) to find the exact cut."""
+    only the tokens of that one bucket are sorted to find the exact cut, by (logit ``x`` desc,
+    id asc): the order top-k and greedy use. Weights can tie where the logits do not (``exp`` of
+    a difference below float64's resolution is 1.0: logits 0 and 2.8e-24 both weigh 1.0), and
+    then the higher logit ranks first, as it does for greedy (found by a random-seed run)."""
     m, v = e.shape
     z = e.sum(axis=1)
     top_key = np.uint64(0x3FF0)  # 1.0 >> 48
@@ -278,10 +283,12 @@ def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64]) ->
     width = max(int(counts.max()), 1)
     slot = np.arange(rows_i.size) - (np.cumsum(counts) - counts)[rows_i]
     ids = np.full((m, width), v, dtype=np.int64)
-    vals = np.full((m, width), -1.0, dtype=np.float64)  # padding sorts last and has no mass
+    vals = np.full((m, width), 0.0, dtype=np.float64)  # padding has no mass ...
+    logit = np.full((m, width), -np.inf, dtype=np.float32)  # ... and sorts last
     ids[rows_i, slot] = cols
     vals[rows_i, slot] = e[rows_i, cols]
-    order = np.lexsort((ids, -vals), axis=-1)
+    logit[rows_i, slot] = x[rows_i, cols]
+    order = np.lexsort((ids, -logit), axis=-1)
     ids = np.take_along_axis(ids, order, axis=1)
     q = np.maximum(np.take_along_axis(vals, order, axis=1), 0.0) / z[:, None]
     kb = _nucleus_of_sorted(q, top_p, before)
@@ -308,7 +315,7 @@ def _draw_nucleus(
     e = _exp_shifted(rows, temps)
     if min_p is not None:
         _drop_below(e, min_p)
-    keep = _nucleus_mask(e, top_p)
+    keep = _nucleus_mask(e, top_p, rows)
     np.multiply(e, keep, out=e)
     return _draw_id_order(e, u)
 

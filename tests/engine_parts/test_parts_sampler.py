@@ -121,6 +121,18 @@ def test_top_k_one_and_tiny_top_p_are_greedy(data: st.DataObject) -> None:
     assert p0.tolist() == greedy.tolist()
 
 
+@pytest.mark.parametrize("top_p", [1e-9, 0.4])
+def test_top_p_ranks_by_logit_where_the_weights_tie(top_p: float) -> None:
+    # exp(2.8e-24 - 2.8e-24) and exp(0 - 2.8e-24) are both 1.0 in float64: the weights tie, the
+    # logits do not. A tiny top-p keeps the higher logit alone (= greedy), whatever the seed, and
+    # so does any top-p below one half (found by a random-seed hypothesis run).
+    x = np.array([[0.0, 2.8193624e-24], [2.8193624e-24, 0.0]], dtype=np.float32)
+    for seed in range(20):
+        lanes = [LaneSampling(temperature=1.0, top_p=top_p, seed=seed)] * 2
+        assert sample_batch(x, lanes).tokens.tolist() == [1, 0]
+        assert [_reference(row, ln) for row, ln in zip(x, lanes)] == [1, 0]
+
+
 @given(st.data())
 def test_seeded_lane_independent_of_batch_position_and_mates(data: st.DataObject) -> None:
     v = data.draw(st.integers(2, 300))
