@@ -146,6 +146,11 @@ class Unloader:
                 await gen.calbin.free_sequences(leftover)
             if not keep_listed:  # no pass sees it any more (it would re-create its queues)
                 self.models.generations.pop(gen.id, None)
+                # ... and no request resolves to it: an alias still naming it goes in the same
+                # step (an explicit unload used to drop it only after the frees below, and a
+                # request arriving during them failed inside the engine: KeyError, not a 404)
+                if self.models.aliases.get(gen.alias) == gen.id:
+                    del self.models.aliases[gen.alias]
             core.requests.forget(gen)
             core.builder.forget(gen)
             core.planner.share.forget(gen.id)

@@ -103,3 +103,32 @@ async def test_unload_ends_waiting_requests_at_once(autojump_clock: Any) -> None
         assert t_wait < 0.01
         t_run, term_run = ends["running"]
         assert isinstance(term_run, FinishEvent) and t_run > 0.15
+
+
+async def test_a_request_during_an_unloads_frees_is_a_404_not_an_engine_error(
+        autojump_clock: Any, monkeypatch: Any) -> None:
+    # Found by a random-seed run of test_control_machine_fake: an explicit unload unlisted the
+    # generation, then freed its sequences and calbins (awaits), and only then dropped the alias;
+    # a request arriving in between resolved the alias to the unlisted generation: KeyError.
+    import calserve.engine.unload as unload_mod
+    from calserve.engine.types import GenerateRequest, SamplingParams
+    from calserve.errors import UnknownModel
+
+    seen: list[BaseException | None] = []
+    release = unload_mod.release_members
+
+    async def release_and_ask(gen: Any) -> None:
+        try:
+            await eng.submit(GenerateRequest((1, 2), SamplingParams(max_tokens=2), model="qwen3"))
+            seen.append(None)
+        except Exception as e:  # noqa: BLE001 - what the request got is the point
+            seen.append(e)
+        await release(gen)
+
+    monkeypatch.setattr(unload_mod, "release_members", release_and_ask)
+    async with Engine.open(config(), backend=FakeBackend("sim-next"),
+                           sources={"qwen3": fake_source(profiles=(1,))}) as eng:
+        out = await eng.control.unload("qwen3", 1.0)
+        assert out["state"] == "Unloaded"
+        assert "qwen3" not in eng.model_manager.aliases
+    assert len(seen) == 1 and isinstance(seen[0], UnknownModel), seen
