@@ -1,7 +1,8 @@
 """Shared test configuration.
 
 Hypothesis: the ``ci`` profile (default) is derandomized with a fixed example budget so runs are
-reproducible on a loaded 2-core machine; ``--hypothesis-profile=long`` explores more.
+reproducible on a loaded 2-core machine; ``HYPOTHESIS_PROFILE=long`` (random seeds, up to 2,000
+examples a test) explores more (README "Tests").
 """
 
 from __future__ import annotations
