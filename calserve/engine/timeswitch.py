@@ -148,9 +148,13 @@ class TimeSwitcher:
         while (now := trio.current_time()) < until:
             if self.c.unloader.load_of(gen) == (0, 0):
                 idle_since = now if idle_since is None else idle_since
-                if now - idle_since >= grace:
+                # One arithmetic for the test and the wake-up: ``now - idle_since >= grace`` can
+                # be false where ``idle_since + grace <= now`` (float rounding), and then the wait
+                # below ended at once, for ever, at a fixed time (found by a random-seed run).
+                idle_until = idle_since + grace
+                if now >= idle_until:
                     return  # idle for a while: no one is being served by keeping it
-                wake = min(until, idle_since + grace)
+                wake = min(until, idle_until)
             else:
                 idle_since = None
                 wake = until
