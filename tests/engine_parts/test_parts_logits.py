@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from calserve.engine.logits import LaneHistory, LaneLogits, apply_processors
@@ -36,20 +36,28 @@ def generate(row: np.ndarray, steps: int, seed: int, *, freq: float = 0.0, pres:
     return toks
 
 
-def repetition(toks: list[int]) -> int:
-    """Sum of squared counts: larger when the same tokens come back more often."""
-    return int((np.bincount(toks) ** 2).sum())
+def distinct(row: np.ndarray, seed: int, **kw: float) -> int:
+    """Distinct tokens over four 48-token generations from ``row`` (sampling seeds seed..seed+3):
+    fewer when the same tokens come back more often."""
+    return sum(len(set(generate(row, 48, seed + j, **kw))) for j in range(4))
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1))
+@given(seed=st.integers(0, 2**32 - 4))
+@example(seed=3515)
 def test_penalties_change_repetition_in_the_right_direction(seed: int) -> None:
+    """Sampling is random, so the direction is asserted over four generations (same sampling seeds
+    with and without the penalty), and repetition is counted as distinct tokens, what presence
+    penalises. One generation per seed, or the sum of squared counts, is not monotone: a random-seed
+    run found seed 3515, where repetition_penalty 0.2 also boosts the prompt's tokens and the one
+    dominant token shares its steps with them (fewer repeats of it, more tokens repeated); checked
+    on 1,500 more seeds without a counterexample."""
     row = logits_rows(seed, 1)[0]
-    base = repetition(generate(row, 48, seed))
+    base = distinct(row, seed)
     for kw in ({"freq": 2.0}, {"pres": 2.0}, {"rep": 3.0}):
-        assert repetition(generate(row, 48, seed, **kw)) <= base, kw
+        assert distinct(row, seed, **kw) >= base, kw
     for kw in ({"freq": -2.0}, {"pres": -2.0}, {"rep": 0.2}):
-        assert repetition(generate(row, 48, seed, **kw)) >= base, kw
+        assert distinct(row, seed, **kw) <= base, kw
 
 
 @settings(max_examples=60, deadline=None)
