@@ -134,11 +134,15 @@ def main() -> None:
     cpu = dict(per)
     lcp = {t: 0.0 for t in ((1, 2) if args.llama_cpp else ())}
     lcp_cpu = dict(lcp)
+    round_ratio: list[float] = []  # each round's B16 aggregate / B1 tok/s (both measured in it)
     with Device.open("sim-next", dram_bytes=16 << 30) as dev:
         for _ in range(max(1, args.rounds)):
+            this = {}
             for b in per:
                 wall, cpu_s = bench_batch(dev, w, b, args.steps, cfg, args.reps)
                 per[b], cpu[b] = min(per[b], wall), min(cpu[b], cpu_s)
+                this[b] = wall
+            round_ratio.append(16 * this[1] / this[16])
             for t in lcp:
                 tps, cps = bench_llama_cpp(args.llama_python, args.llama_cpp, t, 2 * args.steps, args.reps)
                 lcp[t], lcp_cpu[t] = max(lcp[t], tps), max(lcp_cpu[t], cps)
@@ -149,6 +153,10 @@ def main() -> None:
     print(f"B16 step = {per[16] / per[1]:.2f} x B1 step (vs 16x if lanes were run one by one); "
           f"B16 costs {per[16] / (16 * per[1]) * 100:.0f}% of 16 B1 steps; "
           f"B16 aggregate = {16 * per[1] / per[16]:.1f} x B1 tok/s")
+    if len(round_ratio) > 1:  # a noisy host: how much the ratio moves from round to round
+        rr = sorted(round_ratio)
+        print(f"B16 aggregate / B1 per round ({len(rr)} rounds): median {rr[len(rr) // 2]:.1f}x, "
+              f"min {rr[0]:.1f}x, max {rr[-1]:.1f}x")
     for t, tps in lcp.items():
         print(f"llama.cpp B1 ({t} thread{'s' if t > 1 else ''}): {1e3 / tps:8.2f} ms/step  {tps:8.1f} tok/s"
               f"  ({lcp_cpu[t]:6.1f} tok per CPU s);  calrt-sim B1 / llama.cpp = {1 / per[1] / tps:.2f}x,"
