@@ -21,8 +21,14 @@ as VTC's experiments and the ``fairness-backlogged`` bench): VTC's ``2 x U`` wit
 output tokens (a decode job whose lanes all go to one tenant), and every job goes to the least-served
 tenant with work of that kind (the lane order and the prefill pick both follow the counters). One term
 more than VTC's: the least-served tenant's prompt may wait behind the ``k = ceil(decode_weight /
-short_prefill_weight) = 2`` decode jobs of the service round robin, which go to the others. So
-``U = max(L_in, 2 B) + k x 2 B`` and the gap is at most ``2 U / w_min`` over weighted counters.
+short_prefill_weight) = 2`` decode jobs of the service round robin, which go to the others. And one
+unlike VTC, whose scheduler admits from the least-served client: here admission orders by the admission
+clock (below), which may have admitted the tenant ahead last, so the least-served tenant can have no
+prompt waiting and the one ahead gets a second prefill with only those k decode jobs between (a
+random-seed run found it: two tenants of weight 1, B4, 33-token prompts, 19 output tokens, a span of
+102 against 98 without this term). So ``U = max(L_in, 2 B) + k x 2 B + max(0, L_in - k x 2 B)`` and
+the gap is at most ``2 U / w_min`` over weighted counters (1,900 random cases: at most 0.77 of it;
+without the last term the bound was exceeded in 5 of them, by up to 17 %).
 
 For mixed shapes the prefill of a tenant that is ahead can still be the only prompt waiting (admission
 reserves a request's whole cost, output included, and an output-heavy tenant takes many lanes' turns
@@ -36,7 +42,7 @@ hence ``gap <= max F - min F + max_i E_i / w_i``.
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from calserve.config import QueuesConfig
@@ -118,12 +124,13 @@ weights_st = st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=2, max_size=6)
 @settings(max_examples=25)
 @given(weights=weights_st, b=st.sampled_from([1, 4, 8, 16]), prompt=st.integers(1, 512),
        output=st.integers(1, 512), jobs=st.integers(50, 250))
+@example(weights=[1.0, 1.0], b=4, prompt=33, output=19, jobs=135)
 def test_one_request_shape_gap_within_vtc_bound(weights: list[float], b: int, prompt: int,
                                                 output: int, jobs: int) -> None:
     shapes = {f"t{i}": [(prompt, output)] for i in range(len(weights))}
     q = QueuesConfig()
     k = -(-q.decode_weight // q.short_prefill_weight)  # decode jobs between two prefill turns
-    bound = 2 * (max(prompt, COST * b) + k * COST * b) / min(weights)
+    bound = 2 * (max(prompt, COST * b) + k * COST * b + max(0, prompt - k * COST * b)) / min(weights)
     span: dict[tuple[str, str], tuple[float, float]] = {}  # pair -> (min D, max D) since start-up
 
     def check(adm: AdmissionController, names: list[str], w: dict[str, float]) -> None:
