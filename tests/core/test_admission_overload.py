@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from calserve.config import AdmissionConfig, QueuesConfig
@@ -291,13 +291,18 @@ def simulate(seed: int, batch: int, step_s: float, slo_s: float, load: float = 3
 
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 1000), batch=st.sampled_from([1, 4, 16]), slo=st.sampled_from([0.3, 1.0]))
+@example(seed=405, batch=1, slo=1.0)
 def test_simulated_overload_admitted_requests_wait_within_the_bound(seed: int, batch: int,
                                                                     slo: float) -> None:
     by_id, admitted, refused, busy = simulate(seed, batch, 0.004, slo,
                                               seconds=6.0 if batch == 1 else 4.0)
     waits = sorted(by_id.values())
     p99 = waits[int(0.99 * (len(waits) - 1))]
-    assert refused > admitted  # 3x overload: most of it refused
+    # 3x overload: ~2/3 to refuse, less the SLO's worth of queue admitted at the start (at B1 and
+    # 1 s, ~4 requests of ~25) and the noise of 50-70 Poisson arrivals. "refused > admitted" failed
+    # a random-seed run (seed 405, B1, 1 s: 25 refused, 28 admitted of 53 arrivals, 2 sigma few);
+    # over 251 seeds x 6 shapes the refused share was at least 0.44-0.63 per shape, median 0.58-0.67.
+    assert refused >= 0.4 * (refused + admitted), (refused, admitted)
     assert p99 <= 1.2 * slo, (p99, max(waits))
     # ... and the device kept busy (B1 with a 0.3 s SLO keeps at most ~1 request queued while a
     # request takes 0.25 s of device time: a gap now and then)
