@@ -2,7 +2,8 @@
 
 ``with Server.calserve(config_dict, run_dir) as srv:`` writes ``run_dir/config.yaml``, starts
 ``python -m bench.serve_entry --config ... --port P`` on a free 127.0.0.1 port (pinned to core 0 with
-``taskset`` when available; the load generator pins itself to core 1 with :func:`pin_self`), waits for
+``taskset`` when available; the load generator pins itself to core 1 with :func:`pin_self`; ``core=None``:
+every CPU the generator had before it pinned itself), waits for
 ``GET /ready`` == 200, captures stdout+stderr to ``run_dir/server.log``, and on exit sends SIGINT, then
 SIGTERM, then SIGKILL, whatever happened inside the block.
 
@@ -27,7 +28,7 @@ from typing import IO, Any
 
 import yaml
 
-__all__ = ["Server", "free_port", "pin_self", "BENCH_OUT", "REPO"]
+__all__ = ["Server", "affinity_prefix", "free_port", "pin_self", "BENCH_OUT", "REPO"]
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_OUT = REPO / "bench" / "out"
@@ -39,15 +40,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The CPUs this process could run on before :func:`pin_self` pinned it (None: never pinned). A
+#: server started with ``core=None`` gets them: a child inherits its parent's affinity, so an
+#: "unpinned" server started by a pinned load generator would otherwise share the generator's core.
+_UNPINNED_CPUS: set[int] | None = None
+
+
 def pin_self(core: int = 1) -> bool:
     """Pin this process (the load generator) to ``core`` when the machine has it."""
+    global _UNPINNED_CPUS
     try:
         if core < (os.cpu_count() or 1):
+            if _UNPINNED_CPUS is None:
+                _UNPINNED_CPUS = set(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {core})
             return True
     except (AttributeError, OSError):
         pass
     return False
+
+
+def affinity_prefix(core: int | None) -> list[str]:
+    """The ``taskset`` prefix of a server's command: ``core``, or with ``core=None`` every CPU this
+    process had before :func:`pin_self` (nothing when it never pinned itself, or without taskset)."""
+    if not shutil.which("taskset"):
+        return []
+    if core is not None:
+        return ["taskset", "-c", str(core)] if core < (os.cpu_count() or 1) else []
+    if _UNPINNED_CPUS is None:
+        return []
+    return ["taskset", "-c", ",".join(str(c) for c in sorted(_UNPINNED_CPUS))]
 
 
 def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -93,8 +115,7 @@ class Server:
         run_dir.mkdir(parents=True, exist_ok=True)
         port = port or free_port()
         cmd = [a.replace("{port}", str(port)) for a in argv]
-        if core is not None and shutil.which("taskset") and core < (os.cpu_count() or 1):
-            cmd = ["taskset", "-c", str(core)] + cmd
+        cmd = affinity_prefix(core) + cmd  # core=None: every CPU, not the load generator's one
         full_env = dict(os.environ)
         full_env.setdefault("CALSERVE_HOME", str(BENCH_OUT / ".home"))
         full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
