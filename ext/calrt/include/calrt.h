@@ -296,7 +296,9 @@ typedef struct calrt_job_result {
   const float *logits;     /* [lanes, vocab]; valid until calrt_job_release */
   const int64_t *echo;     /* [lanes, 3] (job_id, seq_id, position) */
   const uint64_t *checksum;/* [lanes] */
-  double device_us;        /* wall time from the job's start on the engine (it has the device) to completion */
+  double device_us;        /* time from the job's start on the engine (it has the device) to its completion
+                            * on the device, by the device's clock (the software runtime: the modeled
+                            * span, or the computation when longer; a failed job: to its report) */
 } calrt_job_result;
 
 /* A prefill job: the whole prompt (n >= 1 tokens) appended at the sequence's committed_len; one output

@@ -275,7 +275,8 @@ static void set_busy(calrt_job *j, int busy) {
 }
 
 /* Complete the job at the head of the engine's queue (chip->mu held). */
-static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, double start_us) {
+static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, double start_us,
+                     double device_us) {
   calrt_calbin *cb = j->cb;
   size_t V = (size_t)cb->m.vocab_size;
   if (status != CALRT_JOB_OK) {
@@ -300,7 +301,8 @@ static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, doubl
   pthread_cond_broadcast(&e->chip->changed);
   pthread_mutex_lock(&j->mu);
   j->status = status;
-  j->device_us = start_us > 0 ? sim_now_us() - start_us : 0.0;
+  j->device_us = start_us <= 0 ? 0.0 : status == CALRT_JOB_OK && device_us >= 0 ? device_us
+                                                                               : sim_now_us() - start_us;
   j->state = JOB_DONE;
   j->done = 1;
   pthread_cond_broadcast(&j->cond);
@@ -316,9 +318,12 @@ static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, doubl
   calrt_job_release(j); /* the engine's reference */
 }
 
-/* Run queue[0] (chip->mu held; released during compute and modeled time). Returns its status. */
-static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io) {
+/* Run queue[0] (chip->mu held; released during compute and modeled time). Returns its status.
+ * *start_io: in, when this worker took the job; out, its modeled start on the device. *device_us:
+ * how long the job had the device (see below; < 0: until now). */
+static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, double *device_us) {
   double start = *start_io;
+  *device_us = -1.0;
   sim_chip *ch = e->chip;
   calrt_calbin *cb = j->cb;
   if (atomic_load(&j->abort)) return CALRT_JOB_ABORTED;
@@ -331,16 +336,24 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io) {
   int null = cb->dev->null_compute;
   pthread_mutex_unlock(&ch->mu);
   if (!e->pool && !null && cb->has_weights) e->pool = sim_pool_new(sim_pool_default_threads());
+  const double d = sim_modeled_us(cb, j); /* the modeled device time (0: timing none) */
+  /* the computation's CPU time on this thread, for a timed job (see device_us below) */
+  struct timespec c0 = {0, 0}, c1 = {0, 0};
+  if (d > 0) clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
   int rc = sim_forward(cb, j, null, e->pool);
   size_t V = (size_t)cb->m.vocab_size;
   for (int32_t l = 0; l < j->lanes; l++)
     j->checksum[l] = j->valid[l] ? calrt_checksum(j->logits + (size_t)l * V, V * sizeof(float)) : 0;
+  if (d > 0) clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+  const double compute_wall_us = sim_now_us() - start;
+  const double compute_cpu_us =
+      (double)(c1.tv_sec - c0.tv_sec) * 1e6 + (double)(c1.tv_nsec - c0.tv_nsec) / 1e3;
   pthread_mutex_lock(&ch->mu);
   /* Timing model: the shared part of the job ((1 - overlap) of it) serialises with the other engine.
    * The modeled device starts a job when it is submitted (or when the engine's previous job ends),
    * not when this worker thread got a CPU: on a busy host the thread's wake-up latency would
    * otherwise be added to every job as if it were device time. */
-  double d = sim_modeled_us(cb, j), end = start;
+  double end = start;
   if (d > 0) {
     double t0 = j->submit_us > e->free_at_us ? j->submit_us : e->free_at_us;
     if (t0 > start) t0 = start;
@@ -355,6 +368,16 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io) {
     *start_io = s;
   }
   if (cb->dev->jitter_us > 0) end += (double)(sim_rng_next(&ch->rng) % (uint64_t)(cb->dev->jitter_us + 1));
+  /* The job's time on the device, by the device's clock. With a timing model: the modeled span (with
+   * the jitter), or the computation's CPU time on this thread when that is longer (the host cannot
+   * compute the model at the modeled rate). Timing none: the computation's wall time (the host is the
+   * device). Not this thread's wake-up after the timed wait below, nor the time its computation
+   * waited for a CPU another thread of the host held: that is the host's scheduling, which a device's
+   * clock would not see. (Counted in, a serving host busy enough to wake the worker late read as a
+   * slow device step: spec §14's P99 condition turned PING/PONG off, and the device then idled while
+   * the host turned each job around.) */
+  const double span_us = end - *start_io, own_us = d > 0 ? compute_cpu_us : compute_wall_us;
+  *device_us = span_us > own_us ? span_us : own_us;
   struct timespec ts;
   sim_deadline_ts(end, &ts);
   while (!atomic_load(&j->abort) && sim_now_us() < end)
@@ -393,9 +416,9 @@ static void *worker(void *arg) {
     if (ch->stop) break;
     calrt_job *j = e->queue[0];
     j->state = JOB_RUNNING;
-    double start = sim_now_us();
-    calrt_job_status st = run(e, j, &start);
-    complete(e, j, st, start);
+    double start = sim_now_us(), device_us;
+    calrt_job_status st = run(e, j, &start, &device_us);
+    complete(e, j, st, start, device_us);
   }
   pthread_mutex_unlock(&ch->mu);
   sim_pool_free(e->pool); /* only this thread ever used it */
