@@ -54,7 +54,7 @@ struct calrt_job;
 /* pool.c: worker threads inside one job (see pool.c). fn(ctx, task, worker): worker in [0, threads). */
 typedef struct sim_pool sim_pool;
 typedef void (*sim_task_fn)(void *ctx, int task, int worker);
-int sim_pool_default_threads(void); /* CALRT_SIM_THREADS, else the CPUs online */
+int sim_pool_default_threads(void); /* CALRT_SIM_THREADS, else the CPUs this thread may run on */
 sim_pool *sim_pool_new(int n_threads); /* NULL on host OOM (callers then run single-threaded) */
 int sim_pool_threads(const sim_pool *p);
 void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks);

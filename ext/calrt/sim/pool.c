@@ -9,9 +9,10 @@
  * Which thread runs a task never changes what it computes: each task writes its own outputs with its
  * own fixed order of operations.
  *
- * Size: CALRT_SIM_THREADS (1 = no helpers, the old single-threaded kernels), else the CPUs online,
- * at most SIM_POOL_MAX.
+ * Size: CALRT_SIM_THREADS (1 = no helpers, the old single-threaded kernels), else the CPUs the engine's
+ * thread may run on (usable_cpus), at most SIM_POOL_MAX.
  */
+#include <sched.h>
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
@@ -115,11 +116,23 @@ static void *helper(void *arg) {
   return NULL;
 }
 
+/* The CPUs this thread may run on (its affinity mask, as `nproc` counts), else the CPUs online. A
+ * process pinned to one core (a benchmark's server, one replica per core) then computes on one thread:
+ * a second thread on the same core only takes turns with the first, and spins while it waits. */
+static long usable_cpus(void) {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+  return sysconf(_SC_NPROCESSORS_ONLN);
+}
+
 int sim_pool_default_threads(void) {
   const char *env = getenv("CALRT_SIM_THREADS");
   long n = 0;
   if (env && *env) n = strtol(env, NULL, 10);
-  if (n < 1) n = sysconf(_SC_NPROCESSORS_ONLN);
+  if (n < 1) n = usable_cpus();
   if (n < 1) n = 1;
   if (n > SIM_POOL_MAX) n = SIM_POOL_MAX;
   return (int)n;
