@@ -9,20 +9,16 @@ over while 8 requests decode on a 1 ms B4 step with two engines, well past the g
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
-import trio
+from busy_host import busy_host  # tests/busy_host.py (tests/ is on sys.path: its conftest)
 
 from calserve.config import decode_config
 from calserve.engine.engine import Engine
-from calserve.engine.types import GenerateRequest, SamplingParams
 from calserve.models.source import ModelSource
 from calserve.runtime import Timing
 
-SPIN = "import time\nt = time.monotonic() + 120\nwhile time.monotonic() < t: pass\n"
+from .helpers import greedy_concurrently
 
 
 @pytest.mark.timeout(180)
@@ -34,24 +30,10 @@ async def test_a_busy_host_does_not_turn_pingpong_off(demo_source: ModelSource) 
     step = Timing(prefill_base_us=200.0, prefill_us_per_token=5.0, decode_step_us={4: 1000.0},
                   pingpong_overlap=0.0)
     source = dataclasses.replace(demo_source, timing={b: step for b in demo_source.profiles})
-    hogs = [subprocess.Popen([sys.executable, "-c", SPIN])
-            for _ in range(2 * len(os.sched_getaffinity(0)))]
-    try:
+    with busy_host(settle_s=0.0):
         async with Engine.open(cfg, sources={"qwen3": source}) as eng:
-            async def one(i: int) -> None:
-                h = await eng.submit(GenerateRequest((11 + i, 22, 33), SamplingParams(
-                    temperature=0.0, max_tokens=96, ignore_eos=True)))
-                async for _ in h.events():
-                    pass
-
-            async with trio.open_nursery() as n:
-                for i in range(8):  # two B4 batches in flight: one per engine
-                    n.start_soon(one, i)
+            # two B4 batches in flight: one per engine
+            await greedy_concurrently(eng, [(11 + i, 22, 33) for i in range(8)], [96] * 8)
             st = eng.statistics()
-    finally:
-        for h in hogs:
-            h.kill()
-        for h in hogs:
-            h.wait()
     assert st.pingpong_state == "dual", (st.pingpong_state, st.pingpong_degradations_total)
     assert not st.pingpong_degradations_total, st.pingpong_degradations_total

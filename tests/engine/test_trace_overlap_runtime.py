@@ -9,14 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import trio
 
 from calserve.config import decode_config
 from calserve.engine.engine import Engine
 from calserve.engine.trace import chrome_trace, overlap_fraction
-from calserve.engine.types import GenerateRequest, SamplingParams
 from calserve.models.source import ModelSource
 from calserve.models.timing import timing_profile
+
+from .helpers import greedy_concurrently
 
 
 async def _overlap(source: ModelSource, timing: str) -> float:
@@ -26,15 +26,8 @@ async def _overlap(source: ModelSource, timing: str) -> float:
     })
     source = dataclasses.replace(source, timing={b: timing_profile(timing) for b in source.profiles})
     async with Engine.open(cfg, sources={"qwen3": source}) as eng:
-        async def one(i: int) -> None:
-            h = await eng.submit(GenerateRequest((11 + i, 22, 33), SamplingParams(
-                temperature=0.0, max_tokens=24, ignore_eos=True)))
-            async for _ in h.events():
-                pass
-
-        async with trio.open_nursery() as n:
-            for i in range(8):  # two B4 batches: one per engine
-                n.start_soon(one, i)
+        # two B4 batches: one per engine
+        await greedy_concurrently(eng, [(11 + i, 22, 33) for i in range(8)], [24] * 8)
         return overlap_fraction(chrome_trace(eng.trace_events()))["overlap"]
 
 

@@ -11,12 +11,10 @@ each job around (bench/README.md, "The device's clock and the PING/PONG guard").
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
+from busy_host import busy_host  # tests/busy_host.py (tests/ is on sys.path: its conftest)
 
 from calserve.runtime import Calbin, Device, JobEngine, JobStatus, ProfileSpec, Timing
 from calserve.runtime.reference import ModelConfig, random_weights
@@ -66,16 +64,8 @@ def test_a_busy_host_is_not_device_time(device: Device, small_weights: dict) -> 
     cb = device.load_calbin(SMALL, small_weights, ProfileSpec(1, 64, 4),
                             timing=Timing(decode_step_us={1: STEP_US}))
     seq = _sequence(cb)
-    spin = "import time\nt = time.monotonic() + 60\nwhile time.monotonic() < t: pass\n"
-    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2 * (len(_cpus()) or 1))]
-    try:
-        time.sleep(0.2)  # the hogs are running
+    with busy_host():
         steps = _steps(cb, seq, 20)
-    finally:
-        for h in hogs:
-            h.kill()
-        for h in hogs:
-            h.wait()
     assert all(d == pytest.approx(STEP_US, abs=0.01) for d, _ in steps), steps
     assert all(w >= d for d, w in steps)
 
@@ -96,9 +86,3 @@ def test_untimed_jobs_report_their_computation(device: Device) -> None:
     for dev_us, wall in _steps(cb, _sequence(cb), 4):
         assert 0.0 < dev_us <= wall
 
-
-def _cpus() -> set[int]:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
