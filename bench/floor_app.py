@@ -5,6 +5,10 @@ Two uses:
   server CPU per streamed event here is the floor any serving layer on this stack pays (one ``send`` per
   event, a pre-encoded chunk of the same size as calserve's; ``--tokens-per-event`` groups tokens into
   events as calserve's streams did, so the floor per token is read at the same grouping).
+  With ``--events-per-s R`` the streams' events are handed out at R per second in all, first come
+  first served (:class:`EventPace`: one producer task wakes the waiting streams, as calserve's engine
+  wakes a stream when its tokens are ready): the floor at calserve's own event rate, where each
+  event finds its stream and its client waiting, as calserve's do, instead of a stack run flat out.
 - ``tests/bench`` runs it in-process as a fake OpenAI-compatible server with a per-token delay, a
   concurrency cap (429 + Retry-After above it), injected mid-stream errors and fake ``calserve_*``
   metrics, to check the load generator's accounting without the real server.
@@ -15,6 +19,7 @@ Run: ``python -m bench.floor_app --port 8100 [--token-delay-ms 2] [--max-infligh
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
@@ -23,7 +28,7 @@ from typing import Any
 import msgspec
 import trio
 
-__all__ = ["FloorOptions", "FloorApp", "serve_floor", "main"]
+__all__ = ["FloorOptions", "FloorApp", "EventPace", "serve_floor", "main"]
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -39,7 +44,55 @@ class FloorOptions:
     error_every: int = 0  # every Nth request sends an error event mid-stream (0 = never)
     chunk_bytes: int = 0  # pad each event's JSON to about this size (0 = natural size)
     tokens_per_event: float = 1.0  # tokens grouped into one event (as calserve's streams group them)
+    events_per_s: float = 0.0  # all streams' events together at this rate (0 = unpaced): EventPace
     model: str = "floor"
+
+
+class EventPace:
+    """Hands out turns to send an event at ``rate`` per second across all streams, in the order
+    they asked (:meth:`turn`). A producer task (started on the first turn) wakes every ``tick_s``
+    and releases the turns due since; a waiting stream is parked without a timer of its own, the
+    way calserve's streams wait for their engine. No turns are banked while nobody waits."""
+
+    def __init__(self, rate: float, tick_s: float = 0.001) -> None:
+        if rate <= 0:
+            raise ValueError("rate must be > 0")
+        self.rate = rate
+        self.tick_s = tick_s
+        self._waiting: collections.deque[list[Any]] = collections.deque()  # [task or None]
+        self._credit = 0.0
+        self._started = False
+        self.turns = 0
+
+    async def turn(self) -> None:
+        if not self._started:
+            self._started = True
+            trio.lowlevel.spawn_system_task(self._produce)
+        entry: list[Any] = [trio.lowlevel.current_task()]
+        self._waiting.append(entry)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            entry[0] = None  # cancelled: the producer skips it
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    async def _produce(self) -> None:
+        last = trio.current_time()
+        waiting = self._waiting
+        while True:
+            await trio.sleep(self.tick_s)
+            now = trio.current_time()
+            self._credit += (now - last) * self.rate
+            last = now
+            while self._credit >= 1.0 and waiting:
+                task = waiting.popleft()[0]
+                if task is not None:
+                    trio.lowlevel.reschedule(task)
+                    self._credit -= 1.0
+                    self.turns += 1
+            if not waiting:
+                self._credit = min(self._credit, 1.0)
 
 
 class _Chunk(msgspec.Struct):
@@ -62,6 +115,7 @@ class FloorApp:
         self.rejected = 0
         self.completed = 0
         self._enc = msgspec.json.Encoder()
+        self._pace = EventPace(opts.events_per_s) if opts.events_per_s > 0 else None
 
     def _event(self, rid: str, chat: bool, text: str, finish: str | None) -> bytes:
         choice: dict[str, Any] = ({"index": 0, "delta": {"content": text}, "finish_reason": finish}
@@ -165,6 +219,8 @@ class FloorApp:
                     return
                 if self.opts.token_delay_s:
                     await trio.sleep(self.opts.token_delay_s)
+                if self._pace is not None:
+                    await self._pace.turn()
                 await send({"type": "http.response.body", "body": ev, "more_body": True})
                 self.events_sent += 1
                 sent += k
@@ -221,9 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-bytes", type=int, default=0)
     ap.add_argument("--tokens-per-event", type=float, default=1.0,
                     help="group this many tokens (mean) into one event, as calserve's streams do")
+    ap.add_argument("--events-per-s", type=float, default=0.0,
+                    help="hand out all streams' events at this rate (calserve's, to compare at its pace)")
     a = ap.parse_args(argv)
     app = FloorApp(FloorOptions(token_delay_s=a.token_delay_ms / 1000, max_inflight=a.max_inflight,
-                                chunk_bytes=a.chunk_bytes, tokens_per_event=a.tokens_per_event))
+                                chunk_bytes=a.chunk_bytes, tokens_per_event=a.tokens_per_event,
+                                events_per_s=a.events_per_s))
     try:
         trio.run(lambda: serve_floor(app, host=a.host, port=a.port))
     except KeyboardInterrupt:

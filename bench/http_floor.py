@@ -13,7 +13,10 @@ tokens produced within ``server.stream_busy_interval_ms`` into one event: calser
 and with grouping off (``stream_busy_interval_ms: 0``: one event per token); each is compared with
 the floor at its own event size, and (issue 18) with a floor that also groups the same number of
 tokens into each event as calserve did (``ratio_per_token_same_grouping``, target <= 2x): what calserve
-costs per token beyond what the stack itself costs for the same events.
+costs per token beyond what the stack itself costs for the same events. That floor runs flat out (its
+clients always busy reading, its loop never asleep); a third one sends the same events at calserve's
+own event rate (``floor_app --events-per-s``, ``ratio_per_token_same_grouping_same_rate``), where each
+event finds its client waiting to be woken as calserve's do: the stack's cost per event at that pace.
 
 Server CPU comes from ``/proc/PID/stat`` (utime + stime of the serving process) over the load window;
 divided by the content events the client received it gives CPU µs per streamed event (and per token,
@@ -137,21 +140,30 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
     return str(target) if target.exists() else None
 
 
-def _floor(out: Path, size: int, dur: float, tokens_per_event: float = 1.0) -> dict[str, Any]:
+def _tag(size: int, tokens_per_event: float = 1.0, events_per_s: float = 0.0) -> str:
+    return (f"{size}" + ("" if tokens_per_event == 1.0 else f"-tpe{tokens_per_event}")
+            + (f"-at{events_per_s:.0f}" if events_per_s else ""))
+
+
+def _floor(out: Path, size: int, dur: float, tokens_per_event: float = 1.0,
+           events_per_s: float = 0.0) -> dict[str, Any]:
     argv = [sys.executable, "-m", "bench.floor_app", "--port", "{port}", "--chunk-bytes", str(size),
             "--tokens-per-event", str(tokens_per_event)]
-    tag = f"{size}" if tokens_per_event == 1.0 else f"{size}-tpe{tokens_per_event}"
+    if events_per_s:
+        argv += ["--events-per-s", str(events_per_s)]
+    tag = _tag(size, tokens_per_event, events_per_s)
     with Server.start(argv, out / f"server-floor-{tag}", ready_path="/health") as fsrv:
         res = _measure(fsrv, out / f"floor-{tag}", dur)
         res["probe_event_bytes"] = probe_event_size(fsrv.url)
     return res
 
 
-def floor_point(out: Path, size: int, dur: float, tokens_per_event: float = 1.0) -> dict[str, Any]:
+def floor_point(out: Path, size: int, dur: float, tokens_per_event: float = 1.0,
+                events_per_s: float = 0.0) -> dict[str, Any]:
     """The box's floor: the bare ASGI app under the same hypercorn trio worker and load, CPU per
     streamed event of ``size`` bytes (``us_per_event``), for scenarios that report it beside
-    their figures (the knee)."""
-    return _floor(out, size, dur, tokens_per_event)
+    their figures (the knee); ``events_per_s``: paced to that rate (0: flat out)."""
+    return _floor(out, size, dur, tokens_per_event, events_per_s)
 
 
 def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
@@ -173,20 +185,24 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
     if stream_interval_ms:  # what-if: a fixed interval
         variants[f"calserve_interval_{stream_interval_ms}ms"] = {"stream_interval_ms": stream_interval_ms}
     doc: dict[str, Any] = {"concurrency": CONCURRENCY, "variants": {}}
-    floors: dict[tuple[int, float], dict[str, Any]] = {}
+    floors: dict[tuple[int, float, float], dict[str, Any]] = {}
     for name, server in variants.items():
         vcfg = {**cfg, "server": server} if server else cfg
         with Server.calserve(vcfg, out / f"server-{name}") as srv:
             cal = _measure(srv, out / name, dur)
         size = max(64, round(cal["event_bytes"]))
-        # Two floors: one token per event (the floor of the per-token target), and the same
-        # tokens per event as calserve's streams had (issue 18: host work per token at the same
-        # grouping; for the ungrouped run the two are the same).
+        # Three floors: one token per event (the floor of the per-token target); the same tokens
+        # per event as calserve's streams had (issue 18: host work per token at the same grouping;
+        # for the ungrouped run the two are the same), flat out; and that again at calserve's own
+        # event rate (floor_app --events-per-s): run flat out, the floor's clients are always busy
+        # reading and its loop never sleeps, while calserve's events arrive at a fraction of that
+        # rate, each finding its client (and, below saturation, the server) waiting to be woken.
         tpe = max(1.0, round(cal["tokens_per_event"], 1))
-        for key in {(size, 1.0), (size, tpe)}:
+        rate = float(round(cal["events_per_s"]))
+        for key in {(size, 1.0, 0.0), (size, tpe, 0.0), (size, tpe, rate)}:
             if key not in floors:
-                floors[key] = _floor(out, key[0], dur, key[1])
-        flo, same = floors[(size, 1.0)], floors[(size, tpe)]
+                floors[key] = _floor(out, key[0], dur, key[1], key[2])
+        flo, same, paced = floors[(size, 1.0, 0.0)], floors[(size, tpe, 0.0)], floors[(size, tpe, rate)]
         doc["variants"][name] = {
             "server": server, "calserve": cal, "floor_event_bytes": size,
             "floor_us_per_event": flo["us_per_event"],
@@ -200,20 +216,27 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
             "ratio_per_token_same_grouping": cal["us_per_token"] / same["us_per_token"],
             "ratio_per_token_host_only_same_grouping":
                 cal["us_per_token_host_only"] / same["us_per_token"],
-            "host_us_per_token_beyond_floor": cal["us_per_token_host_only"] - same["us_per_token"]}
-    doc["floors"] = {f"{k[0]}" if k[1] == 1.0 else f"{k[0]}-tpe{k[1]}": v
-                     for k, v in floors.items()}
+            "host_us_per_token_beyond_floor": cal["us_per_token_host_only"] - same["us_per_token"],
+            "floor_same_grouping_same_rate": {"tokens_per_event": paced["tokens_per_event"],
+                                              "events_per_s": paced["events_per_s"],
+                                              "us_per_event": paced["us_per_event"],
+                                              "us_per_token": paced["us_per_token"]},
+            "ratio_per_token_same_grouping_same_rate": cal["us_per_token"] / paced["us_per_token"]}
+    doc["floors"] = {_tag(*k): v for k, v in floors.items()}
     try:
         prof = _profile(cfg, out, min(dur, 5.0))
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # a profile is a bonus
         prof = f"profiling failed: {e}"[:300]
     head = doc["variants"]["calserve"]
-    doc.update({"calserve": head["calserve"], "floor": floors[(head["floor_event_bytes"], 1.0)],
+    doc.update({"calserve": head["calserve"], "floor": floors[(head["floor_event_bytes"], 1.0, 0.0)],
                 "ratio_per_event": head["ratio_per_event"], "ratio_per_token": head["ratio_per_token"],
                 "ratio_per_token_host_only": head["ratio_per_token_host_only"],
                 "target_ratio": 1.25,
                 "ratio_per_token_same_grouping": {
                     k: v["ratio_per_token_same_grouping"] for k, v in doc["variants"].items()},
+                "ratio_per_token_same_grouping_same_rate": {
+                    k: v["ratio_per_token_same_grouping_same_rate"]
+                    for k, v in doc["variants"].items()},
                 "target_ratio_same_grouping": 2.0, "profile": prof or
                 "none saved: install py-spy or `pip install pyinstrument` to get one"})
     return doc
