@@ -115,7 +115,10 @@ class FloorApp:
         self.rejected = 0
         self.completed = 0
         self._enc = msgspec.json.Encoder()
-        self._pace = EventPace(opts.events_per_s) if opts.events_per_s > 0 else None
+        # Ticks of 4 ms: at calserve's ~2.7k events/s in all the floor cost 130-134 us per event
+        # with them, 137-164 with 1 ms ticks (the producer's own wake-ups): the lower floor.
+        self._pace = (EventPace(opts.events_per_s, tick_s=0.004) if opts.events_per_s > 0
+                      else None)
 
     def _event(self, rid: str, chat: bool, text: str, finish: str | None) -> bytes:
         choice: dict[str, Any] = ({"index": 0, "delta": {"content": text}, "finish_reason": finish}
