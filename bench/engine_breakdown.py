@@ -36,7 +36,7 @@ __all__ = ["main"]
 # (module, attribute path, label): the stages timed. A module-level function is patched in the
 # modules that call it (``from x import f`` binds the name there).
 STAGES: list[tuple[str, str, str]] = [
-    ("calserve.engine.core", "EngineCore.fast_decode", "core.fast_decode (continue? + sample)"),
+    ("calserve.engine.core", "EngineCore.fast_decode", "core.fast_decode (continue or rotate? + sample)"),
     ("calserve.engine.core", "EngineCore.finish_fast", "core.finish_fast (fast step's bookkeeping)"),
     ("calserve.engine.core", "EngineCore.on_completion", "core.on_completion (general path)"),
     ("calserve.engine.core", "EngineCore._pass", "core._pass (admit, expire, plan)"),

@@ -75,6 +75,7 @@ from calserve.core.wait_estimate import ServiceModel, WaitEstimate, expected_wai
 
 __all__ = [
     "tenant_capped",
+    "admission_room",
     "CapacityBudget",
     "Outcome",
     "AdmissionDecision",
@@ -228,9 +229,8 @@ class AdmissionController:
         is admitted. At most ``max_running`` requests are active at once (TPOT bound), not
         counting the ``parked`` ones (their client is behind: engine/parking.py).
         """
-        if self.max_running is not None:
-            free_sequences = min(free_sequences, self.max_running - len(self._active) + parked)
-        return self._queue.pop(free_sequences, free_kv_tokens, self._admit)
+        return self._queue.pop(admission_room(self, free_sequences, parked), free_kv_tokens,
+                               self._admit)
 
     def remove(self, request_id: int) -> WorkItem | None:
         """Take a waiting request out (cancel while queued). None if it is not waiting."""
@@ -404,3 +404,11 @@ def tenant_capped(admission: AdmissionController, tenant: str) -> bool:
     """``tenant`` is at its ``max_active_sequences`` in ``admission`` (its queued items are passed
     over until one of its active ones ends)."""
     return admission._tenants.get(tenant).capped()
+
+
+def admission_room(adm: AdmissionController, free_sequences: int, parked: int = 0) -> int:
+    """How many requests ``adm.pop_admissible`` may admit into ``free_sequences`` free lanes with
+    ``parked`` requests parked (<= 0: none, whatever waits), under its ``max_running``."""
+    if adm.max_running is None:
+        return free_sequences
+    return min(free_sequences, adm.max_running - len(adm._active) + parked)

@@ -91,7 +91,7 @@ class JobBuilder:
             picked = single_tenant_lanes(ready, now, B, profile.max_seq,
                                          fcfg.deadline_urgency_ms * 1e-3, fcfg.tenant_max_lane_share)
             if picked is not None:
-                return self._picked_batch(gen, ready, now, B, profile, *picked)
+                return self.picked_batch(gen, ready, now, B, profile, *picked)
         gid = gen.id
         cands = [  # positional (request_id, seq_id, tenant, generation, last_token, position, deadline,
             # virtual_finish, cancelled, lane, arrival): one per ready sequence per batch
@@ -131,7 +131,7 @@ class JobBuilder:
         self.record_decode(job)
         return job, list(batch.skipped)
 
-    def _picked_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int,
+    def picked_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int,
                       profile: BatchProfile, chosen: list[Seq], why: str
                       ) -> tuple[DeviceJob | None, str]:
         """:meth:`decode_batch` for lanes :func:`single_tenant_lanes` chose (the same lanes and

@@ -41,6 +41,7 @@ from calserve.engine.core_stats import CoreState, CoreStatistics, CoreStats, Fas
 from calserve.engine.parking import Parking
 from calserve.engine.planner import Planner
 from calserve.engine.requests import PREFILL_CLASSES, RequestTable
+from calserve.engine.rotation import Rotation
 from calserve.engine.state import NO_OUTPUT, CoreOutput, DeviceJob, JobOutcome, Release, Seq
 from calserve.engine.steps import StepHandler
 from calserve.engine.timeslice import TimeSlice
@@ -67,11 +68,6 @@ def _waking(out: CoreOutput) -> CoreOutput:
     return out
 
 
-def _admitting(gen: Generation) -> bool:
-    """Admission runs for ``gen`` (ready, or draining with its waiting requests admitted)."""
-    return gen.state is ModelState.READY or (gen.state is ModelState.DRAINING and gen.admit_waiting)
-
-
 class EngineCore:
     def __init__(self, cfg: CalserveConfig, models: ModelManager, engines: Sequence[JobEngine]) -> None:
         self.cfg = cfg
@@ -87,6 +83,7 @@ class EngineCore:
         slo_ms = sched.admission.max_expected_wait_ms or 0  # waits admission promised: not sliced
         self.timeslice = TimeSlice(self.requests, self.parking, sched.timeslice_ms,
                                    max(sched.timeslice_wait_ms, 2 * slo_ms))
+        self.rotation = Rotation(self.st, self.requests, self.planner, self.parking, self.timeslice)
         self.steps = StepHandler(self.requests, self.st, self.stats,
                                  cfg.scheduler.recovery.max_request_retries)
 
@@ -159,7 +156,7 @@ class EngineCore:
         self.parking.apply()
         for gen in list(self.models.generations.values()):
             q = reqs.queues(gen)
-            admitting = not paused and _admitting(gen)
+            admitting = not paused and gen.admitting
             if admitting and now >= self.st.admit_after:  # before its expiry and admission
                 timer = min(timer, self.timeslice.apply(gen, now))
             reqs.expire(gen, now)
@@ -237,8 +234,10 @@ class EngineCore:
         is used; anything unusual returns None, or a step without ``nxt`` (a sequence ends: take
         :meth:`on_completion` with it, the tokens are drawn already)."""
         r = outcome.result
-        if (r is None or r.status is not JobStatus.OK or outcome.timed_out
-                or not self.planner.can_continue(job, engine, 0, now)):
+        if r is None or r.status is not JobStatus.OK or outcome.timed_out:
+            return None
+        cont = self.planner.can_continue(job, engine, 0, now)
+        if not cont and not self.rotation.may(job, now):
             return None
         if job.calbin.verify_lanes(r, job.job_id, job.active, expect(job)):
             return None  # crosstalk: _complete counts and reports it
@@ -251,11 +250,18 @@ class EngineCore:
             if tok == SAMPLE_FAILED or ends(s, tok, s.generated + 1, s.position + n_new, now,
                                             eos) is not None:
                 return FastStep(engine, job, outcome, None, sampled, now)
-        nxt = self.builder.continuation(job, tokens, [s.position + n_new for s in seqs], now)
+        nxt: DeviceJob | None
+        if cont:
+            nxt = self.builder.continuation(job, tokens, [s.position + n_new for s in seqs], now)
+        else:
+            nxt = self.rotation.next(engine, job, now)
+            if nxt is None:  # the pass decides, with the tokens drawn already
+                return FastStep(engine, job, outcome, None, sampled, now)
+            self.stats.rotations_total += 1
         self.stats.fast_steps_total += 1
         self.st.slots[engine] = nxt
         nxt.epoch = self.st.epoch
-        return FastStep(engine, job, outcome, nxt, sampled, now)
+        return FastStep(engine, job, outcome, nxt, sampled, now, rotated=not cont)
 
     def flush(self) -> None:
         """Deliver the deferred token messages to their actors (the shell calls it after the next
@@ -270,7 +276,10 @@ class EngineCore:
         assert step.nxt is not None
         # every sequence continues: fast_decode applied the finish rule as of step.now
         self.steps.complete(step.job, step.outcome, True, step.sampled, step.now, continuing=True)
-        self.planner.commit_continuation(step.nxt)
+        if step.rotated:  # its sequences are decode-ready now: the rotation's batch passed them over
+            self.planner.after_rotation(step.job)
+        else:
+            self.planner.commit_continuation(step.nxt)
         self.flush()
         return self._take()
 
@@ -374,6 +383,7 @@ class EngineCore:
             starvation_events_total=st.starvation_events_total, crosstalk_total=st.crosstalk_total,
             stale_total=st.stale_total, requeued_busy=st.requeued_busy,
             fast_steps_total=st.fast_steps_total, quarantined_jobs_total=st.quarantined_jobs_total,
+            rotations_total=st.rotations_total,
             readmitted_total=st.readmitted_total,
             epoch=self.st.epoch, job_status_total=dict(st.job_status_total),
             parked=self.parking.parked(), parks_total=self.parking.parks_total,

@@ -47,6 +47,7 @@ class CoreStats:
     stale_total: int = 0  # results of jobs aborted by our own reset
     requeued_busy: int = 0
     fast_steps_total: int = 0  # decode jobs submitted before their predecessor's bookkeeping
+    rotations_total: int = 0  # ... of them, another batch of the ready set (not a continuation)
     quarantined_jobs_total: int = 0  # jobs whose KV state a fault left unknown
     readmitted_total: int = 0  # requests re-prefilled after a fault lost their KV
     # how each handed-back job ended (spec §16 executor "Wait rc/status"): ok, the JobStatus
@@ -84,19 +85,21 @@ class CoreStatistics:
     parked: int = 0
     parks_total: int = 0
     timeslices_total: int = 0
+    rotations_total: int = 0  # decode jobs decided before the completion that freed their engine
 
 
 class FastStep:
     """A completion whose next job was decided before its bookkeeping (``EngineCore.fast_decode``).
 
-    ``nxt`` is the continuation to submit now (None: some sequence ends; hand the step to
-    ``EngineCore.on_completion`` with the tokens already sampled). ``EngineCore.finish_fast`` does
-    the bookkeeping once ``nxt`` was submitted (idempotent: ``finished``)."""
+    ``nxt`` is the job to submit now: the continuation, or with ``rotated`` another batch of the
+    ready set (None: hand the step to ``EngineCore.on_completion`` with the tokens already
+    sampled). ``EngineCore.finish_fast`` does the bookkeeping once ``nxt`` was submitted
+    (idempotent: ``finished``)."""
 
-    __slots__ = ("engine", "job", "outcome", "nxt", "sampled", "now", "finished")
+    __slots__ = ("engine", "job", "outcome", "nxt", "sampled", "now", "finished", "rotated")
 
     def __init__(self, engine: JobEngine, job: DeviceJob, outcome: JobOutcome,
-                 nxt: DeviceJob | None, sampled: Sampled, now: float) -> None:
+                 nxt: DeviceJob | None, sampled: Sampled, now: float, rotated: bool = False) -> None:
         self.engine = engine
         self.job = job
         self.outcome = outcome
@@ -104,3 +107,4 @@ class FastStep:
         self.sampled = sampled
         self.now = now  # the instant the decision was taken: the bookkeeping decides as of it too
         self.finished = False
+        self.rotated = rotated

@@ -76,6 +76,11 @@ class Generation:
             self.calbins = {self.spec.compiled_batch: self.calbin}
 
     @property
+    def admitting(self) -> bool:
+        """Admission runs for it (ready, or draining with its waiting requests admitted)."""
+        return self.state is ModelState.READY or (self.state is ModelState.DRAINING and self.admit_waiting)
+
+    @property
     def selecting(self) -> bool:
         """True when the decode profile is chosen per tick (more than one member loaded)."""
         return len(self.calbins) > 1

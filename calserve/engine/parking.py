@@ -53,6 +53,12 @@ class Parking:
         self._sliced: dict[int, tuple[Seq, float]] = {}
         self.slices_total = 0
 
+    @property
+    def idle(self) -> bool:
+        """Nothing to apply and nothing time-sliced: :meth:`apply` and the time-slicer's queue
+        have nothing to do (the rotation shortcut, ``EngineCore.fast_decode``)."""
+        return not self._want and not self._sliced
+
     def set(self, seq: Seq, park: bool, now: float) -> None:
         """Park ``seq`` (``park``) or resume it. Idempotent; an ended request is ignored."""
         if seq.ended:

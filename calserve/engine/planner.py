@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from calserve.config import CalserveConfig
@@ -18,7 +19,7 @@ from calserve.core.decode import batching_window, select_profile
 from calserve.core.model_share import ModelShare, may_take_engine
 from calserve.core.model_state import serves_jobs
 from calserve.core.prefill import QueueClass, ServiceRoundRobin, fair_prefill_index
-from calserve.engine.batch_fast import earliest_deadline
+from calserve.engine.batch_fast import earliest_deadline, single_tenant_lanes
 from calserve.engine.batches import JobBuilder
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import PREFILL_CLASSES, GenQueues, RequestTable
@@ -243,10 +244,7 @@ class Planner:
     def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int) -> DeviceJob | None:
         job, skipped = self.builder.decode_batch(gen, q.decode_ready, now, B)
         if isinstance(skipped, str):  # every sequence left ready was passed over (lanes full)
-            for passed in q.decode_ready.values():
-                n = passed.passed_over = passed.passed_over + 1
-                if n == STARVATION_PASSES:
-                    self._starving(passed.rid)
+            self._passed_over(q.decode_ready.values())
             skipped = []
         get = q.decode_ready.get
         for rid, why in skipped:
@@ -266,6 +264,117 @@ class Planner:
         self.requests.submitted_all(job)
         self.requests.trace.append(("decode", tuple([s.rid for s in job.seqs])))
         return job
+
+    def _passed_over(self, seqs: Iterable[Seq]) -> None:
+        """``seqs`` were decode-ready and left out of a batch (lanes full): their starvation count."""
+        for passed in seqs:
+            n = passed.passed_over = passed.passed_over + 1
+            if n == STARVATION_PASSES:
+                self._starving(passed.rid)
+
+    # ------------------------------------------------------------------------------ rotation
+    def rotation_pick(self, done: DeviceJob, engine: JobEngine, now: float
+                      ) -> tuple[int, list[Seq], str] | None:
+        """The decode batch a full pass would hand ``engine`` right after ``done``'s completion,
+        decided *before* that completion's bookkeeping (``EngineCore.fast_decode``), as ``(B, the
+        sequences in lane order, the skip reason of the rest)``; None unless that is certain.
+        Changes no state. The caller checked that every sequence of ``done`` continues and that no
+        waiting, parked or releasing request, pending park or due deadline needs the pass.
+
+        The rotation of a running set larger than the batch (64 streams over B16 lanes, or the
+        default profile's streams over B1): ``done``'s sequences rejoin the ready set as its newest
+        (``ready_since`` = ``now``), so when the ready set alone holds a full batch served before
+        them, the pass's pick is the batch of that set. What the pass would weigh is weighed with
+        them counted as ready and ``done`` off the device: the profile selection, the batching
+        window, the PING/PONG partial-batch hold; the one-tenant pick's conditions hold for them
+        too (no ending pending, their next position below the profile's length, no deadline inside
+        the urgency horizon, the one tenant). Any other case — another engine free (the pass fills
+        it first), a prefill queued or on the device, several generations, a degraded state, the
+        FCFS policy or the general builder — is left to the pass."""
+        st = self.st
+        gen = done.gen
+        if done.kind != "decode" or st.batch_one or st.only is not None:
+            return None
+        if not serves_jobs(gen.state) or len(self.models.generations) != 1:
+            return None
+        on_device = 0  # the other engines' decode sequences (all busy, all decoding this generation)
+        for e, job in st.slots.items():
+            if e is engine:
+                continue
+            if job is None or job.kind != "decode" or job.gen is not gen:
+                return None
+            on_device += len(job.seqs)
+        limit = self.cfg.scheduler.admission.max_inflight_jobs
+        if limit is not None and len(st.slots) - 1 >= limit:
+            return None
+        q = self.requests.queues(gen)
+        for c in PREFILL_CLASSES:
+            if q.prefill[c]:
+                return None
+        ready = q.decode_ready
+        if not ready:
+            return None
+        seqs = done.seqs
+        n = len(ready) + len(seqs)  # the ready count the pass would see
+        first = next(iter(ready.values()))
+        B = gen.compiled_batch
+        if gen.selecting:
+            B = select_profile(n, now - first.ready_since, gen.calbins, self.cfg.scheduler.batch.selection)
+        if len(ready) < B:
+            return None
+        fcfg = self.cfg.scheduler.fairness
+        if not self.builder.fast or fcfg.policy == "fcfs":
+            return None
+        earliest = earliest_deadline(ready.values())
+        theirs = earliest_deadline(seqs)
+        if theirs is not None and (earliest is None or theirs < earliest):
+            earliest = theirs
+        fire, _ = batching_window(now, n, B, first.ready_since, earliest,
+                                  self.cfg.scheduler.batch.batching_window_us)
+        if not fire:
+            return None
+        if (len(st.slots) >= 2 and on_device and n + on_device <= max(gen.calbins)
+                and self._may_hold(now, earliest)):
+            return None  # the pass would hold the batch back (_hold_partial_decode)
+        profile = self.builder.profile(gen, B)
+        urgency = fcfg.deadline_urgency_ms * 1e-3
+        if theirs is not None and theirs <= now + urgency:
+            return None
+        tenant = first.req.tenant
+        for s in seqs:
+            if (s.pending_reason is not None or s.pending_error is not None
+                    or s.position + 1 >= profile.max_seq or s.req.tenant != tenant):
+                return None
+        picked = single_tenant_lanes(ready, now, B, profile.max_seq, urgency,
+                                     fcfg.tenant_max_lane_share)
+        if picked is None:
+            return None
+        chosen, why = picked
+        last = chosen[-1]
+        if len(chosen) < B or (last.ready_since, last.rid) >= min((now, s.rid) for s in seqs):
+            return None  # the pass would pick one of ``done``'s sequences too
+        return B, chosen, why
+
+    def commit_rotation(self, done: DeviceJob, now: float, B: int, chosen: list[Seq], why: str
+                        ) -> DeviceJob:
+        """What the pass does with :meth:`rotation_pick`'s batch: the round robin's turn, the job
+        (the chosen sequences leave the ready set, their KV transactions open), the passed-over
+        count of the sequences left ready, the submit moves. ``done``'s sequences get theirs in
+        :meth:`after_rotation`, once its bookkeeping made them ready."""
+        gen = done.gen
+        q = self.requests.queues(gen)
+        self.rr.next(_DECODE_ONLY)
+        job, _ = self.builder.picked_batch(gen, q.decode_ready, now, B, self.builder.profile(gen, B),
+                                           chosen, why)
+        assert job is not None
+        self._passed_over(q.decode_ready.values())
+        self.requests.submitted_all(job)
+        self.requests.trace.append(("decode", tuple([s.rid for s in job.seqs])))
+        return job
+
+    def after_rotation(self, done: DeviceJob) -> None:
+        """``done``'s sequences, decode-ready now, were passed over by the rotation's batch."""
+        self._passed_over(done.seqs)
 
     def _starving(self, rid: int) -> None:
         """A starvation event: request ``rid`` was passed over by STARVATION_PASSES batches."""

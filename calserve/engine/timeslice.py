@@ -98,6 +98,19 @@ class TimeSlice:
         # none has run a whole slice yet: the first that will have
         return min(started) + self._slice_s if started else math.inf
 
+    def quiet(self, gen: Generation, now: float) -> bool:
+        """Whether :meth:`apply` would change nothing now (nothing time-sliced: the caller checked
+        ``Parking.idle``): no cap, no waiting head, a free running slot, nothing a park could give
+        the head, or the head not waiting long enough yet. Mirrors apply's early returns."""
+        cap = gen.admission.max_running
+        q = self._requests.queues(gen)
+        head = next(iter(q.waiting.values()), None)
+        if cap is None or self._slice_s <= 0 or head is None or self._running(q) < cap:
+            return True
+        if gen.kv.free_lanes() == 0 or tenant_capped(gen.admission, head.tenant):
+            return True
+        return now < head.arrival + self._wait_s
+
     def _longest(self, ready: Iterable[Seq], tenant: str, now: float) -> Seq | None:
         """The decode-ready request that has run longest (at least a slice), the tenant's first."""
         best: Seq | None = None

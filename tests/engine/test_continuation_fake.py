@@ -9,6 +9,7 @@ taken exactly when nothing else competes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,15 @@ async def _run(
         monkeypatch.setattr(Planner, "continue_decode", lambda self, done, now: None)
     seen: list[tuple[str, str, int, frozenset[int], float, float, str]] = []
     observe = FaultWatch.observe
+    passed: list[tuple[int, int]] = []  # (request, its passed-over count) at every count
+    count_passed = Planner._passed_over
+
+    def log_passed(self: Planner, seqs: Any) -> None:
+        seqs = list(seqs)
+        count_passed(self, seqs)
+        passed.extend((s.rid, s.passed_over) for s in seqs)
+
+    monkeypatch.setattr(Planner, "_passed_over", log_passed)
 
     def record(self: FaultWatch, engine: Any, job: Any, outcome: Any, t_submit: float, now: float) -> None:
         r = outcome.result
@@ -79,17 +89,20 @@ async def _run(
         sched = eng.core.statistics(trio.current_time())
         return {"out": out, "jobs": jobs, "observed": seen,
                 "step_times": dict(eng.driver.watch.times.snapshot()), "continuations": sched.continuations_total,
-                "fast": sched.fast_steps_total,
+                "fast": sched.fast_steps_total, "rotations": sched.rotations_total,
+                "parks": (sched.parks_total, sched.timeslices_total),
+                "passed_over": (sched.starvation_events_total,
+                                sorted(passed)),
                 "batches": dict(sched.batches_total), "lanes": dict(sched.lanes_active_total)}
 
 
 def _run_fresh(monkeypatch: pytest.MonkeyPatch, mode: str, work: Workload, batch: int, inflight: int,
-               lanes: int = 32) -> dict[str, Any]:
+               lanes: int = 32, **sched: Any) -> dict[str, Any]:
     """:func:`_run` in a trio run of its own with a fresh fake clock starting at 0, so that both runs
     of a comparison see bit-identical times (a second run on the same clock would start later and
     round its sums differently)."""
     try:
-        return trio.run(_run, monkeypatch, mode, work, batch, inflight, lanes,
+        return trio.run(functools.partial(_run, monkeypatch, mode, work, batch, inflight, lanes, **sched),
                         clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         monkeypatch.undo()
@@ -158,6 +171,36 @@ def test_shortcut_with_requests_waiting_for_a_lane(monkeypatch: pytest.MonkeyPat
     assert on["continuations"] > no_relax["continuations"] > 0  # some continued while others waited
     _same_streams(on, off)
     assert on["jobs"] == off["jobs"]
+
+
+@pytest.mark.parametrize("batch,inflight,lanes,streams,sched", [
+    (1, 1, 32, 5, {}), (4, 1, 32, 11, {}), (4, 2, 32, 14, {}), (4, 2, 12, 14, {}), (1, 2, 3, 6, {}),
+    (1, 1, 32, 6, {"admission": {"max_tpot_steps": 2}, "timeslice_ms": 4, "timeslice_wait_ms": 6}),
+], ids=["B1", "B4", "B4-pingpong", "B4-pingpong-lanes-full", "B1-pingpong-lanes-full",
+        "B1-running-cap-timeslices"])
+def test_rotation_makes_the_same_decisions(
+    monkeypatch: pytest.MonkeyPatch, batch: int, inflight: int, lanes: int, streams: int,
+    sched: dict[str, Any],
+) -> None:
+    """More running sequences than the batch holds: the lanes rotate through the ready set, and
+    the next batch is decided before the completion's bookkeeping (``EngineCore._rotate``). The
+    same tokens at the same (fake) times, the same sequences in every job and the same counters as
+    with full passes only — with requests waiting for a lane (``lanes`` < ``streams``) or for a
+    running slot while the time-slicer parks and resumes, and staggered lengths so that the set
+    grows and shrinks. (Arrivals at distinct instants: trio runs tasks woken at the same instant
+    in a random order.)"""
+    work: Workload = [(1.37e-4 * i + 1.1e-5, (i + 1, 2 * i + 3, 7), 9 + 3 * (i % 5), "a")
+                      for i in range(streams)]
+    on = _run_fresh(monkeypatch, "fast", work, batch, inflight, lanes=lanes, **sched)
+    off = _run_fresh(monkeypatch, "off", work, batch, inflight, lanes=lanes, **sched)
+    _check_outputs(on, work)
+    _check_outputs(off, work)
+    assert on["rotations"] > 0 and off["rotations"] == 0
+    _same_streams(on, off)
+    assert on["jobs"] == off["jobs"]
+    assert (on["batches"], on["lanes"]) == (off["batches"], off["lanes"])
+    assert on["step_times"] == off["step_times"]
+    assert (on["parks"], on["passed_over"]) == (off["parks"], off["passed_over"])
 
 
 async def test_shortcut_only_when_nothing_else_competes(

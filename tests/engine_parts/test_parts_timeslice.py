@@ -7,6 +7,7 @@ Fake clock, the real engine over the trio-native FakeBackend (1 ms steps)."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from calserve.config import decode_config
 from calserve.engine.engine import Engine
+from calserve.engine.timeslice import TimeSlice
 from calserve.engine.types import (
     ErrorEvent,
     FinishEvent,
@@ -139,3 +141,29 @@ async def test_parked_requests_holding_the_lanes_resume_so_the_queue_progresses(
     r = await _run(8, 0.05, 100, lanes=5)
     _check_common(r, 8)
     assert r["slices"] >= 1
+
+
+async def test_quiet_means_apply_changes_nothing(
+        autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TimeSlice.quiet`` (what the rotation shortcut asks before it skips the pass,
+    ``EngineCore._may_rotate``): at every ``apply`` of a run that slices and resumes, when quiet
+    held (with nothing time-sliced, as the shortcut also requires) apply parked and resumed nobody;
+    and quiet did not hold where apply sliced."""
+    seen: list[tuple[bool, bool]] = []  # (quiet before, apply changed the parked set)
+    apply = TimeSlice.apply
+
+    def checked(self: TimeSlice, gen: object, now: float) -> float:
+        q = self._requests.queues(gen)
+        quiet = self.quiet(gen, now) if self._parking.idle else None  # type: ignore[arg-type]
+        before = (self._parking.slices_total, dict(q.parked))
+        out = apply(self, gen, now)  # type: ignore[arg-type]
+        if quiet is not None:
+            seen.append((quiet, before != (self._parking.slices_total, dict(q.parked))))
+        return out
+
+    monkeypatch.setattr(TimeSlice, "apply", checked)
+    r = await _run(9, 0.05, 20)
+    _check_common(r, 9)
+    assert r["slices"] >= 1
+    assert not any(quiet and changed for quiet, changed in seen)
+    assert any(quiet for quiet, _ in seen) and any(changed for _, changed in seen)

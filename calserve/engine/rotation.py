@@ -1,0 +1,98 @@
+"""Rotation: the next decode batch of the ready set, decided before a completion's bookkeeping.
+
+When more sequences run than a batch holds (64 streams over B16 lanes; the default profile's
+streams over B1), the lanes rotate through the ready set and almost every completion needs a full
+scheduling pass to pick the next batch — after the completion's bookkeeping, with the device
+waiting for both (~60 µs a job of the pass alone at B16; issue 18). The pass's pick is known
+earlier: every sequence of the job that came back continues (``EngineCore.fast_decode`` checked
+it), so its sequences rejoin the ready set as the newest, and when the ready set alone holds a full
+batch served before them, that batch is the pick. :class:`Rotation` decides it then, as the
+continuation shortcut does for a job whose sequences are all the work there is: the executor
+submits it first and the bookkeeping follows (``EngineCore.finish_fast``).
+
+Same decisions as the full pass (``tests/engine/test_continuation_fake.py`` compares tokens,
+times, every job's sequences, counters, parks and passed-over counts with full passes only):
+:meth:`Rotation.may` rules out what the pass would do besides the pick (admit, park, resume,
+time-slice, release, expire a deadline, answer a wake-up); :meth:`Planner.rotation_pick
+<calserve.engine.planner.Planner.rotation_pick>` weighs the pick with the finished job's sequences
+counted as ready and its engine free, and anything it cannot weigh that way goes to the pass. The
+rest of the pass then runs as the pass runs it, finding nothing to do but its clocks. Owned by
+:class:`~calserve.engine.core.EngineCore`; no trio, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import final
+
+from calserve.core.admission import admission_room
+from calserve.engine.core_stats import CoreState
+from calserve.engine.parking import Parking
+from calserve.engine.planner import Planner
+from calserve.engine.requests import RequestTable
+from calserve.engine.state import DeviceJob
+from calserve.engine.timeslice import TimeSlice
+from calserve.runtime.types import JobEngine
+
+__all__ = ["Rotation"]
+
+
+@final
+class Rotation:
+    """The rotation shortcut of the engine core (module docstring)."""
+
+    __slots__ = ("_st", "_requests", "_planner", "_parking", "_timeslice")
+
+    def __init__(self, st: CoreState, requests: RequestTable, planner: Planner, parking: Parking,
+                 timeslice: TimeSlice) -> None:
+        self._st = st
+        self._requests = requests
+        self._planner = planner
+        self._parking = parking
+        self._timeslice = timeslice
+
+    def may(self, job: DeviceJob, now: float) -> bool:
+        """Whether the pass after ``job``'s completion could only dispatch a decode batch (what
+        :meth:`next` needs before it looks at the batch; cheap, checked before sampling): nothing
+        but running requests in the pass's way — no parked or releasing request, pending park or
+        time-sliced one, due deadline, pending wake-up, and waiting requests only when admission
+        has no room for them and the time-slicer would not park for them (every sequence of
+        ``job`` continues, so its bookkeeping frees no lane and no running slot) — and the device
+        not paused."""
+        if self._st.paused or self._requests.wake or job.kind != "decode" or not self._parking.idle:
+            return False
+        gen = job.gen
+        q = self._requests.queues(gen)
+        if q.parked or q.releases or (q.deadlines and q.deadlines[0][0] <= now):
+            return False
+        if not q.waiting or not gen.admitting or now < self._st.admit_after:
+            return True
+        return admission_room(gen.admission, gen.kv.free_lanes()) <= 0 and self._timeslice.quiet(gen, now)
+
+    def next(self, engine: JobEngine, job: DeviceJob, now: float) -> DeviceJob | None:
+        """The job the pass after ``job``'s completion would hand ``engine``, committed as the pass
+        commits it, or None (then the pass decides, after the bookkeeping). :meth:`may` held and
+        every sequence of ``job`` continues. The rest of the pass for the one generation runs as
+        ``EngineCore._pass`` runs it — the time-slicer, the deadlines, admission's decode-speed
+        sample — and finds nothing to do; its timers go out with the output."""
+        picked = self._planner.rotation_pick(job, engine, now)
+        if picked is None:
+            return None
+        gen = job.gen
+        st = self._st
+        reqs = self._requests
+        timer = math.inf
+        admitting = gen.admitting and now >= st.admit_after
+        if admitting:
+            timer = self._timeslice.apply(gen, now)
+        reqs.expire(gen, now)
+        if admitting:
+            reqs.admit(gen, now)  # no room: the decode-speed sample only
+        d = gen.admission.next_deadline()
+        if d is not None:
+            timer = min(timer, d)
+        q = reqs.queues(gen)
+        if q.deadlines:
+            timer = min(timer, q.deadlines[0][0])
+        st.out.timer = min(st.out.timer, timer)
+        return self._planner.commit_rotation(job, now, *picked)
