@@ -164,3 +164,34 @@ async def test_reset_budget_spent_ends_readmitted_requests_as_unavailable(autoju
         assert all(isinstance(t, ErrorEvent) and t.kind == "unavailable" for _, t in results), results
         await trio.sleep(1.0)
         assert eng.failed.is_set() and not eng.ready()
+
+
+@pytest.mark.parametrize("kind", [FaultKind.TIMEOUT, FaultKind.CCU_FAULT, FaultKind.CROSSTALK,
+                                  FaultKind.DMA_UNKNOWN, FaultKind.DEVICE_BUSY])
+async def test_a_fault_while_the_lanes_rotate_is_transparent(autojump_clock: object,
+                                                             kind: FaultKind) -> None:
+    """12 streams over B4 lanes with PING/PONG: the next batch is decided before each completion's
+    bookkeeping (engine/rotation.py). A fault (or a refused submit) in the middle of that rotation
+    costs the clients nothing with re-admission on: every request ends once, by LENGTH, with its
+    fault-free greedy tokens, and every lane comes back."""
+    be = FakeBackend("sim-next", seed=3)
+    cfg = config(batch={"profiles": [4], "batching_window_us": 0},
+                 executor={"max_inflight": 2, "wait_timeout_ms": 200},
+                 recovery={"max_request_retries": 2})
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(profiles=(4,))}) as eng:
+        be.inject_fault(kind, JobEngine.PING, 18, lane=1)  # past the prefills: a rotated batch
+        results = await run_batch(eng, n=12, max_tokens=20)
+        for i, (toks, term) in enumerate(results):
+            assert isinstance(term, FinishEvent) and term.reason is FinishReason.LENGTH, term
+            assert toks == fake_greedy((i + 1, 2 * i + 3, 7), 20)
+        await trio.sleep(1.0)  # fake clock: recovery, and the ended requests' sequences freed
+        core = eng.core.statistics(trio.current_time())
+        assert core.rotations_total > 0
+        st = eng.statistics()
+        if kind is FaultKind.DEVICE_BUSY:
+            assert be.counters(JobEngine.PING).busy == 1 and st.resets_total == 0
+        else:
+            assert st.resets_total == 1 and sum(st.faults_total.values()) == 1
+        assert st.models["qwen3"][1] == "Ready"
+        k = eng.generation().kv.statistics()
+        assert k.unknown == 0 and k.free == k.num_lanes
