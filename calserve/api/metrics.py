@@ -118,6 +118,11 @@ class EngineCollector(Collector):
         yield _g("calserve_batch_compiled_size", "Compiled batch size currently in use", s.current_compiled_batch)
         yield _c("calserve_batch_wait_seconds", "Time spent waiting to fill batches", s.batch_wait_s_total)
         yield _c("calserve_prefill_jobs", "Prefill jobs submitted", s.prefill_jobs_total)
+        yield _labelled(C, "calserve_decode_jobs_decided_early",
+                        "Decode jobs decided and submitted before the completion that freed their "
+                        "engine was booked (continuation: the same sequences; rotation: another "
+                        "batch of the ready set)", "how",
+                        with_known(s.decided_early_total, ("continuation", "rotation")))
         # KV
         yield _labelled(G, "calserve_kv_sequences", "KV sequences by state", "state",
                         with_known(s.kv_sequences, KV_STATES))

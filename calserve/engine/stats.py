@@ -102,6 +102,8 @@ def build_statistics(src: StatisticsSources) -> EngineStatistics:
         kv_tokens_capacity=kv_capacity,
         kv_lanes_total=kv_lanes,
         job_status_total=core.job_status_total,
+        decided_early_total={"continuation": core.fast_steps_total - core.rotations_total,
+                             "rotation": core.rotations_total},
         model_phase_seconds={g.alias: dict(g.phase_seconds) for g in src.generations},
         device_restarts_total=rec.device_restarts_total,
         requests_parked=core.parked,

@@ -264,6 +264,9 @@ class EngineStatistics:
     requests_parked: int = 0
     stream_parks_total: int = 0
     timeslices_total: int = 0
+    # decode jobs decided before their predecessor's bookkeeping (engine/core.py fast_decode):
+    # "continuation" (the same sequences) or "rotation" (engine/rotation.py: another ready batch)
+    decided_early_total: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,6 +116,9 @@ async def test_every_family_moves_under_contention(autojump_clock: Any) -> None:
         assert waste == lanes - active and abs(fill - active / lanes) < 1e-9
         assert moved("calserve_batch_wait_seconds_total") > 0
         assert moved("calserve_prefill_jobs_total") == 13
+        # decode jobs decided before their predecessor's bookkeeping, both kinds exported
+        early = labels_of(after, "calserve_decode_jobs_decided_early_total", "how")
+        assert set(early) == {"continuation", "rotation"} and all(v >= 0 for v in early.values())
         # KV: sequences by state, reserved/used tokens rise while decoding, time spent freeing
         busy_kv = sum(hi.get(("calserve_kv_sequences", (("state", s),)), 0)
                       for s in ("Active", "Updating"))
