@@ -157,7 +157,7 @@ def test_metric_families_move(server: ServerProcess) -> None:
             continue
         assert all(k in {"alias", "tenant", "outcome", "state", "class", "engine", "reason",
                          "compiled_batch", "le", "phase", "op", "result", "status",
-                         "generation"}
+                         "generation", "how"}
                    for k, _ in labels), (name, labels)
 
 
