@@ -158,12 +158,11 @@ def _floor(out: Path, size: int, dur: float, tokens_per_event: float = 1.0,
     return res
 
 
-def floor_point(out: Path, size: int, dur: float, tokens_per_event: float = 1.0,
-                events_per_s: float = 0.0) -> dict[str, Any]:
+def floor_point(out: Path, size: int, dur: float, tokens_per_event: float = 1.0) -> dict[str, Any]:
     """The box's floor: the bare ASGI app under the same hypercorn trio worker and load, CPU per
     streamed event of ``size`` bytes (``us_per_event``), for scenarios that report it beside
-    their figures (the knee); ``events_per_s``: paced to that rate (0: flat out)."""
-    return _floor(out, size, dur, tokens_per_event, events_per_s)
+    their figures (the knee)."""
+    return _floor(out, size, dur, tokens_per_event)
 
 
 def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:

@@ -68,6 +68,42 @@ def _waking(out: CoreOutput) -> CoreOutput:
     return out
 
 
+def _housekeeping(st: CoreState, reqs: RequestTable, timeslice: TimeSlice, gen: Generation,
+                  now: float) -> float:
+    """A scheduling pass's steps for one generation before dispatch (:meth:`EngineCore._pass`,
+    and the rotation's replay of them, engine/rotation.py): the time-slicer, expiry, the
+    releases, admission, refilling the slots parking left; returns the next instant one of them
+    is due (``math.inf``: none)."""
+    out = st.out
+    paused = st.paused
+    timer = math.inf
+    q = reqs.queues(gen)
+    admitting = not paused and gen.admitting
+    if admitting and now >= st.admit_after:  # before its expiry and admission
+        timer = timeslice.apply(gen, now)
+    reqs.expire(gen, now)
+    if q.releases:
+        if gen.calbin.frees_inline and not paused:
+            batch = reqs.take_releases(gen)
+            gen.calbin.free_sequences_now([r.seq_id for r in batch])
+            reqs.confirm_released(gen, batch, now)
+        elif gen not in out.release_gens:
+            out.release_gens.append(gen)
+    if admitting:
+        if now >= st.admit_after:
+            reqs.admit(gen, now)
+        elif q.waiting:  # degraded: admission cool-down after a reset
+            timer = min(timer, st.admit_after)
+    if q.parked:
+        timeslice.fill(gen, now)  # slots the queue left free (engine/timeslice.py)
+    d = gen.admission.next_deadline()
+    if d is not None:
+        timer = min(timer, d)
+    if q.deadlines:
+        timer = min(timer, q.deadlines[0][0])
+    return timer
+
+
 class EngineCore:
     def __init__(self, cfg: CalserveConfig, models: ModelManager, engines: Sequence[JobEngine]) -> None:
         self.cfg = cfg
@@ -83,7 +119,9 @@ class EngineCore:
         slo_ms = sched.admission.max_expected_wait_ms or 0  # waits admission promised: not sliced
         self.timeslice = TimeSlice(self.requests, self.parking, sched.timeslice_ms,
                                    max(sched.timeslice_wait_ms, 2 * slo_ms))
-        self.rotation = Rotation(self.st, self.requests, self.planner, self.parking, self.timeslice)
+        self.rotation = Rotation(
+            self.st, self.requests, self.planner, self.parking, self.timeslice,
+            lambda gen, now: _housekeeping(self.st, self.requests, self.timeslice, gen, now))
         self.steps = StepHandler(self.requests, self.st, self.stats,
                                  cfg.scheduler.recovery.max_request_retries)
 
@@ -155,30 +193,7 @@ class EngineCore:
         reqs = self.requests
         self.parking.apply()
         for gen in list(self.models.generations.values()):
-            q = reqs.queues(gen)
-            admitting = not paused and gen.admitting
-            if admitting and now >= self.st.admit_after:  # before its expiry and admission
-                timer = min(timer, self.timeslice.apply(gen, now))
-            reqs.expire(gen, now)
-            if q.releases:
-                if gen.calbin.frees_inline and not paused:
-                    batch = reqs.take_releases(gen)
-                    gen.calbin.free_sequences_now([r.seq_id for r in batch])
-                    reqs.confirm_released(gen, batch, now)
-                elif gen not in out.release_gens:
-                    out.release_gens.append(gen)
-            if admitting:
-                if now >= self.st.admit_after:
-                    reqs.admit(gen, now)
-                elif q.waiting:  # degraded: admission cool-down after a reset
-                    timer = min(timer, self.st.admit_after)
-            if q.parked:
-                self.timeslice.fill(gen, now)  # slots the queue left free (engine/timeslice.py)
-            d = gen.admission.next_deadline()
-            if d is not None:
-                timer = min(timer, d)
-            if q.deadlines:
-                timer = min(timer, q.deadlines[0][0])
+            timer = min(timer, _housekeeping(self.st, reqs, self.timeslice, gen, now))
         out.timer = min(out.timer, timer)
         if not paused:
             self.planner.dispatch(now)

@@ -188,7 +188,8 @@ class Planner:
         urgency = self.cfg.scheduler.fairness.deadline_urgency_ms * 1e-3
         return earliest is None or earliest - now > urgency
 
-    def _hold_partial_decode(self, gen: Generation, ready: int, now: float, earliest: float | None) -> bool:
+    def _hold_partial_decode(self, gen: Generation, ready: int, now: float, earliest: float | None,
+                             on_device: int | None = None) -> bool:
         """Whether to keep a partial decode batch back while the other engine runs a decode job of
         the same generation whose sequences would fit in this batch too.
 
@@ -199,7 +200,8 @@ class Planner:
         largest profile could not take both, or when a deadline is at risk."""
         if len(self.st.slots) < 2 or self.st.only is not None:
             return False
-        on_device = self._on_device(gen, "decode")
+        if on_device is None:  # (the rotation passes the count without the job just finished)
+            on_device = self._on_device(gen, "decode")
         if not on_device or ready + on_device > max(gen.calbins):
             return False
         return self._may_hold(now, earliest)
@@ -333,9 +335,8 @@ class Planner:
                                   self.cfg.scheduler.batch.batching_window_us)
         if not fire:
             return None
-        if (len(st.slots) >= 2 and on_device and n + on_device <= max(gen.calbins)
-                and self._may_hold(now, earliest)):
-            return None  # the pass would hold the batch back (_hold_partial_decode)
+        if self._hold_partial_decode(gen, n, now, earliest, on_device):
+            return None  # the pass would hold the batch back
         profile = self.builder.profile(gen, B)
         urgency = fcfg.deadline_urgency_ms * 1e-3
         if theirs is not None and theirs <= now + urgency:

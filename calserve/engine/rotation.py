@@ -22,8 +22,8 @@ rest of the pass then runs as the pass runs it, finding nothing to do but its cl
 
 from __future__ import annotations
 
-import math
-from typing import final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, final
 
 from calserve.core.admission import admission_room
 from calserve.engine.core_stats import CoreState
@@ -34,6 +34,9 @@ from calserve.engine.state import DeviceJob
 from calserve.engine.timeslice import TimeSlice
 from calserve.runtime.types import JobEngine
 
+if TYPE_CHECKING:
+    from calserve.engine.generations import Generation
+
 __all__ = ["Rotation"]
 
 
@@ -41,15 +44,18 @@ __all__ = ["Rotation"]
 class Rotation:
     """The rotation shortcut of the engine core (module docstring)."""
 
-    __slots__ = ("_st", "_requests", "_planner", "_parking", "_timeslice")
+    __slots__ = ("_st", "_requests", "_planner", "_parking", "_timeslice", "_housekeeping")
 
     def __init__(self, st: CoreState, requests: RequestTable, planner: Planner, parking: Parking,
-                 timeslice: TimeSlice) -> None:
+                 timeslice: TimeSlice, housekeeping: Callable[[Generation, float], float]) -> None:
+        """``housekeeping(gen, now)``: the pass's steps for one generation before dispatch, as
+        ``EngineCore._pass`` runs them; the next instant one of them is due."""
         self._st = st
         self._requests = requests
         self._planner = planner
         self._parking = parking
         self._timeslice = timeslice
+        self._housekeeping = housekeeping
 
     def may(self, job: DeviceJob, now: float) -> bool:
         """Whether the pass after ``job``'s completion could only dispatch a decode batch (what
@@ -74,25 +80,11 @@ class Rotation:
         commits it, or None (then the pass decides, after the bookkeeping). :meth:`may` held and
         every sequence of ``job`` continues. The rest of the pass for the one generation runs as
         ``EngineCore._pass`` runs it — the time-slicer, the deadlines, admission's decode-speed
-        sample — and finds nothing to do; its timers go out with the output."""
+        sample — and finds nothing to do (:meth:`may` ruled the rest out); its timers go out with
+        the output."""
         picked = self._planner.rotation_pick(job, engine, now)
         if picked is None:
             return None
-        gen = job.gen
-        st = self._st
-        reqs = self._requests
-        timer = math.inf
-        admitting = gen.admitting and now >= st.admit_after
-        if admitting:
-            timer = self._timeslice.apply(gen, now)
-        reqs.expire(gen, now)
-        if admitting:
-            reqs.admit(gen, now)  # no room: the decode-speed sample only
-        d = gen.admission.next_deadline()
-        if d is not None:
-            timer = min(timer, d)
-        q = reqs.queues(gen)
-        if q.deadlines:
-            timer = min(timer, q.deadlines[0][0])
-        st.out.timer = min(st.out.timer, timer)
+        out = self._st.out
+        out.timer = min(out.timer, self._housekeeping(job.gen, now))
         return self._planner.commit_rotation(job, now, *picked)

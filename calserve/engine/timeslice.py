@@ -83,13 +83,12 @@ class TimeSlice:
                 break
             parking.unslice(seq, now)
             running += 1
-        if self._slice_s <= 0 or head is None or running < cap:
+        due = self._park_due(gen, head, running, cap)
+        if due is None:
             return math.inf
-        if gen.kv.free_lanes() == 0 or tenant_capped(gen.admission, head.tenant):
-            return math.inf  # parking would free nothing the head needs
-        due = head.arrival + self._wait_s
         if now < due:
             return due
+        assert head is not None  # a park is due only for a waiting head
         victim = self._longest(q.decode_ready.values(), head.tenant, now)
         if victim is not None:
             parking.slice(victim, now)
@@ -98,18 +97,25 @@ class TimeSlice:
         # none has run a whole slice yet: the first that will have
         return min(started) + self._slice_s if started else math.inf
 
-    def quiet(self, gen: Generation, now: float) -> bool:
-        """Whether :meth:`apply` would change nothing now (nothing time-sliced: the caller checked
-        ``Parking.idle``): no cap, no waiting head, a free running slot, nothing a park could give
-        the head, or the head not waiting long enough yet. Mirrors apply's early returns."""
-        cap = gen.admission.max_running
-        q = self._requests.queues(gen)
-        head = next(iter(q.waiting.values()), None)
-        if cap is None or self._slice_s <= 0 or head is None or self._running(q) < cap:
-            return True
+    def _park_due(self, gen: Generation, head: Seq | None, running: int, cap: int) -> float | None:
+        """When a park for the waiting ``head`` is due (its arrival + the wait), or None when
+        none may be: slicing off, nobody waiting, a free running slot, or nothing a park could
+        give the head (no free lane, or its tenant at its cap)."""
+        if self._slice_s <= 0 or head is None or running < cap:
+            return None
         if gen.kv.free_lanes() == 0 or tenant_capped(gen.admission, head.tenant):
+            return None
+        return head.arrival + self._wait_s
+
+    def quiet(self, gen: Generation, now: float) -> bool:
+        """Whether :meth:`apply` would change nothing now, given nothing is time-sliced (the
+        caller checked ``Parking.idle``): no cap, or no park due yet (:meth:`_park_due`)."""
+        cap = gen.admission.max_running
+        if cap is None:
             return True
-        return now < head.arrival + self._wait_s
+        q = self._requests.queues(gen)
+        due = self._park_due(gen, next(iter(q.waiting.values()), None), self._running(q), cap)
+        return due is None or now < due
 
     def _longest(self, ready: Iterable[Seq], tenant: str, now: float) -> Seq | None:
         """The decode-ready request that has run longest (at least a slice), the tenant's first."""
