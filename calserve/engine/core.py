@@ -69,18 +69,19 @@ def _waking(out: CoreOutput) -> CoreOutput:
 
 
 def _housekeeping(st: CoreState, reqs: RequestTable, timeslice: TimeSlice, gen: Generation,
-                  now: float) -> float:
+                  now: float, also: Sequence[Seq] = ()) -> float:
     """A scheduling pass's steps for one generation before dispatch (:meth:`EngineCore._pass`,
     and the rotation's replay of them, engine/rotation.py): the time-slicer, expiry, the
     releases, admission, refilling the slots parking left; returns the next instant one of them
-    is due (``math.inf``: none)."""
+    is due (``math.inf``: none). ``also``: the rotation's finished job's sequences, decode-ready
+    in the pass it replays (for the time-slicer's next instant)."""
     out = st.out
     paused = st.paused
     timer = math.inf
     q = reqs.queues(gen)
     admitting = not paused and gen.admitting
     if admitting and now >= st.admit_after:  # before its expiry and admission
-        timer = timeslice.apply(gen, now)
+        timer = timeslice.apply(gen, now, also)
     reqs.expire(gen, now)
     if q.releases:
         if gen.calbin.frees_inline and not paused:
@@ -121,7 +122,7 @@ class EngineCore:
                                    max(sched.timeslice_wait_ms, 2 * slo_ms))
         self.rotation = Rotation(
             self.st, self.requests, self.planner, self.parking, self.timeslice,
-            lambda gen, now: _housekeeping(self.st, self.requests, self.timeslice, gen, now))
+            lambda gen, now, also: _housekeeping(self.st, self.requests, self.timeslice, gen, now, also))
         self.steps = StepHandler(self.requests, self.st, self.stats,
                                  cfg.scheduler.recovery.max_request_retries)
 

@@ -22,7 +22,7 @@ rest of the pass then runs as the pass runs it, finding nothing to do but its cl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, final
 
 from calserve.core.admission import admission_room
@@ -30,7 +30,7 @@ from calserve.engine.core_stats import CoreState
 from calserve.engine.parking import Parking
 from calserve.engine.planner import Planner
 from calserve.engine.requests import RequestTable
-from calserve.engine.state import DeviceJob
+from calserve.engine.state import DeviceJob, Seq
 from calserve.engine.timeslice import TimeSlice
 from calserve.runtime.types import JobEngine
 
@@ -47,9 +47,11 @@ class Rotation:
     __slots__ = ("_st", "_requests", "_planner", "_parking", "_timeslice", "_housekeeping")
 
     def __init__(self, st: CoreState, requests: RequestTable, planner: Planner, parking: Parking,
-                 timeslice: TimeSlice, housekeeping: Callable[[Generation, float], float]) -> None:
-        """``housekeeping(gen, now)``: the pass's steps for one generation before dispatch, as
-        ``EngineCore._pass`` runs them; the next instant one of them is due."""
+                 timeslice: TimeSlice,
+                 housekeeping: Callable[[Generation, float, Sequence[Seq]], float]) -> None:
+        """``housekeeping(gen, now, also)``: the pass's steps for one generation before dispatch,
+        as ``EngineCore._pass`` runs them, with ``also`` (the finished job's sequences) counted
+        as decode-ready where they would be; the next instant one of them is due."""
         self._st = st
         self._requests = requests
         self._planner = planner
@@ -62,9 +64,10 @@ class Rotation:
         :meth:`next` needs before it looks at the batch; cheap, checked before sampling): nothing
         but running requests in the pass's way — no parked or releasing request, pending park or
         time-sliced one, due deadline, pending wake-up, and waiting requests only when admission
-        has no room for them and the time-slicer would not park for them (every sequence of
-        ``job`` continues, so its bookkeeping frees no lane and no running slot) — and the device
-        not paused."""
+        has no room for them and the time-slicer would park nobody for them, counting ``job``'s
+        sequences as ready (every one continues, so its bookkeeping frees no lane and no running
+        slot; a park may be due while nobody has run a whole slice: a long queue of short
+        requests) — and the device not paused."""
         if self._st.paused or self._requests.wake or job.kind != "decode" or not self._parking.idle:
             return False
         gen = job.gen
@@ -73,7 +76,8 @@ class Rotation:
             return False
         if not q.waiting or not gen.admitting or now < self._st.admit_after:
             return True
-        return admission_room(gen.admission, gen.kv.free_lanes()) <= 0 and self._timeslice.quiet(gen, now)
+        return (admission_room(gen.admission, gen.kv.free_lanes()) <= 0
+                and self._timeslice.quiet(gen, now, job.seqs))
 
     def next(self, engine: JobEngine, job: DeviceJob, now: float) -> DeviceJob | None:
         """The job the pass after ``job``'s completion would hand ``engine``, committed as the pass
@@ -86,5 +90,5 @@ class Rotation:
         if picked is None:
             return None
         out = self._st.out
-        out.timer = min(out.timer, self._housekeeping(job.gen, now))
+        out.timer = min(out.timer, self._housekeeping(job.gen, now, job.seqs))
         return self._planner.commit_rotation(job, now, *picked)

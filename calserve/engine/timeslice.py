@@ -32,7 +32,7 @@ off.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, final
 
 from calserve.core.admission import tenant_capped
@@ -64,10 +64,12 @@ class TimeSlice:
         """Admitted, not ended, not parked (what ``pop_admissible`` counts against the cap)."""
         return len(q.holders) - len(q.parked)
 
-    def apply(self, gen: Generation, now: float) -> float:
+    def apply(self, gen: Generation, now: float, also: Sequence[Seq] = ()) -> float:
         """For one admitting generation, before its admission: resume the time-sliced requests
         the queue's head arrived after, then park one if the head waited long enough; the
-        instant a park may next be due (``math.inf``: none)."""
+        instant a park may next be due (``math.inf``: none). ``also``: sequences that will be
+        decode-ready when this pass would run (the rotation replays it before its finished
+        job's bookkeeping, having checked :meth:`quiet` with them): counted for that instant."""
         parking = self._parking
         cap = gen.admission.max_running
         q = self._requests.queues(gen)
@@ -93,9 +95,7 @@ class TimeSlice:
         if victim is not None:
             parking.slice(victim, now)
             return math.inf
-        started = [s.run_since for s in q.decode_ready.values()]
-        # none has run a whole slice yet: the first that will have
-        return min(started) + self._slice_s if started else math.inf
+        return self._first_slice_end(q, also)  # none has run a whole slice yet: the first that will
 
     def _park_due(self, gen: Generation, head: Seq | None, running: int, cap: int) -> float | None:
         """When a park for the waiting ``head`` is due (its arrival + the wait), or None when
@@ -107,15 +107,30 @@ class TimeSlice:
             return None
         return head.arrival + self._wait_s
 
-    def quiet(self, gen: Generation, now: float) -> bool:
+    def quiet(self, gen: Generation, now: float, also: Sequence[Seq] = ()) -> bool:
         """Whether :meth:`apply` would change nothing now, given nothing is time-sliced (the
-        caller checked ``Parking.idle``): no cap, or no park due yet (:meth:`_park_due`)."""
+        caller checked ``Parking.idle``) and ``also`` decode-ready besides the ready set (the
+        rotation's finished job, ready once its bookkeeping ran): no cap, no park due yet
+        (:meth:`_park_due`), or a park due but no decode-ready sequence has run a whole slice
+        (apply then only reports when the first will have). The last case is the common one
+        under a long queue of short requests: the oldest waiter is past the wait, but nobody
+        running has had a whole slice."""
         cap = gen.admission.max_running
         if cap is None:
             return True
         q = self._requests.queues(gen)
         due = self._park_due(gen, next(iter(q.waiting.values()), None), self._running(q), cap)
-        return due is None or now < due
+        if due is None or now < due:
+            return True
+        return self._first_slice_end(q, also) > now
+
+    def _first_slice_end(self, q: GenQueues, also: Sequence[Seq]) -> float:
+        """When the first decode-ready sequence (or of ``also``) will have run a whole slice:
+        ``min(run_since) + slice`` is the minimum of the per-sequence sums (float addition is
+        monotone), so the same instants as :meth:`_longest`'s test."""
+        started = [s.run_since for s in q.decode_ready.values()]
+        started.extend([s.run_since for s in also])
+        return min(started) + self._slice_s if started else math.inf
 
     def _longest(self, ready: Iterable[Seq], tenant: str, now: float) -> Seq | None:
         """The decode-ready request that has run longest (at least a slice), the tenant's first."""

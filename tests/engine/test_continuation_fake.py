@@ -21,6 +21,7 @@ from calserve.core.kv import KvLaneManager
 from calserve.engine.core import EngineCore
 from calserve.engine.fault_watch import FaultWatch
 from calserve.engine.planner import Planner
+from calserve.engine.timeslice import TimeSlice
 from calserve.engine.engine import Engine
 from calserve.testing.fake_device import FakeBackend
 from calserve.engine.types import FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
@@ -193,6 +194,12 @@ def test_rotation_makes_the_same_decisions(
                       for i in range(streams)]
     on = _run_fresh(monkeypatch, "fast", work, batch, inflight, lanes=lanes, **sched)
     off = _run_fresh(monkeypatch, "off", work, batch, inflight, lanes=lanes, **sched)
+    _same_as_full_passes(on, off, work)
+
+
+def _same_as_full_passes(on: dict[str, Any], off: dict[str, Any], work: Workload) -> None:
+    """The rotation's run ``on`` against full passes only: the same tokens at the same times, jobs,
+    counters, parks and passed-over counts."""
     _check_outputs(on, work)
     _check_outputs(off, work)
     assert on["rotations"] > 0 and off["rotations"] == 0
@@ -201,6 +208,36 @@ def test_rotation_makes_the_same_decisions(
     assert (on["batches"], on["lanes"]) == (off["batches"], off["lanes"])
     assert on["step_times"] == off["step_times"]
     assert (on["parks"], on["passed_over"]) == (off["parks"], off["passed_over"])
+
+
+def test_rotation_while_a_park_is_due_but_nobody_ran_a_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue behind the running cap (two running on B1, ten waiting): the oldest waiter is past
+    ``timeslice_wait_ms`` long before any running request has had a whole ``timeslice_ms``, so
+    the time-slicer parks nobody and only reports when the first will have run a slice — the
+    default profile under 32 streams of short requests (issue 18). The lanes rotate through those
+    steps too, with the same decisions, times and parks as full passes (whose time-slicer timer
+    counts the finished job's sequences, ready only after the bookkeeping the rotation runs
+    first); later requests do run a whole slice and are parked."""
+    work: Workload = [(1.37e-4 * i + 1.1e-5, (i + 1, 2 * i + 3, 7), 9 + 3 * (i % 5) + 20 * (i % 3), "a")
+                      for i in range(12)]
+    sched: dict[str, Any] = {"admission": {"max_tpot_steps": 2}, "timeslice_ms": 30, "timeslice_wait_ms": 3}
+    due_quiet: list[float] = []  # instants the rotation went on with a park due
+    quiet = TimeSlice.quiet
+
+    def watched(self: TimeSlice, gen: Any, now: float, also: Sequence[Any] = ()) -> bool:
+        r = quiet(self, gen, now, also)
+        q = self._requests.queues(gen)
+        due = self._park_due(gen, next(iter(q.waiting.values()), None), self._running(q),
+                             gen.admission.max_running)
+        if r and due is not None and now >= due:
+            due_quiet.append(now)
+        return r
+
+    monkeypatch.setattr(TimeSlice, "quiet", watched)
+    on = _run_fresh(monkeypatch, "fast", work, 1, 1, **sched)
+    off = _run_fresh(monkeypatch, "off", work, 1, 1, **sched)
+    _same_as_full_passes(on, off, work)
+    assert len(due_quiet) >= 10 and on["parks"][0] > 0
 
 
 async def test_shortcut_only_when_nothing_else_competes(

@@ -7,6 +7,8 @@ Fake clock, the real engine over the trio-native FakeBackend (1 ms steps)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import trio
 import trio.testing
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 
 from calserve.config import decode_config
 from calserve.engine.engine import Engine
+from calserve.engine.state import Seq
 from calserve.engine.timeslice import TimeSlice
 from calserve.engine.types import (
     ErrorEvent,
@@ -152,11 +155,11 @@ async def test_quiet_means_apply_changes_nothing(
     seen: list[tuple[bool, bool]] = []  # (quiet before, apply changed the parked set)
     apply = TimeSlice.apply
 
-    def checked(self: TimeSlice, gen: object, now: float) -> float:
+    def checked(self: TimeSlice, gen: object, now: float, also: Sequence[Seq] = ()) -> float:
         q = self._requests.queues(gen)
-        quiet = self.quiet(gen, now) if self._parking.idle else None  # type: ignore[arg-type]
+        quiet = self.quiet(gen, now, also) if self._parking.idle else None  # type: ignore[arg-type]
         before = (self._parking.slices_total, dict(q.parked))
-        out = apply(self, gen, now)  # type: ignore[arg-type]
+        out = apply(self, gen, now, also)  # type: ignore[arg-type]
         if quiet is not None:
             seen.append((quiet, before != (self._parking.slices_total, dict(q.parked))))
         return out
