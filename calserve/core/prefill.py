@@ -114,6 +114,20 @@ class ServiceRoundRobin:
         self._picks[best] += 1
         return best
 
+    def peek(self, available: Collection[QueueClass]) -> QueueClass | None:
+        """The class :meth:`next` would grant for ``available`` now, without granting it."""
+        if len(available) == 1:
+            for only in available:
+                return only
+        best: QueueClass | None = None
+        best_credit = 0
+        for c in _CLASSES:
+            if c in available:
+                credit = self._credit[c] + self._weights[c]
+                if best is None or credit > best_credit:
+                    best, best_credit = c, credit
+        return best
+
     def statistics(self) -> RoundRobinStats:
         return RoundRobinStats(picks=dict(self._picks), weights=dict(self._weights))
 

@@ -41,6 +41,15 @@ log = logging.getLogger("calserve.engine.planner")
 _DECODE_ONLY = frozenset((QueueClass.DECODE,))
 
 
+def _live(dq: collections.deque[Seq]) -> bool:
+    """Whether a prefill queue holds a prompt to run: the first not ended nor on the device (the
+    pass drops the dead ones in front, then runs the head)."""
+    for s in dq:
+        if not s.ended and s.inflight is None:
+            return True
+    return False
+
+
 def job_device_s(gen: Generation, job: DeviceJob) -> float:
     """The modelled device time of ``job`` (the package's timing; without timing figures a
     token-count proxy), what the cross-model share charges."""
@@ -276,10 +285,11 @@ class Planner:
 
     # ------------------------------------------------------------------------------ rotation
     def rotation_pick(self, done: DeviceJob, engine: JobEngine, now: float
-                      ) -> tuple[int, list[Seq], str] | None:
+                      ) -> tuple[int, list[Seq], str, list[QueueClass]] | None:
         """The decode batch a full pass would hand ``engine`` right after ``done``'s completion,
         decided *before* that completion's bookkeeping (``EngineCore.fast_decode``), as ``(B, the
-        sequences in lane order, the skip reason of the rest)``; None unless that is certain.
+        sequences in lane order, the skip reason of the rest, the classes the round robin weighs:
+        none when only decode has work)``; None unless that is certain.
         Changes no state. The caller checked that every sequence of ``done`` continues and that no
         waiting, parked or releasing request, pending park or due deadline needs the pass.
 
@@ -288,31 +298,33 @@ class Planner:
         (``ready_since`` = ``now``), so when the ready set alone holds a full batch served before
         them, the pass's pick is the batch of that set. What the pass would weigh is weighed with
         them counted as ready and ``done`` off the device: the profile selection, the batching
-        window, the PING/PONG partial-batch hold; the one-tenant pick's conditions hold for them
-        too (no ending pending, their next position below the profile's length, no deadline inside
-        the urgency horizon, the one tenant). Any other case — another engine free (the pass fills
-        it first), a prefill queued or on the device, several generations, a degraded state, the
-        FCFS policy or the general builder — is left to the pass."""
+        window, the PING/PONG partial-batch hold, the service round robin when prefills are queued
+        (its turn must be decode's); the one-tenant pick's conditions hold for them too (no ending
+        pending, their next position below the profile's length, no deadline inside the urgency
+        horizon, the one tenant). (The prefill-first hold never applies: the ready count is at
+        least the batch.) Any other case — another engine free (the pass fills it first) or
+        running another generation's job, several generations, a degraded state, the FCFS policy
+        or the general builder — is left to the pass."""
         st = self.st
         gen = done.gen
         if done.kind != "decode" or st.batch_one or st.only is not None:
             return None
         if not serves_jobs(gen.state) or len(self.models.generations) != 1:
             return None
-        on_device = 0  # the other engines' decode sequences (all busy, all decoding this generation)
+        on_device = 0  # the other engines' decode sequences (all busy with this generation's jobs)
         for e, job in st.slots.items():
             if e is engine:
                 continue
-            if job is None or job.kind != "decode" or job.gen is not gen:
+            if job is None or job.gen is not gen:
                 return None
-            on_device += len(job.seqs)
+            if job.kind == "decode":
+                on_device += len(job.seqs)
         limit = self.cfg.scheduler.admission.max_inflight_jobs
         if limit is not None and len(st.slots) - 1 >= limit:
             return None
         q = self.requests.queues(gen)
-        for c in PREFILL_CLASSES:
-            if q.prefill[c]:
-                return None
+        # the prefill classes the pass would find work in (a live head: it drops the dead ones)
+        classes = [c for c in PREFILL_CLASSES if _live(q.prefill[c])]
         ready = q.decode_ready
         if not ready:
             return None
@@ -354,17 +366,22 @@ class Planner:
         last = chosen[-1]
         if len(chosen) < B or (last.ready_since, last.rid) >= min((now, s.rid) for s in seqs):
             return None  # the pass would pick one of ``done``'s sequences too
-        return B, chosen, why
+        if classes:  # the round robin's turn: a prefill's, and the pass runs it
+            classes.append(QueueClass.DECODE)
+            if self.rr.peek(classes) is not QueueClass.DECODE:
+                return None
+        return B, chosen, why, classes
 
-    def commit_rotation(self, done: DeviceJob, now: float, B: int, chosen: list[Seq], why: str
-                        ) -> DeviceJob:
-        """What the pass does with :meth:`rotation_pick`'s batch: the round robin's turn, the job
-        (the chosen sequences leave the ready set, their KV transactions open), the passed-over
-        count of the sequences left ready, the submit moves. ``done``'s sequences get theirs in
-        :meth:`after_rotation`, once its bookkeeping made them ready."""
+    def commit_rotation(self, done: DeviceJob, now: float, B: int, chosen: list[Seq], why: str,
+                        classes: list[QueueClass]) -> DeviceJob:
+        """What the pass does with :meth:`rotation_pick`'s batch: the round robin's turn among
+        ``classes`` (those with work; none: decode alone), the job (the chosen sequences leave the
+        ready set, their KV transactions open), the passed-over count of the sequences left ready,
+        the submit moves. ``done``'s sequences get theirs in :meth:`after_rotation`, once its
+        bookkeeping made them ready."""
         gen = done.gen
         q = self.requests.queues(gen)
-        self.rr.next(_DECODE_ONLY)
+        self.rr.next(classes or _DECODE_ONLY)
         job, _ = self.builder.picked_batch(gen, q.decode_ready, now, B, self.builder.profile(gen, B),
                                            chosen, why)
         assert job is not None

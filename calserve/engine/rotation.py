@@ -62,7 +62,9 @@ class Rotation:
     def may(self, job: DeviceJob, now: float) -> bool:
         """Whether the pass after ``job``'s completion could only dispatch a decode batch (what
         :meth:`next` needs before it looks at the batch; cheap, checked before sampling): nothing
-        but running requests in the pass's way — no parked or releasing request, pending park or
+        but running requests and queued prompts (whose turn :meth:`Planner.rotation_pick
+        <calserve.engine.planner.Planner.rotation_pick>` weighs) in the pass's way — no parked or
+        releasing request, pending park or
         time-sliced one, due deadline, pending wake-up, and waiting requests only when admission
         has no room for them and the time-slicer would park nobody for them, counting ``job``'s
         sequences as ready (every one continues, so its bookkeeping frees no lane and no running

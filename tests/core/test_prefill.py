@@ -107,13 +107,16 @@ def _reference_next(weights: dict[Q, int], credit: dict[Q, int], available: set[
        st.lists(st.integers(1, 9), min_size=4, max_size=4))
 def test_picks_match_the_stated_algorithm(picks: list[set[Q]], ws: list[int]) -> None:
     """Every pick (the one-class shortcut included) is the docstring's algorithm's, so are the
-    credits after it (the shortcut leaves a lone class's credit as +w -w would)."""
+    credits after it (the shortcut leaves a lone class's credit as +w -w would); ``peek`` names
+    the same class and changes nothing."""
     weights = dict(zip(Q, ws))
     rr = ServiceRoundRobin(weights)
     credit = {c: 0 for c in Q}
     counts = {c: 0 for c in Q}
     for available in picks:
         want = _reference_next(weights, credit, available)
+        assert rr.peek(available) is want  # what the rotation asks: the pick, not granted
+        assert rr.peek(available) is want
         assert rr.next(available) is want
         if want is not None:
             counts[want] += 1

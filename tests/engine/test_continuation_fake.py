@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 from calserve.core.kv import KvLaneManager
+from calserve.core.prefill import QueueClass, ServiceRoundRobin
 from calserve.engine.core import EngineCore
 from calserve.engine.fault_watch import FaultWatch
 from calserve.engine.planner import Planner
@@ -208,6 +209,31 @@ def _same_as_full_passes(on: dict[str, Any], off: dict[str, Any], work: Workload
     assert (on["batches"], on["lanes"]) == (off["batches"], off["lanes"])
     assert on["step_times"] == off["step_times"]
     assert (on["parks"], on["passed_over"]) == (off["parks"], off["passed_over"])
+
+
+@pytest.mark.parametrize("batch,inflight", [(1, 1), (4, 1), (4, 2)], ids=["B1", "B4", "B4-pingpong"])
+def test_rotation_with_prefills_queued(monkeypatch: pytest.MonkeyPatch, batch: int, inflight: int) -> None:
+    """Requests keep arriving while the lanes rotate (a closed loop's steady state), so prompts
+    wait for their prefill at many completions: the rotation asks the service round robin whose
+    turn it is (``ServiceRoundRobin.peek``), goes on when it is decode's — granting the turn among
+    the same classes as the pass would, so the credits stay the pass's — and leaves the prefill's
+    turns to the pass. Same decisions as full passes only; and it did go on past queued prompts."""
+    work: Workload = [(0.0021 * i + 1.1e-5 * (i % 7), tuple(range(1, 3 + (i * 5) % 40)), 15 + 4 * (i % 6), "a")
+                      for i in range(24)]
+    past_prompts: list[int] = []
+    peek = ServiceRoundRobin.peek
+
+    def watched(self: ServiceRoundRobin, available: Any) -> Any:
+        c = peek(self, available)
+        if len(available) > 1 and c is QueueClass.DECODE:
+            past_prompts.append(len(available))
+        return c
+
+    monkeypatch.setattr(ServiceRoundRobin, "peek", watched)
+    on = _run_fresh(monkeypatch, "fast", work, batch, inflight)
+    off = _run_fresh(monkeypatch, "off", work, batch, inflight)
+    _same_as_full_passes(on, off, work)
+    assert len(past_prompts) >= (1 if inflight == 2 else 5)
 
 
 def test_rotation_while_a_park_is_due_but_nobody_ran_a_slice(monkeypatch: pytest.MonkeyPatch) -> None:
