@@ -54,10 +54,10 @@ class Parking:
         self.slices_total = 0
 
     @property
-    def idle(self) -> bool:
-        """Nothing to apply and nothing time-sliced: :meth:`apply` and the time-slicer's queue
-        have nothing to do (the rotation shortcut, ``EngineCore.fast_decode``)."""
-        return not self._want and not self._sliced
+    def wanting(self) -> bool:
+        """Requests asked to park that :meth:`apply` parks once they are decode-ready (the rotation
+        shortcut, which skips the pass's :meth:`apply`, then leaves the completion to the pass)."""
+        return bool(self._want)
 
     def set(self, seq: Seq, park: bool, now: float) -> None:
         """Park ``seq`` (``park``) or resume it. Idempotent; an ended request is ignored."""

@@ -62,24 +62,24 @@ class Rotation:
     def may(self, job: DeviceJob, now: float) -> bool:
         """Whether the pass after ``job``'s completion could only dispatch a decode batch (what
         :meth:`next` needs before it looks at the batch; cheap, checked before sampling): nothing
-        but running requests and queued prompts (whose turn :meth:`Planner.rotation_pick
-        <calserve.engine.planner.Planner.rotation_pick>` weighs) in the pass's way — no parked or
-        releasing request, pending park or
-        time-sliced one, due deadline, pending wake-up, and waiting requests only when admission
-        has no room for them and the time-slicer would park nobody for them, counting ``job``'s
-        sequences as ready (every one continues, so its bookkeeping frees no lane and no running
-        slot; a park may be due while nobody has run a whole slice: a long queue of short
-        requests) — and the device not paused."""
-        if self._st.paused or self._requests.wake or job.kind != "decode" or not self._parking.idle:
+        but running requests, parked ones and queued prompts (whose turn :meth:`Planner.rotation_pick
+        <calserve.engine.planner.Planner.rotation_pick>` weighs) in the pass's way — no request
+        waiting to be parked, no releasing one, due deadline or pending wake-up; waiting requests
+        only when admission has no room for them; and the time-slicer quiet (no resume, no park;
+        :meth:`TimeSlice.quiet`, with ``job``'s sequences counted as ready: every one continues,
+        so its bookkeeping frees no lane and no running slot) — and the device not paused. A
+        request parked for its client is left as the pass leaves it (its stream resumes it, which
+        wakes the pass)."""
+        if self._st.paused or self._requests.wake or job.kind != "decode" or self._parking.wanting:
             return False
         gen = job.gen
         q = self._requests.queues(gen)
-        if q.parked or q.releases or (q.deadlines and q.deadlines[0][0] <= now):
+        if q.releases or (q.deadlines and q.deadlines[0][0] <= now):
             return False
-        if not q.waiting or not gen.admitting or now < self._st.admit_after:
-            return True
-        return (admission_room(gen.admission, gen.kv.free_lanes()) <= 0
-                and self._timeslice.quiet(gen, now, job.seqs))
+        admitting = gen.admitting and now >= self._st.admit_after
+        if admitting and q.waiting and admission_room(gen.admission, gen.kv.free_lanes(), len(q.parked)) > 0:
+            return False
+        return self._timeslice.quiet(gen, now, job.seqs, admitting)
 
     def next(self, engine: JobEngine, job: DeviceJob, now: float) -> DeviceJob | None:
         """The job the pass after ``job``'s completion would hand ``engine``, committed as the pass

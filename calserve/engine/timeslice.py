@@ -107,19 +107,27 @@ class TimeSlice:
             return None
         return head.arrival + self._wait_s
 
-    def quiet(self, gen: Generation, now: float, also: Sequence[Seq] = ()) -> bool:
-        """Whether :meth:`apply` would change nothing now, given nothing is time-sliced (the
-        caller checked ``Parking.idle``) and ``also`` decode-ready besides the ready set (the
-        rotation's finished job, ready once its bookkeeping ran): no cap, no park due yet
-        (:meth:`_park_due`), or a park due but no decode-ready sequence has run a whole slice
-        (apply then only reports when the first will have). The last case is the common one
-        under a long queue of short requests: the oldest waiter is past the wait, but nobody
-        running has had a whole slice."""
+    def quiet(self, gen: Generation, now: float, also: Sequence[Seq] = (), admitting: bool = True
+              ) -> bool:
+        """Whether this pass's time-slicer steps for ``gen`` would change nothing now — :meth:`apply`
+        (run when the pass is ``admitting``) and :meth:`fill` — with ``also`` decode-ready besides
+        the ready set (the rotation's finished job, ready once its bookkeeping ran) and no running
+        slot freed before them (every sequence of that job continues). No time-sliced request is
+        resumed: there is none, or every running slot is taken (with a free slot, apply or fill
+        resumes one, or admission takes it). No park: no cap, no park due yet (:meth:`_park_due`),
+        or a park due but no decode-ready sequence has run a whole slice (apply then only reports
+        when the first will have) — the common case under a long queue of short requests."""
         cap = gen.admission.max_running
-        if cap is None:
-            return True
         q = self._requests.queues(gen)
-        due = self._park_due(gen, next(iter(q.waiting.values()), None), self._running(q), cap)
+        sliced = self._parking.sliced_queue(q.parked, gen.id) if q.parked else ()
+        if cap is None:
+            return not (sliced and admitting)  # apply resumes them all (fill never does)
+        running = self._running(q)
+        if sliced and running < cap:
+            return False
+        if not admitting:
+            return True
+        due = self._park_due(gen, next(iter(q.waiting.values()), None), running, cap)
         if due is None or now < due:
             return True
         return self._first_slice_end(q, also) > now

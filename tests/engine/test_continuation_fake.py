@@ -243,27 +243,31 @@ def test_rotation_while_a_park_is_due_but_nobody_ran_a_slice(monkeypatch: pytest
     default profile under 32 streams of short requests (issue 18). The lanes rotate through those
     steps too, with the same decisions, times and parks as full passes (whose time-slicer timer
     counts the finished job's sequences, ready only after the bookkeeping the rotation runs
-    first); later requests do run a whole slice and are parked."""
+    first); later requests do run a whole slice and are parked, and the lanes rotate while they
+    wait parked too (every running slot taken: none can resume)."""
     work: Workload = [(1.37e-4 * i + 1.1e-5, (i + 1, 2 * i + 3, 7), 9 + 3 * (i % 5) + 20 * (i % 3), "a")
                       for i in range(12)]
     sched: dict[str, Any] = {"admission": {"max_tpot_steps": 2}, "timeslice_ms": 30, "timeslice_wait_ms": 3}
     due_quiet: list[float] = []  # instants the rotation went on with a park due
+    sliced_quiet: list[float] = []  # ... with time-sliced requests parked (every running slot taken)
     quiet = TimeSlice.quiet
 
-    def watched(self: TimeSlice, gen: Any, now: float, also: Sequence[Any] = ()) -> bool:
-        r = quiet(self, gen, now, also)
+    def watched(self: TimeSlice, gen: Any, now: float, also: Sequence[Any] = (), admitting: bool = True) -> bool:
+        r = quiet(self, gen, now, also, admitting)
         q = self._requests.queues(gen)
         due = self._park_due(gen, next(iter(q.waiting.values()), None), self._running(q),
                              gen.admission.max_running)
         if r and due is not None and now >= due:
             due_quiet.append(now)
+        if r and self._parking.sliced_queue(q.parked, gen.id):
+            sliced_quiet.append(now)
         return r
 
     monkeypatch.setattr(TimeSlice, "quiet", watched)
     on = _run_fresh(monkeypatch, "fast", work, 1, 1, **sched)
     off = _run_fresh(monkeypatch, "off", work, 1, 1, **sched)
     _same_as_full_passes(on, off, work)
-    assert len(due_quiet) >= 10 and on["parks"][0] > 0
+    assert len(due_quiet) >= 10 and on["parks"][0] > 0 and len(sliced_quiet) >= 10
 
 
 async def test_shortcut_only_when_nothing_else_competes(

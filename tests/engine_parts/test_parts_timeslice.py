@@ -8,6 +8,7 @@ Fake clock, the real engine over the trio-native FakeBackend (1 ms steps)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import trio
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from calserve.config import decode_config
+from calserve.engine import core as core_module
 from calserve.engine.engine import Engine
 from calserve.engine.state import Seq
 from calserve.engine.timeslice import TimeSlice
@@ -146,27 +148,32 @@ async def test_parked_requests_holding_the_lanes_resume_so_the_queue_progresses(
     assert r["slices"] >= 1
 
 
-async def test_quiet_means_apply_changes_nothing(
+async def test_quiet_means_the_time_slicer_changes_nothing(
         autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
     """``TimeSlice.quiet`` (what the rotation shortcut asks before it skips the pass,
-    ``EngineCore._may_rotate``): at every ``apply`` of a run that slices and resumes, when quiet
-    held (with nothing time-sliced, as the shortcut also requires) apply parked and resumed nobody;
-    and quiet did not hold where apply sliced."""
-    seen: list[tuple[bool, bool]] = []  # (quiet before, apply changed the parked set)
-    apply = TimeSlice.apply
+    ``Rotation.may``): at every pass's per-generation steps (``core._housekeeping``: ``apply``
+    when admitting, admission, ``fill``) of a run that slices and resumes, when quiet held (with no
+    park pending, as the shortcut also requires) nobody was parked or resumed; quiet did not hold
+    where somebody was; and it held with time-sliced requests parked too (every running slot
+    taken: none can resume)."""
+    seen: list[tuple[bool, bool, bool]] = []  # (quiet before, parked set changed, sliced present)
+    housekeeping = core_module._housekeeping
 
-    def checked(self: TimeSlice, gen: object, now: float, also: Sequence[Seq] = ()) -> float:
-        q = self._requests.queues(gen)
-        quiet = self.quiet(gen, now, also) if self._parking.idle else None  # type: ignore[arg-type]
-        before = (self._parking.slices_total, dict(q.parked))
-        out = apply(self, gen, now, also)  # type: ignore[arg-type]
+    def checked(st: Any, reqs: Any, ts: TimeSlice, gen: Any, now: float, also: Sequence[Seq] = ()) -> float:
+        q = reqs.queues(gen)
+        admitting = not st.paused and gen.admitting and now >= st.admit_after
+        quiet = None if ts._parking.wanting else ts.quiet(gen, now, also, admitting)
+        sliced = bool(ts._parking.sliced_queue(q.parked, gen.id))
+        before = (ts._parking.slices_total, dict(q.parked))
+        out = housekeeping(st, reqs, ts, gen, now, also)
         if quiet is not None:
-            seen.append((quiet, before != (self._parking.slices_total, dict(q.parked))))
+            seen.append((quiet, before != (ts._parking.slices_total, dict(q.parked)), sliced))
         return out
 
-    monkeypatch.setattr(TimeSlice, "apply", checked)
+    monkeypatch.setattr(core_module, "_housekeeping", checked)
     r = await _run(9, 0.05, 20)
     _check_common(r, 9)
     assert r["slices"] >= 1
-    assert not any(quiet and changed for quiet, changed in seen)
-    assert any(quiet for quiet, _ in seen) and any(changed for _, changed in seen)
+    assert not any(quiet and changed for quiet, changed, _ in seen)
+    assert any(changed for _, changed, _ in seen)
+    assert any(quiet and sliced for quiet, _, sliced in seen)
