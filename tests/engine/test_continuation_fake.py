@@ -9,6 +9,7 @@ taken exactly when nothing else competes.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import trio
 import trio.testing
 
 from calserve.core.kv import KvLaneManager
+from calserve.engine import core as core_module
 from calserve.core.prefill import QueueClass, ServiceRoundRobin
 from calserve.engine.core import EngineCore
 from calserve.engine.fault_watch import FaultWatch
@@ -263,11 +265,31 @@ def test_rotation_while_a_park_is_due_but_nobody_ran_a_slice(monkeypatch: pytest
             sliced_quiet.append(now)
         return r
 
+    def logged(log: list[tuple[float, float, bool]]) -> Any:
+        housekeeping = core_module._housekeeping
+
+        def wrapped(st: Any, reqs: Any, ts: Any, gen: Any, now: float, also: Sequence[Any] = ()) -> float:
+            timer = housekeeping(st, reqs, ts, gen, now, also)
+            log.append((now, timer, bool(also)))  # also: the rotation's replay
+            return timer
+        return wrapped
+
+    on_timers: list[tuple[float, float, bool]] = []
+    off_timers: list[tuple[float, float, bool]] = []
     monkeypatch.setattr(TimeSlice, "quiet", watched)
+    monkeypatch.setattr(core_module, "_housekeeping", logged(on_timers))
     on = _run_fresh(monkeypatch, "fast", work, 1, 1, **sched)
+    monkeypatch.setattr(core_module, "_housekeeping", logged(off_timers))
     off = _run_fresh(monkeypatch, "off", work, 1, 1, **sched)
     _same_as_full_passes(on, off, work)
     assert len(due_quiet) >= 10 and on["parks"][0] > 0 and len(sliced_quiet) >= 10
+    # The timer each replay reports is the one the pass after that completion reported, though the
+    # finished job's sequences were not ready yet when it ran (the time-slicer's next instant).
+    passes: dict[float, set[float]] = collections.defaultdict(set)
+    for now, timer, _ in off_timers:
+        passes[now].add(timer)
+    replays = [(now, timer) for now, timer, replay in on_timers if replay]
+    assert len(replays) >= 10 and all(timer in passes[now] for now, timer in replays)
 
 
 async def test_shortcut_only_when_nothing_else_competes(
