@@ -95,27 +95,22 @@ class ServiceRoundRobin:
     def next(self, available: Collection[QueueClass]) -> QueueClass | None:
         """The class that gets the next service opportunity, among ``available`` (non-empty) ones;
         None when nothing is available."""
-        if len(available) == 1:  # one class: it gets the pick, its credit goes +w -w (unchanged)
-            for only in available:
-                self._picks[only] += 1
-                return only
-        total = 0
-        best: QueueClass | None = None
-        for c in _CLASSES:
-            if c not in available:
-                continue
-            self._credit[c] += self._weights[c]
-            total += self._weights[c]
-            if best is None or self._credit[c] > self._credit[best]:
-                best = c
+        best = self.peek(available)
         if best is None:
             return None
-        self._credit[best] -= total
+        if len(available) > 1:  # one class: its credit goes +w -w (unchanged)
+            total = 0
+            for c in _CLASSES:
+                if c in available:
+                    self._credit[c] += self._weights[c]
+                    total += self._weights[c]
+            self._credit[best] -= total
         self._picks[best] += 1
         return best
 
     def peek(self, available: Collection[QueueClass]) -> QueueClass | None:
-        """The class :meth:`next` would grant for ``available`` now, without granting it."""
+        """The class :meth:`next` grants for ``available`` now, without granting it: the most
+        credit once each available class's weight is added (ties: decode, short, medium, long)."""
         if len(available) == 1:
             for only in available:
                 return only
