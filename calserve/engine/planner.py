@@ -41,13 +41,12 @@ log = logging.getLogger("calserve.engine.planner")
 _DECODE_ONLY = frozenset((QueueClass.DECODE,))
 
 
-def _live(dq: collections.deque[Seq]) -> bool:
-    """Whether a prefill queue holds a prompt to run: the first not ended nor on the device (the
-    pass drops the dead ones in front, then runs the head)."""
-    for s in dq:
-        if not s.ended and s.inflight is None:
-            return True
-    return False
+def _live_head(dq: collections.deque[Seq]) -> bool:
+    """Whether a prefill queue holds a prompt to run, after dropping the ended or already
+    dispatched ones in front of it (the head is then the one to run)."""
+    while dq and (dq[0].ended or dq[0].inflight is not None):
+        dq.popleft()
+    return bool(dq)
 
 
 def job_device_s(gen: Generation, job: DeviceJob) -> float:
@@ -130,13 +129,7 @@ class Planner:
                 if multi and not may_take_engine(self._held(gen), len(self.st.slots),
                                                  self._others_have_work(gen, gens)):
                     continue
-                available: set[QueueClass] = set()
-                for c in PREFILL_CLASSES:
-                    dq = q.prefill[c]
-                    while dq and (dq[0].ended or dq[0].inflight is not None):
-                        dq.popleft()
-                    if dq:
-                        available.add(c)
+                available = {c for c in PREFILL_CLASSES if _live_head(q.prefill[c])}
                 B = gen.compiled_batch
                 if q.decode_ready:
                     first = next(iter(q.decode_ready.values()))
@@ -290,7 +283,8 @@ class Planner:
         decided *before* that completion's bookkeeping (``EngineCore.fast_decode``), as ``(B, the
         sequences in lane order, the skip reason of the rest, the classes the round robin weighs:
         none when only decode has work)``; None unless that is certain.
-        Changes no state. The caller checked that every sequence of ``done`` continues and that no
+        Changes no state but what the pass would change first at this instant: the prefill
+        queues' dead heads are dropped. The caller checked that every sequence of ``done`` continues and that no
         waiting, parked or releasing request, pending park or due deadline needs the pass.
 
         The rotation of a running set larger than the batch (64 streams over B16 lanes, or the
@@ -323,8 +317,8 @@ class Planner:
         if limit is not None and len(st.slots) - 1 >= limit:
             return None
         q = self.requests.queues(gen)
-        # the prefill classes the pass would find work in (a live head: it drops the dead ones)
-        classes = [c for c in PREFILL_CLASSES if _live(q.prefill[c])]
+        # the prefill classes the pass would find work in (dropping dead heads, as it does now)
+        classes = [c for c in PREFILL_CLASSES if _live_head(q.prefill[c])]
         ready = q.decode_ready
         if not ready:
             return None
