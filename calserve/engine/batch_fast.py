@@ -66,11 +66,13 @@ TENANT_SHARE = "tenant_share"
 
 
 def single_tenant_lanes(ready: Mapping[int, S], now: float, b: int, max_seq: int,
-                        urgency_s: float, lane_share: float) -> tuple[list[S], str] | None:
+                        urgency_s: float, lane_share: float, earliest: float | None
+                        ) -> tuple[list[S], str] | None:
     """The sequences of the next decode batch in lane order, and the skip reason of every ready
     sequence not chosen (``batch_full``, or ``tenant_share`` when the one tenant's lane cap is
     below ``b``: it took the leftover lanes because no other candidate existed); None when the
-    ready set is not the plain one-tenant case (see the module docstring)."""
+    ready set is not the plain one-tenant case (see the module docstring). ``earliest``: the ready
+    set's :func:`earliest_deadline` (the planner has it from the batching window)."""
     if not ready:
         return None
     vals = list(ready.values())
@@ -81,7 +83,6 @@ def single_tenant_lanes(ready: Mapping[int, S], now: float, b: int, max_seq: int
         return None
     if max(map(_POSITION, vals)) >= max_seq:
         return None
-    earliest = earliest_deadline(vals)
     if earliest is not None and earliest <= now + urgency_s:
         return None
     if len(set(map(_TENANT, vals))) != 1:

@@ -77,19 +77,21 @@ class JobBuilder:
         return DeviceJob("prefill", gen, [seq], seq.prefill_input(), np.zeros(1, np.int32),
                          np.ones(1, np.uint8), now)
 
-    def decode_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int
-                     ) -> tuple[DeviceJob | None, list[tuple[int, str]] | str]:
+    def decode_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int,
+                     earliest: float | None) -> tuple[DeviceJob | None, list[tuple[int, str]] | str]:
         """A decode batch for compiled batch ``B`` over the ready set (fair lane order), and the
         ready sequences it skipped with why (``batch_full``, ``tenant_share``, ``deadline``,
         ``length``) for the core to act on. The chosen sequences leave ``ready`` and their KV
         transaction opens. The skipped ones as ``(request id, why)`` in ready order, or, when
         every sequence left in ``ready`` was skipped for the same reason (the one-tenant pick),
-        that reason alone (a str: no list of pairs per batch)."""
+        that reason alone (a str: no list of pairs per batch). ``earliest``: the ready set's
+        earliest deadline (``batch_fast.earliest_deadline``)."""
         profile = self.profile(gen, B)
         fcfg = self.cfg.scheduler.fairness
         if self.fast and fcfg.policy != "fcfs":
             picked = single_tenant_lanes(ready, now, B, profile.max_seq,
-                                         fcfg.deadline_urgency_ms * 1e-3, fcfg.tenant_max_lane_share)
+                                         fcfg.deadline_urgency_ms * 1e-3, fcfg.tenant_max_lane_share,
+                                         earliest)
             if picked is not None:
                 return self.picked_batch(gen, ready, now, B, profile, *picked)
         gid = gen.id

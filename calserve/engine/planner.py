@@ -131,6 +131,7 @@ class Planner:
                     continue
                 available = {c for c in PREFILL_CLASSES if _live_head(q.prefill[c])}
                 B = gen.compiled_batch
+                earliest = None  # the ready set's earliest deadline (the batch pick's too)
                 if q.decode_ready:
                     first = next(iter(q.decode_ready.values()))
                     if self.st.batch_one:  # reset budget spent: the smallest profile
@@ -153,7 +154,7 @@ class Planner:
                 cls = self.rr.next(available)
                 if cls is None:
                     continue
-                job = (self._decode_job(gen, q, now, B) if cls is QueueClass.DECODE
+                job = (self._decode_job(gen, q, now, B, earliest) if cls is QueueClass.DECODE
                        else self._prefill_job(gen, q, cls, now))
                 if job is None:
                     continue
@@ -245,8 +246,9 @@ class Planner:
         self.requests.trace.append(("prefill", (seq.rid,)))
         return job
 
-    def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int) -> DeviceJob | None:
-        job, skipped = self.builder.decode_batch(gen, q.decode_ready, now, B)
+    def _decode_job(self, gen: Generation, q: GenQueues, now: float, B: int, earliest: float | None
+                    ) -> DeviceJob | None:
+        job, skipped = self.builder.decode_batch(gen, q.decode_ready, now, B, earliest)
         if isinstance(skipped, str):  # every sequence left ready was passed over (lanes full)
             self._passed_over(q.decode_ready.values())
             skipped = []
@@ -333,7 +335,7 @@ class Planner:
         fcfg = self.cfg.scheduler.fairness
         if not self.builder.fast or fcfg.policy == "fcfs":
             return None
-        earliest = earliest_deadline(ready.values())
+        ready_earliest = earliest = earliest_deadline(ready.values())
         theirs = earliest_deadline(seqs)
         if theirs is not None and (earliest is None or theirs < earliest):
             earliest = theirs
@@ -353,7 +355,7 @@ class Planner:
                     or s.position + 1 >= profile.max_seq or s.req.tenant != tenant):
                 return None
         picked = single_tenant_lanes(ready, now, B, profile.max_seq, urgency,
-                                     fcfg.tenant_max_lane_share)
+                                     fcfg.tenant_max_lane_share, ready_earliest)
         if picked is None:
             return None
         chosen, why = picked

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from calserve.core.admission import Outcome, WorkItem
 from calserve.core.decode import BatchProfile, DecodeCandidate, LaneOrder, build_decode_batch
 from calserve.core.prefill import classify
-from calserve.engine.batch_fast import single_tenant_lanes
+from calserve.engine.batch_fast import earliest_deadline, single_tenant_lanes
 from calserve.engine.state import Seq
 from calserve.engine.types import FinishReason, GenerateRequest, SamplingParams
 from calserve.runtime.types import JobEngine
@@ -60,7 +60,7 @@ def test_single_tenant_pick_equals_the_fair_builder(specs: list[dict[str, Any]],
              for s in ready.values()]
     order = LaneOrder(urgency_s=urgency, tenant_vt={"a": 3.0, "b": 1.0})
     full = build_decode_batch(BatchProfile(b, max_seq), cands, now, 1, share, order)
-    fast = single_tenant_lanes(ready, now, b, max_seq, urgency, share)
+    fast = single_tenant_lanes(ready, now, b, max_seq, urgency, share, earliest_deadline(ready.values()))
     plain = (bool(ready) and len({s.req.tenant for s in ready.values()}) == 1
              and all(s.pending_reason is None and s.position < max_seq
                      and (s.deadline is None or s.deadline > now + urgency) for s in ready.values()))
