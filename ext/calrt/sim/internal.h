@@ -73,6 +73,7 @@ typedef struct sim_engine {
   pthread_cond_t cond; /* work available */
   struct calrt_job *queue[CALRT_QUEUE_DEPTH]; /* FIFO; queue[0] runs first */
   int n_queued;
+  atomic_int queued_hint; /* n_queued for the worker's spin (written under chip->mu, read without) */
   double free_at_us; /* modeled end of the engine's last job (chip->mu) */
   calrt_counters counters;
   atomic_ullong timeouts; /* atomic: counted by waiters without the chip lock */
