@@ -415,22 +415,25 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
  * longer poll would have caught it), a job that comes later than the cap halves it (nothing came
  * while polling: the host is idle or slow, polling is wasted), down to none. An idle engine polls
  * at most a few times, then costs nothing. CALRT_SIM_ENGINE_SPIN_US sets the cap (0: never poll). */
-#define ENGINE_SPIN_CAP_US 200.0
-#define ENGINE_SPIN_MIN_US 10.0
-
-typedef struct engine_poll {
-  double cap, window; /* microseconds */
-} engine_poll;
-
-static engine_poll engine_poll_new(void) {
+sim_engine_poll sim_engine_poll_new(void) {
   const char *env = getenv("CALRT_SIM_ENGINE_SPIN_US");
-  double cap = ENGINE_SPIN_CAP_US;
+  double cap = SIM_ENGINE_SPIN_CAP_US;
   if (env && *env) {
     char *end = NULL;
     const double v = strtod(env, &end);
-    if (end != env && v >= 0.0 && v <= 1e6) cap = v;
+    if (end != env && *end == '\0' && v >= 0.0 && v <= 1e6) cap = v;
   }
-  return (engine_poll){cap, cap};
+  return (sim_engine_poll){cap, cap};
+}
+
+/* A job came `idle_us` after the worker began waiting, and the poll did not catch it. */
+void sim_engine_poll_missed(sim_engine_poll *p, double idle_us) {
+  if (idle_us <= p->cap) { /* a longer poll would have caught it */
+    p->window = p->window * 2.0 > SIM_ENGINE_SPIN_MIN_US ? p->window * 2.0 : SIM_ENGINE_SPIN_MIN_US;
+    if (p->window > p->cap) p->window = p->cap;
+  } else { /* nothing came while polling: the host is idle or slow */
+    p->window = p->window / 2.0 >= SIM_ENGINE_SPIN_MIN_US ? p->window / 2.0 : 0.0;
+  }
 }
 
 static inline void cpu_pause(void) {
@@ -440,7 +443,7 @@ static inline void cpu_pause(void) {
 }
 
 /* Wait until the engine has a job or the chip stops (chip->mu held on entry and on return). */
-static void wait_for_job(sim_engine *e, engine_poll *poll) {
+static void wait_for_job(sim_engine *e, sim_engine_poll *poll) {
   sim_chip *ch = e->chip;
   if (ch->stop || e->n_queued > 0) return;
   const double t0 = sim_now_us();
@@ -454,13 +457,7 @@ static void wait_for_job(sim_engine *e, engine_poll *poll) {
     if (ch->stop || e->n_queued > 0) return; /* caught while polling: the window stays */
   }
   while (!ch->stop && e->n_queued == 0) pthread_cond_wait(&e->cond, &ch->mu);
-  const double idle = sim_now_us() - t0;
-  if (idle <= poll->cap) { /* a longer poll would have caught it */
-    poll->window = poll->window * 2.0 > ENGINE_SPIN_MIN_US ? poll->window * 2.0 : ENGINE_SPIN_MIN_US;
-    if (poll->window > poll->cap) poll->window = poll->cap;
-  } else {
-    poll->window = poll->window / 2.0 >= ENGINE_SPIN_MIN_US ? poll->window / 2.0 : 0.0;
-  }
+  if (!ch->stop) sim_engine_poll_missed(poll, sim_now_us() - t0);
 }
 
 static void *worker(void *arg) {
@@ -472,7 +469,7 @@ static void *worker(void *arg) {
    * the kernel's timers allow. */
   prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
 #endif
-  engine_poll poll = engine_poll_new();
+  sim_engine_poll poll = sim_engine_poll_new();
   pthread_mutex_lock(&ch->mu);
   for (;;) {
     wait_for_job(e, &poll);

@@ -84,6 +84,16 @@ typedef struct sim_engine {
   sim_pool *pool; /* the worker thread's own (created on its first computing job; only it touches it) */
 } sim_engine;
 
+/* The engine worker's poll for its next job before it sleeps (engine.c, wait_for_job): its cap and
+ * current window in microseconds. Cap: CALRT_SIM_ENGINE_SPIN_US (0: never poll), else the default. */
+#define SIM_ENGINE_SPIN_CAP_US 200.0
+#define SIM_ENGINE_SPIN_MIN_US 10.0
+typedef struct sim_engine_poll {
+  double cap, window;
+} sim_engine_poll;
+sim_engine_poll sim_engine_poll_new(void);
+void sim_engine_poll_missed(sim_engine_poll *p, double idle_us);
+
 typedef struct sim_chip {
   struct calrt_device *dev;
   int index;

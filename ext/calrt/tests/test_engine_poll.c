@@ -1,0 +1,82 @@
+/* The engine worker's adaptive poll for its next job (engine.c, wait_for_job): the cap from
+ * CALRT_SIM_ENGINE_SPIN_US, and the window's growth and decay (sim_engine_poll_missed). The worker's
+ * use of it under concurrent submits is exercised by test_calrt.c (ASan) and stress_calrt.c (TSan),
+ * both with the default poll on. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+#define CHECK(cond)                                                             \
+  do {                                                                          \
+    if (!(cond)) {                                                              \
+      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);  \
+      exit(1);                                                                  \
+    }                                                                           \
+  } while (0)
+
+static sim_engine_poll with_env(const char *v) {
+  if (v) setenv("CALRT_SIM_ENGINE_SPIN_US", v, 1);
+  else unsetenv("CALRT_SIM_ENGINE_SPIN_US");
+  return sim_engine_poll_new();
+}
+
+static int in_range(const sim_engine_poll *p) {
+  return p->window == 0.0 || (p->window >= SIM_ENGINE_SPIN_MIN_US && p->window <= p->cap);
+}
+
+int main(void) {
+  /* the cap: the default, a valid override, or the default for anything unparsable */
+  sim_engine_poll p = with_env(NULL);
+  CHECK(p.cap == SIM_ENGINE_SPIN_CAP_US && p.window == p.cap);
+  p = with_env("50");
+  CHECK(p.cap == 50.0 && p.window == 50.0);
+  const char *bad[] = {"", "abc", "-5", "12x", "1e9"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    p = with_env(bad[i]);
+    CHECK(p.cap == SIM_ENGINE_SPIN_CAP_US);
+  }
+  /* 0: never polls, whatever the arrivals */
+  p = with_env("0");
+  CHECK(p.cap == 0.0 && p.window == 0.0);
+  const double idles[] = {0.0, 5.0, 500.0, 1e6};
+  for (size_t i = 0; i < sizeof idles / sizeof idles[0]; i++) {
+    sim_engine_poll_missed(&p, idles[i]);
+    CHECK(p.window == 0.0);
+  }
+  /* late jobs halve the window down to none; quick ones grow it back to the cap */
+  p = with_env(NULL);
+  const double cap = p.cap;
+  int halvings = 0;
+  while (p.window > 0.0) {
+    const double before = p.window;
+    sim_engine_poll_missed(&p, cap + 1.0);
+    CHECK(p.window == 0.0 || p.window == before / 2.0);
+    CHECK(in_range(&p));
+    halvings++;
+    CHECK(halvings < 20);
+  }
+  CHECK(halvings >= 2); /* an idle engine polls a few more times, then never */
+  sim_engine_poll_missed(&p, cap + 1.0);
+  CHECK(p.window == 0.0);
+  sim_engine_poll_missed(&p, cap); /* within the cap: a poll would have caught it */
+  CHECK(p.window == SIM_ENGINE_SPIN_MIN_US);
+  int doublings = 0;
+  while (p.window < cap) {
+    const double before = p.window;
+    sim_engine_poll_missed(&p, cap / 2.0);
+    CHECK(p.window == (before * 2.0 < cap ? before * 2.0 : cap));
+    CHECK(in_range(&p));
+    doublings++;
+    CHECK(doublings < 20);
+  }
+  /* any sequence of arrivals keeps the window in {0} or [min, cap] */
+  unsigned long long x = 88172645463325252ULL;
+  for (int i = 0; i < 100000; i++) {
+    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+    sim_engine_poll_missed(&p, (double)(x % 1000));
+    CHECK(in_range(&p));
+  }
+  printf("engine poll: OK\n");
+  return 0;
+}
