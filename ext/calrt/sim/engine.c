@@ -414,10 +414,12 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
  * halt-polling does: a job that arrives while the worker sleeps but within the cap grows it (a
  * longer poll would have caught it), a job that comes later than the cap halves it (nothing came
  * while polling: the host is idle or slow, polling is wasted), down to none. An idle engine polls
- * at most a few times, then costs nothing. CALRT_SIM_ENGINE_SPIN_US sets the cap (0: never poll). */
+ * at most a few times, then costs nothing. CALRT_SIM_ENGINE_SPIN_US sets the cap (0: never poll);
+ * by default 200 us, none for a worker that may run on one CPU only (a server pinned to a core). */
 sim_engine_poll sim_engine_poll_new(void) {
   const char *env = getenv("CALRT_SIM_ENGINE_SPIN_US");
-  double cap = SIM_ENGINE_SPIN_CAP_US;
+  /* On one CPU the poll would only take turns with the thread that is to submit the next job. */
+  double cap = sim_usable_cpus() >= 2 ? SIM_ENGINE_SPIN_CAP_US : 0.0;
   if (env && *env) {
     char *end = NULL;
     const double v = strtod(env, &end);

@@ -55,6 +55,7 @@ struct calrt_job;
 typedef struct sim_pool sim_pool;
 typedef void (*sim_task_fn)(void *ctx, int task, int worker);
 int sim_pool_default_threads(void); /* CALRT_SIM_THREADS, else the CPUs this thread may run on */
+long sim_usable_cpus(void);         /* the CPUs this thread may run on (its affinity mask) */
 sim_pool *sim_pool_new(int n_threads); /* NULL on host OOM (callers then run single-threaded) */
 int sim_pool_threads(const sim_pool *p);
 void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks);
@@ -85,7 +86,8 @@ typedef struct sim_engine {
 } sim_engine;
 
 /* The engine worker's poll for its next job before it sleeps (engine.c, wait_for_job): its cap and
- * current window in microseconds. Cap: CALRT_SIM_ENGINE_SPIN_US (0: never poll), else the default. */
+ * current window in microseconds. Cap: CALRT_SIM_ENGINE_SPIN_US (0: never poll), else the default
+ * when the worker may run on two CPUs or more, else 0. */
 #define SIM_ENGINE_SPIN_CAP_US 200.0
 #define SIM_ENGINE_SPIN_MIN_US 10.0
 typedef struct sim_engine_poll {

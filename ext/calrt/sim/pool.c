@@ -10,7 +10,7 @@
  * own fixed order of operations.
  *
  * Size: CALRT_SIM_THREADS (1 = no helpers, the old single-threaded kernels), else the CPUs the engine's
- * thread may run on (usable_cpus), at most SIM_POOL_MAX.
+ * thread may run on (sim_usable_cpus), at most SIM_POOL_MAX.
  */
 #include <sched.h>
 #include <stdlib.h>
@@ -119,7 +119,7 @@ static void *helper(void *arg) {
 /* The CPUs this thread may run on (its affinity mask, as `nproc` counts), else the CPUs online. A
  * process pinned to one core (a benchmark's server, one replica per core) then computes on one thread:
  * a second thread on the same core only takes turns with the first, and spins while it waits. */
-static long usable_cpus(void) {
+long sim_usable_cpus(void) {
 #if defined(__linux__)
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -132,7 +132,7 @@ int sim_pool_default_threads(void) {
   const char *env = getenv("CALRT_SIM_THREADS");
   long n = 0;
   if (env && *env) n = strtol(env, NULL, 10);
-  if (n < 1) n = usable_cpus();
+  if (n < 1) n = sim_usable_cpus();
   if (n < 1) n = 1;
   if (n > SIM_POOL_MAX) n = SIM_POOL_MAX;
   return (int)n;

@@ -2,6 +2,7 @@
  * CALRT_SIM_ENGINE_SPIN_US, and the window's growth and decay (sim_engine_poll_missed). The worker's
  * use of it under concurrent submits is exercised by test_calrt.c (ASan) and stress_calrt.c (TSan),
  * both with the default poll on. */
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -26,15 +27,33 @@ static int in_range(const sim_engine_poll *p) {
 }
 
 int main(void) {
-  /* the cap: the default, a valid override, or the default for anything unparsable */
+  /* the cap: the default (none on one CPU), a valid override, or the default for anything
+   * unparsable */
+  const double dflt = sim_usable_cpus() >= 2 ? SIM_ENGINE_SPIN_CAP_US : 0.0;
   sim_engine_poll p = with_env(NULL);
-  CHECK(p.cap == SIM_ENGINE_SPIN_CAP_US && p.window == p.cap);
+  CHECK(p.cap == dflt && p.window == p.cap);
+#if defined(__linux__)
+  {
+    cpu_set_t all, one;
+    CHECK(sched_getaffinity(0, sizeof all, &all) == 0);
+    CPU_ZERO(&one);
+    for (int c = 0; c < CPU_SETSIZE; c++)
+      if (CPU_ISSET(c, &all)) {
+        CPU_SET(c, &one);
+        break;
+      }
+    CHECK(sched_setaffinity(0, sizeof one, &one) == 0);
+    CHECK(with_env(NULL).cap == 0.0);  /* pinned to one CPU: never polls by default */
+    CHECK(with_env("50").cap == 50.0); /* unless told to */
+    CHECK(sched_setaffinity(0, sizeof all, &all) == 0);
+  }
+#endif
   p = with_env("50");
   CHECK(p.cap == 50.0 && p.window == 50.0);
   const char *bad[] = {"", "abc", "-5", "12x", "1e9"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     p = with_env(bad[i]);
-    CHECK(p.cap == SIM_ENGINE_SPIN_CAP_US);
+    CHECK(p.cap == dflt);
   }
   /* 0: never polls, whatever the arrivals */
   p = with_env("0");
@@ -45,7 +64,7 @@ int main(void) {
     CHECK(p.window == 0.0);
   }
   /* late jobs halve the window down to none; quick ones grow it back to the cap */
-  p = with_env(NULL);
+  p = with_env("200");
   const double cap = p.cap;
   int halvings = 0;
   while (p.window > 0.0) {
