@@ -20,8 +20,9 @@ engine's side (``perf_counter``):
 Prints tokens/s and process CPU per token (best of ``--reps``) and the medians and means of the
 per-job figures. ``waiting - max(0, device - after)`` is what the wake-ups cost. A diagnostic: it
 wraps the runtime backend's private hot-path method and moves with the code.
-``CALRT_SIM_ENGINE_SPIN_US=0`` turns the software engine's poll for its next job off (ext/README.md)
-for a before/after in one build.
+``CALRT_SIM_ENGINE_SPIN_US=0`` turns the software engine's poll for its next job off (ext/README.md),
+``--completion-poll-us 0`` the executor's poll before it parks on the completion fd
+(``runtime.completion_poll_us``), for a before/after in one build.
 """
 
 from __future__ import annotations
@@ -96,17 +97,18 @@ class _Recorder:
         }
 
 
-async def _run(streams: int, tokens: int, config: str, reps: int, rec: _Recorder
+async def _run(streams: int, tokens: int, config: str, reps: int, rec: _Recorder, poll_us: int | None
                ) -> tuple[float, float, dict[str, list[float]]]:
     from bench.scenario_lib import calserve_config
     from calserve.config import decode_config
     from calserve.engine.engine import Engine
     from calserve.engine.types import FinishEvent, GenerateRequest, SamplingParams
 
-    if config == "default":
-        cfg = decode_config({"models": {"qwen3": {"timing": "none"}}})
-    else:
-        cfg = decode_config(calserve_config(profiles=[1, 4, 8, 16], timing="none"))
+    raw: dict[str, Any] = ({"models": {"qwen3": {"timing": "none"}}} if config == "default"
+                           else calserve_config(profiles=[1, 4, 8, 16], timing="none"))
+    if poll_us is not None:
+        raw.setdefault("runtime", {})["completion_poll_us"] = poll_us
+    cfg = decode_config(raw)
     best: tuple[float, float, dict[str, list[float]]] = (0.0, 0.0, {})
     async with Engine.open(cfg) as eng:
 
@@ -142,16 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--config", choices=("default", "sim-next"), default="default")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--completion-poll-us", type=int, default=None,
+                    help="runtime.completion_poll_us (default: the configuration's)")
     a = ap.parse_args(argv)
     from bench.server import BENCH_OUT
 
     os.environ.setdefault("CALSERVE_HOME", str(BENCH_OUT / ".home"))
     rec = _Recorder()
     rec.install()
-    tok_s, cpu, fig = trio.run(_run, a.streams, a.tokens, a.config, a.reps, rec)
+    tok_s, cpu, fig = trio.run(_run, a.streams, a.tokens, a.config, a.reps, rec, a.completion_poll_us)
     poll = os.environ.get("CALRT_SIM_ENGINE_SPIN_US") or "default"
+    fd_poll = "default" if a.completion_poll_us is None else a.completion_poll_us
     print(f"{Path(__file__).stem}: {a.config}, {a.streams} streams x {a.tokens} tokens: {tok_s:.0f} tok/s, "
-          f"{cpu * 1e6:.0f} us CPU per token (engine poll cap: {poll})")
+          f"{cpu * 1e6:.0f} us CPU per token (engine poll cap: {poll}; completion poll: {fd_poll})")
     for name, xs in fig.items():
         if xs:
             print(f"  {name:>10}: median {statistics.median(xs) * 1e6:6.1f} us, mean "

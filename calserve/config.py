@@ -309,6 +309,9 @@ class RuntimeConfig(_Strict):
     # load (calserve.engine.backend.tune_gc_for_serving says why 10k); 0 = CPython's own thresholds
     # and no freeze.
     gc_gen0_threshold: NonNeg = 10_000
+    # Extension: a job wait first polls (yielding to trio) for up to this many µs, adaptively, before
+    # it parks on the runtime's completion fd (calserve/engine/backend_waits.py); 0 = park at once.
+    completion_poll_us: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 100
 
 
 class TrustConfig(_Strict):

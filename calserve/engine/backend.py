@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -361,13 +362,24 @@ def tune_gc_for_serving(gen0: int = SERVING_GC_GEN0) -> None:
     gc.freeze()
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, as ``nproc`` counts them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
 class RuntimeBackend:
     """The async face of the software (or vendor) CalRT. Owns the one ``Device`` of the process."""
 
     def __init__(self, device: Any, threads: int = 4, completion_fd: bool = True, tune_gc: bool = False,
-                 faults: FaultsConfig | None = None, gc_gen0: int = SERVING_GC_GEN0) -> None:
+                 faults: FaultsConfig | None = None, gc_gen0: int = SERVING_GC_GEN0,
+                 completion_poll_us: float = 0.0) -> None:
         """``completion_fd=False`` forces the engine-thread wait even when the runtime offers
-        completion fds (the path a vendor runtime without them takes). ``tune_gc``: call
+        completion fds (the path a vendor runtime without them takes). ``completion_poll_us``: the
+        cap of the completion waits' poll before they park on the fd (``runtime.completion_poll_us``;
+        :class:`CompletionFdWaiter`; 0 = park at once). ``tune_gc``: call
         :func:`tune_gc_for_serving` after every model load (set by :meth:`open`). ``faults``:
         ``runtime.faults`` (software runtime only; rate 0 = none)."""
         self._tune_gc = tune_gc
@@ -382,12 +394,15 @@ class RuntimeBackend:
         self.capabilities: RuntimeCapabilities = device.capabilities
         # Per chip: engine -> waiter on the runtime's completion fd (empty: the runtime has none).
         self._fw: dict[int, dict[JobEngine, CompletionFdWaiter]] = {}
+        # On one CPU the poll would only take turns with the runtime's own threads (the device).
+        if completion_poll_us > 0 and _usable_cpus() < 2:
+            completion_poll_us = 0.0
         get_fd = getattr(device, "completion_fd", None) if completion_fd else None
         if get_fd is not None:
             for chip in range(int(getattr(device, "chips", 1))):
                 fds = {e: get_fd(e, chip) for e in JobEngine}
                 if all(fd is not None for fd in fds.values()):
-                    self._fw[chip] = {e: CompletionFdWaiter(fd) for e, fd in fds.items()}
+                    self._fw[chip] = {e: CompletionFdWaiter(fd, completion_poll_us) for e, fd in fds.items()}
 
     @property
     def completion_fd_waits(self) -> bool:
@@ -405,6 +420,7 @@ class RuntimeBackend:
         faults: FaultsConfig | None = None,
         gc_gen0: int = SERVING_GC_GEN0,
         device: int = 0,
+        completion_poll_us: float = 0.0,
     ) -> RuntimeBackend:
         """Open board ``device`` (``runtime.device``). Each board draws its own injected faults:
         the fault seed is mixed with the board index (board 0 keeps ``faults.seed`` as it is)."""
@@ -421,7 +437,8 @@ class RuntimeBackend:
         if faults is not None and device:
             faults = msgspec.structs.replace(faults, seed=faults.seed + 1_000_003 * device)
         log.info("opened board %d (%s, profile %s)", dev.device, dev.serial or "no serial", profile)
-        return cls(dev, tune_gc=gc_gen0 > 0, faults=faults, gc_gen0=gc_gen0)
+        return cls(dev, tune_gc=gc_gen0 > 0, faults=faults, gc_gen0=gc_gen0,
+                   completion_poll_us=completion_poll_us)
 
     async def load_calbin(
         self,

@@ -175,6 +175,17 @@ class CompletionFdWaiter:
     otherwise. Invariant: a job handed to :meth:`wait` is waited for until it completes or the
     timeout passes, even if the caller is cancelled (the cancellation is re-raised afterwards).
 
+    The poll before the park (``poll_us``, ``runtime.completion_poll_us``): a job of a small model
+    at B1 completes ~20 µs after its post-submit work, and parking on the fd then costs the epoll
+    wake-up (on a VM an IPI to a halted vCPU, ~10 µs a step). So a wait first yields to trio
+    (``cancel_shielded_checkpoint``: other tasks and I/O still run, and trio's epoll does not block
+    while a task is runnable) and checks the job, for up to an adaptive window, then parks. The
+    window follows the software engine's poll (ext/README.md): a completion that came after the
+    window but within the cap grows it, one that came later than the cap halves it, down to none —
+    a ms-long step (a real model, a timed profile) stops polling after a few jobs. At most
+    ``POLL_MAX_YIELDS`` yields a wait, so a wait can never hold trio busy forever (under an autojump
+    clock a task that only checkpoints would keep fake time from moving).
+
     The timeout without a cancel scope per wait: a waiter's deadline is watched by an alarm, one
     trio system task per waiter that sleeps until the deadline of the wait in progress and, if the
     wait is still there then, writes the fd itself (the waiter wakes, finds no result and its
@@ -187,11 +198,17 @@ class CompletionFdWaiter:
     is waited for (no wake-ups at rest).
     """
 
-    def __init__(self, fd: int) -> None:
+    POLL_MAX_YIELDS = 64
+    POLL_MIN_S = 10e-6
+
+    def __init__(self, fd: int, poll_us: float = 0.0) -> None:
         self.fd = fd
         self.busy = False
         self.wakeups = 0  # fd wake-ups (spurious ones included), for tests and statistics
         self.alarms = 0  # waits the alarm ended at their deadline, for tests and statistics
+        self.polled = 0  # waits the poll before the park answered, for tests and statistics
+        self.poll_cap_s = max(0.0, poll_us) * 1e-6
+        self.poll_window_s = self.poll_cap_s
         # The wait in progress's deadline (inf: none). The alarm task's state: the trio run it
         # belongs to, what it sleeps until (inf: parked or poked), its sleep's scope, the parked
         # task, the deadline it already poked the fd for.
@@ -213,6 +230,28 @@ class CompletionFdWaiter:
         except BlockingIOError:
             pass
 
+    @staticmethod
+    def next_poll_window(window: float, cap: float, waited: float) -> float:
+        """The poll window after a wait the poll did not answer, which took ``waited`` seconds:
+        grown (x2, at least ``POLL_MIN_S``) when a longer poll would have caught it (``waited <=
+        cap``), else halved, and none below ``POLL_MIN_S``; never above ``cap``."""
+        if waited <= cap:
+            return min(cap, max(window * 2.0, CompletionFdWaiter.POLL_MIN_S))
+        half = window / 2.0
+        return half if half >= CompletionFdWaiter.POLL_MIN_S else 0.0
+
+    async def _poll(self, job: Any, until: float) -> JobResult | None:
+        for _ in range(self.POLL_MAX_YIELDS):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            r: JobResult | None = job.result_nowait()
+            if r is not None:
+                self.polled += 1
+                self._drain()  # this completion's count (if already written: else one spurious wake-up later)
+                return r
+            if trio.current_time() >= until:
+                break
+        return None
+
     async def wait(self, job: Any, timeout_s: float) -> JobResult | None:
         """The job's result, or ``None`` if it is still in flight after ``timeout_s`` (counted as a
         runtime wait timeout, like ``Job.wait``)."""
@@ -224,13 +263,22 @@ class CompletionFdWaiter:
                 # Done already: still a schedule point (the executor loops on this), not a cancel point.
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return r
-            deadline = trio.current_time() + timeout_s
+            t0 = trio.current_time()
+            deadline = t0 + timeout_s
+            if self.poll_window_s > 0.0:
+                r = await self._poll(job, t0 + self.poll_window_s)  # never raises Cancelled
+                if r is not None:
+                    return r
             try:
-                return await self._until(job, deadline)
+                r = await self._until(job, deadline)
             except trio.Cancelled:
                 with trio.CancelScope(shield=True):
                     await self._until(job, deadline)
                 raise
+            if self.poll_cap_s > 0.0:
+                self.poll_window_s = self.next_poll_window(
+                    self.poll_window_s, self.poll_cap_s, trio.current_time() - t0)
+            return r
         finally:
             self.busy = False
 

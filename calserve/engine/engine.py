@@ -104,7 +104,7 @@ class Engine:
             r = cfg.runtime
             backend = await RuntimeBackend.open(
                 r.profile, r.dram_bytes, r.null_compute, r.completion_jitter_us, r.seed, r.faults,
-                r.gc_gen0_threshold, device=r.device,
+                r.gc_gen0_threshold, device=r.device, completion_poll_us=r.completion_poll_us,
             )
         try:
             srcs = dict(sources) if sources is not None else await trio.to_thread.run_sync(

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
 from calserve.engine import backend as backend_mod
 from calserve.engine.backend import RuntimeBackend, _RuntimeCalbin
@@ -248,3 +250,88 @@ async def test_the_alarm_parks_when_nothing_is_waited_for(
     assert not waiter.alarm_sleeping and waiter.alarms == 0
     assert waiter.wakeups == wakeups
     assert be.counters(JobEngine.PING).timeouts == 0
+
+
+# ---- the poll before the park (runtime.completion_poll_us) ------------------------------------------
+POLL_CAP_US = 2000  # generous: a loaded CI box still answers most tiny jobs within the poll
+
+
+async def test_short_jobs_are_answered_by_the_poll_and_long_ones_stop_it() -> None:
+    """A job of this one-layer model (no modeled time) completes within microseconds: the poll
+    answers most waits. Jobs far longer than the cap halve the
+    window on each wait (none below 10 µs), so a slow model stops polling after a few steps."""
+    dev = Device.open("calrt-0.7.6", dram_bytes=1 << 28)
+    be = RuntimeBackend(dev, completion_poll_us=POLL_CAP_US)
+    try:
+        waiter = be._fw[0][JobEngine.PING]
+        if backend_mod._usable_cpus() < 2:  # pragma: no cover - CI has two CPUs
+            assert waiter.poll_cap_s == 0.0
+            return
+        assert waiter.poll_window_s == waiter.poll_cap_s == POLL_CAP_US * 1e-6
+        fast = await be.load_calbin(CFG, WEIGHTS, ProfileSpec(1, 64, 4))
+        seq = await fast.create_sequence()
+        _, r = await fast.submit_prefill_wait(seq, _arr(1, 2, 3), JobEngine.PING, 10.0)
+        assert r is not None and r.status is JobStatus.OK
+        pos, steps = 3, 20
+        for _ in range(steps):
+            tok = int(np.argmax(r.logits[0]))
+            _, r = await fast.submit_decode_wait(_arr(seq), _arr(tok), _arr(pos), np.ones(1, np.uint8),
+                                                 JobEngine.PING, 10.0)
+            assert r is not None and r.status is JobStatus.OK and int(r.echo[0, 2]) == pos
+            pos += 1
+        assert waiter.polled >= 5, waiter.polled
+        assert waiter.poll_window_s > 0.0
+        await fast.release()
+
+        slow = await be.load_calbin(CFG, WEIGHTS, ProfileSpec(1, 64, 4),
+                                    Timing(prefill_base_us=STEP_US, decode_step_us={1: STEP_US},
+                                           pingpong_overlap=1.0))
+        seq = await slow.create_sequence()
+        polled = waiter.polled
+        waiter.poll_window_s = waiter.poll_cap_s
+        for i in range(3):
+            _, r = await slow.submit_prefill_wait(seq, _arr(i + 1), JobEngine.PING, 10.0)
+            assert r is not None and r.status is JobStatus.OK
+        assert waiter.polled == polled  # 30 ms jobs: never answered by the poll
+        assert waiter.poll_window_s == pytest.approx(waiter.poll_cap_s / 8)
+        await slow.release()
+    finally:
+        await be.aclose()
+
+
+async def test_no_poll_when_the_process_may_run_on_one_cpu() -> None:
+    """On one CPU the poll would take turns with the runtime's own threads: the backend turns it off
+    (the software runtime's engine poll does the same)."""
+    import os
+
+    dev = Device.open("calrt-0.7.6", dram_bytes=1 << 28)  # its threads keep every CPU
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        be = RuntimeBackend(dev, completion_poll_us=POLL_CAP_US)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    try:
+        assert all(w.poll_cap_s == 0.0 and w.poll_window_s == 0.0 for w in be._fw[0].values())
+    finally:
+        await be.aclose()
+
+
+@given(st.lists(st.floats(0.0, 0.01), max_size=200), st.sampled_from([0.0, 50e-6, 100e-6, 2e-3]))
+def test_poll_window_stays_bounded_decays_and_regrows(waits: list[float], cap: float) -> None:
+    nxt = backend_mod.CompletionFdWaiter.next_poll_window
+    lo = backend_mod.CompletionFdWaiter.POLL_MIN_S
+    w = cap
+    for waited in waits:
+        w = nxt(w, cap, waited)
+        assert w == 0.0 or lo <= w <= cap
+    # waits longer than the cap halve it to none in a bounded number of steps ...
+    for _ in range(40):
+        w = nxt(w, cap, cap + 1.0)
+    assert w == 0.0
+    # ... and a wait within the cap grows it back (to the cap, if the cap allows a poll at all)
+    w = nxt(w, cap, cap)
+    assert w == min(cap, lo)
+    for _ in range(40):
+        w = nxt(w, cap, cap / 2)
+    assert w == cap
