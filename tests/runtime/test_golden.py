@@ -22,6 +22,9 @@ CONFIGS = {
         103, 36, 64, 2, 6, 2, 6, tie_word_embeddings=True, rope_theta=100000.0,
         rms_norm_eps=1e-5, architecture="LlamaForCausalLM",
     ),
+    # head_dim 64 (the kernels' specialised attention, as the demo model and SmolLM2), GQA 5:1 (query
+    # heads taken three at a time, then two)
+    "gqa5-d64": ModelConfig(101, 40, 48, 2, 10, 2, 64, tie_word_embeddings=True),
     # Llama, untied head, head_dim 10
     "llama-untied": ModelConfig(
         91, 40, 56, 2, 4, 4, 10, tie_word_embeddings=False, rope_theta=500000.0,

@@ -204,15 +204,15 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
 }
 
 /* Causal attention of one (row, KV head) over its own sequence, positions [0, pos], for the `group`
- * query heads that share that KV head (their K/V rows stay in L1 from one head to the next): a task
- * of the attention region. Per query head the operations and their order are fixed (attn_body),
+ * query heads that share that KV head (one pass over its K and V rows serves them all): a task of the
+ * attention region. Per query head the operations and their order are fixed (attn_body),
  * whatever the grouping, the thread or the code path. Each worker has its own scratch. */
 typedef struct attn_region {
   const calrt_calbin *cb;
   const row_info *rows;
   float *q; /* rotated in place by rope_kv */
   float *att;
-  float *scratch; /* [threads][S + 2 * D] */
+  float *scratch; /* [threads][group * S + 2 * D] */
   int L, H, KVH, D, S, group, bf16;
   float scale;
   sim_isa_id isa;
@@ -265,128 +265,204 @@ static inline __attribute__((always_inline)) const float *kv_row(const attn_regi
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 
-/* Eight KV values at (position s, d..d+7) as floats (bf16 widened exactly). */
-static inline __attribute__((always_inline)) v8f kv8(const attn_region *a, const sim_seq *sq, size_t base,
-                                                     int s, int d) {
-  const size_t at = base + (size_t)s * a->D + (size_t)d;
-  if (!a->bf16) return ld8((const float *)sq->kv + at);
+/* Eight KV values from a head's rows (`rows`: its position 0; `at`: element index) as floats (bf16
+ * widened exactly); the KV type is a constant of the caller's instantiation (no test per load). */
+static inline __attribute__((always_inline)) v8f kvv(const void *rows, size_t at, const int BF16) {
+  if (!BF16) return ld8((const float *)rows + at);
   v8u16 h;
-  memcpy(&h, (const uint16_t *)sq->kv + at, sizeof h);
+  memcpy(&h, (const uint16_t *)rows + at, sizeof h);
   const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
   v8f f;
   memcpy(&f, &u, sizeof f);
   return f;
 }
 
-#define PF_POS 16 /* how many positions ahead of the scores the first head prefetches K */
-/* A task's first positions of K and V (each row D floats/bf16s) prefetched into L2 all at once when
- * it starts: at decode every (row, KV head) reads its own sequence's KV cold from memory, a few KiB
- * per position block, and streamed position by position the loads wait on memory latency (at B16,
- * SmolLM2 reads ~38 MB of fp32 KV per step; measured ~20% less attention time). Bounded so a long
- * context does not flood L2 (the later positions stream as before). */
-#define PF_TASK_POS 128
+static inline __attribute__((always_inline)) float kv1(const void *rows, size_t at, const int BF16) {
+  return BF16 ? bf16_to_f32(((const uint16_t *)rows)[at]) : ((const float *)rows)[at];
+}
 
-/* One KV value at (position s, d) as a float. */
-static inline __attribute__((always_inline)) float kv_elem(const attn_region *a, const sim_seq *sq,
-                                                           size_t base, int s, int d) {
-  const size_t at = base + (size_t)s * a->D + (size_t)d;
-  return a->bf16 ? bf16_to_f32(((const uint16_t *)sq->kv)[at]) : ((const float *)sq->kv)[at];
+/* Attention streams each (row, KV head)'s K and V from memory once per step (at B16, SmolLM2 reads 30
+ * MB of fp32 KV a step at a 40-token context, 760 MB at 1024), a few KiB to a few hundred KiB per
+ * task: too short for the hardware prefetchers to learn each stream in time. So a task prefetches
+ * into L2 its first PF_TASK_POS positions of K and V when it starts, then, while it scores each block
+ * of 8 positions, K's rows PF_K_AHEAD positions on and V's rows PF_V_AHEAD positions on (V is read
+ * after the softmax, so by then most of it is in L2). Into L2, not L1: a core tracks more L2 misses
+ * than L1 ones, and L1 prefetches of a whole stream only evict each other. SmolLM2 B16 at a 512-token
+ * context (2 cores, alternated): 16.3-16.9 ms of attention a step with L1 prefetches 16 positions
+ * ahead of the scores and of V's sum loop, 16.6-16.7 with none at all, 14.6-14.9 this way. */
+#define PF_TASK_POS 128
+#define PF_K_AHEAD 64
+#define PF_V_AHEAD 128
+
+/* Positions [s0, s1) of a KV head's K or V rows (row bytes each) towards L2. */
+static inline __attribute__((always_inline)) void kv_prefetch(const char *rows, size_t row_bytes, int s0,
+                                                              int s1) {
+  for (const char *p = rows + (size_t)s0 * row_bytes, *e = rows + (size_t)s1 * row_bytes; p < e; p += 64)
+    __builtin_prefetch(p, 0, 2);
 }
 
 /* The scores of positions s0..s0+7, each exactly dot(q, k_s) / scale (the linear layers' reduction):
  * eight independent accumulator chains side by side instead of one position's chain after the other
  * (a single chain waits on the add latency), then per position the same horizontal sum, tail and
  * division. */
-static inline __attribute__((always_inline)) void scores8(const attn_region *a, const sim_seq *sq,
-                                                          size_t kbase, const float *qh, int s0, float *sc) {
-  const int D = a->D, D8 = D & ~7;
+static inline __attribute__((always_inline)) void scores8(const void *K, const int D, float scale,
+                                                          const float *qh, int s0, float *sc, const int BF16) {
+  const int D8 = D & ~7;
   v8f acc[8];
   for (int t = 0; t < 8; t++) acc[t] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int d = 0; d < D8; d += 8) {
     const v8f qv = ld8(qh + d);
-    for (int t = 0; t < 8; t++) acc[t] += qv * kv8(a, sq, kbase, s0 + t, d);
+    for (int t = 0; t < 8; t++) acc[t] += qv * kvv(K, (size_t)(s0 + t) * D + (size_t)d, BF16);
   }
   if (D8 == D) { /* the eight horizontal sums as one vector (hsum8x8: HSUM8's operations), then / scale */
-    const v8f x = hsum8x8(acc) / a->scale;
+    const v8f x = hsum8x8(acc) / scale;
     memcpy(sc, &x, sizeof x);
     return;
   }
   for (int t = 0; t < 8; t++) {
     float x = HSUM8(acc[t]);
-    for (int d = D8; d < D; d++) x += qh[d] * kv_elem(a, sq, kbase, s0 + t, d);
-    sc[t] = x / a->scale;
+    for (int d = D8; d < D; d++) x += qh[d] * kv1(K, (size_t)(s0 + t) * D + (size_t)d, BF16);
+    sc[t] = x / scale;
   }
 }
 
-/* Positions [s0, s1) of a KV head's K or V rows (row bytes each) towards L1. */
-static inline __attribute__((always_inline)) void kv_prefetch(const char *rows, size_t row_bytes, int s0,
-                                                              int s1) {
-  for (const char *p = rows + (size_t)s0 * row_bytes, *e = rows + (size_t)s1 * row_bytes; p < e; p += 64)
-    __builtin_prefetch(p, 0, 3);
+/* The largest of x[0..n) as `for s: if (x[s] > m) m = x[s]` from m = -inf finds it, 8 lanes side by
+ * side: each lane keeps the first of its largest values by the same comparison, then the lanes are
+ * compared the same way. Exactly that loop's value except for which zero a tie of +0 and -0 keeps,
+ * which no caller can see (x - m, then exp: both zeros give exp(+-0) = 1; every other x - m is the
+ * same either way). NaNs are skipped either way (no comparison with a NaN is true). */
+static inline __attribute__((always_inline)) float max_of(const float *x, int n) {
+  const int n8 = n & ~7;
+  float m = -INFINITY;
+  if (n8) {
+    v8f mv = ld8(x);
+    for (int s = 8; s < n8; s += 8) {
+      const v8f v = ld8(x + s);
+      const v8i k = v > mv; /* all ones where v > mv: take v there, else keep mv */
+      v8i vi, mi;
+      memcpy(&vi, &v, sizeof vi);
+      memcpy(&mi, &mv, sizeof mi);
+      mi = (k & vi) | (~k & mi);
+      memcpy(&mv, &mi, sizeof mv);
+    }
+    for (int j = 0; j < 8; j++)
+      if (mv[j] > m) m = mv[j];
+  }
+  for (int s = n8; s < n; s++)
+    if (x[s] > m) m = x[s];
+  return m;
 }
 
-/* One query head after the other (its q and its output accumulators stay in registers while the
- * positions stream past); per head: scores, max, exp and sum in order of s, p = e / sum, then each
- * output element out[d] = (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order of s. */
-static inline __attribute__((always_inline)) void attn_body(const attn_region *a, int task, int worker) {
-  const int r = task / a->KVH, kh = task % a->KVH, D = a->D, S = a->S, G = a->group;
+/* The outputs of query heads g0..g0+NH-1 (NH <= 3) for dimensions [d0, d0 + 8 * NV): per position s
+ * one load of V's 8 * NV values serves every head (each head's accumulators its own: out[d] =
+ * (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order of s, exactly as one head alone). */
+static inline __attribute__((always_inline)) void pv_block(const void *V, const int D, const float *const *p,
+                                                           float *const *out, int n, int d0, const int NH,
+                                                           const int NV, const int BF16) {
+  v8f acc[3][4];
+  for (int g = 0; g < NH; g++)
+    for (int i = 0; i < NV; i++) acc[g][i] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int s = 0; s < n; s++)
+    for (int i = 0; i < NV; i++) {
+      const v8f v = kvv(V, (size_t)s * D + (size_t)(d0 + 8 * i), BF16);
+      for (int g = 0; g < NH; g++) acc[g][i] += p[g][s] * v;
+    }
+  for (int g = 0; g < NH; g++) memcpy(out[g] + d0, acc[g], sizeof(v8f) * (size_t)NV);
+}
+
+/* A KV head's G query heads in one pass over its positions: the scores of each block of 8 positions
+ * for every head while that block of K is in L1, each head's max, exps and sum (the heads' sums as
+ * independent chains side by side, each in order of s), then each V row loaded once for up to three
+ * heads at a time. Per head the operations and their order are those of one head alone: scores
+ * exactly dot(q, k_s) / scale, max, exp and sum in order of s, p = e / sum, then each output element
+ * out[d] = (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order of s. So the bits do not depend on the
+ * group size, the fusion, the thread or the code path. */
+static inline __attribute__((always_inline)) void attn_body_t(const attn_region *a, int task, int worker,
+                                                              const int BF16, const int DC) {
+  const int r = task / a->KVH, kh = task % a->KVH, D = DC ? DC : a->D, S = a->S, G = a->group;
   if (a->rope_in_task) rope_kv(a, r, kh);
-  float *sc = a->scratch + (size_t)worker * ((size_t)S + 2 * (size_t)D), *kr = sc + S;
+  float *sc = a->scratch + (size_t)worker * ((size_t)G * S + 2 * (size_t)D), *kr = sc + (size_t)G * S;
   const sim_seq *sq = &a->cb->seqs[a->rows[r].seq];
   const int n = a->rows[r].pos + 1, D8 = D & ~7;
   const size_t kbase = (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * D;
   const size_t vbase = (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * D;
-  const size_t esz = a->bf16 ? 2 : 4, rowb = (size_t)D * esz;
+  const size_t esz = BF16 ? 2 : 4, rowb = (size_t)D * esz;
   const char *kb_ = (const char *)sq->kv + kbase * esz, *vb_ = (const char *)sq->kv + vbase * esz;
-  {
-    const size_t ahead = (size_t)(n < PF_TASK_POS ? n : PF_TASK_POS) * rowb;
-    for (const char *p = kb_, *e = kb_ + ahead; p < e; p += 64) __builtin_prefetch(p, 0, 2);
-    for (const char *p = vb_, *e = vb_ + ahead; p < e; p += 64) __builtin_prefetch(p, 0, 2);
+  kv_prefetch(kb_, rowb, 0, n < PF_TASK_POS ? n : PF_TASK_POS);
+  kv_prefetch(vb_, rowb, 0, n < PF_TASK_POS ? n : PF_TASK_POS);
+  const float *qg = a->q + ((size_t)r * a->H + (size_t)kh * G) * D; /* head g: qg + g * D */
+  float *ag = a->att + ((size_t)r * a->H + (size_t)kh * G) * D;
+  /* Scores: each block of K rows is read from memory once for all G heads (and stays in L1 for them). */
+  int s0 = 0;
+  for (; s0 + 8 <= n; s0 += 8) {
+    const int k1 = s0 + PF_K_AHEAD, v1 = s0 + PF_V_AHEAD;
+    if (k1 < n) kv_prefetch(kb_, rowb, k1, k1 + 8 < n ? k1 + 8 : n);
+    if (v1 < n) kv_prefetch(vb_, rowb, v1, v1 + 8 < n ? v1 + 8 : n);
+    for (int g = 0; g < G; g++)
+      scores8(kb_, D, a->scale, qg + (size_t)g * D, s0, sc + (size_t)g * S + s0, BF16);
+  }
+  for (int s = s0; s < n; s++) {
+    const float *k = kv_row(a, sq, kbase, s, kr);
+    for (int g = 0; g < G; g++) sc[(size_t)g * S + s] = dot(qg + (size_t)g * D, k, D) / a->scale;
   }
   for (int g = 0; g < G; g++) {
-    const float *qh = a->q + ((size_t)r * a->H + (size_t)kh * G + g) * D;
-    float *ah = a->att + ((size_t)r * a->H + (size_t)kh * G + g) * D;
-    /* The first head streams this KV head's rows from memory (the others find them in L1/L2): it
-     * prefetches K PF_POS positions ahead of its scores and V during its sum of the exps. (Short streams:
-     * the hardware prefetchers learn each too late; ~10% of the attention at B16.) */
-    int s0 = 0;
-    if (g == 0) kv_prefetch(kb_, rowb, 0, n < PF_POS ? n : PF_POS);
-    for (; s0 + 8 <= n; s0 += 8) {
-      if (g == 0 && s0 + PF_POS < n)
-        kv_prefetch(kb_, rowb, s0 + PF_POS, s0 + PF_POS + 8 < n ? s0 + PF_POS + 8 : n);
-      scores8(a, sq, kbase, qh, s0, sc + s0);
-    }
-    for (int s = s0; s < n; s++) sc[s] = dot(qh, kv_row(a, sq, kbase, s, kr), D) / a->scale;
-    float mx = -INFINITY;
-    for (int s = 0; s < n; s++)
-      if (sc[s] > mx) mx = sc[s];
-    sim_exp_shift(sc, n, mx); /* sc[s] = expf(sc[s] - mx), 8 at a time (vexp.c, same bits) */
-    float sum = 0.f;
+    float *e = sc + (size_t)g * S;
+    sim_exp_shift(e, n, max_of(e, n)); /* e[s] = expf(e[s] - mx), 8 at a time (vexp.c, same bits) */
+  }
+  /* The sums, three heads' chains side by side, then p = e / sum. */
+  for (int g0 = 0; g0 < G; g0 += 3) {
+    const int nh = G - g0 < 3 ? G - g0 : 3;
+    const float *e0 = sc + (size_t)g0 * S, *e1 = nh > 1 ? e0 + S : e0, *e2 = nh > 2 ? e0 + 2 * (size_t)S : e0;
+    float u0 = 0.f, u1 = 0.f, u2 = 0.f;
     for (int s = 0; s < n; s++) {
-      if (g == 0) kv_prefetch(vb_, rowb, s, s + 1);
-      sum += sc[s];
+      u0 += e0[s];
+      u1 += e1[s];
+      u2 += e2[s];
     }
-    for (int s = 0; s < n; s++) sc[s] = sc[s] / sum;
+    const float u[3] = {u0, u1, u2};
+    for (int g = 0; g < nh; g++) {
+      float *e = sc + (size_t)(g0 + g) * S;
+      for (int s = 0; s < n; s++) e[s] = e[s] / u[g];
+    }
+  }
+  /* The outputs, up to three heads per pass over V. */
+  for (int g0 = 0; g0 < G; g0 += 3) {
+    const int nh = G - g0 < 3 ? G - g0 : 3;
+    const float *p[3];
+    float *out[3];
+    for (int g = 0; g < 3; g++) {
+      const int gg = g0 + (g < nh ? g : 0);
+      p[g] = sc + (size_t)gg * S;
+      out[g] = ag + (size_t)gg * D;
+    }
     int d0 = 0;
-    for (; d0 + 64 <= D8; d0 += 64) { /* 8 vectors of accumulators */
-      v8f acc[8];
-      for (int i = 0; i < 8; i++) acc[i] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int s = 0; s < n; s++) {
-        const float p = sc[s];
-        for (int i = 0; i < 8; i++) acc[i] += p * kv8(a, sq, vbase, s, d0 + 8 * i);
+    for (; d0 + 32 <= D8; d0 += 32) switch (nh) {
+      case 3: pv_block(vb_, D, p, out, n, d0, 3, 4, BF16); break;
+      case 2: pv_block(vb_, D, p, out, n, d0, 2, 4, BF16); break;
+      default: pv_block(vb_, D, p, out, n, d0, 1, 4, BF16); break;
       }
-      memcpy(ah + d0, acc, sizeof acc);
-    }
-    for (; d0 < D8; d0 += 8) {
-      v8f acc = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int s = 0; s < n; s++) acc += sc[s] * kv8(a, sq, vbase, s, d0);
-      memcpy(ah + d0, &acc, sizeof acc);
-    }
-    for (int d = D8; d < D; d++) {
-      float t = 0.f;
-      for (int s = 0; s < n; s++) t += sc[s] * kv_row(a, sq, vbase, s, kr)[d];
-      ah[d] = t;
-    }
+    for (; d0 < D8; d0 += 8) switch (nh) {
+      case 3: pv_block(vb_, D, p, out, n, d0, 3, 1, BF16); break;
+      case 2: pv_block(vb_, D, p, out, n, d0, 2, 1, BF16); break;
+      default: pv_block(vb_, D, p, out, n, d0, 1, 1, BF16); break;
+      }
+    for (int g = 0; g < nh; g++)
+      for (int d = D8; d < D; d++) {
+        float t = 0.f;
+        for (int s = 0; s < n; s++) t += p[g][s] * kv_row(a, sq, vbase, s, kr)[d];
+        out[g][d] = t;
+      }
+  }
+}
+
+/* attn_body_t instantiated for the KV type and SmolLM2's / Qwen3's head size (constants: clean loops). */
+static inline __attribute__((always_inline)) void attn_body(const attn_region *a, int task, int worker) {
+  if (a->bf16) {
+    if (a->D == 64) attn_body_t(a, task, worker, 1, 64);
+    else attn_body_t(a, task, worker, 1, 0);
+  } else {
+    if (a->D == 64) attn_body_t(a, task, worker, 0, 64);
+    else attn_body_t(a, task, worker, 0, 0);
   }
 }
 
@@ -396,11 +472,21 @@ static void attn_default(const attn_region *a, int task, int worker) { attn_body
 __attribute__((target("avx2"))) static void attn_avx2(const attn_region *a, int task, int worker) {
   attn_body(a, task, worker);
 }
+/* AVX-512VL's 32 ymm registers: pv_block's 3 heads x 4 vectors of accumulators without spills (the
+ * same 256-bit operations). */
+__attribute__((target("avx2,avx512f,avx512vl"))) static void attn_avx512(const attn_region *a, int task,
+                                                                         int worker) {
+  attn_body(a, task, worker);
+}
 #endif
 
 static void attn_task(void *ctx, int task, int worker) {
   const attn_region *a = ctx;
 #if defined(__x86_64__) && defined(__GNUC__)
+  if (a->isa == SIM_ISA_AVX512 || a->isa == SIM_ISA_AVX512Z) {
+    attn_avx512(a, task, worker);
+    return;
+  }
   if (a->isa != SIM_ISA_DEFAULT) {
     attn_avx2(a, task, worker);
     return;
@@ -434,7 +520,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const size_t Rm = (size_t)(rows_max > 0 ? rows_max : 1), threads = (size_t)sim_pool_threads(pool);
   const size_t n_of[] = {
       (sizeof(row_info) * Rm + 3) / 4, Rm * h, Rm * h, Rm * H * D, Rm * KVH * D, Rm * KVH * D, Rm * H * D, Rm * h,
-      Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)S + 2 * (size_t)D),
+      Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)group * S + 2 * (size_t)D),
       (job->kind == JOB_PREFILL ? 1 : Rm) * V};
   enum { B_ROWS, B_X, B_HN, B_Q, B_K, B_V, B_ATT, B_O, B_G, B_U, B_CS, B_SN, B_SCRATCH, B_LG, B_N };
   size_t off[B_N + 1];
