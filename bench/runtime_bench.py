@@ -33,18 +33,19 @@ PROMPT = 32
 
 
 def bench_batch(dev: Device, w: dict[str, np.ndarray], batch: int, steps: int, cfg: ModelConfig = CFG,
-                reps: int = 1) -> tuple[float, float]:
+                reps: int = 1, prompt: int = PROMPT) -> tuple[float, float]:
     """Seconds per decode step at compiled batch ``batch`` (all lanes active), wall clock and CPU time
     of the process (all threads; a waiting worker thread spins a few microseconds before it sleeps,
     so with several threads CPU time over-counts a little): the best of ``reps`` runs of ``steps``
-    steps each, after one warm-up step."""
-    cb = dev.load_calbin(cfg, w, ProfileSpec(batch, PROMPT + reps * steps + 9, batch))
+    steps each, after one warm-up step. ``prompt``: tokens prefilled per lane first (the context
+    each step's attention reads)."""
+    cb = dev.load_calbin(cfg, w, ProfileSpec(batch, prompt + reps * steps + 9, batch))
     try:
         seqs = [cb.create_sequence() for _ in range(batch)]
         rng = np.random.default_rng(batch)
         toks = []
         for s in seqs:
-            r = cb.submit_prefill(s, rng.integers(0, cfg.vocab_size, PROMPT)).wait(600)
+            r = cb.submit_prefill(s, rng.integers(0, cfg.vocab_size, prompt)).wait(600)
             assert r.status is JobStatus.OK
             toks.append(int(np.argmax(r.logits[0])))
         best, best_cpu = float("inf"), float("inf")
@@ -108,6 +109,8 @@ def main() -> None:
     ap.add_argument("--package", metavar="PKG", help="bench this package's model (dev-key signed)")
     ap.add_argument("--no-reference", action="store_true", help="skip the numpy reference")
     ap.add_argument("--reps", type=int, default=3, help="best of REPS runs per batch size")
+    ap.add_argument("--prompt", type=int, default=PROMPT,
+                    help=f"tokens prefilled per lane before the timed steps (default {PROMPT})")
     ap.add_argument("--llama-cpp", metavar="GGUF", help="also time llama.cpp on this GGUF (same weights)")
     ap.add_argument("--llama-python", metavar="PY", default=sys.executable,
                     help="interpreter with llama-cpp-python (default: this one)")
@@ -125,7 +128,7 @@ def main() -> None:
         cfg, w = vp.manifest.model_config(), vp.weights()
     else:
         w = random_weights(CFG, seed=0)
-    print(f"config: {cfg.architecture} {cfg.parameter_count() / 1e6:.1f}M parameters, prompt {PROMPT},"
+    print(f"config: {cfg.architecture} {cfg.parameter_count() / 1e6:.1f}M parameters, prompt {args.prompt},"
           f" {args.steps} steps")
     ref = None if args.no_reference else bench_reference(w, max(4, args.steps // 2), cfg)
     if ref is not None:
@@ -139,7 +142,7 @@ def main() -> None:
         for _ in range(max(1, args.rounds)):
             this = {}
             for b in per:
-                wall, cpu_s = bench_batch(dev, w, b, args.steps, cfg, args.reps)
+                wall, cpu_s = bench_batch(dev, w, b, args.steps, cfg, args.reps, args.prompt)
                 per[b], cpu[b] = min(per[b], wall), min(cpu[b], cpu_s)
                 this[b] = wall
             round_ratio.append(16 * this[1] / this[16])
