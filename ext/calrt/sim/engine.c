@@ -438,12 +438,6 @@ void sim_engine_poll_missed(sim_engine_poll *p, double idle_us) {
   }
 }
 
-static inline void cpu_pause(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 /* Wait until the engine has a job or the chip stops (chip->mu held on entry and on return). */
 static void wait_for_job(sim_engine *e, sim_engine_poll *poll) {
   sim_chip *ch = e->chip;
@@ -452,7 +446,7 @@ static void wait_for_job(sim_engine *e, sim_engine_poll *poll) {
   if (poll->window > 0.0) {
     pthread_mutex_unlock(&ch->mu);
     for (int i = 1; atomic_load_explicit(&e->queued_hint, memory_order_acquire) == 0; i++) {
-      cpu_pause();
+      sim_cpu_relax();
       if ((i & 63) == 0 && sim_now_us() - t0 > poll->window) break;
     }
     pthread_mutex_lock(&ch->mu);

@@ -51,6 +51,13 @@ typedef struct sim_kvgroup {
 
 struct calrt_job;
 
+/* A spin-wait loop's pause (x86 PAUSE: yields the core's pipeline to its sibling and saves power). */
+static inline void sim_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 /* pool.c: worker threads inside one job (see pool.c). fn(ctx, task, worker): worker in [0, threads). */
 typedef struct sim_pool sim_pool;
 typedef void (*sim_task_fn)(void *ctx, int task, int worker);

@@ -57,12 +57,6 @@ typedef struct helper_arg {
  * engine's helpers sleep and cost the host nothing. */
 #define SPIN_NS 30000
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 static double now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -95,7 +89,7 @@ static void *helper(void *arg) {
     if (g == seen && !atomic_load(&p->stop)) {
       const double t0 = now_ns();
       for (int i = 1; (g = atomic_load(&p->gen)) == seen && !atomic_load(&p->stop); i++) {
-        cpu_relax();
+        sim_cpu_relax();
         if ((i & 255) == 0 && now_ns() - t0 > SPIN_NS) break;
       }
     }
@@ -202,7 +196,7 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
   if (atomic_load(&p->finished) < n_tasks) {
     const double t0 = now_ns();
     for (int i = 1; atomic_load(&p->finished) < n_tasks; i++) {
-      cpu_relax();
+      sim_cpu_relax();
       if ((i & 255) == 0 && now_ns() - t0 > SPIN_NS) break;
     }
   }
