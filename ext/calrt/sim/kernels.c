@@ -254,14 +254,6 @@ static void rope_kv(const attn_region *a, int r, int kh) {
   }
 }
 
-static inline __attribute__((always_inline)) const float *kv_row(const attn_region *a, const sim_seq *sq,
-                                                                 size_t base, int s, float *buf) {
-  if (!a->bf16) return (const float *)sq->kv + base + (size_t)s * a->D;
-  const uint16_t *b = (const uint16_t *)sq->kv + base + (size_t)s * a->D;
-  for (int d = 0; d < a->D; d++) buf[d] = bf16_to_f32(b[d]);
-  return buf;
-}
-
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 
@@ -279,6 +271,14 @@ static inline __attribute__((always_inline)) v8f kvv(const void *rows, size_t at
 
 static inline __attribute__((always_inline)) float kv1(const void *rows, size_t at, const int BF16) {
   return BF16 ? bf16_to_f32(((const uint16_t *)rows)[at]) : ((const float *)rows)[at];
+}
+
+/* Position s's row of D values as floats: the row itself (fp32), else widened into buf. */
+static inline __attribute__((always_inline)) const float *kv_row(const void *rows, int D, int s, float *buf,
+                                                                 const int BF16) {
+  if (!BF16) return (const float *)rows + (size_t)s * D;
+  for (int d = 0; d < D; d++) buf[d] = kv1(rows, (size_t)s * D + (size_t)d, 1);
+  return buf;
 }
 
 /* Attention streams each (row, KV head)'s K and V from memory once per step (at B16, SmolLM2 reads 30
@@ -382,12 +382,11 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
   const int r = task / a->KVH, kh = task % a->KVH, D = DC ? DC : a->D, S = a->S, G = a->group;
   if (a->rope_in_task) rope_kv(a, r, kh);
   float *sc = a->scratch + (size_t)worker * ((size_t)G * S + 2 * (size_t)D), *kr = sc + (size_t)G * S;
-  const sim_seq *sq = &a->cb->seqs[a->rows[r].seq];
+  const char *kv = (const char *)a->cb->seqs[a->rows[r].seq].kv;
   const int n = a->rows[r].pos + 1, D8 = D & ~7;
-  const size_t kbase = (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * D;
-  const size_t vbase = (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * D;
   const size_t esz = BF16 ? 2 : 4, rowb = (size_t)D * esz;
-  const char *kb_ = (const char *)sq->kv + kbase * esz, *vb_ = (const char *)sq->kv + vbase * esz;
+  const char *kb_ = kv + (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * rowb; /* this head's K rows */
+  const char *vb_ = kv + (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * rowb; /* and its V rows */
   kv_prefetch(kb_, rowb, 0, n < PF_TASK_POS ? n : PF_TASK_POS);
   kv_prefetch(vb_, rowb, 0, n < PF_TASK_POS ? n : PF_TASK_POS);
   const float *qg = a->q + ((size_t)r * a->H + (size_t)kh * G) * D; /* head g: qg + g * D */
@@ -402,7 +401,7 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
       scores8(kb_, D, a->scale, qg + (size_t)g * D, s0, sc + (size_t)g * S + s0, BF16);
   }
   for (int s = s0; s < n; s++) {
-    const float *k = kv_row(a, sq, kbase, s, kr);
+    const float *k = kv_row(kb_, D, s, kr, BF16);
     for (int g = 0; g < G; g++) sc[(size_t)g * S + s] = dot(qg + (size_t)g * D, k, D) / a->scale;
   }
   for (int g = 0; g < G; g++) {
@@ -449,7 +448,7 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
     for (int g = 0; g < nh; g++)
       for (int d = D8; d < D; d++) {
         float t = 0.f;
-        for (int s = 0; s < n; s++) t += p[g][s] * kv_row(a, sq, vbase, s, kr)[d];
+        for (int s = 0; s < n; s++) t += p[g][s] * kv1(vb_, (size_t)s * D + (size_t)d, BF16);
         out[g][d] = t;
       }
   }
