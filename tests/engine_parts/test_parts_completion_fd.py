@@ -258,10 +258,10 @@ POLL_CAP_US = 2000  # generous: a loaded CI box still answers most tiny jobs wit
 
 async def test_short_jobs_are_answered_by_the_poll_and_long_ones_stop_it() -> None:
     """Jobs of this one-layer model modelled at 30 µs each complete well within the poll's cap: the
-    poll answers most waits. (Not unmodelled: such a job can be done before its wait begins, when
-    the software engine polling for its next job computes it within the submit's few microseconds,
-    and a wait for a finished job has nothing to poll: under pytest on a quiet box none of the 20
-    was.)
+    poll answers most waits. The jobs are modelled because an unmodelled one is often finished
+    before its wait begins (the software engine, polling for its next job, computes it within the
+    submit's few microseconds), and a wait for a finished job has nothing to poll: under pytest on
+    a quiet box none of 20 unmodelled jobs was polled.
     Jobs far longer than the cap halve the window on each wait (none below 10 µs), so a slow model
     stops polling after a few steps."""
     dev = Device.open("calrt-0.7.6", dram_bytes=1 << 28)
