@@ -60,12 +60,17 @@ static inline void sim_cpu_relax(void) {
 
 /* pool.c: worker threads inside one job (see pool.c). fn(ctx, task, worker): worker in [0, threads). */
 typedef struct sim_pool sim_pool;
+#define SIM_POOL_MAX 16 /* threads of a pool, at most */
 typedef void (*sim_task_fn)(void *ctx, int task, int worker);
 int sim_pool_default_threads(void); /* CALRT_SIM_THREADS, else the CPUs this thread may run on */
 long sim_usable_cpus(void);         /* the CPUs this thread may run on (its affinity mask) */
 sim_pool *sim_pool_new(int n_threads); /* NULL on host OOM (callers then run single-threaded) */
 int sim_pool_threads(const sim_pool *p);
 void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks);
+/* sim_pool_run, each worker claiming one task ahead: while a task runs on `worker`, next[worker]
+ * (an array of sim_pool_threads entries) is the task it runs next, -1 if none (the task may prefetch
+ * its data). */
+void sim_pool_run_ahead(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks, int *next);
 void sim_pool_free(sim_pool *p);
 /* The owner's grow-only scratch buffer (64-byte aligned, kept until sim_pool_free); NULL on OOM. */
 void *sim_pool_scratch(sim_pool *p, size_t bytes);

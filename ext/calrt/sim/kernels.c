@@ -223,6 +223,8 @@ typedef struct attn_region {
   int qkn;
   float eps;
   int rope_in_task; /* decode: each task first does its own (row, KV head)'s rope_kv */
+  const int *next;  /* [worker]: the task it runs after this one, -1 none (sim_pool_run_ahead) */
+  int *pf_task;     /* [worker]: the task whose K rows the worker's previous task prefetched, -1 none */
 } attn_region;
 
 /* Row r's RoPE and KV write for KV head kh: the group's query heads and the key head (Qwen3: each
@@ -289,10 +291,20 @@ static inline __attribute__((always_inline)) const float *kv_row(const void *row
  * after the softmax, so by then most of it is in L2). Into L2, not L1: a core tracks more L2 misses
  * than L1 ones, and L1 prefetches of a whole stream only evict each other. SmolLM2 B16 at a 512-token
  * context (2 cores, alternated): 16.3-16.9 ms of attention a step with L1 prefetches 16 positions
- * ahead of the scores and of V's sum loop, 16.6-16.7 with none at all, 14.6-14.9 this way. */
+ * ahead of the scores and of V's sum loop, 16.6-16.7 with none at all, 14.6-14.9 this way.
+ * The outputs' loop reads V from L2 and nothing from memory, so meanwhile it prefetches the K rows of
+ * the task its worker runs next (sim_pool_run_ahead), PF_PV_LINES lines per position; that task then
+ * skips its own K prefetches. The memory bus stays busy through the whole task instead of only its
+ * scores. With the KV in L2 (every task reading one sequence's layer-0 rows, a test build) attention
+ * took half the time at 512 tokens: the stream, not the arithmetic, was half of it. SmolLM2 B16 at
+ * 1024 tokens, 5 alternated pairs: 22.7-26.8 ms of attention a step (step 51.7-52.9) against
+ * 27.5-31.2 (56.5-57.5); 4 lines a position instead of 2 were slower. */
 #define PF_TASK_POS 128
 #define PF_K_AHEAD 64
 #define PF_V_AHEAD 128
+#ifndef PF_PV_LINES
+#define PF_PV_LINES 2
+#endif
 
 /* Positions [s0, s1) of a KV head's K or V rows (row bytes each) towards L2. */
 static inline __attribute__((always_inline)) void kv_prefetch(const char *rows, size_t row_bytes, int s0,
@@ -356,18 +368,25 @@ static inline __attribute__((always_inline)) float max_of(const float *x, int n)
 /* The outputs of query heads g0..g0+NH-1 (NH <= 3) for dimensions [d0, d0 + 8 * NV): per position s
  * one load of V's 8 * NV values serves every head (each head's accumulators its own: out[d] =
  * (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order of s, exactly as one head alone). */
-static inline __attribute__((always_inline)) void pv_block(const void *V, const int D, const float *const *p,
-                                                           float *const *out, int n, int d0, const int NH,
-                                                           const int NV, const int BF16) {
+static inline __attribute__((always_inline)) const char *pv_block(const void *V, const int D, const float *const *p,
+                                                                  float *const *out, int n, int d0, const int NH,
+                                                                  const int NV, const int BF16, const char *pf,
+                                                                  const char *pfe) {
   v8f acc[3][4];
   for (int g = 0; g < NH; g++)
     for (int i = 0; i < NV; i++) acc[g][i] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int s = 0; s < n; s++)
+  for (int s = 0; s < n; s++) {
+    if (pf < pfe) { /* the next task's K rows towards L2, PF_PV_LINES lines a position */
+      for (int j = 0; j < PF_PV_LINES; j++) __builtin_prefetch(pf + 64 * j, 0, 2);
+      pf += 64 * PF_PV_LINES;
+    }
     for (int i = 0; i < NV; i++) {
       const v8f v = kvv(V, (size_t)s * D + (size_t)(d0 + 8 * i), BF16);
       for (int g = 0; g < NH; g++) acc[g][i] += p[g][s] * v;
     }
+  }
   for (int g = 0; g < NH; g++) memcpy(out[g] + d0, acc[g], sizeof(v8f) * (size_t)NV);
+  return pf;
 }
 
 /* A KV head's G query heads in one pass over its positions: the scores of each block of 8 positions
@@ -387,15 +406,25 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
   const size_t esz = BF16 ? 2 : 4, rowb = (size_t)D * esz;
   const char *kb_ = kv + (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * rowb; /* this head's K rows */
   const char *vb_ = kv + (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * rowb; /* and its V rows */
-  kv_prefetch(kb_, rowb, 0, n < PF_TASK_POS ? n : PF_TASK_POS);
+  /* K's rows are in L2 already when this worker's previous task prefetched them (all of them) */
+  const int k_ready = a->pf_task && a->pf_task[worker] == task;
+  if (!k_ready) kv_prefetch(kb_, rowb, 0, n < PF_TASK_POS ? n : PF_TASK_POS);
   kv_prefetch(vb_, rowb, 0, n < PF_TASK_POS ? n : PF_TASK_POS);
+  /* The next task's K rows, prefetched while this task's outputs are summed */
+  const int nt = a->next ? a->next[worker] : -1;
+  const char *pf = NULL, *pfe = NULL;
+  if (nt >= 0) {
+    const int r2 = nt / a->KVH, kh2 = nt % a->KVH;
+    pf = (const char *)a->cb->seqs[a->rows[r2].seq].kv + (((size_t)a->L * 2 + 0) * a->KVH + kh2) * S * rowb;
+    pfe = pf + (size_t)(a->rows[r2].pos + 1) * rowb;
+  }
   const float *qg = a->q + ((size_t)r * a->H + (size_t)kh * G) * D; /* head g: qg + g * D */
   float *ag = a->att + ((size_t)r * a->H + (size_t)kh * G) * D;
   /* Scores: each block of K rows is read from memory once for all G heads (and stays in L1 for them). */
   int s0 = 0;
   for (; s0 + 8 <= n; s0 += 8) {
     const int k1 = s0 + PF_K_AHEAD, v1 = s0 + PF_V_AHEAD;
-    if (k1 < n) kv_prefetch(kb_, rowb, k1, k1 + 8 < n ? k1 + 8 : n);
+    if (k1 < n && !k_ready) kv_prefetch(kb_, rowb, k1, k1 + 8 < n ? k1 + 8 : n);
     if (v1 < n) kv_prefetch(vb_, rowb, v1, v1 + 8 < n ? v1 + 8 : n);
     for (int g = 0; g < G; g++)
       scores8(kb_, D, a->scale, qg + (size_t)g * D, s0, sc + (size_t)g * S + s0, BF16);
@@ -436,14 +465,14 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
     }
     int d0 = 0;
     for (; d0 + 32 <= D8; d0 += 32) switch (nh) {
-      case 3: pv_block(vb_, D, p, out, n, d0, 3, 4, BF16); break;
-      case 2: pv_block(vb_, D, p, out, n, d0, 2, 4, BF16); break;
-      default: pv_block(vb_, D, p, out, n, d0, 1, 4, BF16); break;
+      case 3: pf = pv_block(vb_, D, p, out, n, d0, 3, 4, BF16, pf, pfe); break;
+      case 2: pf = pv_block(vb_, D, p, out, n, d0, 2, 4, BF16, pf, pfe); break;
+      default: pf = pv_block(vb_, D, p, out, n, d0, 1, 4, BF16, pf, pfe); break;
       }
     for (; d0 < D8; d0 += 8) switch (nh) {
-      case 3: pv_block(vb_, D, p, out, n, d0, 3, 1, BF16); break;
-      case 2: pv_block(vb_, D, p, out, n, d0, 2, 1, BF16); break;
-      default: pv_block(vb_, D, p, out, n, d0, 1, 1, BF16); break;
+      case 3: pf = pv_block(vb_, D, p, out, n, d0, 3, 1, BF16, pf, pfe); break;
+      case 2: pf = pv_block(vb_, D, p, out, n, d0, 2, 1, BF16, pf, pfe); break;
+      default: pf = pv_block(vb_, D, p, out, n, d0, 1, 1, BF16, pf, pfe); break;
       }
     for (int g = 0; g < nh; g++)
       for (int d = D8; d < D; d++) {
@@ -452,6 +481,7 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
         out[g][d] = t;
       }
   }
+  if (a->pf_task) a->pf_task[worker] = nt >= 0 && pf >= pfe ? nt : -1;
 }
 
 /* attn_body_t instantiated for the KV type and SmolLM2's / Qwen3's head size (constants: clean loops). */
@@ -576,7 +606,10 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     for (int r2 = 0; r2 < r; r2++)
       if (rows[r2].seq == rows[r].seq) distinct = 0;
   attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, sqrtf((float)D), sim_isa(),
-                    NULL, k, v, cs, sn, qkn, m->rms_norm_eps, distinct};
+                    NULL, k, v, cs, sn, qkn, m->rms_norm_eps, distinct, NULL, NULL};
+  int attn_next[SIM_POOL_MAX], attn_pf[SIM_POOL_MAX];
+  ar.next = attn_next;
+  ar.pf_task = attn_pf;
   long long attn_work = 0; /* multiply-adds of one layer's attention: small ones run inline */
   for (int r = 0; r < R; r++) attn_work += 2LL * (rows[r].pos + 1) * H * D;
   for (int L = 0; L < m->num_hidden_layers; L++) {
@@ -597,7 +630,8 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
       for (int r = 0; r < R; r++)
         for (int kh = 0; kh < KVH; kh++) rope_kv(&ar, r, kh);
     PROF_MARK(SIM_PROF_ROPE_KV);
-    sim_pool_run(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * KVH);
+    for (int t = 0; t < SIM_POOL_MAX; t++) attn_pf[t] = -1;
+    sim_pool_run_ahead(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * KVH, attn_next);
     PROF_MARK(SIM_PROF_ATTN);
     matmul(pool, w->o, h, H * D, att, R, o);
     for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];

@@ -7,7 +7,8 @@
  * writes), so the caller sees every task's writes. It never waits for a helper that has not started
  * a task: on a loaded host a helper may wake late, and then simply finds nothing left to do.
  * Which thread runs a task never changes what it computes: each task writes its own outputs with its
- * own fixed order of operations.
+ * own fixed order of operations. sim_pool_run_ahead claims each worker's tasks one ahead and tells
+ * the running task which one comes next on its thread (attention prefetches that task's K rows).
  *
  * Size: CALRT_SIM_THREADS (1 = no helpers, the old single-threaded kernels), else the CPUs the engine's
  * thread may run on (sim_usable_cpus), at most SIM_POOL_MAX.
@@ -18,8 +19,6 @@
 #include <unistd.h>
 
 #include "internal.h"
-
-#define SIM_POOL_MAX 16
 
 struct sim_pool {
   int n_threads; /* including the owner */
@@ -32,6 +31,7 @@ struct sim_pool {
   atomic_ullong gen;
   _Atomic(sim_task_fn) fn;
   _Atomic(void *) ctx;
+  _Atomic(int *) next; /* sim_pool_run_ahead's array, else NULL */
   atomic_int n_tasks;
   atomic_int stop;
   atomic_int sleepers; /* helpers blocked on `go` (or about to): the owner signals only then */
@@ -63,19 +63,30 @@ static double now_ns(void) {
   return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
 }
 
-/* Run tasks of region `gen` until none is left. */
-static void claim_tasks(sim_pool *p, uint64_t gen, sim_task_fn fn, void *ctx, int n_tasks, int worker) {
+/* The next task of region `gen`, or -1 when none is left. */
+static int claim_one(sim_pool *p, uint64_t gen, int n_tasks) {
   unsigned long long c = atomic_load(&p->claim);
   for (;;) {
-    if ((c >> 32) != (gen & 0xFFFFFFFFu) || (long long)(c & 0xFFFFFFFFu) >= n_tasks) return;
-    if (!atomic_compare_exchange_weak(&p->claim, &c, c + 1)) continue; /* c reloaded */
-    fn(ctx, (int)(c & 0xFFFFFFFFu), worker);
+    if ((c >> 32) != (gen & 0xFFFFFFFFu) || (long long)(c & 0xFFFFFFFFu) >= n_tasks) return -1;
+    if (atomic_compare_exchange_weak(&p->claim, &c, c + 1)) return (int)(c & 0xFFFFFFFFu); /* else c reloaded */
+  }
+}
+
+/* Run tasks of region `gen` until none is left. With `next` (sim_pool_run_ahead), each task is
+ * claimed one task ahead: next[worker] holds the task this worker runs after the current one. */
+static void claim_tasks(sim_pool *p, uint64_t gen, sim_task_fn fn, void *ctx, int n_tasks, int worker,
+                        int *next) {
+  int t = claim_one(p, gen, n_tasks);
+  while (t >= 0) {
+    const int nt = next ? claim_one(p, gen, n_tasks) : -1;
+    if (next) next[worker] = nt;
+    fn(ctx, t, worker);
     if (atomic_fetch_add(&p->finished, 1) + 1 == n_tasks) { /* the region's last task */
       pthread_mutex_lock(&p->mu);
       pthread_cond_signal(&p->done);
       pthread_mutex_unlock(&p->mu);
     }
-    c = atomic_load(&p->claim);
+    t = next ? nt : claim_one(p, gen, n_tasks);
   }
 }
 
@@ -104,8 +115,9 @@ static void *helper(void *arg) {
     seen = g;
     sim_task_fn fn = atomic_load(&p->fn);
     void *ctx = atomic_load(&p->ctx);
+    int *next = atomic_load(&p->next);
     int n = atomic_load(&p->n_tasks);
-    claim_tasks(p, seen, fn, ctx, n, a.worker); /* nothing left if it woke after the others ran all */
+    claim_tasks(p, seen, fn, ctx, n, a.worker, next); /* nothing left if it woke after the others ran all */
   }
   return NULL;
 }
@@ -143,6 +155,7 @@ sim_pool *sim_pool_new(int n_threads) {
   atomic_init(&p->gen, 0);
   atomic_init(&p->fn, NULL);
   atomic_init(&p->ctx, NULL);
+  atomic_init(&p->next, NULL);
   atomic_init(&p->n_tasks, 0);
   atomic_init(&p->stop, 0);
   atomic_init(&p->sleepers, 0);
@@ -169,10 +182,15 @@ int sim_pool_threads(const sim_pool *p) { return p ? p->n_threads : 1; }
 
 /* The owner never waits for a helper to wake up: it runs every task nobody else claimed, and waits
  * only for tasks a helper has started (whose outputs it is about to read). */
-void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
+void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) { sim_pool_run_ahead(p, fn, ctx, n_tasks, NULL); }
+
+void sim_pool_run_ahead(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks, int *next) {
   if (n_tasks <= 0) return;
   if (!p || p->n_threads == 1 || n_tasks == 1) {
-    for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+    for (int t = 0; t < n_tasks; t++) {
+      if (next) next[0] = t + 1 < n_tasks ? t + 1 : -1;
+      fn(ctx, t, 0);
+    }
     return;
   }
   const uint64_t gen = atomic_load(&p->gen) + 1; /* only the owner writes gen */
@@ -180,6 +198,7 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
   atomic_store(&p->claim, tag | CLAIM_CLOSED);
   atomic_store(&p->fn, fn);
   atomic_store(&p->ctx, ctx);
+  atomic_store(&p->next, next);
   atomic_store(&p->n_tasks, n_tasks);
   atomic_store(&p->finished, 0);
   atomic_store(&p->claim, tag);
@@ -189,7 +208,7 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
   }
-  claim_tasks(p, gen, fn, ctx, n_tasks, 0);
+  claim_tasks(p, gen, fn, ctx, n_tasks, 0, next);
   const int prof = sim_prof_enabled();
   const double w0 = prof && atomic_load(&p->finished) < n_tasks ? now_ns() : 0.0;
   if (prof) p->regions++;
