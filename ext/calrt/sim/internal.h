@@ -68,8 +68,8 @@ sim_pool *sim_pool_new(int n_threads); /* NULL on host OOM (callers then run sin
 int sim_pool_threads(const sim_pool *p);
 void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks);
 /* sim_pool_run, each worker claiming one task ahead: while a task runs on `worker`, next[worker]
- * (an array of sim_pool_threads entries) is the task it runs next, -1 if none (the task may prefetch
- * its data). */
+ * (an array of sim_pool_threads entries) is the task it runs next (the task may prefetch its data),
+ * or -1: none, or one of the region's last sim_pool_threads tasks, claimed only when a worker is free. */
 void sim_pool_run_ahead(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks, int *next);
 void sim_pool_free(sim_pool *p);
 /* The owner's grow-only scratch buffer (64-byte aligned, kept until sim_pool_free); NULL on OOM. */

@@ -72,13 +72,16 @@ static int claim_one(sim_pool *p, uint64_t gen, int n_tasks) {
   }
 }
 
-/* Run tasks of region `gen` until none is left. With `next` (sim_pool_run_ahead), each task is
- * claimed one task ahead: next[worker] holds the task this worker runs after the current one. */
+/* Run tasks of region `gen` until none is left. With `next` (sim_pool_run_ahead), each task but the
+ * region's last few is claimed one task ahead: next[worker] holds the task this worker runs after
+ * the current one, -1 when that is not decided yet. */
 static void claim_tasks(sim_pool *p, uint64_t gen, sim_task_fn fn, void *ctx, int n_tasks, int worker,
                         int *next) {
   int t = claim_one(p, gen, n_tasks);
   while (t >= 0) {
-    const int nt = next ? claim_one(p, gen, n_tasks) : -1;
+    /* none claimed ahead among a region's last n_threads tasks: a worker holding one while the
+     * others run out of work would leave them idle (the tail is claimed one at a time) */
+    const int nt = next && t + p->n_threads < n_tasks ? claim_one(p, gen, n_tasks - p->n_threads) : -1;
     if (next) next[worker] = nt;
     fn(ctx, t, worker);
     if (atomic_fetch_add(&p->finished, 1) + 1 == n_tasks) { /* the region's last task */
@@ -86,7 +89,7 @@ static void claim_tasks(sim_pool *p, uint64_t gen, sim_task_fn fn, void *ctx, in
       pthread_cond_signal(&p->done);
       pthread_mutex_unlock(&p->mu);
     }
-    t = next ? nt : claim_one(p, gen, n_tasks);
+    t = nt >= 0 ? nt : claim_one(p, gen, n_tasks);
   }
 }
 

@@ -39,6 +39,7 @@ static void task(void *ctx, int t, int worker) {
 }
 
 static void check_region(sim_pool *pool, int n, int ahead) {
+  const int threads = sim_pool_threads(pool);
   static region r;
   memset(&r, 0, sizeof r);
   int next[SIM_POOL_MAX];
@@ -52,7 +53,9 @@ static void check_region(sim_pool *pool, int n, int ahead) {
     for (int t = 0; t < n; t++) CHECK(r.next_of[t] == -2);
     return;
   }
-  /* per worker, its tasks in the order it ran them: each one's next is the one after it */
+  /* per worker, its tasks in the order it ran them: each one's next is the one after it, or -1 when
+   * that one is among the region's last `threads` tasks (claimed when the worker was free) */
+  int named = 0;
   for (int w = 0; w < SIM_POOL_MAX; w++) {
     int last = -1;
     for (;;) {
@@ -61,11 +64,15 @@ static void check_region(sim_pool *pool, int n, int ahead) {
         if (r.worker_of[t] == w && (last < 0 || r.seq_of[t] > r.seq_of[last]) &&
             (best < 0 || r.seq_of[t] < r.seq_of[best]))
           best = t;
-      if (last >= 0) CHECK(r.next_of[last] == best);
+      if (last >= 0) {
+        CHECK(r.next_of[last] == best || (r.next_of[last] == -1 && best >= n - threads));
+        named += r.next_of[last] >= 0;
+      }
       if (best < 0) break;
       last = best;
     }
   }
+  CHECK(named >= n - 2 * threads); /* all but the tail's were named ahead */
 }
 
 int main(void) {
