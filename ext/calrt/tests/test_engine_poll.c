@@ -6,15 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "check.h"
 #include "internal.h"
-
-#define CHECK(cond)                                                             \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);  \
-      exit(1);                                                                  \
-    }                                                                           \
-  } while (0)
 
 static sim_engine_poll with_env(const char *v) {
   if (v) setenv("CALRT_SIM_ENGINE_SPIN_US", v, 1);

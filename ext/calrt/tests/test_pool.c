@@ -1,20 +1,14 @@
 /* The worker pool (pool.c): every task of a region runs exactly once, on any number of threads, and
  * sim_pool_run_ahead's next[worker] names, while a task runs, the task that worker runs next (-1 when
- * it runs none). Built under ASan/UBSan and under TSan (make asan-test, make tsan-test). */
+ * it runs none, or when that is one of the region's last tasks, claimed by whichever worker is free).
+ * Built under ASan/UBSan and under TSan (make asan-test, make tsan-test). */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "internal.h"
-
-#define CHECK(cond)                                                             \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);  \
-      exit(1);                                                                  \
-    }                                                                           \
-  } while (0)
 
 #define MAX_TASKS 200
 
