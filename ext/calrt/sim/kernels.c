@@ -212,7 +212,7 @@ typedef struct attn_region {
   const row_info *rows;
   float *q; /* rotated in place by rope_kv */
   float *att;
-  float *scratch; /* [threads][group * S + 2 * D] */
+  float *scratch; /* [threads][group * S + 8 * D] */
   int L, H, KVH, D, S, group, bf16;
   float scale;
   sim_isa_id isa;
@@ -400,7 +400,7 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
                                                               const int BF16, const int DC) {
   const int r = task / a->KVH, kh = task % a->KVH, D = DC ? DC : a->D, S = a->S, G = a->group;
   if (a->rope_in_task) rope_kv(a, r, kh);
-  float *sc = a->scratch + (size_t)worker * ((size_t)G * S + 2 * (size_t)D), *kr = sc + (size_t)G * S;
+  float *sc = a->scratch + (size_t)worker * ((size_t)G * S + 8 * (size_t)D), *kr = sc + (size_t)G * S;
   const char *kv = (const char *)a->cb->seqs[a->rows[r].seq].kv;
   const int n = a->rows[r].pos + 1, D8 = D & ~7;
   const size_t esz = BF16 ? 2 : 4, rowb = (size_t)D * esz;
@@ -426,8 +426,19 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
     const int k1 = s0 + PF_K_AHEAD, v1 = s0 + PF_V_AHEAD;
     if (k1 < n && !k_ready) kv_prefetch(kb_, rowb, k1, k1 + 8 < n ? k1 + 8 : n);
     if (v1 < n) kv_prefetch(vb_, rowb, v1, v1 + 8 < n ? v1 + 8 : n);
-    for (int g = 0; g < G; g++)
-      scores8(kb_, D, a->scale, qg + (size_t)g * D, s0, sc + (size_t)g * S + s0, BF16);
+    if (BF16 && G > 1) { /* the block's 8 rows widened once (exactly) for all G heads */
+      for (int t = 0; t < 8; t++) {
+        for (int d = 0; d < D8; d += 8) {
+          const v8f w = kvv(kb_, (size_t)(s0 + t) * D + (size_t)d, 1);
+          memcpy(kr + (size_t)t * D + d, &w, sizeof w);
+        }
+        for (int d = D8; d < D; d++) kr[(size_t)t * D + d] = kv1(kb_, (size_t)(s0 + t) * D + (size_t)d, 1);
+      }
+      for (int g = 0; g < G; g++) scores8(kr, D, a->scale, qg + (size_t)g * D, 0, sc + (size_t)g * S + s0, 0);
+    } else {
+      for (int g = 0; g < G; g++)
+        scores8(kb_, D, a->scale, qg + (size_t)g * D, s0, sc + (size_t)g * S + s0, BF16);
+    }
   }
   for (int s = s0; s < n; s++) {
     const float *k = kv_row(kb_, D, s, kr, BF16);
@@ -549,7 +560,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const size_t Rm = (size_t)(rows_max > 0 ? rows_max : 1), threads = (size_t)sim_pool_threads(pool);
   const size_t n_of[] = {
       (sizeof(row_info) * Rm + 3) / 4, Rm * h, Rm * h, Rm * H * D, Rm * KVH * D, Rm * KVH * D, Rm * H * D, Rm * h,
-      Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)group * S + 2 * (size_t)D),
+      Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)group * S + 8 * (size_t)D),
       (job->kind == JOB_PREFILL ? 1 : Rm) * V};
   enum { B_ROWS, B_X, B_HN, B_Q, B_K, B_V, B_ATT, B_O, B_G, B_U, B_CS, B_SN, B_SCRATCH, B_LG, B_N };
   size_t off[B_N + 1];
