@@ -279,8 +279,19 @@ static inline __attribute__((always_inline)) float kv1(const void *rows, size_t 
 static inline __attribute__((always_inline)) const float *kv_row(const void *rows, int D, int s, float *buf,
                                                                  const int BF16) {
   if (!BF16) return (const float *)rows + (size_t)s * D;
-  for (int d = 0; d < D; d++) buf[d] = kv1(rows, (size_t)s * D + (size_t)d, 1);
+  const int D8 = D & ~7;
+  for (int d = 0; d < D8; d += 8) {
+    const v8f w = kvv(rows, (size_t)s * D + (size_t)d, 1);
+    memcpy(buf + d, &w, sizeof w);
+  }
+  for (int d = D8; d < D; d++) buf[d] = kv1(rows, (size_t)s * D + (size_t)d, 1);
   return buf;
+}
+
+/* Row r's KV head kh's K (kv 0) or V (kv 1) rows of layer L: position 0 of S, row_bytes each. */
+static inline __attribute__((always_inline)) const char *kv_head_rows(const attn_region *a, int r, int kh, int kv,
+                                                                      size_t row_bytes) {
+  return (const char *)a->cb->seqs[a->rows[r].seq].kv + (((size_t)a->L * 2 + kv) * a->KVH + kh) * a->S * row_bytes;
 }
 
 /* Attention streams each (row, KV head)'s K and V from memory once per step (at B16, SmolLM2 reads 30
@@ -302,9 +313,7 @@ static inline __attribute__((always_inline)) const float *kv_row(const void *row
 #define PF_TASK_POS 128
 #define PF_K_AHEAD 64
 #define PF_V_AHEAD 128
-#ifndef PF_PV_LINES
 #define PF_PV_LINES 2
-#endif
 
 /* Positions [s0, s1) of a KV head's K or V rows (row bytes each) towards L2. */
 static inline __attribute__((always_inline)) void kv_prefetch(const char *rows, size_t row_bytes, int s0,
@@ -401,11 +410,9 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
   const int r = task / a->KVH, kh = task % a->KVH, D = DC ? DC : a->D, S = a->S, G = a->group;
   if (a->rope_in_task) rope_kv(a, r, kh);
   float *sc = a->scratch + (size_t)worker * ((size_t)G * S + 8 * (size_t)D), *kr = sc + (size_t)G * S;
-  const char *kv = (const char *)a->cb->seqs[a->rows[r].seq].kv;
   const int n = a->rows[r].pos + 1, D8 = D & ~7;
-  const size_t esz = BF16 ? 2 : 4, rowb = (size_t)D * esz;
-  const char *kb_ = kv + (((size_t)a->L * 2 + 0) * a->KVH + kh) * S * rowb; /* this head's K rows */
-  const char *vb_ = kv + (((size_t)a->L * 2 + 1) * a->KVH + kh) * S * rowb; /* and its V rows */
+  const size_t rowb = (size_t)D * (BF16 ? 2 : 4);
+  const char *kb_ = kv_head_rows(a, r, kh, 0, rowb), *vb_ = kv_head_rows(a, r, kh, 1, rowb);
   /* K's rows are in L2 already when this worker's previous task prefetched them (all of them) */
   const int k_ready = a->pf_task && a->pf_task[worker] == task;
   if (!k_ready) kv_prefetch(kb_, rowb, 0, n < PF_TASK_POS ? n : PF_TASK_POS);
@@ -414,9 +421,8 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
   const int nt = a->next ? a->next[worker] : -1;
   const char *pf = NULL, *pfe = NULL;
   if (nt >= 0) {
-    const int r2 = nt / a->KVH, kh2 = nt % a->KVH;
-    pf = (const char *)a->cb->seqs[a->rows[r2].seq].kv + (((size_t)a->L * 2 + 0) * a->KVH + kh2) * S * rowb;
-    pfe = pf + (size_t)(a->rows[r2].pos + 1) * rowb;
+    pf = kv_head_rows(a, nt / a->KVH, nt % a->KVH, 0, rowb);
+    pfe = pf + (size_t)(a->rows[nt / a->KVH].pos + 1) * rowb;
   }
   const float *qg = a->q + ((size_t)r * a->H + (size_t)kh * G) * D; /* head g: qg + g * D */
   float *ag = a->att + ((size_t)r * a->H + (size_t)kh * G) * D;
@@ -427,13 +433,7 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
     if (k1 < n && !k_ready) kv_prefetch(kb_, rowb, k1, k1 + 8 < n ? k1 + 8 : n);
     if (v1 < n) kv_prefetch(vb_, rowb, v1, v1 + 8 < n ? v1 + 8 : n);
     if (BF16 && G > 1) { /* the block's 8 rows widened once (exactly) for all G heads */
-      for (int t = 0; t < 8; t++) {
-        for (int d = 0; d < D8; d += 8) {
-          const v8f w = kvv(kb_, (size_t)(s0 + t) * D + (size_t)d, 1);
-          memcpy(kr + (size_t)t * D + d, &w, sizeof w);
-        }
-        for (int d = D8; d < D; d++) kr[(size_t)t * D + d] = kv1(kb_, (size_t)(s0 + t) * D + (size_t)d, 1);
-      }
+      for (int t = 0; t < 8; t++) kv_row(kb_, D, s0 + t, kr + (size_t)t * D, 1);
       for (int g = 0; g < G; g++) scores8(kr, D, a->scale, qg + (size_t)g * D, 0, sc + (size_t)g * S + s0, 0);
     } else {
       for (int g = 0; g < G; g++)
