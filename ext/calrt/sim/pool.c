@@ -183,10 +183,12 @@ sim_pool *sim_pool_new(int n_threads) {
 
 int sim_pool_threads(const sim_pool *p) { return p ? p->n_threads : 1; }
 
+void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
+  sim_pool_run_ahead(p, fn, ctx, n_tasks, NULL);
+}
+
 /* The owner never waits for a helper to wake up: it runs every task nobody else claimed, and waits
  * only for tasks a helper has started (whose outputs it is about to read). */
-void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) { sim_pool_run_ahead(p, fn, ctx, n_tasks, NULL); }
-
 void sim_pool_run_ahead(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks, int *next) {
   if (n_tasks <= 0) return;
   if (!p || p->n_threads == 1 || n_tasks == 1) {
