@@ -24,6 +24,10 @@ degradation (``paired_p99``: a neighbour's burst of CPU on a shared box lands in
 the verdict); the pooled P99 is reported beside it.
 
     python -m bench.m1_async_vs_sync [--quick] [--out DIR] [--timing fast|sat-4k|...]
+                                     [--neighbour BUSY_MS:IDLE_MS[xN]]
+
+``--neighbour`` runs the whole comparison on a busy host: N processes taking CPU in bursts of about
+BUSY_MS every BUSY_MS + IDLE_MS (:mod:`bench.neighbour`), both sides under the same neighbour.
 
 Writes ``DIR/summary.json`` and prints a table. Exit code 0 when the run completed (and, with
 ``--strict``, only if the M1 targets were met).
@@ -43,6 +47,7 @@ import numpy as np
 import trio
 
 from calserve.config import CalserveConfig, decode_config
+from bench.neighbour import NeighbourSpec, noisy_neighbour, parse_spec
 from bench.sync_baseline import BaselineRecord, BaselineRequest, SyncBaseline
 from calserve.models.source import ModelSource, load_sources
 from calserve.engine.types import FinishEvent, GenerateRequest, SamplingParams, TokenEvent
@@ -303,8 +308,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--interleave", choices=["request", "block"], default="request",
                     help="closed loop: alternate the sides request by request, both open at once "
                          "(default), or in --blocks blocks, each side opened per block")
+    ap.add_argument("--neighbour", default=None, metavar="BUSY_MS:IDLE_MS[xN]",
+                    help="a busy hour: N processes taking CPU in bursts during the run "
+                         "(bench/neighbour.py), e.g. 3:3 or 3:3x2")
     a = ap.parse_args(argv)
+    try:
+        neighbour = parse_spec(a.neighbour) if a.neighbour else None
+    except ValueError as e:
+        ap.error(str(e))
+    with noisy_neighbour(neighbour):
+        return _run(a, neighbour)
 
+
+def _run(a: argparse.Namespace, neighbour: NeighbourSpec | None) -> int:
     n = a.requests or (16 if a.quick else 40)
     a.blocks = a.blocks or (4 if a.quick else 8)
     a.alternate = a.interleave == "request"
@@ -318,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_req_s = max(prefill_s + (max_tokens - 1) * step_s, 1e-3)
 
     doc: dict[str, Any] = {"timing": a.timing, "requests": n, "max_tokens": max_tokens, "blocks": a.blocks,
-                           "workloads": {}}
+                           "neighbour": None if neighbour is None else str(neighbour), "workloads": {}}
     ok = True
     for wl in [w.strip() for w in a.workloads.split(",") if w.strip()]:
         closed = wl == "closed"
@@ -371,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ok = ok and cmp_["outputs_equal"]
         doc["workloads"][wl] = {"sync": s_sum, "async": a_sum, "comparison": cmp_, "rate_req_s": rate}
         print(f"\n== {wl} ({n} requests x {max_tokens} tokens, timing {a.timing}"
-              + (f", {rate:.2f} req/s" if rate else "") + ")")
+              + (f", {rate:.2f} req/s" if rate else "")
+              + (f", neighbour {neighbour}" if neighbour is not None else "") + ")")
         print(f"{'':8s} {'tpot p50':>10s} {'tpot p99':>10s} {'ttft p50':>10s} {'ttft p99':>10s} {'tok/s':>9s}")
         for name, s in (("sync", s_sum), ("async", a_sum)):
             print(f"{name:8s} {s['tpot_p50_ms']:9.3f}ms {s['tpot_p99_ms']:9.3f}ms {s['ttft_p50_ms']:9.3f}ms"
