@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -94,9 +95,19 @@ def _measure(srv: Server, out: Path, dur: float) -> dict[str, Any]:
             "event_bytes": content_bytes / max(1, events), "outcomes": res.summary["outcomes"]}
 
 
+def _tool(name: str) -> str | None:
+    """``name`` on PATH, else beside this interpreter (a virtualenv's ``bin/`` that is not on PATH:
+    ``pip install py-spy`` into the venv, then ``.venv/bin/python -m bench.http_floor``)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    here = Path(sys.executable).parent / name
+    return str(here) if here.is_file() and os.access(here, os.X_OK) else None
+
+
 def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
     """Save a profile of calserve under the same load (py-spy attach, else pyinstrument)."""
-    pyspy = shutil.which("py-spy")
+    pyspy = _tool("py-spy")
     if pyspy:
         with Server.calserve(cfg, out / "server-profile") as srv:
             # collapsed stacks (flamegraph.pl / speedscope read them) + a top-frames summary
