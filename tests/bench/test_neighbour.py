@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
+from bench import procstat
 from bench.neighbour import NeighbourSpec, noisy_neighbour, parse_spec
 
 
@@ -27,9 +27,9 @@ def test_a_bad_spec_names_itself(text: str) -> None:
 
 
 def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        rest = f.read().rsplit(")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+    s = procstat.sample(pid)
+    assert s is not None, f"neighbour process {pid} is gone"
+    return s.cpu_s
 
 
 def test_the_neighbour_takes_cpu_while_the_block_runs_and_is_reaped_after() -> None:
