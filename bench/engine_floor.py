@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import trio
+import trio.testing
 
 __all__ = ["main", "run"]
 
@@ -62,11 +63,15 @@ def _clocks() -> tuple[float, float, float]:
     return time.process_time(), time.thread_time(), time.perf_counter()
 
 
-def _sync(cb: Any, seqs: list[int], steps: int) -> tuple[float, float, float]:
+def _step_arrays(cb: Any, seqs: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The first decode step's sequence ids, tokens, positions and valid flags (every lane)."""
     b = len(seqs)
-    sid, toks = np.array(seqs, np.int32), np.full(b, 300, np.int32)
-    valid = np.ones(b, np.uint8)
-    pos = np.array([cb.committed_len(s) for s in seqs], np.int32)
+    return (np.array(seqs, np.int32), np.full(b, 300, np.int32),
+            np.array([cb.committed_len(s) for s in seqs], np.int32), np.ones(b, np.uint8))
+
+
+def _sync(cb: Any, seqs: list[int], steps: int) -> tuple[float, float, float]:
+    sid, toks, pos, valid = _step_arrays(cb, seqs)
     p0, th0, w0 = _clocks()
     for _ in range(steps):
         r = cb.submit_decode(sid, toks, pos, valid).wait(10.0)
@@ -85,10 +90,8 @@ async def _trio(dev: Any, cb: Any, seqs: list[int], steps: int, group: int
     if fd is None:
         raise SystemExit("engine_floor: this runtime has no completion fd")
     waiter = CompletionFdWaiter(fd)
+    sid, toks, pos, valid = _step_arrays(cb, seqs)
     b = len(seqs)
-    sid, toks = np.array(seqs, np.int32), np.full(b, 300, np.int32)
-    valid = np.ones(b, np.uint8)
-    pos = np.array([cb.committed_len(s) for s in seqs], np.int32)
     bufs: list[list[int]] = [[] for _ in range(b)]
     parked: list[trio.lowlevel.Task | None] = [None] * b
     received = 0
@@ -132,23 +135,19 @@ def run(steps: int = 2000, batch: int = 16, group: int = 16) -> dict[str, dict[s
     """Both loops' figures (module docstring), each on its own freshly opened device; the trio
     loop's also counts the tokens its consumers took (``tokens_delivered``) and those left in the
     lists at the end, short of a group (``tokens_left``)."""
-    import trio.testing  # noqa: F401  (wait_all_tasks_blocked)
-
     out: dict[str, dict[str, float]] = {}
-    for name in ("sync", "trio"):
-        dev, cb, seqs = _open(batch, steps)
-        delivered = left = None
-        try:
-            if name == "sync":
-                t = _sync(cb, seqs, steps)
-            else:
-                t, delivered, left = trio.run(_trio, dev, cb, seqs, steps, group)
-        finally:
-            dev.close()
-        out[name] = _figures(*t, steps, batch)
-        if delivered is not None and left is not None:
-            out[name]["tokens_delivered"] = float(delivered)
-            out[name]["tokens_left"] = float(left)
+    dev, cb, seqs = _open(batch, steps)
+    try:
+        out["sync"] = _figures(*_sync(cb, seqs, steps), steps, batch)
+    finally:
+        dev.close()
+    dev, cb, seqs = _open(batch, steps)
+    try:
+        t, delivered, left = trio.run(_trio, dev, cb, seqs, steps, group)
+    finally:
+        dev.close()
+    out["trio"] = {**_figures(*t, steps, batch), "tokens_delivered": float(delivered),
+                   "tokens_left": float(left)}
     return out
 
 
