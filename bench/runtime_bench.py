@@ -64,6 +64,28 @@ def bench_batch(dev: Device, w: dict[str, np.ndarray], batch: int, steps: int, c
         cb.release()
 
 
+def matmul_weights(w: dict[str, np.ndarray]) -> int:
+    """Weight elements a decode step multiplies, each once per lane: every matrix of the model (the
+    embedding is the head when tied; untied, it is only looked up, one row a token)."""
+    n = sum(a.size for a in w.values() if a.ndim == 2)
+    if "lm_head.weight" in w:
+        n -= w["model.embed_tokens.weight"].size
+    return n
+
+
+def box_line(macs_per_lane: int, weight_bytes: int, b1_s: float, b16_s: float) -> str:
+    """What bounds the B16 / B1 ratio on this box. B1 streams every weight once a step (bound by the
+    memory's bandwidth), B16 multiplies every weight by 16 lanes (bound by the cores' multiply-add
+    rate), so ratio = 16 t1 / t16 = (B16 multiply-adds/s) x (weight bytes / weight) / (B1 bytes/s):
+    the box's compute rate over its bandwidth, at F32 4 x G multiply-adds/s / GB/s."""
+    bw = weight_bytes / b1_s
+    mac = 16 * macs_per_lane / b16_s
+    ratio = mac * (weight_bytes / macs_per_lane) / bw
+    return (f"box: B1 streams {bw / 1e9:.1f} GB/s of weights, B16 runs {mac / 1e9:.1f} G multiply-adds/s;"
+            f" B16 / B1 = {weight_bytes / macs_per_lane:.0f} x multiply-adds/s / bytes/s = {ratio:.1f}x"
+            f" (>= 8x while B1 streams <= {ratio * bw / 8e9:.1f} GB/s at this B16 rate)")
+
+
 def bench_reference(w: dict[str, np.ndarray], steps: int, cfg: ModelConfig = CFG) -> float:
     m = ReferenceModel(cfg, w)
     logits = m.forward(list(range(PROMPT)))[-1]
@@ -156,6 +178,8 @@ def main() -> None:
     print(f"B16 step = {per[16] / per[1]:.2f} x B1 step (vs 16x if lanes were run one by one); "
           f"B16 costs {per[16] / (16 * per[1]) * 100:.0f}% of 16 B1 steps; "
           f"B16 aggregate = {16 * per[1] / per[16]:.1f} x B1 tok/s")
+    macs = matmul_weights(w)
+    print(box_line(macs, macs * 4, per[1], per[16]))  # the runtime computes in F32
     if len(round_ratio) > 1:  # a noisy host: how much the ratio moves from round to round
         rr = sorted(round_ratio)
         print(f"B16 aggregate / B1 per round ({len(rr)} rounds): median {rr[len(rr) // 2]:.1f}x, "

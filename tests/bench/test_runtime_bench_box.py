@@ -1,0 +1,39 @@
+"""``bench.runtime_bench``'s box line: what a decode step multiplies, and the B16 / B1 ratio as the
+box's multiply-add rate over its weight bandwidth (issue 17's figure, read against the hardware)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from bench.runtime_bench import CFG, box_line, matmul_weights
+from calserve.runtime.reference import random_weights
+
+
+def test_tied_head_is_the_embedding() -> None:
+    w = random_weights(CFG, seed=0)
+    assert "lm_head.weight" not in w
+    assert matmul_weights(w) == sum(a.size for a in w.values() if a.ndim == 2)
+
+
+def test_untied_embedding_is_only_looked_up() -> None:
+    w = {"model.embed_tokens.weight": np.zeros((100, 8), np.float32),
+         "lm_head.weight": np.zeros((100, 8), np.float32),
+         "model.layers.0.mlp.down_proj.weight": np.zeros((8, 16), np.float32),
+         "model.norm.weight": np.zeros(8, np.float32)}
+    assert matmul_weights(w) == 100 * 8 + 8 * 16
+
+
+@pytest.mark.parametrize("t1, t16", [(0.0125, 0.025), (0.018, 0.029), (0.020, 0.040)])
+def test_ratio_is_sixteen_b1_steps_over_one_b16_step(t1: float, t16: float) -> None:
+    macs = 134_479_872
+    line = box_line(macs, 4 * macs, t1, t16)
+    ratio = float(re.search(r"= ([\d.]+)x", line).group(1))  # type: ignore[union-attr]
+    assert ratio == pytest.approx(16 * t1 / t16, abs=0.05)
+    bw = float(re.search(r"streams ([\d.]+) GB/s", line).group(1))  # type: ignore[union-attr]
+    assert bw == pytest.approx(4 * macs / t1 / 1e9, abs=0.05)
+    limit = float(re.search(r"<= ([\d.]+) GB/s", line).group(1))  # type: ignore[union-attr]
+    # at the bandwidth limit, 16 B1 steps take exactly 8 B16 steps
+    assert 16 * (4 * macs / (limit * 1e9)) / t16 == pytest.approx(8.0, rel=0.01)
