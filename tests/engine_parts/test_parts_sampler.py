@@ -295,3 +295,38 @@ def test_greedy_fast_path_equals_general_path(x: np.ndarray, data: st.DataObject
     assert fast.tokens.dtype == np.int64
     assert fast.tokens.tolist() == general.tokens.tolist()
     assert fast.logprobs == [None] * n
+
+
+@given(st.integers(1, 20), st.integers(1, 300), st.floats(0.0, 1.0), st.integers(0, 2**32 - 1))
+def test_flat_nonzero_is_numpys_2d_nonzero(m: int, v: int, density: float, seed: int) -> None:
+    """The sampler's 2-D nonzero (flat indices split by the row length) gives numpy's arrays."""
+    from calserve.engine.sampler import _nonzero2
+    mask = np.random.default_rng(seed).random((m, v)) < density
+    want, got = np.nonzero(mask), _nonzero2(mask)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype and np.array_equal(g, w)
+
+
+@given(logits_matrix(max_rows=5, max_vocab=120), st.integers(1, 130))
+def test_block_max_is_the_padded_blocks_max(x: np.ndarray, block: int) -> None:
+    from calserve.engine.sampler import _block_max, _pad_blocks
+    x[:, ::3] = -np.inf  # masked tokens (a grammar, a -100 bias)
+    want = _pad_blocks(x, block, -np.inf).max(axis=2)
+    got = _block_max(x, block)
+    assert got.shape == want.shape and np.array_equal(got, want)
+
+
+@given(st.data())
+def test_a_batch_of_one_kind_draws_what_a_mixed_batch_draws(data: st.DataObject) -> None:
+    """Lanes that are all of one kind (full vocabulary, top-k, top-p) take their rows as a view;
+    beside a greedy mate they take them by index: the same tokens and logprobs either way."""
+    x = data.draw(logits_matrix(max_rows=5, max_vocab=200))
+    n = x.shape[0]
+    kind = data.draw(st.sampled_from([{}, {"top_k": 5}, {"top_p": 0.5}, {"min_p": 0.2}]))
+    lanes = [LaneSampling(temperature=data.draw(st.sampled_from([0.5, 1.0, 1.3])), seed=s, step=3,
+                          logprobs=data.draw(st.sampled_from([None, 2])), **kind)
+             for s in data.draw(st.lists(st.integers(0, 2**63), min_size=n, max_size=n))]
+    alone = sample_batch(x, lanes)
+    mixed = sample_batch(np.concatenate([x, x[:1]]), [*lanes, LaneSampling()])
+    assert alone.tokens.tolist() == mixed.tokens[:n].tolist()
+    assert alone.logprobs == mixed.logprobs[:n]
