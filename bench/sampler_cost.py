@@ -7,7 +7,8 @@ penalty state catching up with the tokens, grammar masks, the batched draw) on r
 width 49,152 for batches of 1 and 16 sequences, and prints µs per step and per token for:
 
 - ``greedy`` (the all-greedy fast path), ``seeded`` (temperature 1, full vocabulary), ``top_k_p``
-  (top-k 40 + top-p 0.9) — the features that existed before;
+  (top-k 40 + top-p 0.9), ``top_p`` (temperature 0.7 + top-p 0.9 over the whole vocabulary, the
+  setting OpenAI clients commonly send) — the features that existed before;
 - ``penalties`` (presence + frequency + repetition, 256-token prompt, history growing),
   ``logit_bias`` (16 entries), ``min_p`` (0.05), ``all_but_grammar`` (all of them, seeded);
 - ``json_schema`` (constrained decoding: an object with a free string field, seeded; a sequence
@@ -92,6 +93,7 @@ def _case(name: str, grammar: Any) -> SamplingParams:
         "greedy": SamplingParams(temperature=0.0),
         "seeded": SamplingParams(temperature=1.0),
         "top_k_p": SamplingParams(temperature=1.0, top_k=40, top_p=0.9),
+        "top_p": SamplingParams(temperature=0.7, top_p=0.9),
         "penalties": SamplingParams(temperature=1.0, presence_penalty=0.5,
                                     frequency_penalty=0.5, repetition_penalty=1.2),
         "logit_bias": SamplingParams(temperature=1.0, logit_bias=bias),
@@ -129,7 +131,7 @@ def _measure(sp: SamplingParams, batch: int, steps: int, reps: int, eos: set[int
 def run(out: Path | None, quick: bool) -> dict[str, Any]:
     steps, reps = (40, 2) if quick else (200, 3)
     tok = smollm2_tokenizer()
-    names = ["greedy", "seeded", "top_k_p", "penalties", "logit_bias", "min_p",
+    names = ["greedy", "seeded", "top_k_p", "top_p", "penalties", "logit_bias", "min_p",
              "all_but_grammar", "json_schema"]
     grammar = None
     eos: set[int] = set()
