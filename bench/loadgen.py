@@ -52,6 +52,7 @@ class LoadSpec:
     include_usage: bool = True
     ignore_eos: bool = True
     temperature: float = 0.0
+    top_p: float = 1.0  # sent when below 1 (a sampled load: temperature > 0)
     seed: int = 0
     burstiness: float = 1.0
     prompt_mode: Literal["ids", "text"] = "ids"
@@ -155,6 +156,8 @@ class _Run:
         s = self.spec
         body: dict[str, Any] = {"max_tokens": p.output_len, "stream": s.stream,
                                 "temperature": s.temperature}
+        if s.top_p < 1.0:
+            body["top_p"] = s.top_p
         if s.model:
             body["model"] = s.model
         if s.ignore_eos:

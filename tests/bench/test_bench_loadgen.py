@@ -267,3 +267,18 @@ async def test_floor_groups_tokens_per_event(nursery: trio.Nursery) -> None:
     for r in res.records:
         assert r.output_tokens == 48 and len(r.token_times) == 10  # 48 / 4.8
     assert app.events_sent == 40
+
+
+@pytest.mark.parametrize("top_p, sent", [(1.0, False), (0.9, True)])
+def test_a_sampled_load_sends_top_p_below_one(top_p: float, sent: bool) -> None:
+    import json
+
+    from bench.loadgen import _Run
+    from bench.workload import PlannedRequest
+
+    spec = LoadSpec(base_url="http://127.0.0.1:1", tenants=(TenantSpec(concurrency=1),),
+                    temperature=0.7, top_p=top_p, num_requests=1, progress=False,
+                    scrape_interval_s=None)
+    body = json.loads(_Run(spec)._body(PlannedRequest(0, "default", 0.0, [1, 2], 2, 4)))
+    assert body["temperature"] == 0.7
+    assert ("top_p" in body) is sent and body.get("top_p", 1.0) == top_p
