@@ -111,25 +111,27 @@ def resolve_seed(seed: int | None) -> int:
     return secrets.randbits(63) if seed is None else seed
 
 
-def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    # Arrays only: numpy wraps uint64 array arithmetic silently (scalars would warn).
-    z = x + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+_GOLDEN: Final = 0x9E3779B97F4A7C15
+_MIX1: Final = 0xBF58476D1CE4E5B9
+_MIX2: Final = 0x94D049BB133111EB
 
 
-def _uniforms(seeds: Sequence[int], steps: Sequence[int]) -> npt.NDArray[np.float64]:
-    """Counter-based uniforms in [0, 1): u = f(seed, step), no state."""
-    s = np.array([v & _MASK64 for v in seeds], dtype=np.uint64)
-    t = np.array([v & _MASK64 for v in steps], dtype=np.uint64)
-    h = _splitmix64(s ^ _splitmix64(t))
-    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+def _splitmix64(x: int) -> int:
+    """splitmix64's finaliser of ``x`` (an int in [0, 2**64)), wrapping as uint64 arithmetic does.
+    On Python ints: a batch has a handful of lanes, and numpy's per-call cost for one-element
+    arrays was ~16 % of a small sampled step."""
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
 
 
 def uniform_for(seed: int, step: int) -> float:
-    """The uniform variate a seeded lane uses at ``step`` (exposed for tests and replay tools)."""
-    return float(_uniforms([seed], [step])[0])
+    """The uniform variate in [0, 1) a seeded lane uses at ``step``: a pure function of ``(seed,
+    step)`` (counter-based, no state; seeds and steps taken mod 2**64). The top 53 bits of the
+    hash over 2**53: exact in float64."""
+    h = _splitmix64((seed & _MASK64) ^ _splitmix64(step & _MASK64))
+    return (h >> 11) * (1.0 / (1 << 53))
 
 
 def _pad_blocks(x: npt.NDArray[np.floating], block: int, fill: float) -> npt.NDArray[np.floating]:
@@ -193,6 +195,19 @@ def _top_sorted(x: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.int64]:
 
 
 _DRAW_BLOCK: Final = 256
+
+# The kinds of lane a batch is split into (each drawn by a few numpy operations over its rows).
+_GREEDY, _FULL, _TOP_K, _TOP_P = range(4)
+
+
+def _kind(ln: LaneSampling, vocab: int) -> int:
+    if ln.temperature < MIN_TEMPERATURE:
+        # A temperature this small is greedy (as vLLM's epsilon): dividing the logits by a
+        # subnormal overflows to inf (issue 12); convert.py maps such values to 0 before here.
+        return _GREEDY
+    if 0 < ln.top_k < vocab:
+        return _TOP_K
+    return _TOP_P if ln.top_p < 1.0 else _FULL
 
 
 def _exp_shifted(rows: npt.NDArray[np.float32], temps: npt.NDArray[np.float64],
@@ -396,12 +411,6 @@ def greedy_argmax(x: npt.NDArray[np.float32]) -> list[int]:
     return toks
 
 
-def _lanes_of(kind: npt.NDArray[np.bool_]) -> slice | npt.NDArray[np.intp]:
-    """The rows of one kind of lane: every row as a slice (indexing with it is a view), else their
-    indices."""
-    return slice(None) if kind.all() else np.flatnonzero(kind)
-
-
 def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleResult:
     """Sample one token for every row of ``logits`` ([n, vocab] float32) with ``lanes[i]``'s rules.
 
@@ -436,46 +445,41 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"logits row {i} (lane {i}) is NaN or has no finite value")
 
-    temps = np.array([ln.temperature for ln in lanes], dtype=np.float64)
-    # A temperature this small is greedy (as vLLM's epsilon): dividing the logits by a subnormal
-    # overflows to inf (issue 12); convert.py maps such values to 0 before they get here.
-    greedy = temps < MIN_TEMPERATURE
-    if greedy.any():
-        g = np.flatnonzero(greedy)
-        tokens[g] = np.argmax(x[g], axis=1)
-    if not greedy.all():
-        top_k = np.array([ln.top_k for ln in lanes], dtype=np.int64)
-        top_p = np.array([ln.top_p for ln in lanes], dtype=np.float64)
-        u = np.empty(n, dtype=np.float64)
-        seeded = np.array([ln.seed is not None for ln in lanes])
-        if seeded.any():
-            si = np.flatnonzero(seeded)
-            picked = [lanes[i] for i in si.tolist()]
-            u[si] = _uniforms([ln.seed or 0 for ln in picked], [ln.step for ln in picked])
-        if not seeded.all():
-            ui = np.flatnonzero(~seeded)
-            u[ui] = _process_rng.random(len(ui))
-        min_p = np.array([ln.min_p for ln in lanes], dtype=np.float64)
-        k_on = (top_k > 0) & (top_k < vocab)
-        by_k = ~greedy & k_on
-        by_p = ~greedy & ~k_on & (top_p < 1.0)
-        full = ~greedy & ~k_on & ~by_p
-        # min-p works on each draw's own weights (min_p 0: no-op), before top-k/top-p
-        # A kind every lane has takes the rows as they are (a slice: views, no copy of [n, vocab]).
-        if full.any():
-            f = _lanes_of(full)
-            e = _exp_shifted(x[f], temps[f], rowmax[f])
-            if (min_p[f] > 0.0).any():
-                _drop_below(e, min_p[f])
-            tokens[f] = _draw_id_order(e, u[f])
-        if by_k.any():
-            t = _lanes_of(by_k)
-            tokens[t] = _draw_top_k(x[t], temps[t], top_k[t], top_p[t], u[t],
-                                    min_p[t] if (min_p[t] > 0.0).any() else None)
-        if by_p.any():
-            t = _lanes_of(by_p)
-            tokens[t] = _draw_nucleus(x[t], temps[t], top_p[t], u[t],
-                                      min_p[t] if (min_p[t] > 0.0).any() else None)
+    # The lanes' kinds and settings as Python values, per kind as arrays of its lanes (a batch has
+    # a handful of lanes: numpy's per-call cost on one-element masks was most of a small step).
+    kinds = [_kind(ln, vocab) for ln in lanes]
+    greedy = [i for i, k in enumerate(kinds) if k == _GREEDY]
+    if greedy:
+        tokens[greedy] = np.argmax(x[greedy], axis=1)
+    if len(greedy) < n:
+        u = [None if ln.seed is None else uniform_for(ln.seed, ln.step) for ln in lanes]
+        unseeded = [i for i, v in enumerate(u) if v is None]
+        if unseeded:
+            for i, v in zip(unseeded, _process_rng.random(len(unseeded)).tolist(), strict=True):
+                u[i] = v
+        for kind in (_FULL, _TOP_K, _TOP_P):
+            idx = [i for i, k in enumerate(kinds) if k == kind]
+            if not idx:
+                continue
+            # A kind every lane has takes the rows as they are (a slice: views, no copy).
+            t = slice(None) if len(idx) == n else np.array(idx, dtype=np.intp)
+            sel = [lanes[i] for i in idx]
+            temps = np.array([ln.temperature for ln in sel], dtype=np.float64)
+            uk = np.array([u[i] for i in idx], dtype=np.float64)
+            # min-p works on each draw's own weights, before top-k / top-p (0: no-op)
+            mp = np.array([ln.min_p for ln in sel], dtype=np.float64) if any(
+                ln.min_p > 0.0 for ln in sel) else None
+            if kind == _FULL:
+                e = _exp_shifted(x[t], temps, rowmax[t])
+                if mp is not None:
+                    _drop_below(e, mp)
+                tokens[t] = _draw_id_order(e, uk)
+            elif kind == _TOP_K:
+                tokens[t] = _draw_top_k(x[t], temps, np.array([ln.top_k for ln in sel], np.int64),
+                                        np.array([ln.top_p for ln in sel], np.float64), uk, mp)
+            else:
+                tokens[t] = _draw_nucleus(x[t], temps,
+                                          np.array([ln.top_p for ln in sel], np.float64), uk, mp)
 
     out_lp: list[TokenLogprob | None] = [None] * n
     want = [i for i, ln in enumerate(lanes) if ln.logprobs is not None]

@@ -330,3 +330,25 @@ def test_a_batch_of_one_kind_draws_what_a_mixed_batch_draws(data: st.DataObject)
     mixed = sample_batch(np.concatenate([x, x[:1]]), [*lanes, LaneSampling()])
     assert alone.tokens.tolist() == mixed.tokens[:n].tolist()
     assert alone.logprobs == mixed.logprobs[:n]
+
+
+def _np_uniform(seed: int, step: int) -> float:
+    """The counter-based uniform computed as numpy uint64 array arithmetic (how the sampler
+    computed it before it moved to Python ints): the draws must not change."""
+    m = (1 << 64) - 1
+
+    def mix(x: np.ndarray) -> np.ndarray:
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    s = np.array([seed & m], dtype=np.uint64)
+    t = np.array([step & m], dtype=np.uint64)
+    h = mix(s ^ mix(t))
+    return float((h >> np.uint64(11)).astype(np.float64)[0] * (1.0 / (1 << 53)))
+
+
+@given(st.integers(-(2**70), 2**70), st.integers(0, 2**66))
+def test_uniform_is_the_uint64_splitmix(seed: int, step: int) -> None:
+    assert uniform_for(seed, step) == _np_uniform(seed, step)
