@@ -377,22 +377,23 @@ _local = threading.local()
 
 
 def _scratch(shape: tuple[int, ...], dtype: type[np.generic], use: str) -> npt.NDArray[Any]:
-    """A buffer of ``shape`` and ``dtype`` for one ``use`` in a sampling call, reused from call to
-    call by the calling thread (the engine's; each use's buffer is consumed before the next
-    call needs it, and nothing returned refers to one). At [16, 49k] every fresh temporary of the
-    weights' size cost ~0.4 ms in page faults (a large allocation is a fresh mapping), which made
-    a top-p draw twice as slow as its arithmetic. At most 16 buffers a thread (~50 MB at B16 on a
-    152k vocabulary)."""
+    """A C-contiguous buffer of ``shape`` and ``dtype`` for one ``use`` in a sampling call, reused
+    from call to call by the calling thread (the engine's; each use's buffer is consumed before
+    the next call needs it, and nothing returned refers to one). At [16, 49k] every fresh
+    temporary of the weights' size cost ~0.4 ms in page faults (a large allocation is a fresh
+    mapping), which made a top-p draw twice as slow as its arithmetic. One buffer per use and row
+    width, as many rows as the largest batch so far (a smaller batch gets its first rows): ~50 MB
+    a thread at B16 on a 152k vocabulary, the three uses together."""
     bufs: dict[tuple[str, tuple[int, ...]], npt.NDArray[Any]] | None = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
-    key = (use, shape)
+    key = (use, shape[1:])
     buf = bufs.get(key)
-    if buf is None or buf.dtype != dtype:
-        if len(bufs) >= 16:
+    if buf is None or buf.dtype != dtype or buf.shape[0] < shape[0]:
+        if buf is None and len(bufs) >= 8:  # another model's width: drop the old ones
             bufs.clear()
         buf = bufs[key] = np.empty(shape, dtype=dtype)
-    return buf
+    return buf[: shape[0]]
 
 
 def greedy_argmax(x: npt.NDArray[np.float32]) -> list[int]:

@@ -352,3 +352,32 @@ def _np_uniform(seed: int, step: int) -> float:
 @given(st.integers(-(2**70), 2**70), st.integers(0, 2**66))
 def test_uniform_is_the_uint64_splitmix(seed: int, step: int) -> None:
     assert uniform_for(seed, step) == _np_uniform(seed, step)
+
+
+def test_scratch_buffers_are_per_use_and_width_and_leave_no_trace() -> None:
+    """The sampler's scratch: a smaller batch gets the first rows of the largest so far (C
+    contiguous), another width or use its own buffer; and a batch draws the same after any other
+    batch as in a fresh thread."""
+    import threading
+
+    from calserve.engine.sampler import _scratch
+
+    big = _scratch((16, 1000), np.float64, "t-weights")
+    small = _scratch((3, 1000), np.float64, "t-weights")
+    assert small.shape == (3, 1000) and small.flags.c_contiguous
+    assert np.shares_memory(big, small)
+    assert not np.shares_memory(big, _scratch((3, 1000), np.float64, "t-other"))
+    assert not np.shares_memory(big, _scratch((3, 999), np.float64, "t-weights"))
+
+    rng = np.random.default_rng(5)
+    lanes = [LaneSampling(temperature=0.8, top_p=p, seed=i, step=7, min_p=mp)
+             for i, (p, mp) in enumerate([(1.0, 0.0), (0.9, 0.0), (1.0, 0.1)])]
+    x = (rng.standard_normal((3, 700)) * 3).astype(np.float32)
+    fresh: list[list[int]] = []
+    t = threading.Thread(target=lambda: fresh.append(sample_batch(x, lanes).tokens.tolist()))
+    t.start()
+    t.join()
+    for n in (16, 1, 3, 9):  # other batches in between leave other contents in the buffers
+        other = (rng.standard_normal((n, 700)) * 5).astype(np.float32)
+        sample_batch(other, [LaneSampling(temperature=1.3, top_p=0.5, seed=99, step=n)] * n)
+        assert sample_batch(x, lanes).tokens.tolist() == fresh[0]
