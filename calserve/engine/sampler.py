@@ -236,6 +236,8 @@ def _draw_id_order(e: npt.NDArray[np.float64], u: npt.NDArray[np.float64]) -> np
     is several times slower than a sum in numpy. Every row needs some positive weight."""
     m, _ = e.shape
     eb = _pad_blocks(e, _DRAW_BLOCK, 0.0)
+    if m == 1:
+        return _draw_one(eb[0], u[0])
     bsum = eb.sum(axis=2)
     bcdf = np.cumsum(bsum, axis=1)
     target = u * bcdf[:, -1]
@@ -250,6 +252,23 @@ def _draw_id_order(e: npt.NDArray[np.float64], u: npt.NDArray[np.float64]) -> np
     last_pos = blk.shape[1] - 1 - np.argmax(blk[:, ::-1] > 0.0, axis=1)
     out: npt.NDArray[np.int64] = (b * _DRAW_BLOCK + np.minimum(j, last_pos)).astype(np.int64)
     return out
+
+
+def _draw_one(eb: npt.NDArray[np.float64], u: float) -> npt.NDArray[np.int64]:
+    """:func:`_draw_id_order` of one row, already in blocks (``[nb, block]``): the same operations
+    on the row's values in the same order (each block's sum reduces its contiguous ``block``
+    values as the batch's does; the rest are scalars), without the batch's row indexing — the
+    default configuration (B1) samples every token this way."""
+    bsum = eb.sum(axis=1)
+    bcdf = np.cumsum(bsum)
+    target = u * bcdf[-1]
+    last_block = bsum.shape[0] - 1 - int(np.argmax(bsum[::-1] > 0.0))
+    b = min(int(np.count_nonzero(bcdf <= target)), last_block)
+    before = bcdf[b - 1] if b > 0 else 0.0
+    blk = eb[b]
+    j = int(np.count_nonzero(np.cumsum(blk) <= target - before))
+    last_pos = blk.shape[0] - 1 - int(np.argmax(blk[::-1] > 0.0))
+    return np.array([b * _DRAW_BLOCK + min(j, last_pos)], dtype=np.int64)
 
 
 def _nucleus_of_sorted(

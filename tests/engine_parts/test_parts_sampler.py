@@ -381,3 +381,17 @@ def test_scratch_buffers_are_per_use_and_width_and_leave_no_trace() -> None:
         other = (rng.standard_normal((n, 700)) * 5).astype(np.float32)
         sample_batch(other, [LaneSampling(temperature=1.3, top_p=0.5, seed=99, step=n)] * n)
         assert sample_batch(x, lanes).tokens.tolist() == fresh[0]
+
+
+@given(st.integers(1, 700), st.floats(0.0, 0.999999), st.floats(0.0, 0.9), st.integers(0, 2**32 - 1))
+def test_one_row_draw_is_the_batch_draw(v: int, u: float, zeros: float, seed: int) -> None:
+    """A lone row (the default configuration's every sampled token) takes its own draw: the
+    same token as the batch's draw of that row beside another."""
+    from calserve.engine.sampler import _draw_id_order
+
+    rng = np.random.default_rng(seed)
+    e = np.exp(rng.standard_normal((2, v)) * rng.choice([0.1, 3.0, 30.0]))
+    e[rng.random((2, v)) < zeros] = 0.0  # masked (top-p, min-p, a grammar)
+    e[:, int(rng.integers(0, v))] = 1.0  # some positive weight in every row
+    us = np.array([u, 0.5])
+    assert _draw_id_order(e[:1], us[:1]).tolist() == _draw_id_order(e, us)[:1].tolist()
