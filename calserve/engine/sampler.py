@@ -332,6 +332,8 @@ def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64],
     a difference below float64's resolution is 1.0: logits 0 and 2.8e-24 both weigh 1.0), and
     then the higher logit ranks first, as it does for greedy (found by a random-seed run)."""
     m, v = e.shape
+    if m == 1:
+        return _nucleus_one(e[0], float(top_p[0]), x[0])[None, :]
     z = e.sum(axis=1)
     # Each weight's bucket, offset by its row's (one buffer, in place: at [16, 49k] every fresh
     # temporary of this size cost ~0.4 ms in page faults, the uint64 expressions ~5 ms in all).
@@ -366,6 +368,35 @@ def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64],
     kb = _nucleus_of_sorted(q, top_p, before)
     kr, kc = _nonzero2(kb & (ids < v))
     keep[kr, ids[kr, kc]] = True
+    out: npt.NDArray[np.bool_] = keep & (e > 0.0)
+    return out
+
+
+def _nucleus_one(e: npt.NDArray[np.float64], top_p: float,
+                 x: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
+    """:func:`_nucleus_mask` of one row: the same operations on its values in the same order
+    (the row's sum and its buckets' masses reduce the same values the same way; the boundary
+    bucket's tokens, unpadded, sort the same), without the batch's row bookkeeping — the default
+    configuration (B1) draws every top-p token this way."""
+    z = e.sum()
+    bucket = _scratch(e.shape, np.int64, "buckets")
+    np.right_shift(e.view(np.uint64), _BUCKET_SHIFT, out=bucket.view(np.uint64))
+    np.minimum(bucket, _TOP_KEY, out=bucket)
+    np.subtract(_TOP_KEY, bucket, out=bucket)
+    np.minimum(bucket, _BUCKETS - 1, out=bucket)
+    cum = np.cumsum(np.bincount(bucket, weights=e, minlength=_BUCKETS)) / z
+    bb = min(int(np.count_nonzero(cum < top_p)), _BUCKETS - 1)
+    before = cum[bb - 1] if bb > 0 else 0.0
+    keep = bucket < bb
+    ids = np.flatnonzero(bucket == bb)
+    order = np.lexsort((ids, -x[ids]))
+    ids = ids[order]
+    q = np.maximum(e[ids], 0.0) / z
+    kept = before + np.cumsum(q) - q < top_p  # the mass ranked before each token
+    kept &= q > 0.0
+    if kept.size and before <= 0.0:
+        kept[0] = True  # at least one: the most likely token
+    keep[ids[kept]] = True
     out: npt.NDArray[np.bool_] = keep & (e > 0.0)
     return out
 

@@ -395,3 +395,23 @@ def test_one_row_draw_is_the_batch_draw(v: int, u: float, zeros: float, seed: in
     e[:, int(rng.integers(0, v))] = 1.0  # some positive weight in every row
     us = np.array([u, 0.5])
     assert _draw_id_order(e[:1], us[:1]).tolist() == _draw_id_order(e, us)[:1].tolist()
+
+
+@given(st.integers(1, 600), st.sampled_from([1e-6, 0.1, 0.5, 0.9, 0.95, 0.999999]),
+       st.floats(0.0, 0.9), st.booleans(), st.integers(0, 2**32 - 1))
+def test_one_row_nucleus_is_the_batch_nucleus(v: int, top_p: float, zeros: float, ties: bool,
+                                             seed: int) -> None:
+    """A lone row's top-p set (the default configuration's every top-p token) is the batch's set
+    of that row beside another: same buckets, same cut, same ranking by logit and id."""
+    from calserve.engine.sampler import _drop_below, _exp_shifted, _nucleus_mask
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((2, v)) * rng.choice([0.01, 1.0, 3.0, 30.0])).astype(np.float32)
+    if ties:
+        x = np.round(x)
+    e = _exp_shifted(x, np.array([0.7, 1.3])).copy()
+    _drop_below(e, np.array([zeros / 2, 0.0]))  # min-p zeros in the first row
+    tp = np.array([top_p, 0.5])
+    one = _nucleus_mask(e[:1].copy(), tp[:1], x[:1])
+    both = _nucleus_mask(e.copy(), tp, x)
+    assert one.shape == (1, v) and np.array_equal(one[0], both[0])
