@@ -2,16 +2,21 @@
 
 One call samples every lane of a device batch: the dispatcher hands over the logits matrix
 ``[n, vocab]`` and one :class:`LaneSampling` per row, and gets back the chosen tokens and the
-requested logprobs. Lanes are grouped by kind (greedy / full-vocabulary temperature / truncated
-top-k-top-p) and each group is handled by a few numpy operations over all its rows; there is no
-per-lane Python loop on the hot path (the only loop builds the ``TokenLogprob`` objects of the lanes
-that asked for them).
+requested logprobs. Lanes are grouped by kind (greedy / full-vocabulary temperature / top-k /
+top-p) and each group is handled by a few numpy operations over all its rows; per lane there is
+only Python bookkeeping on scalars (its kind, its uniform, its settings; and the ``TokenLogprob``
+objects of the lanes that asked for them), never an operation on its row. A group that is the
+whole batch takes the rows as a view; a lone row (the default configuration's B1) takes the same
+operations without the batch's row indexing (each such path is checked against the batch's result
+for that row). The large temporaries (float64 weights, nucleus buckets, processed logits) are
+per-thread scratch buffers: a fresh array of [16, 49k] float64 costs more in page faults than the
+arithmetic done in it (bench/README, session 28).
 
 Reproducibility (spec: "same seed + same prompt = same output"): the uniform variate of a lane is a
 pure function of ``(seed, step)`` — a splitmix64 hash, counter-based, no generator state — and every
 per-row computation (max, softmax normaliser, cumulative sums, candidate selection with exact
 tie-breaking) depends only on that row. So a lane's token does not depend on its batch position,
-its batch-mates, or the batch size (tests/engine_parts/test_sampler.py pins this).
+its batch-mates, or the batch size (tests/engine_parts/test_parts_sampler.py pins this).
 
 Logprobs are ``log_softmax`` of the RAW logits (before temperature), as OpenAI reports them: the
 chosen token's and the top ``k`` alternatives, highest first, ties broken by lowest token id.
