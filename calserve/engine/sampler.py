@@ -217,12 +217,12 @@ def _kind(ln: LaneSampling, vocab: int) -> int:
 
 def _exp_shifted(rows: npt.NDArray[np.float32], temps: npt.NDArray[np.float64],
                  rowmax: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float64]:
-    """``exp(x/T - max(x/T))`` per row in float64, computed in place in ONE new buffer: at
-    [16, 32k] a fresh float64 temporary costs more in page faults than the arithmetic itself.
+    """``exp(x/T - max(x/T))`` per row in float64, computed in place in the sampler's scratch
+    buffer (:func:`_scratch`): at [16, 32k] a fresh float64 temporary costs more in page faults
+    than the arithmetic itself.
     ``x / 1.0 == x`` exactly, so a batch whose temperatures are all 1 (OpenAI's default, and the
     logprobs' raw softmax) skips the division: ~20 % of this function at [16, 49k]. ``rowmax``:
-    ``rows.max(axis=1)`` when the caller has it. The result is the sampler's scratch buffer
-    (:func:`_scratch`): valid until the next call."""
+    ``rows.max(axis=1)`` when the caller has it. The result is valid until the next call."""
     s = _scratch(rows.shape, np.float64, "weights")
     s[...] = rows
     if not (temps == 1.0).all():
@@ -325,6 +325,17 @@ _BUCKETS: Final = 16 * 64 + 1  # 64 octaves below the maximum, then one bucket f
 _TOP_KEY: Final = 0x3FF0  # 1.0's top 16 bits: the bucket of the maximum weight
 
 
+def _buckets(e: npt.NDArray[np.float64], out: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Each weight's bucket (0: the maximum's, ``_BUCKETS - 1``: everything 64 octaves below it),
+    from its float64 bits, in place in ``out`` (one buffer: at [16, 49k] every fresh temporary of
+    this size cost ~0.4 ms in page faults, the uint64 expressions ~5 ms in all)."""
+    np.right_shift(e.view(np.uint64), _BUCKET_SHIFT, out=out.view(np.uint64))  # < 2**16
+    np.minimum(out, _TOP_KEY, out=out)
+    np.subtract(_TOP_KEY, out, out=out)
+    np.minimum(out, _BUCKETS - 1, out=out)
+    return out
+
+
 def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64],
                   x: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
     """The top-p set of each row of weights ``e = exp(x/T - max)`` (max 1.0) without sorting the
@@ -340,13 +351,7 @@ def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64],
     if m == 1:
         return _nucleus_one(e[0], float(top_p[0]), x[0])[None, :]
     z = e.sum(axis=1)
-    # Each weight's bucket, offset by its row's (one buffer, in place: at [16, 49k] every fresh
-    # temporary of this size cost ~0.4 ms in page faults, the uint64 expressions ~5 ms in all).
-    flat = _scratch((m, v), np.int64, "buckets")
-    np.right_shift(e.view(np.uint64), _BUCKET_SHIFT, out=flat.view(np.uint64))  # < 2**16
-    np.minimum(flat, _TOP_KEY, out=flat)
-    np.subtract(_TOP_KEY, flat, out=flat)
-    np.minimum(flat, _BUCKETS - 1, out=flat)  # the bucket
+    flat = _buckets(e, _scratch((m, v), np.int64, "buckets"))  # offset by its row's below
     off = np.arange(m, dtype=np.int64) * _BUCKETS
     flat += off[:, None]
     mass = np.bincount(flat.ravel(), weights=e.ravel(), minlength=m * _BUCKETS).reshape(m, _BUCKETS)
@@ -384,11 +389,7 @@ def _nucleus_one(e: npt.NDArray[np.float64], top_p: float,
     bucket's tokens, unpadded, sort the same), without the batch's row bookkeeping — the default
     configuration (B1) draws every top-p token this way."""
     z = e.sum()
-    bucket = _scratch(e.shape, np.int64, "buckets")
-    np.right_shift(e.view(np.uint64), _BUCKET_SHIFT, out=bucket.view(np.uint64))
-    np.minimum(bucket, _TOP_KEY, out=bucket)
-    np.subtract(_TOP_KEY, bucket, out=bucket)
-    np.minimum(bucket, _BUCKETS - 1, out=bucket)
+    bucket = _buckets(e, _scratch((1, e.shape[0]), np.int64, "buckets")[0])
     cum = np.cumsum(np.bincount(bucket, weights=e, minlength=_BUCKETS)) / z
     bb = min(int(np.count_nonzero(cum < top_p)), _BUCKETS - 1)
     before = cum[bb - 1] if bb > 0 else 0.0
@@ -397,11 +398,9 @@ def _nucleus_one(e: npt.NDArray[np.float64], top_p: float,
     order = np.lexsort((ids, -x[ids]))
     ids = ids[order]
     q = np.maximum(e[ids], 0.0) / z
-    kept = before + np.cumsum(q) - q < top_p  # the mass ranked before each token
-    kept &= q > 0.0
-    if kept.size and before <= 0.0:
-        kept[0] = True  # at least one: the most likely token
-    keep[ids[kept]] = True
+    if ids.size:
+        kept = _nucleus_of_sorted(q[None, :], np.array([top_p]), np.array([before]))[0]
+        keep[ids[kept]] = True
     out: npt.NDArray[np.bool_] = keep & (e > 0.0)
     return out
 
