@@ -6,6 +6,12 @@ batch size (timing ``none``: the kernels' own speed), the speed-up over :class:`
 one sequence) and the B16 step cost vs 16x the B1 step, all in one run. Not a test: figures depend on
 the machine and its load (the kernels use ``CALRT_SIM_THREADS`` worker threads, default: every CPU).
 
+``--sampler``: the per-token cost of the sampler features on a 49,152-token vocabulary
+(:mod:`bench.sampler_cost`: greedy, seeded, top-k/top-p, penalties, ``logit_bias``, ``min_p``, and
+constrained decoding on and off) measured in the same run after the steps, and the tokens/s at B1
+and B16 with each feature: the step plus the host's sampling of that step, one after the other (one
+job in flight, the default configuration; with PING/PONG the sampling overlaps the next step).
+
 ``--llama-cpp GGUF [--llama-python PY]``: llama.cpp's single-stream decode rate on the same weights
 beside it (llama-cpp-python, run by the interpreter PY in a subprocess, 1 and 2 threads), interleaved
 with the calrt-sim runs round by round (``--rounds``), best of each, and the ratios: one run on one
@@ -86,6 +92,19 @@ def box_line(macs_per_lane: int, weight_bytes: int, b1_s: float, b16_s: float) -
             f" (>= 8x while B1 streams <= {ratio * bw / 8e9:.1f} GB/s at this B16 rate)")
 
 
+def with_sampler(b1_s: float, b16_s: float, rows: dict[str, dict[str, float]]
+                 ) -> list[tuple[str, float, float, float]]:
+    """Per sampler feature (:func:`bench.sampler_cost.run`'s rows: µs per sampling step of 1 and of
+    16 sequences), the tokens/s at B1 and at B16 when each step is followed by that sampling (one
+    job in flight: the device waits for the host), and B16 aggregate / B1 with it."""
+    out = []
+    for name, r in rows.items():
+        t1 = b1_s + r["B1_us_per_step"] * 1e-6
+        t16 = b16_s + r["B16_us_per_step"] * 1e-6
+        out.append((name, 1 / t1, 16 / t16, 16 * t1 / t16))
+    return out
+
+
 def bench_reference(w: dict[str, np.ndarray], steps: int, cfg: ModelConfig = CFG) -> float:
     m = ReferenceModel(cfg, w)
     logits = m.forward(list(range(PROMPT)))[-1]
@@ -136,6 +155,9 @@ def main() -> None:
     ap.add_argument("--llama-cpp", metavar="GGUF", help="also time llama.cpp on this GGUF (same weights)")
     ap.add_argument("--llama-python", metavar="PY", default=sys.executable,
                     help="interpreter with llama-cpp-python (default: this one)")
+    ap.add_argument("--sampler", action="store_true",
+                    help="also time the sampler features on a 49k vocabulary (bench.sampler_cost) and "
+                         "print tokens/s at B1 and B16 with each")
     ap.add_argument("--rounds", type=int, default=1,
                     help="interleaved rounds of calrt-sim and llama.cpp runs (best of all rounds)")
     args = ap.parse_args()
@@ -184,6 +206,17 @@ def main() -> None:
         rr = sorted(round_ratio)
         print(f"B16 aggregate / B1 per round ({len(rr)} rounds): median {rr[len(rr) // 2]:.1f}x, "
               f"min {rr[0]:.1f}x, max {rr[-1]:.1f}x")
+    if args.sampler:
+        from bench.sampler_cost import VOCAB, run as sampler_run
+
+        print(f"\nsampler features, host CPU per sampling step on a {VOCAB:,}-token vocabulary"
+              + ("" if cfg.vocab_size == VOCAB else f" (this model's: {cfg.vocab_size:,})") + ":")
+        rows = sampler_run(None, quick=False)["rows"]
+        print(f"\n{'feature':18} {'B1 tok/s':>9} {'B16 tok/s':>10} {'B16 / B1':>9}"
+              "   (the step, then its sampling: one job in flight)")
+        print(f"{'(none)':18} {1 / per[1]:9.1f} {16 / per[16]:10.1f} {16 * per[1] / per[16]:8.1f}x")
+        for name, tps1, tps16, ratio in with_sampler(per[1], per[16], rows):
+            print(f"{name:18} {tps1:9.1f} {tps16:10.1f} {ratio:8.1f}x")
     for t, tps in lcp.items():
         print(f"llama.cpp B1 ({t} thread{'s' if t > 1 else ''}): {1e3 / tps:8.2f} ms/step  {tps:8.1f} tok/s"
               f"  ({lcp_cpu[t]:6.1f} tok per CPU s);  calrt-sim B1 / llama.cpp = {1 / per[1] / tps:.2f}x,"

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from bench.runtime_bench import CFG, box_line, matmul_weights
+from bench.runtime_bench import CFG, box_line, matmul_weights, with_sampler
 from calserve.runtime.reference import random_weights
 
 
@@ -37,3 +37,18 @@ def test_ratio_is_sixteen_b1_steps_over_one_b16_step(t1: float, t16: float) -> N
     limit = float(re.search(r"<= ([\d.]+) GB/s", line).group(1))  # type: ignore[union-attr]
     # at the bandwidth limit, 16 B1 steps take exactly 8 B16 steps
     assert 16 * (4 * macs / (limit * 1e9)) / t16 == pytest.approx(8.0, rel=0.01)
+
+
+def test_sampler_costs_add_to_each_step() -> None:
+    """``--sampler``: a feature's sampling follows its step (one job in flight); no cost leaves
+    the kernels' figures as they are, a cost lowers both rates and moves the ratio toward B16's
+    share of it."""
+    rows = {"free": {"B1_us_per_step": 0.0, "B16_us_per_step": 0.0},
+            "top_p": {"B1_us_per_step": 500.0, "B16_us_per_step": 4_000.0}}
+    (free, f1, f16, fr), (name, t1, t16, tr) = with_sampler(0.0125, 0.025, rows)
+    assert (free, name) == ("free", "top_p")
+    assert (f1, f16, fr) == pytest.approx((80.0, 640.0, 8.0))
+    assert t1 == pytest.approx(1 / 0.013)
+    assert t16 == pytest.approx(16 / 0.029)
+    assert tr == pytest.approx(16 * 0.013 / 0.029)
+    assert t1 < f1 and t16 < f16
