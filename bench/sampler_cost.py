@@ -65,7 +65,7 @@ def smollm2_tokenizer() -> Any | None:
 
     toks, merges = strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges")
     bpe = models.BPE(vocab={t: i for i, t in enumerate(toks)},
-                     merges=[tuple(m.split(" ", 1)) for m in merges])
+                     merges=[(x, y) for x, y in (m.split(" ", 1) for m in merges)])
     hf = tokenizers.Tokenizer(bpe)
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
@@ -77,8 +77,9 @@ def smollm2_tokenizer() -> Any | None:
 
 def _seq(rid: int, sp: SamplingParams, prompt: np.ndarray) -> Seq:
     req = GenerateRequest(prompt_tokens=tuple(int(t) for t in prompt), sampling=sp)
-    return Seq(rid=rid, req=req, gen=None, arrival=0.0, deadline=None, seed=rid * 7919 + 1,
-               prompt=prompt, qclass=None, inbox=None)
+    # a bare sequence: the sampler reads its request, seed and tokens, never its generation or inbox
+    return Seq(rid=rid, req=req, gen=None, arrival=0.0, deadline=None, seed=rid * 7919 + 1,  # type: ignore[arg-type]
+               prompt=prompt, qclass=None, inbox=None)  # type: ignore[arg-type]
 
 
 def _job(seqs: list[Seq]) -> DeviceJob:

@@ -49,7 +49,7 @@ def _steady(res: RunResult) -> float:
             a = min(pts, key=lambda p: abs(p[0] - w["start_s"]))
             b = min(pts, key=lambda p: abs(p[0] - w["end_s"]))
             if b[0] - a[0] > 0.5 * (w["end_s"] - w["start_s"]) and b[1] > a[1]:
-                return (b[1] - a[1]) / (b[0] - a[0])
+                return float((b[1] - a[1]) / (b[0] - a[0]))
     return float(w["output_throughput"]) if w else float(res.summary["output_throughput"])
 
 
@@ -441,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.name in ("soak", "lifecycle"):
         doc = (soak if a.name == "soak" else lifecycle)(out, a.quick, a.minutes)
     elif a.name == "peer":
-        from bench.peer import PeerUnavailable, run_from_args
+        from bench.peer import run_from_args
+        from bench.peer_llama import PeerUnavailable
         try:
             doc = run_from_args(out, a.quick, a)
         except PeerUnavailable as e:
