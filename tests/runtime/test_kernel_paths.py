@@ -63,3 +63,66 @@ def test_isa_paths_and_threads_bitwise_equal(tmp_path: Path) -> None:
                          ("avx512z", 1), ("avx512z", 2)):
         got = _run(tmp_path, isa, threads)
         assert np.array_equal(base.view(np.uint32), got.view(np.uint32)), (isa, threads)
+
+
+PINGPONG = r"""
+import sys
+import numpy as np
+from calserve.runtime import Device, JobEngine, JobStatus, ProfileSpec
+from calserve.runtime.reference import ModelConfig, random_weights
+
+# large enough that every matmul region runs on the pool (kernels.c: SIM_PARALLEL_MIN)
+cfg = ModelConfig(vocab_size=1003, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=1e5,
+                  tie_word_embeddings=True, architecture="LlamaForCausalLM")
+w = random_weights(cfg, seed=11)
+rng = np.random.default_rng(5)
+prompts = [rng.integers(0, cfg.vocab_size, 40 + i).tolist() for i in range(16)]
+with Device.open("sim-next", dram_bytes=1 << 30) as dev:
+    cb = dev.load_calbin(cfg, w, ProfileSpec(8, 128, 32))
+
+    def start(group):
+        seqs = [cb.create_sequence() for _ in group]
+        toks = []
+        for s, p in zip(seqs, group):
+            r = cb.submit_prefill(s, p).wait(120)
+            assert r.status is JobStatus.OK
+            toks.append(int(np.argmax(r.logits[0])))
+        return [seqs, toks]
+
+    def submit(g, engine):
+        seqs, toks = g
+        return cb.submit_decode(seqs, toks, [cb.committed_len(s) for s in seqs], [True] * 8, engine)
+
+    def finish(g, job, out):
+        r = job.wait(120)
+        assert r.status is JobStatus.OK
+        out.append(r.logits.copy())
+        g[1] = [int(np.argmax(x)) for x in r.logits]
+
+    alone, together = [], []
+    a, b = start(prompts[:8]), start(prompts[8:])
+    for _ in range(4):  # one job at a time: each on every thread of its engine's pool
+        finish(a, submit(a, JobEngine.PING), alone)
+        finish(b, submit(b, JobEngine.PING), alone)
+    a, b = start(prompts[:8]), start(prompts[8:])
+    for _ in range(4):  # both engines computing at once: the pools split the CPUs
+        ja, jb = submit(a, JobEngine.PING), submit(b, JobEngine.PONG)
+        finish(a, ja, together)
+        finish(b, jb, together)
+    cb.release()
+np.save(sys.argv[1], np.stack([np.stack(alone), np.stack(together)]))
+"""
+
+
+def test_engines_computing_at_once_bitwise_equal_alone(tmp_path: Path) -> None:
+    """Two jobs computing at once on PING and PONG (their pools then share the CPUs: pool.c's
+    sim_pool_share) give bitwise the logits each gives computing alone, for pools of 2 threads
+    (one each while both compute) and of 4 (two each)."""
+    for threads in (2, 4):
+        dst = tmp_path / f"pp-{threads}.npy"
+        env = dict(os.environ, CALRT_SIM_THREADS=str(threads))
+        subprocess.run([sys.executable, "-c", PINGPONG, str(dst)], check=True, env=env, timeout=240)
+        alone, together = np.load(dst)
+        assert alone.shape == (8, 8, 1003) and np.isfinite(alone).all()
+        assert np.array_equal(alone.view(np.uint32), together.view(np.uint32)), threads

@@ -111,6 +111,7 @@ calrt_status calrt_device_open(const calrt_open_params *params, calrt_device **o
   pthread_mutex_init(&d->mu, NULL);
   d->next_calbin_id = 1;
   atomic_init(&d->next_job_id, 1);
+  atomic_init(&d->computing, 0);
   atomic_init(&d->next_kv_group_id, 1);
   for (int c = 0; c < d->info.chips; c++) {
     sim_chip *ch = &d->chips[c];

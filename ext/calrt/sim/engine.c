@@ -337,12 +337,18 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
   set_busy(j, 1);
   int null = cb->dev->null_compute;
   pthread_mutex_unlock(&ch->mu);
-  if (!e->pool && !null && cb->has_weights) e->pool = sim_pool_new(sim_pool_default_threads());
+  const int computes = !null && cb->has_weights;
+  if (!e->pool && computes) {
+    e->pool = sim_pool_new(sim_pool_default_threads());
+    sim_pool_share(e->pool, &cb->dev->computing); /* the host's CPUs, shared with the other engines */
+  }
   const double d = sim_modeled_us(cb, j); /* the modeled device time (0: timing none) */
   /* the computation's CPU time on this thread, for a timed job (see device_us below) */
   struct timespec c0 = {0, 0}, c1 = {0, 0};
   if (d > 0) clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
+  if (computes) atomic_fetch_add(&cb->dev->computing, 1);
   int rc = sim_forward(cb, j, null, e->pool);
+  if (computes) atomic_fetch_sub(&cb->dev->computing, 1);
   size_t V = (size_t)cb->m.vocab_size;
   for (int32_t l = 0; l < j->lanes; l++)
     j->checksum[l] = j->valid[l] ? calrt_checksum(j->logits + (size_t)l * V, V * sizeof(float)) : 0;

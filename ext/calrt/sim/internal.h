@@ -72,6 +72,10 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks);
  * or -1: none, or one of the region's last sim_pool_threads tasks, claimed only when a worker is free. */
 void sim_pool_run_ahead(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks, int *next);
 void sim_pool_free(sim_pool *p);
+/* The pool shares the host's CPUs with the other engines counted in *computing (NULL: not shared):
+ * a region started while c > 1 of them compute runs on n_threads / c of its threads (one: the owner
+ * alone, no helper woken). Which thread runs a task never changes its result. */
+void sim_pool_share(sim_pool *p, const atomic_int *computing);
 /* The owner's grow-only scratch buffer (64-byte aligned, kept until sim_pool_free); NULL on OOM. */
 void *sim_pool_scratch(sim_pool *p, size_t bytes);
 /* CALRT_SIM_PROFILE only (else zeros): the owner's time spent waiting for helpers' tasks at the end
@@ -132,6 +136,9 @@ struct calrt_device {
   int32_t next_calbin_id;
   atomic_int next_kv_group_id;
   atomic_llong next_job_id;
+  /* Engines (of every chip) computing a job on their pools right now: the host's CPUs are shared
+   * among them (sim_pool_share; pool.c). */
+  atomic_int computing;
 };
 
 struct calrt_calbin {

@@ -39,6 +39,8 @@ struct sim_pool {
    * helper that wakes late can never run a task of a newer region with an older region's fn/ctx. */
   atomic_ullong claim;
   atomic_int finished; /* tasks of the current region that have returned */
+  atomic_int workers;  /* threads that take part in the current region (workers 0..workers-1) */
+  const atomic_int *share; /* sim_pool_share: the engines computing now (NULL: the CPUs are ours) */
   void *scratch;       /* sim_pool_scratch (the owner's only) */
   double wait_us;      /* CALRT_SIM_PROFILE: owner only (sim_pool_wait_us) */
   long long regions;
@@ -120,7 +122,8 @@ static void *helper(void *arg) {
     void *ctx = atomic_load(&p->ctx);
     int *next = atomic_load(&p->next);
     int n = atomic_load(&p->n_tasks);
-    claim_tasks(p, seen, fn, ctx, n, a.worker, next); /* nothing left if it woke after the others ran all */
+    if (a.worker < atomic_load(&p->workers)) /* else this region runs on fewer threads (sim_pool_share) */
+      claim_tasks(p, seen, fn, ctx, n, a.worker, next); /* nothing left if it woke after the others ran all */
   }
   return NULL;
 }
@@ -164,6 +167,7 @@ sim_pool *sim_pool_new(int n_threads) {
   atomic_init(&p->sleepers, 0);
   atomic_init(&p->claim, CLAIM_CLOSED);
   atomic_init(&p->finished, 0);
+  atomic_init(&p->workers, 1);
   if (n_threads > 1) {
     p->th = calloc((size_t)n_threads - 1, sizeof *p->th);
     if (!p->th) return p; /* runs single-threaded */
@@ -183,6 +187,23 @@ sim_pool *sim_pool_new(int n_threads) {
 
 int sim_pool_threads(const sim_pool *p) { return p ? p->n_threads : 1; }
 
+void sim_pool_share(sim_pool *p, const atomic_int *computing) {
+  if (p) p->share = computing;
+}
+
+/* The threads a region started now may use: all of them, or (sim_pool_share) this engine's part of
+ * the CPUs while other engines compute too. Two engines on a 2-CPU host, both computing (PING/PONG
+ * under load): each job on one thread; helpers of both spinning and taking turns on the same two
+ * CPUs cost more than the split gains (SmolLM2, two B16 jobs in flight: 59.7-61.3 ms the pair with
+ * two threads each, 54.3-55.3 with one; bench/README). */
+static int region_threads(const sim_pool *p) {
+  if (!p->share) return p->n_threads;
+  const int c = atomic_load(p->share);
+  if (c <= 1) return p->n_threads;
+  const int n = p->n_threads / c;
+  return n > 1 ? n : 1;
+}
+
 void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
   sim_pool_run_ahead(p, fn, ctx, n_tasks, NULL);
 }
@@ -191,7 +212,8 @@ void sim_pool_run(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks) {
  * only for tasks a helper has started (whose outputs it is about to read). */
 void sim_pool_run_ahead(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks, int *next) {
   if (n_tasks <= 0) return;
-  if (!p || p->n_threads == 1 || n_tasks == 1) {
+  const int workers = p ? region_threads(p) : 1;
+  if (workers == 1 || n_tasks == 1) {
     for (int t = 0; t < n_tasks; t++) {
       if (next) next[0] = t + 1 < n_tasks ? t + 1 : -1;
       fn(ctx, t, 0);
@@ -206,6 +228,7 @@ void sim_pool_run_ahead(sim_pool *p, sim_task_fn fn, void *ctx, int n_tasks, int
   atomic_store(&p->next, next);
   atomic_store(&p->n_tasks, n_tasks);
   atomic_store(&p->finished, 0);
+  atomic_store(&p->workers, workers);
   atomic_store(&p->claim, tag);
   atomic_store(&p->gen, gen);
   if (atomic_load(&p->sleepers) > 0) { /* seq_cst: a helper counted after this load sees gen */

@@ -32,16 +32,18 @@ static void task(void *ctx, int t, int worker) {
   } /* uneven tasks */
 }
 
-static void check_region(sim_pool *pool, int n, int ahead) {
+static region r;
+
+/* A region of n tasks: each runs once, on a worker below `workers`, with run_ahead's next[] rule. */
+static void check_region_on(sim_pool *pool, int n, int ahead, int workers) {
   const int threads = sim_pool_threads(pool);
-  static region r;
   memset(&r, 0, sizeof r);
   int next[SIM_POOL_MAX];
   for (int i = 0; i < SIM_POOL_MAX; i++) next[i] = -7;
   r.next = ahead ? next : NULL;
   if (ahead) sim_pool_run_ahead(pool, task, &r, n, next);
   else sim_pool_run(pool, task, &r, n);
-  for (int t = 0; t < n; t++) CHECK(atomic_load(&r.runs[t]) == 1);
+  for (int t = 0; t < n; t++) CHECK(atomic_load(&r.runs[t]) == 1 && r.worker_of[t] < workers);
   for (int t = n; t < MAX_TASKS; t++) CHECK(atomic_load(&r.runs[t]) == 0);
   if (!ahead) {
     for (int t = 0; t < n; t++) CHECK(r.next_of[t] == -2);
@@ -69,6 +71,53 @@ static void check_region(sim_pool *pool, int n, int ahead) {
   CHECK(named >= n - 2 * threads); /* all but the tail's were named ahead */
 }
 
+static void check_region(sim_pool *pool, int n, int ahead) {
+  check_region_on(pool, n, ahead, sim_pool_threads(pool));
+}
+
+/* sim_pool_share: while c engines compute, a region runs on threads / c of the pool's threads (the
+ * owner alone when that is one), and every task still runs exactly once. */
+static atomic_int computing;
+static atomic_int toggling;
+
+static void *toggle(void *arg) {
+  (void)arg;
+  for (int i = 0; atomic_load(&toggling); i++) atomic_store(&computing, 1 + (i & 1));
+  return NULL;
+}
+
+static void test_shared_pools(void) {
+  const int sizes[] = {1, 5, 16, 199};
+  sim_pool *p2 = sim_pool_new(2), *p4 = sim_pool_new(4);
+  sim_pool_share(p2, &computing);
+  sim_pool_share(p4, &computing);
+  const struct {
+    int c, workers2, workers4;
+  } cases[] = {{0, 2, 4}, {1, 2, 4}, {2, 1, 2}, {3, 1, 1}, {8, 1, 1}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    atomic_store(&computing, cases[k].c);
+    for (int rep = 0; rep < 100; rep++)
+      for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
+        for (int ahead = 0; ahead < 2; ahead++) {
+          check_region_on(p2, sizes[s], ahead, sim_pool_threads(p2) < 2 ? 1 : cases[k].workers2);
+          check_region_on(p4, sizes[s], ahead, sim_pool_threads(p4) < 4 ? 4 : cases[k].workers4);
+        }
+  }
+  /* the count changing while regions start and helpers wake (TSan: no race on the region's state) */
+  atomic_store(&toggling, 1);
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, toggle, NULL) == 0);
+  for (int rep = 0; rep < 300; rep++)
+    for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+      check_region_on(p2, sizes[s], rep & 1, 2);
+      check_region_on(p4, sizes[s], rep & 1, 4);
+    }
+  atomic_store(&toggling, 0);
+  pthread_join(th, NULL);
+  sim_pool_free(p2);
+  sim_pool_free(p4);
+}
+
 int main(void) {
   const int sizes[] = {1, 2, 3, 5, 16, 48, 199};
   sim_pool *pools[] = {NULL, sim_pool_new(1), sim_pool_new(2), sim_pool_new(3)};
@@ -79,6 +128,7 @@ int main(void) {
         check_region(pools[p], sizes[s], 0);
       }
   for (size_t p = 0; p < sizeof pools / sizeof pools[0]; p++) sim_pool_free(pools[p]);
+  test_shared_pools();
   printf("test_pool: ok\n");
   return 0;
 }
