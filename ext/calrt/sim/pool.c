@@ -100,9 +100,10 @@ static void *helper(void *arg) {
   free(arg);
   sim_pool *p = a.pool;
   uint64_t seen = 0;
+  int left_out = 0; /* the last region ran on fewer threads than this one: sleep without spinning */
   for (;;) {
     uint64_t g = atomic_load(&p->gen);
-    if (g == seen && !atomic_load(&p->stop)) {
+    if (g == seen && !atomic_load(&p->stop) && !left_out) {
       const double t0 = now_ns();
       for (int i = 1; (g = atomic_load(&p->gen)) == seen && !atomic_load(&p->stop); i++) {
         sim_cpu_relax();
@@ -122,8 +123,8 @@ static void *helper(void *arg) {
     void *ctx = atomic_load(&p->ctx);
     int *next = atomic_load(&p->next);
     int n = atomic_load(&p->n_tasks);
-    if (a.worker < atomic_load(&p->workers)) /* else this region runs on fewer threads (sim_pool_share) */
-      claim_tasks(p, seen, fn, ctx, n, a.worker, next); /* nothing left if it woke after the others ran all */
+    left_out = a.worker >= atomic_load(&p->workers); /* this region runs on fewer threads (sim_pool_share) */
+    if (!left_out) claim_tasks(p, seen, fn, ctx, n, a.worker, next); /* nothing left if it woke after the others ran all */
   }
   return NULL;
 }
