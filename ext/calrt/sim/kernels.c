@@ -3,12 +3,13 @@
  * Batch invariance (Invariant): every output element of a linear layer is computed by exactly the
  * same sequence of float operations regardless of how many rows (lanes/tokens) the job has, which
  * lane it is in, which tile shape or CPU code path (matmul.c) covers it, or which worker thread
- * computes it: an 8-wide vector accumulator over k in steps of 8, a fixed horizontal sum, then the
- * scalar tail. Tiles, row blocks and the chunks of output rows handed to the pool's threads (pool.c)
+ * computes it: an 8-wide vector accumulator over k in steps of 8 (fused multiply-adds, matmul.c), a
+ * fixed horizontal sum, then the scalar tail. Tiles, row blocks and the chunks of output rows handed to the pool's threads (pool.c)
  * only decide which (output, row) pairs share a loaded weight vector and who computes them, never the
  * summation order. Norms, RoPE and attention are per row (attention tasks are one (row, head) each).
  * Hence a lane's logits are bitwise independent of B, its lane index, its batch-mates and the thread
- * count. Built with -ffp-contract=off so no FMA contraction can differ between tile shapes.
+ * count. Built with -ffp-contract=off so the compiler fuses nothing on its own (the linear layers'
+ * multiply-adds are fused explicitly, on every path alike; attention's are not fused at all).
  * SiLU's and the softmax's expf run 8 at a time (vexp.c): elementwise, bitwise glibc's expf.
  */
 #include <math.h>
@@ -17,7 +18,8 @@
 
 #include "internal.h"
 
-/* Attention's q . k uses the linear layers' reduction (matmul.c, sim_dot_ref) on v8f. */
+/* Attention's q . k: the linear layers' lanes and tree (matmul.c) on v8f, each product rounded then
+ * added (not fused: attention streams KV from memory, fused it would be no faster). */
 #include "v8f.h"
 
 /* Several independent matmuls (e.g. q, k and v of one layer) as one parallel region: each task is a
@@ -192,7 +194,7 @@ typedef struct row_info {
   int32_t seq, pos, token, out_lane; /* out_lane -1: no logits for this row */
 } row_info;
 
-/* q . k over head_dim with the same fixed 8-lane order as the matmuls (per row: batch-invariant). */
+/* q . k over head_dim in the matmuls' fixed 8-lane order, products not fused (per row: batch-invariant). */
 static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b,
                                                       int n) {
   v8f acc = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

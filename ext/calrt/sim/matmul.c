@@ -3,15 +3,18 @@
  * The contract (what makes a lane's logits bitwise independent of B, its lane, its batch-mates, the
  * tile shape, the chunking, the thread count and the CPU): every output element is computed by the
  * one reduction sim_dot_ref() spells out in scalar code — eight lane accumulators over k in steps of 8
- * (lane j sums W[o,k]*X[r,k] for k = j, j+8, ... in order, a product rounded to float then added),
- * the fixed tree ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), then the scalar tail k8..in-1 in order.
- * Multiplies and adds are separate IEEE operations (no FMA: built with -ffp-contract=off, and no
- * fused intrinsic is used), so each vector lane does exactly the scalar operations whatever the
- * register width the compiler lowers v8f to (two SSE registers, one AVX register).
+ * (lane j does a = fma(W[o,k], X[r,k], a) for k = j, j+8, ... in order: a fused multiply-add, one
+ * rounding), the fixed tree ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), then the scalar tail k8..in-1 in
+ * order, each a fused multiply-add too. The fusing is explicit (FMA instructions, fmaf()), never the
+ * compiler's: the build keeps -ffp-contract=off, so no other multiply and add is ever fused and each
+ * vector lane does exactly the scalar operations whatever the register width. (Until 2026-12-05 the
+ * contract was a product rounded then added: two roundings, and on AMD Zen 4 ~9 % slower at B16, on
+ * CPUs whose adds share the FMA ports up to half the rate.)
  *
  * Several code paths compute that same reduction; one is chosen once per process (sim_isa()):
- *   default  baseline x86-64 / any CPU: tiles of 4 weight rows x 2 lanes
- *   avx2     16 ymm registers: tiles of 4 rows x 3 lanes
+ *   default  baseline x86-64 / any CPU: tiles of 4 weight rows x 2 lanes, fmaf() per element (a
+ *            software fused multiply-add on an x86-64 without FMA: slow, exact)
+ *   avx2     AVX2 + FMA, 16 ymm registers: tiles of 4 rows x 3 lanes
  *   avx512   AVX-512VL's 32 ymm registers: 6 rows x 4 lanes, so a weight vector loaded once feeds
  *            four lanes (fewer loads per multiply-add at B16); the arithmetic is still 256-bit v8f
  *            lane by lane (the same operations as above). The default on AMD (Zen 4 splits 512-bit
@@ -45,20 +48,23 @@ float sim_dot_ref(const float *w, const float *x, int n) {
   float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int n8 = n & ~7;
   for (int k = 0; k < n8; k += 8)
-    for (int j = 0; j < 8; j++) {
-      const float p = w[k + j] * x[k + j];
-      a[j] = a[j] + p;
-    }
+    for (int j = 0; j < 8; j++) a[j] = __builtin_fmaf(w[k + j], x[k + j], a[j]);
   float s = HSUM8(a);
-  for (int k = n8; k < n; k++) {
-    const float p = w[k] * x[k];
-    s = s + p;
-  }
+  for (int k = n8; k < n; k++) s = __builtin_fmaf(w[k], x[k], s);
   return s;
 }
 
+/* acc + w * x, eight lanes, one rounding each: an FMA instruction on the x86 paths (their targets
+ * include FMA: HW = 1), fmaf() per element on the default path (HW = 0). The same bits either way. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FMA8(HW, acc, w, x) \
+  ((HW) ? (v8f)__builtin_ia32_vfmaddps256((__v8sf)(w), (__v8sf)(x), (__v8sf)(acc)) : fma8(acc, w, x))
+#else
+#define FMA8(HW, acc, w, x) fma8(acc, w, x)
+#endif
+
 #define PF_LOCALITY 2 /* into L2 (prefetcht1): measured best against t0 / t2 / nta */
-#define B1_PF_AHEAD 4096 /* bytes: how far ahead decode B1 prefetches its weight rows (mm_body) */
+#define B1_PF_AHEAD 8192 /* bytes: how far ahead decode B1 prefetches its weight rows (mm_body) */
 
 /* RO weight rows x RL lanes: RO*RL independent accumulators, each the contract's reduction. pf: when
  * not NULL, memory read sequentially from pf on, pfn cache lines per k step: the next group's rows
@@ -69,7 +75,8 @@ float sim_dot_ref(const float *w, const float *x, int n) {
  * slower than spread; ~3% of a whole B16 step). */
 static inline __attribute__((always_inline)) void tile(const float *restrict W, const float *restrict X,
                                                        float *restrict Y, int in, int out, int o0, int r0,
-                                                       const int RO, const int RL, const char *pf, const int pfn) {
+                                                       const int RO, const int RL, const char *pf, const int pfn,
+                                                       const int HW) {
   v8f acc[8][4];
   for (int i = 0; i < RO; i++)
     for (int j = 0; j < RL; j++) acc[i][j] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -81,7 +88,7 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
     for (int j = 0; j < RL; j++) xv[j] = ld8(x0 + (size_t)j * in + (k));                             \
     for (int i = 0; i < RO; i++) {                                                                   \
       const v8f w = ld8(w0 + (size_t)i * in + (k));                                                  \
-      for (int j = 0; j < RL; j++) acc[i][j] += w * xv[j];                                           \
+      for (int j = 0; j < RL; j++) acc[i][j] = FMA8(HW, acc[i][j], w, xv[j]);                        \
     }                                                                                                \
   } while (0)
   if (!pf)
@@ -110,7 +117,7 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
   for (int i = 0; i < RO; i++)
     for (int j = 0; j < RL; j++) {
       float s = HSUM8(acc[i][j]);
-      for (int k = k8; k < in; k++) s += w0[(size_t)i * in + k] * x0[(size_t)j * in + k];
+      for (int k = k8; k < in; k++) s = __builtin_fmaf(w0[(size_t)i * in + k], x0[(size_t)j * in + k], s);
       Y[(size_t)(r0 + j) * out + o0 + i] = s;
     }
 }
@@ -144,15 +151,15 @@ static inline __attribute__((always_inline)) const char *pf_next(const char *pf,
  * 1.15-1.25x faster (2-vCPU AMD EPYC Zen 3); avx512z's two tiles never reached the group's end. */
 static inline __attribute__((always_inline)) void lanes(const float *W, const float *X, float *Y, int in,
                                                         int out, int o, int rb, int re, const int RO,
-                                                        const int RL, const char *pf) {
+                                                        const int RL, const char *pf, const int HW) {
   const pf_plan plan = pf_plan_for(pf, RO, in, (re - rb + RL - 1) / RL);
   const int pfn = plan.per_step;
   int r = rb;
-  for (; r + RL <= re; r += RL, pf = pf_next(pf, &plan)) tile(W, X, Y, in, out, o, r, RO, RL, pf, pfn);
+  for (; r + RL <= re; r += RL, pf = pf_next(pf, &plan)) tile(W, X, Y, in, out, o, r, RO, RL, pf, pfn, HW);
   switch (re - r) {
-  case 3: if (RL > 3) tile(W, X, Y, in, out, o, r, RO, 3, pf, pfn); break;
-  case 2: if (RL > 2) tile(W, X, Y, in, out, o, r, RO, 2, pf, pfn); break;
-  case 1: if (RL > 1) tile(W, X, Y, in, out, o, r, RO, 1, pf, pfn); break;
+  case 3: if (RL > 3) tile(W, X, Y, in, out, o, r, RO, 3, pf, pfn, HW); break;
+  case 2: if (RL > 2) tile(W, X, Y, in, out, o, r, RO, 2, pf, pfn, HW); break;
+  case 1: if (RL > 1) tile(W, X, Y, in, out, o, r, RO, 1, pf, pfn, HW); break;
   default: break;
   }
 }
@@ -168,17 +175,20 @@ int sim_row_block(int in) {
  * lanes, each group of ROB weight rows prefetched ahead by software; leftover outputs one by one. */
 static inline __attribute__((always_inline)) void mm_body(const float *W, int out, int in, const float *X,
                                                           int R, float *Y, int o0, int o1, const int ROB,
-                                                          const int RLB) {
+                                                          const int RLB, const int HW) {
   if (R == 1) {
     /* Decode B1 streams its weight rows and nothing else: software-prefetch each row's worth of
      * lines B1_PF_AHEAD bytes ahead (never past this call's rows), so the memory pipe stays full
      * across row ends. SmolLM2 B1, 2 threads, same build alternated: 39.7-40.4 -> 44.7-46.0 tok/s
-     * (1 KB ahead 43.3; 2-16 KB all ~45). */
+     * (1 KB ahead 43.3; 2-16 KB all ~45). With fused multiply-adds (a lane's chain waits 4 cycles a
+     * k step on Zen 4 instead of 3) 8 KB: one thread, bench_matmul R=1, gate/up and lm_head 6.2 ->
+     * 6.9-7.4 G multiply-adds/s, down 5.6 -> 5.7 (4 KB before: 5.7-6.0 and 6.3-6.4); the 2-thread
+     * SmolLM2 B1 step as before (bandwidth-bound). */
     const char *end = (const char *)(W + (size_t)o1 * in);
     for (int o = o0; o < o1; o++) {
       const char *p = (const char *)(W + (size_t)o * in) + B1_PF_AHEAD, *pe = p + (size_t)in * 4;
       for (; p < pe && p < end; p += 64) __builtin_prefetch(p, 0, PF_LOCALITY);
-      tile(W, X, Y, in, out, o, 0, 1, 1, NULL, 0);
+      tile(W, X, Y, in, out, o, 0, 1, 1, NULL, 0, HW);
     }
     return;
   }
@@ -189,35 +199,35 @@ static inline __attribute__((always_inline)) void mm_body(const float *W, int ou
     int o = o0;
     for (; o + ROB <= o1; o += ROB) {
       const char *pf = (const char *)(W + (size_t)(o + ROB) * in);
-      lanes(W, X, Y, in, out, o, rb, re, ROB, RLB, pf + (size_t)4 * ROB * in <= end ? pf : NULL);
+      lanes(W, X, Y, in, out, o, rb, re, ROB, RLB, pf + (size_t)4 * ROB * in <= end ? pf : NULL, HW);
     }
-    for (; o < o1; o++) lanes(W, X, Y, in, out, o, rb, re, 1, RLB, NULL);
+    for (; o < o1; o++) lanes(W, X, Y, in, out, o, rb, re, 1, RLB, NULL, HW);
   }
 }
 
 static void mm_default(const float *W, int out, int in, const float *X, int R, float *Y, int o0, int o1) {
-  mm_body(W, out, in, X, R, Y, o0, o1, 4, 2);
+  mm_body(W, out, in, X, R, Y, o0, o1, 4, 2, 0);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SIM_HAVE_X86 1
-__attribute__((target("avx2"))) static void mm_avx2(const float *W, int out, int in, const float *X, int R,
+__attribute__((target("avx2,fma"))) static void mm_avx2(const float *W, int out, int in, const float *X, int R,
                                                     float *Y, int o0, int o1) {
-  mm_body(W, out, in, X, R, Y, o0, o1, 4, 3);
+  mm_body(W, out, in, X, R, Y, o0, o1, 4, 3, 1);
 }
 
-__attribute__((target("avx2,avx512f,avx512vl"))) static void mm_avx512(const float *W, int out, int in,
+__attribute__((target("avx2,fma,avx512f,avx512vl"))) static void mm_avx512(const float *W, int out, int in,
                                                                        const float *X, int R, float *Y,
                                                                        int o0, int o1) {
-  mm_body(W, out, in, X, R, Y, o0, o1, 6, 4);
+  mm_body(W, out, in, X, R, Y, o0, o1, 6, 4, 1);
 }
 
 /* avx512z: the same reduction with 512-bit arithmetic. A zmm register holds two 8-float accumulators
  * of one weight row: lanes r and r + 1 (an X "pair", repacked once per row block into a buffer where
  * the two lanes' k..k+7 sit side by side), the weight row's k..k+7 broadcast to both halves. Each
- * element still does exactly the scalar operations of the contract (a product rounded, then added to
- * its own accumulator, k in order), so the bits are those of every other path; the multiplies and adds
- * are half as many instructions. Tiles: 6 rows x 4 pairs (24 zmm accumulators). An odd lane count
+ * element still does exactly the scalar operations of the contract (a fused multiply-add into its own
+ * accumulator, k in order), so the bits are those of every other path; the multiply-adds are half as
+ * many instructions. Tiles: 6 rows x 4 pairs (24 zmm accumulators). An odd lane count
  * pairs the last lane with zeros (computed, never stored). */
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -225,14 +235,14 @@ typedef float v16f __attribute__((vector_size(64)));
 #define ZBUF_FLOATS (SIM_XBLOCK_FLOATS + 4096 + 16)
 static __thread _Alignas(64) float zbuf[ZBUF_FLOATS]; /* a thread's repacked X pairs */
 
-__attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static inline __attribute__((always_inline)) v16f
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512dq"))) static inline __attribute__((always_inline)) v16f
 bcast8(const float *p) { /* vbroadcastf32x8 zmm, m256: a load, no shuffle */
   return (v16f)_mm512_broadcast_f32x8(_mm256_loadu_ps(p));
 }
 
 /* RO weight rows from o0 x RP pairs from pair p0 of the repacked block (lanes rb + 2 * p0 ...);
  * nl: real lanes in this tile (2 * RP, or one less for an odd last lane). */
-__attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static inline __attribute__((always_inline)) void
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512dq"))) static inline __attribute__((always_inline)) void
 ztile(const float *restrict W, const float *restrict X, const float *restrict XP, float *restrict Y, int in,
       int out, int o0, int rb, int p0, const int RO, const int RP, int nl, const char *pf, const int pfn) {
   v16f acc[6][ZPAIRS];
@@ -249,7 +259,7 @@ ztile(const float *restrict W, const float *restrict X, const float *restrict XP
     for (int j = 0; j < RP; j++) memcpy(&xv[j], xp0 + (size_t)j * 2 * k8 + 2 * k, sizeof xv[j]);
     for (int i = 0; i < RO; i++) {
       const v16f w = bcast8(w0 + (size_t)i * in + k);
-      for (int j = 0; j < RP; j++) acc[i][j] += w * xv[j];
+      for (int j = 0; j < RP; j++) acc[i][j] = (v16f)_mm512_fmadd_ps((__m512)w, (__m512)xv[j], (__m512)acc[i][j]);
     }
   }
   for (int j = 0; j < RP; j++)
@@ -268,7 +278,7 @@ ztile(const float *restrict W, const float *restrict X, const float *restrict XP
       }
       for (int i = 0; i < RO; i++) {
         float s = HSUM8(col[i]);
-        for (int k = k8; k < in; k++) s += w0[(size_t)i * in + k] * X[(size_t)r * in + k];
+        for (int k = k8; k < in; k++) s = __builtin_fmaf(w0[(size_t)i * in + k], X[(size_t)r * in + k], s);
         Y[(size_t)r * out + o0 + i] = s;
       }
     }
@@ -276,7 +286,7 @@ ztile(const float *restrict W, const float *restrict X, const float *restrict XP
 
 /* Lanes [rb, re) (repacked in XP from rb on) against weight rows [o, o + RO); pf as in lanes() (no
  * tile after the one reaching the group's end). */
-__attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static inline __attribute__((always_inline)) void
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512dq"))) static inline __attribute__((always_inline)) void
 zlanes(const float *W, const float *X, const float *XP, float *Y, int in, int out, int o, int rb, int re,
        const int RO, const char *pf) {
   const int pairs = (re - rb + 1) / 2;
@@ -296,7 +306,7 @@ zlanes(const float *W, const float *X, const float *XP, float *Y, int in, int ou
   }
 }
 
-__attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static void mm_avx512z(const float *W, int out,
+__attribute__((target("avx2,fma,avx512f,avx512vl,avx512dq"))) static void mm_avx512z(const float *W, int out,
                                                                                   int in, const float *X,
                                                                                   int R, float *Y, int o0,
                                                                                   int o1) {
@@ -304,7 +314,7 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512dq"))) static void mm_avx512z
   int blk = sim_row_block(in);
   if (blk * in + in > ZBUF_FLOATS) blk = (ZBUF_FLOATS / in - 1) & ~1;
   if (R == 1 || k8 == 0 || blk < 2) { /* B1 streams rows (memory-bound); a huge row: the ymm path */
-    mm_body(W, out, in, X, R, Y, o0, o1, 6, 4);
+    mm_body(W, out, in, X, R, Y, o0, o1, 6, 4, 1);
     return;
   }
   /* The buffer's address once (an opaque value): in a shared library each use of a __thread variable
@@ -340,8 +350,8 @@ int sim_isa_supported(sim_isa_id isa) {
   switch (isa) {
   case SIM_ISA_DEFAULT: return 1;
 #ifdef SIM_HAVE_X86
-  case SIM_ISA_AVX2: return __builtin_cpu_supports("avx2");
-  case SIM_ISA_AVX512: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
+  case SIM_ISA_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  case SIM_ISA_AVX512: return sim_isa_supported(SIM_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
                               __builtin_cpu_supports("avx512vl");
   case SIM_ISA_AVX512Z: return sim_isa_supported(SIM_ISA_AVX512) && __builtin_cpu_supports("avx512dq");
 #endif

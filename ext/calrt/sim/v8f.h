@@ -16,6 +16,17 @@ static inline __attribute__((always_inline)) v8f ld8(const float *p) {
   return v;
 }
 
+/* acc + w * x per element with one rounding (the linear layers' fused multiply-add, matmul.c),
+ * portably: fmaf() element by element (an x86-64 without FMA computes it in software). A macro:
+ * as a function taking v8f by value GCC notes an ABI change for callers without AVX. */
+#define fma8(acc, w, x)                                                                    \
+  __extension__({                                                                          \
+    const v8f a_ = (acc), w_ = (w), x_ = (x);                                              \
+    v8f r_;                                                                                \
+    for (int i_ = 0; i_ < 8; i_++) r_[i_] = __builtin_fmaf(w_[i_], x_[i_], a_[i_]);       \
+    r_;                                                                                    \
+  })
+
 /* ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) */
 #define HSUM8(a) ((((a)[0] + (a)[4]) + ((a)[2] + (a)[6])) + (((a)[1] + (a)[5]) + ((a)[3] + (a)[7])))
 
