@@ -12,8 +12,9 @@
  * CPUs whose adds share the FMA ports up to half the rate.)
  *
  * Several code paths compute that same reduction; one is chosen once per process (sim_isa()):
- *   default  baseline x86-64 / any CPU: tiles of 4 weight rows x 2 lanes, fmaf() per element (a
- *            software fused multiply-add on an x86-64 without FMA: slow, exact)
+ *   default  any CPU: tiles of 4 weight rows x 2 lanes with fmaf() per element; on x86-64 (one
+ *            without FMA: fmaf() is a software fused multiply-add, slow and exact) sim_dot_ref()
+ *            itself, output by output
  *   avx2     AVX2 + FMA, 16 ymm registers: tiles of 4 rows x 3 lanes
  *   avx512   AVX-512VL's 32 ymm registers: 6 rows x 4 lanes, so a weight vector loaded once feeds
  *            four lanes (fewer loads per multiply-add at B16); the arithmetic is still 256-bit v8f
@@ -54,13 +55,13 @@ float sim_dot_ref(const float *w, const float *x, int n) {
   return s;
 }
 
-/* acc + w * x, eight lanes, one rounding each: an FMA instruction on the x86 paths (their targets
- * include FMA: HW = 1), fmaf() per element on the default path (HW = 0). The same bits either way. */
+/* acc + w * x, eight lanes, one rounding each: an FMA instruction on x86, whose tiles run only in
+ * functions targeting FMA (the default path there is the scalar reference, below), else fmaf() per
+ * element (v8f.h). The same bits either way. */
 #if defined(__x86_64__) && defined(__GNUC__)
-#define FMA8(HW, acc, w, x) \
-  ((HW) ? (v8f)__builtin_ia32_vfmaddps256((__v8sf)(w), (__v8sf)(x), (__v8sf)(acc)) : fma8(acc, w, x))
+#define FMA8(acc, w, x) ((v8f)__builtin_ia32_vfmaddps256((__v8sf)(w), (__v8sf)(x), (__v8sf)(acc)))
 #else
-#define FMA8(HW, acc, w, x) fma8(acc, w, x)
+#define FMA8(acc, w, x) fma8(acc, w, x)
 #endif
 
 #define PF_LOCALITY 2 /* into L2 (prefetcht1): measured best against t0 / t2 / nta */
@@ -76,8 +77,7 @@ float sim_dot_ref(const float *w, const float *x, int n) {
  * slower than spread; ~3% of a whole B16 step). */
 static inline __attribute__((always_inline)) void tile(const float *restrict W, const float *restrict X,
                                                        float *restrict Y, int in, int out, int o0, int r0,
-                                                       const int RO, const int RL, const char *pf, const int pfn,
-                                                       const int HW) {
+                                                       const int RO, const int RL, const char *pf, const int pfn) {
   v8f acc[8][4];
   for (int i = 0; i < RO; i++)
     for (int j = 0; j < RL; j++) acc[i][j] = (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
     for (int j = 0; j < RL; j++) xv[j] = ld8(x0 + (size_t)j * in + (k));                             \
     for (int i = 0; i < RO; i++) {                                                                   \
       const v8f w = ld8(w0 + (size_t)i * in + (k));                                                  \
-      for (int j = 0; j < RL; j++) acc[i][j] = FMA8(HW, acc[i][j], w, xv[j]);                        \
+      for (int j = 0; j < RL; j++) acc[i][j] = FMA8(acc[i][j], w, xv[j]);                            \
     }                                                                                                \
   } while (0)
   if (!pf)
@@ -152,15 +152,15 @@ static inline __attribute__((always_inline)) const char *pf_next(const char *pf,
  * 1.15-1.25x faster (2-vCPU AMD EPYC Zen 3); avx512z's two tiles never reached the group's end. */
 static inline __attribute__((always_inline)) void lanes(const float *W, const float *X, float *Y, int in,
                                                         int out, int o, int rb, int re, const int RO,
-                                                        const int RL, const char *pf, const int HW) {
+                                                        const int RL, const char *pf) {
   const pf_plan plan = pf_plan_for(pf, RO, in, (re - rb + RL - 1) / RL);
   const int pfn = plan.per_step;
   int r = rb;
-  for (; r + RL <= re; r += RL, pf = pf_next(pf, &plan)) tile(W, X, Y, in, out, o, r, RO, RL, pf, pfn, HW);
+  for (; r + RL <= re; r += RL, pf = pf_next(pf, &plan)) tile(W, X, Y, in, out, o, r, RO, RL, pf, pfn);
   switch (re - r) {
-  case 3: if (RL > 3) tile(W, X, Y, in, out, o, r, RO, 3, pf, pfn, HW); break;
-  case 2: if (RL > 2) tile(W, X, Y, in, out, o, r, RO, 2, pf, pfn, HW); break;
-  case 1: if (RL > 1) tile(W, X, Y, in, out, o, r, RO, 1, pf, pfn, HW); break;
+  case 3: if (RL > 3) tile(W, X, Y, in, out, o, r, RO, 3, pf, pfn); break;
+  case 2: if (RL > 2) tile(W, X, Y, in, out, o, r, RO, 2, pf, pfn); break;
+  case 1: if (RL > 1) tile(W, X, Y, in, out, o, r, RO, 1, pf, pfn); break;
   default: break;
   }
 }
@@ -176,7 +176,7 @@ int sim_row_block(int in) {
  * lanes, each group of ROB weight rows prefetched ahead by software; leftover outputs one by one. */
 static inline __attribute__((always_inline)) void mm_body(const float *W, int out, int in, const float *X,
                                                           int R, float *Y, int o0, int o1, const int ROB,
-                                                          const int RLB, const int HW) {
+                                                          const int RLB) {
   if (R == 1) {
     /* Decode B1 streams its weight rows and nothing else: software-prefetch each row's worth of
      * lines B1_PF_AHEAD bytes ahead (never past this call's rows), so the memory pipe stays full
@@ -189,7 +189,7 @@ static inline __attribute__((always_inline)) void mm_body(const float *W, int ou
     for (int o = o0; o < o1; o++) {
       const char *p = (const char *)(W + (size_t)o * in) + B1_PF_AHEAD, *pe = p + (size_t)in * 4;
       for (; p < pe && p < end; p += 64) __builtin_prefetch(p, 0, PF_LOCALITY);
-      tile(W, X, Y, in, out, o, 0, 1, 1, NULL, 0, HW);
+      tile(W, X, Y, in, out, o, 0, 1, 1, NULL, 0);
     }
     return;
   }
@@ -200,21 +200,28 @@ static inline __attribute__((always_inline)) void mm_body(const float *W, int ou
     int o = o0;
     for (; o + ROB <= o1; o += ROB) {
       const char *pf = (const char *)(W + (size_t)(o + ROB) * in);
-      lanes(W, X, Y, in, out, o, rb, re, ROB, RLB, pf + (size_t)4 * ROB * in <= end ? pf : NULL, HW);
+      lanes(W, X, Y, in, out, o, rb, re, ROB, RLB, pf + (size_t)4 * ROB * in <= end ? pf : NULL);
     }
-    for (; o < o1; o++) lanes(W, X, Y, in, out, o, rb, re, 1, RLB, NULL, HW);
+    for (; o < o1; o++) lanes(W, X, Y, in, out, o, rb, re, 1, RLB, NULL);
   }
 }
 
 static void mm_default(const float *W, int out, int in, const float *X, int R, float *Y, int o0, int o1) {
-  mm_body(W, out, in, X, R, Y, o0, o1, 4, 2, 0);
+#if defined(__x86_64__) && defined(__GNUC__)
+  /* an x86-64 without FMA (or CALRT_SIM_ISA=default): the contract itself, an fmaf() call a
+   * multiply-add either way, so the tiles would gain nothing */
+  for (int r = 0; r < R; r++)
+    for (int o = o0; o < o1; o++) Y[(size_t)r * out + o] = sim_dot_ref(W + (size_t)o * in, X + (size_t)r * in, in);
+#else
+  mm_body(W, out, in, X, R, Y, o0, o1, 4, 2);
+#endif
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SIM_HAVE_X86 1
 __attribute__((target("avx2,fma"))) static void mm_avx2(const float *W, int out, int in, const float *X, int R,
                                                     float *Y, int o0, int o1) {
-  mm_body(W, out, in, X, R, Y, o0, o1, 4, 3, 1);
+  mm_body(W, out, in, X, R, Y, o0, o1, 4, 3);
 }
 
 /* A batch of at most 4 lanes streams each weight-row group from memory for one tile: groups of ~9-12
@@ -224,9 +231,9 @@ __attribute__((target("avx2,fma"))) static void mm_avx2(const float *W, int out,
 __attribute__((target("avx2,fma,avx512f,avx512vl"))) static void mm_avx512(const float *W, int out, int in,
                                                                        const float *X, int R, float *Y,
                                                                        int o0, int o1) {
-  if (R > 4) mm_body(W, out, in, X, R, Y, o0, o1, 6, 4, 1);
-  else if ((size_t)in * 4 * 4 <= SMALL_BATCH_GROUP) mm_body(W, out, in, X, R, Y, o0, o1, 4, 4, 1);
-  else mm_body(W, out, in, X, R, Y, o0, o1, 2, 4, 1);
+  if (R > 4) mm_body(W, out, in, X, R, Y, o0, o1, 6, 4);
+  else if ((size_t)in * 4 * 4 <= SMALL_BATCH_GROUP) mm_body(W, out, in, X, R, Y, o0, o1, 4, 4);
+  else mm_body(W, out, in, X, R, Y, o0, o1, 2, 4);
 }
 
 /* avx512z: the same reduction with 512-bit arithmetic. A zmm register holds two 8-float accumulators
@@ -321,7 +328,7 @@ __attribute__((target("avx2,fma,avx512f,avx512vl,avx512dq"))) static void mm_avx
   int blk = sim_row_block(in);
   if (blk * in + in > ZBUF_FLOATS) blk = (ZBUF_FLOATS / in - 1) & ~1;
   if (R == 1 || k8 == 0 || blk < 2) { /* B1 streams rows (memory-bound); a huge row: the ymm path */
-    mm_body(W, out, in, X, R, Y, o0, o1, 6, 4, 1);
+    mm_body(W, out, in, X, R, Y, o0, o1, 6, 4);
     return;
   }
   /* The buffer's address once (an opaque value): in a shared library each use of a __thread variable

@@ -17,7 +17,7 @@ static inline __attribute__((always_inline)) v8f ld8(const float *p) {
 }
 
 /* acc + w * x per element with one rounding (the linear layers' fused multiply-add, matmul.c),
- * portably: fmaf() element by element (an x86-64 without FMA computes it in software). A macro:
+ * portably: fmaf() element by element (the tiles off x86; x86's use FMA instructions). A macro:
  * as a function taking v8f by value GCC notes an ABI change for callers without AVX. */
 #define fma8(acc, w, x)                                                                    \
   __extension__({                                                                          \
