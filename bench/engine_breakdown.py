@@ -1,6 +1,6 @@
 """Where the engine's time per decode step goes: ``bench.engine_path``'s workload with its stages timed.
 
-``python -m bench.engine_breakdown [--streams 64] [--tokens 256]``
+``python -m bench.engine_breakdown [--streams 64] [--tokens 256] [--hold-ms 0]``
 
 The same run as :mod:`bench.engine_path` (the real engine over the software runtime with null compute
 and timing ``none``, the demo package, profiles B1..B16 with PING/PONG, ``--streams`` greedy
@@ -120,21 +120,24 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--hold-ms", type=float, default=0.0,
+                    help="each consumer waits this long after a read (engine_path --hold-ms)")
     a = ap.parse_args(argv)
     from bench.engine_path import _run
     from bench.server import BENCH_OUT
 
     os.environ.setdefault("CALSERVE_HOME", str(BENCH_OUT / ".home"))
-    plain = trio.run(_run, a.streams, a.tokens, 1)  # the same run unwrapped (and a warm-up)
+    plain, _ = trio.run(_run, a.streams, a.tokens, 1, a.hold_ms)  # unwrapped (and a warm-up)
     timer = _Timer()
     timer.calibrate()
     _install(timer)
-    us = trio.run(_run, a.streams, a.tokens, 1)
+    us, per_read = trio.run(_run, a.streams, a.tokens, 1, a.hold_ms)
     tokens = a.streams * a.tokens
     steps = timer.calls["runtime submit_decode"] or 1
     print(f"{Path(__file__).stem}: {a.streams} streams x {a.tokens} tokens, {steps} decode jobs "
           f"({tokens / steps:.1f} tokens a job); process CPU {plain:.2f} µs a token unwrapped, "
-          f"{us:.2f} wrapped ({timer.overhead_ns:.0f} ns a wrapped call, subtracted below)")
+          f"{us:.2f} wrapped ({timer.overhead_ns:.0f} ns a wrapped call, subtracted below)"
+          + (f"; held {a.hold_ms:g} ms a read, {per_read:.1f} tokens a read" if a.hold_ms else ""))
     print(f"{'stage (inclusive)':48s} {'calls/job':>9s} {'µs/job':>8s} {'µs/token':>9s}")
     rows = []
     for _, _, label in STAGES:

@@ -1,6 +1,6 @@
 """Micro-benchmark of the engine's per-token path inside one process, without HTTP.
 
-``python -m bench.engine_path [--streams 64] [--tokens 256] [--reps 3]``
+``python -m bench.engine_path [--streams 64] [--tokens 256] [--reps 3] [--hold-ms 0]``
 
 The real engine (:meth:`calserve.engine.engine.Engine.open`) over the software runtime with null
 compute and timing ``none`` (the device costs ~nothing), the demo package, profiles B1..B16 with
@@ -10,6 +10,12 @@ pump reads). Prints process CPU µs per token over the whole run (start-up exclu
 ``--reps``): scheduler, planner, executor, step bookkeeping, sampling, actor, detokenizer and stream
 writer — everything of the per-token path but the HTTP layer (``bench.token_path`` has the actor
 → SSE part alone).
+
+``--hold-ms H`` (H > 0): each consumer, after a read that got tokens, waits H ms before its next
+read, through the same :class:`~calserve.api.pacing.HoldTimer` the HTTP pump holds with — the
+grouping the served streams have under load (``server.stream_busy_interval_ms``), so a stream's
+task wakes once per event instead of once per token; it prints the tokens per read too. Without
+it every token wakes its consumer, which the HTTP path under load never does.
 
 On a shared 2-core box CPU times are noisy; instruction counts are not. Under valgrind the
 difference between two token counts is the instructions per token::
@@ -25,38 +31,50 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import trio
 
 __all__ = ["main"]
 
 
-async def _run(streams: int, tokens: int, reps: int) -> float:
+async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0) -> tuple[float, float]:
     from bench.scenario_lib import calserve_config
+    from calserve.api.pacing import HoldTimer
     from calserve.config import decode_config
     from calserve.engine.engine import Engine
     from calserve.engine.types import FinishEvent, GenerateRequest, SamplingParams
 
     cfg = decode_config(calserve_config(profiles=[1, 4, 8, 16], timing="none", null_compute=True))
     best = float("inf")
-    async with Engine.open(cfg) as eng:
+    reads = 0
+    timer = HoldTimer()
+    hold_s = hold_ms / 1000.0
+    async with Engine.open(cfg) as eng, trio.open_nursery() as outer:
+        if hold_s:
+            await outer.start(timer.run)
         for _ in range(reps):
             done = 0
+            reads = 0
 
             async def one(i: int) -> None:
-                nonlocal done
+                nonlocal done, reads
                 h = await eng.submit(GenerateRequest(
                     (300 + i % 50, 301, 302, 303), SamplingParams(max_tokens=tokens, ignore_eos=True,
                                                                   temperature=0.0)))
                 n = 0
+                written = getattr(h, "report_written", lambda: None)
                 while True:
                     batch = await h.receive_many()
                     if not batch:
                         break
-                    n += sum(len(getattr(ev, "token_ids", ())) for ev in batch)
+                    got = sum(len(getattr(ev, "token_ids", ())) for ev in batch)
+                    n += got
+                    reads += got > 0
                     if isinstance(batch[-1], FinishEvent):
                         break
+                    if hold_s and got:
+                        written()  # what the pump reports once its write completed
+                        await timer.hold_until(trio.current_time() + hold_s)
                 done += n
 
             t0 = time.process_time()
@@ -65,7 +83,8 @@ async def _run(streams: int, tokens: int, reps: int) -> float:
                     nursery.start_soon(one, i)
             dt = time.process_time() - t0
             best = min(best, dt / max(1, done) * 1e6)
-    return best
+        timer.stop()
+    return best, done / max(1, reads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,13 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hold-ms", type=float, default=0.0,
+                    help="each consumer waits this long after a read (the HTTP pump's grouping)")
     a = ap.parse_args(argv)
     from bench.server import BENCH_OUT
 
     os.environ.setdefault("CALSERVE_HOME", str(BENCH_OUT / ".home"))
-    us: Any = trio.run(_run, a.streams, a.tokens, a.reps)
+    us, per_read = trio.run(_run, a.streams, a.tokens, a.reps, a.hold_ms)
+    held = f", held {a.hold_ms:g} ms a read: {per_read:.1f} tokens a read" if a.hold_ms else ""
     print(f"{Path(__file__).stem}: {us:.2f} µs CPU per token (engine + actor + stream writer; "
-          f"{a.streams} streams x {a.tokens} tokens, B1..B16, null compute)")
+          f"{a.streams} streams x {a.tokens} tokens, B1..B16, null compute{held})")
     return 0
 
 
