@@ -4,7 +4,8 @@
 
 The real engine (:meth:`calserve.engine.engine.Engine.open`) over the software runtime with null
 compute and timing ``none`` (the device costs ~nothing), the demo package, profiles B1..B16 with
-PING/PONG, as the ``http-floor`` scenario's server: ``--streams`` greedy requests of ``--tokens``
+PING/PONG, configured as the ``http-floor`` scenario's server (``http_floor.server_config``: no
+running cap, so no time-slicing): ``--streams`` greedy requests of ``--tokens``
 tokens each submitted at once, each consumed through its handle's ``receive_many`` (what the HTTP
 pump reads). Prints process CPU µs per token over the whole run (start-up excluded; min over
 ``--reps``): scheduler, planner, executor, step bookkeeping, sampling, actor, detokenizer and stream
@@ -38,13 +39,13 @@ __all__ = ["main"]
 
 
 async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0) -> tuple[float, float]:
-    from bench.scenario_lib import calserve_config
+    from bench.http_floor import server_config
     from calserve.api.pacing import HoldTimer
     from calserve.config import decode_config
     from calserve.engine.engine import Engine
     from calserve.engine.types import FinishEvent, GenerateRequest, SamplingParams
 
-    cfg = decode_config(calserve_config(profiles=[1, 4, 8, 16], timing="none", null_compute=True))
+    cfg = decode_config(server_config())
     best = float("inf")
     reads = 0
     timer = HoldTimer()

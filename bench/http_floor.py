@@ -44,7 +44,7 @@ from bench.httpclient import ConnectionPool, iter_sse
 from bench.scenario_lib import calserve_config, run_point, write_json
 from bench.server import BENCH_OUT, Server, pin_self
 
-__all__ = ["run", "main", "probe_event_size", "floor_point"]
+__all__ = ["run", "main", "probe_event_size", "floor_point", "server_config"]
 
 CONCURRENCY = 64
 
@@ -176,19 +176,27 @@ def floor_point(out: Path, size: int, dur: float, tokens_per_event: float = 1.0)
     return _floor(out, size, dur, tokens_per_event)
 
 
+def server_config() -> dict[str, Any]:
+    """calserve's configuration in this scenario (``bench.engine_path`` runs its engine with it):
+    null compute, timing ``none``, profiles B1..B16 with PING/PONG, and every one of the 64 streams
+    streaming (a 429 costs CPU but streams no token): no expected-wait refusal, no running cap
+    (so no time-slicing either), where this calserve has those admission extensions."""
+    cfg = calserve_config(profiles=[1, 4, 8, 16], timing="none", null_compute=True)
+    from calserve.config import AdmissionConfig
+    fields = set(AdmissionConfig.__struct_fields__)
+    adm = {k: None for k in ("max_expected_wait_ms", "max_tpot_steps") if k in fields}
+    if adm:
+        cfg["scheduler"]["admission"] = adm
+    return cfg
+
+
 def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
     """calserve with its defaults (adaptive grouping: several tokens per event while the serving
     thread is saturated, which it is here) and with grouping off (one event per token), each against
     the floor streaming events of the size calserve's had under this load."""
     dur = 4.0 if quick else 8.0
-    cfg = calserve_config(profiles=[1, 4, 8, 16], timing="none", null_compute=True)
-    from calserve.config import AdmissionConfig, ServerConfig
-    fields = set(AdmissionConfig.__struct_fields__)
-    # Every one of the 64 streams must stream (a 429 costs CPU but streams no token): no
-    # expected-wait refusal, no running cap, where this calserve has those admission extensions.
-    adm = {k: None for k in ("max_expected_wait_ms", "max_tpot_steps") if k in fields}
-    if adm:
-        cfg["scheduler"]["admission"] = adm
+    cfg = server_config()
+    from calserve.config import ServerConfig
     variants: dict[str, dict[str, Any]] = {"calserve": {}}
     if "stream_busy_interval_ms" in ServerConfig.__struct_fields__:
         variants["calserve_ungrouped"] = {"stream_busy_interval_ms": 0}
