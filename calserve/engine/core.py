@@ -18,8 +18,9 @@ class.
 
 The fast path (spec §19 M1, issue 7): when a decode job comes back and its sequences are all the
 work there is, the next job is decided before the completion's bookkeeping (:meth:`fast_decode`),
-the shell submits it, and :meth:`finish_fast` does the bookkeeping while the device computes. The
-continuing sequences' token messages wait for :meth:`flush` after the next submit.
+the shell submits it, and :meth:`finish_fast` does the bookkeeping while the device computes,
+delivering each continuing sequence's token as it goes. On the general path the continuing
+sequences' token messages wait for :meth:`flush` after the next submit.
 
 Invariant: every method runs to completion in the engine's one trio thread, so no two decisions
 interleave.

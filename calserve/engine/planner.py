@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from calserve.config import CalserveConfig
@@ -39,6 +40,7 @@ STARVATION_PASSES = 32
 log = logging.getLogger("calserve.engine.planner")
 
 _DECODE_ONLY = frozenset((QueueClass.DECODE,))
+_RID = attrgetter("rid")
 
 
 def _live_head(dq: collections.deque[Seq]) -> bool:
@@ -360,7 +362,9 @@ class Planner:
             return None
         chosen, why = picked
         last = chosen[-1]
-        if len(chosen) < B or (last.ready_since, last.rid) >= min((now, s.rid) for s in seqs):
+        # ``done``'s sequences rejoin the ready set at ``now``: the earliest of them in the pass's
+        # order is (now, their least request id)
+        if len(chosen) < B or (last.ready_since, last.rid) >= (now, min(map(_RID, seqs))):
             return None  # the pass would pick one of ``done``'s sequences too
         if classes:  # the round robin's turn: a prefill's, and the pass runs it
             classes.append(QueueClass.DECODE)

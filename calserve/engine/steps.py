@@ -168,7 +168,11 @@ class StepHandler:
         lane, with what is the same for every lane looked up once per batch (the KV table's and
         the admission controller's methods, the ready set, the deferred list, the EOS set) and
         the continuing lane's ready move inlined (DecodeRunning -> DecodeReady, the one move the
-        table has for DECODE_DONE there; any other state takes the table's checked path)."""
+        table has for DECODE_DONE there; any other state takes the table's checked path).
+        ``continuing`` (``EngineCore.finish_fast``: the next job is submitted already): each
+        lane's token goes to its actor right after the lane's bookkeeping instead of waiting for
+        :meth:`flush` (an inline token step never calls back into the core: a stream's park wish
+        is applied by a task of its own, engine/park_requests.py)."""
         gen = job.gen
         reqs = self.requests
         tokens, logprobs = sampled
@@ -206,14 +210,17 @@ class StepHandler:
             # the EOS / stop token itself is not shown to the client
             msg = new(Tokens, (tok, logprob, first, reason is stop))
             if reason is None:
-                s.deferred = msg  # continues: delivered after the next submit (see flush)
-                deferred.append(s)
                 if s.state is _RUNNING:
                     s.state = _DONE_TO
                     s.ready_since = now
                     ready[rid] = s
                 else:
                     reqs.set_ready(s, now, RequestEvent.DECODE_DONE)
+                if continuing:  # the next job is submitted already: delivered now
+                    s.inbox.send_nowait(msg)
+                else:
+                    s.deferred = msg  # continues: delivered after the next submit (see flush)
+                    deferred.append(s)
                 continue
             s.inbox.send_nowait(msg)
             reqs.end(s, reason, now=now)
