@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench.server import BENCH_OUT
 
     os.environ.setdefault("CALSERVE_HOME", str(BENCH_OUT / ".home"))
-    plain, _ = trio.run(_run, a.streams, a.tokens, 1, a.hold_ms)  # unwrapped (and a warm-up)
+    plain, _, _ = trio.run(_run, a.streams, a.tokens, 1, a.hold_ms)  # unwrapped (and a warm-up)
     timer = _Timer()
     timer.calibrate()
     _install(timer)
-    us, per_read = trio.run(_run, a.streams, a.tokens, 1, a.hold_ms)
+    us, per_read, _ = trio.run(_run, a.streams, a.tokens, 1, a.hold_ms)
     tokens = a.streams * a.tokens
     steps = timer.calls["runtime submit_decode"] or 1
     print(f"{Path(__file__).stem}: {a.streams} streams x {a.tokens} tokens, {steps} decode jobs "

@@ -35,10 +35,13 @@ from pathlib import Path
 
 import trio
 
-__all__ = ["main"]
+__all__ = ["main", "measure"]
 
 
-async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0) -> tuple[float, float]:
+async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0
+               ) -> tuple[float, float, int]:
+    """(the best rep's process CPU µs a token, tokens a read of the last rep, tokens the streams
+    of the last rep received in all)."""
     from bench.http_floor import server_config
     from calserve.api.pacing import HoldTimer
     from calserve.config import decode_config
@@ -85,7 +88,14 @@ async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0) -> tu
             dt = time.process_time() - t0
             best = min(best, dt / max(1, done) * 1e6)
         timer.stop()
-    return best, done / max(1, reads)
+    return best, done / max(1, reads), done
+
+
+def measure(streams: int, tokens: int, reps: int = 1, hold_ms: float = 0.0) -> dict[str, float]:
+    """One run of the benchmark (its own trio run): ``us_per_token`` (best rep, process CPU),
+    ``tokens_per_read`` and ``tokens_received`` (the last rep's)."""
+    us, per_read, got = trio.run(_run, streams, tokens, reps, hold_ms)
+    return {"us_per_token": us, "tokens_per_read": per_read, "tokens_received": float(got)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.server import BENCH_OUT
 
     os.environ.setdefault("CALSERVE_HOME", str(BENCH_OUT / ".home"))
-    us, per_read = trio.run(_run, a.streams, a.tokens, a.reps, a.hold_ms)
+    us, per_read, _ = trio.run(_run, a.streams, a.tokens, a.reps, a.hold_ms)
     held = f", held {a.hold_ms:g} ms a read: {per_read:.1f} tokens a read" if a.hold_ms else ""
     print(f"{Path(__file__).stem}: {us:.2f} µs CPU per token (engine + actor + stream writer; "
           f"{a.streams} streams x {a.tokens} tokens, B1..B16, null compute{held})")
