@@ -96,7 +96,10 @@ def test_plain_contents_keep_the_one_text_encoding(tok: Tokenizer) -> None:
     assert tok.encode_chat(msgs, rendered) is None  # the caller encodes the rendering as before
 
 
-_piece = st.one_of(st.text(max_size=8), st.sampled_from(_SPECIALS))
+# Contents without U+E000/U+E001: a conversation holding those and a special-token string is refused
+# (test_a_template_that_rewrites_a_special_content_is_a_400 checks that), not encoded.
+_piece = st.one_of(st.text(st.characters(exclude_characters="\ue000\ue001"), max_size=8),
+                   st.sampled_from(_SPECIALS))
 _content = st.lists(_piece, max_size=6).map("".join)
 
 
