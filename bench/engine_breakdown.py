@@ -29,8 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import trio
-
 __all__ = ["main"]
 
 # (module, attribute path, label): the stages timed. A module-level function is patched in the
@@ -123,15 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold-ms", type=float, default=0.0,
                     help="each consumer waits this long after a read (engine_path --hold-ms)")
     a = ap.parse_args(argv)
-    from bench.engine_path import _run
+    from bench.engine_path import measure
     from bench.server import BENCH_OUT
 
     os.environ.setdefault("CALSERVE_HOME", str(BENCH_OUT / ".home"))
-    plain, _, _ = trio.run(_run, a.streams, a.tokens, 1, a.hold_ms)  # unwrapped (and a warm-up)
+    plain = measure(a.streams, a.tokens, 1, a.hold_ms)["us_per_token"]  # unwrapped (and a warm-up)
     timer = _Timer()
     timer.calibrate()
     _install(timer)
-    us, per_read, _ = trio.run(_run, a.streams, a.tokens, 1, a.hold_ms)
+    wrapped = measure(a.streams, a.tokens, 1, a.hold_ms)
+    us, per_read = wrapped["us_per_token"], wrapped["tokens_per_read"]
     tokens = a.streams * a.tokens
     steps = timer.calls["runtime submit_decode"] or 1
     print(f"{Path(__file__).stem}: {a.streams} streams x {a.tokens} tokens, {steps} decode jobs "

@@ -50,7 +50,6 @@ async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0
 
     cfg = decode_config(server_config())
     best = float("inf")
-    reads = 0
     timer = HoldTimer()
     hold_s = hold_ms / 1000.0
     async with Engine.open(cfg) as eng, trio.open_nursery() as outer:
