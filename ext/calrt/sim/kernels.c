@@ -4,9 +4,9 @@
  * same sequence of float operations regardless of how many rows (lanes/tokens) the job has, which
  * lane it is in, which tile shape or CPU code path (matmul.c) covers it, or which worker thread
  * computes it: an 8-wide vector accumulator over k in steps of 8 (fused multiply-adds, matmul.c), a
- * fixed horizontal sum, then the scalar tail. Tiles, row blocks and the chunks of output rows handed to the pool's threads (pool.c)
- * only decide which (output, row) pairs share a loaded weight vector and who computes them, never the
- * summation order. Norms, RoPE and attention are per row (attention tasks are one (row, head) each).
+ * fixed horizontal sum, then the scalar tail. Tiles, row blocks and the chunks of output rows handed
+ * to the pool's threads (pool.c) only decide which (output, row) pairs share a loaded weight vector
+ * and who computes them, never the summation order. Norms, RoPE and attention are per row (attention tasks are one (row, head) each).
  * Hence a lane's logits are bitwise independent of B, its lane index, its batch-mates and the thread
  * count. Built with -ffp-contract=off so the compiler fuses nothing on its own (the linear layers'
  * multiply-adds are fused explicitly, on every path alike; attention's are not fused at all).
