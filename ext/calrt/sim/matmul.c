@@ -15,7 +15,7 @@
  *   default  any CPU: tiles of 4 weight rows x 2 lanes with fmaf() per element; on x86-64 (one
  *            without FMA: fmaf() is a software fused multiply-add, slow and exact) sim_dot_ref()
  *            itself, output by output
- *   avx2     AVX2 + FMA, 16 ymm registers: tiles of 4 rows x 3 lanes
+ *   avx2     AVX2 + FMA, 16 ymm registers: tiles of 3 rows x 4 lanes (4 x 3 below 4 lanes, mm_avx2)
  *   avx512   AVX-512VL's 32 ymm registers: 6 rows x 4 lanes, so a weight vector loaded once feeds
  *            four lanes (fewer loads per multiply-add at B16); the arithmetic is still 256-bit v8f
  *            lane by lane (the same operations as above). The default on AMD (Zen 4 splits 512-bit
@@ -23,7 +23,7 @@
  *   avx512z  AVX-512DQ, the default elsewhere: 512-bit arithmetic, a zmm holding the eight
  *            accumulators of two lanes for one weight row (mm_avx512z below); 6 rows x 4 lane pairs.
  *            On a 2-vCPU Intel Xeon VM with AVX-512: B16 matmuls single-thread 1.2x avx512's (weights streamed).
- * A tile of 4+ rows (in a multiple of 8) ends with hsum8x8 (v8f.h): a lane's row sums, adjacent in Y,
+ * A tile of 3+ rows (in a multiple of 8) ends with hsum8x8 (v8f.h): a lane's row sums, adjacent in Y,
  * as one vector, each by the same additions as HSUM8 (at B16 the element-by-element sums were ~10%
  * of the kernel's time on SmolLM2's shapes).
  * Decode B1 (one lane, memory-bound) streams one weight row after the other on every path.
@@ -85,11 +85,20 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
   const float *w0 = W + (size_t)o0 * in, *x0 = X + (size_t)r0 * in;
 #define TILE_K_STEP(k)                                                                                 \
   do {                                                                                               \
-    v8f xv[4];                                                                                       \
-    for (int j = 0; j < RL; j++) xv[j] = ld8(x0 + (size_t)j * in + (k));                             \
-    for (int i = 0; i < RO; i++) {                                                                   \
-      const v8f w = ld8(w0 + (size_t)i * in + (k));                                                  \
-      for (int j = 0; j < RL; j++) acc[i][j] = FMA8(acc[i][j], w, xv[j]);                            \
+    if (RO < RL) { /* the rows' weights held, the lanes' X streamed */                               \
+      v8f wv[8];                                                                                     \
+      for (int i = 0; i < RO; i++) wv[i] = ld8(w0 + (size_t)i * in + (k));                           \
+      for (int j = 0; j < RL; j++) {                                                                 \
+        const v8f xj = ld8(x0 + (size_t)j * in + (k));                                               \
+        for (int i = 0; i < RO; i++) acc[i][j] = FMA8(acc[i][j], wv[i], xj);                         \
+      }                                                                                              \
+    } else { /* the lanes' X held, the rows' weights streamed */                                     \
+      v8f xv[4];                                                                                     \
+      for (int j = 0; j < RL; j++) xv[j] = ld8(x0 + (size_t)j * in + (k));                           \
+      for (int i = 0; i < RO; i++) {                                                                 \
+        const v8f w = ld8(w0 + (size_t)i * in + (k));                                                \
+        for (int j = 0; j < RL; j++) acc[i][j] = FMA8(acc[i][j], w, xv[j]);                          \
+      }                                                                                              \
     }                                                                                                \
   } while (0)
   if (!pf)
@@ -106,7 +115,7 @@ static inline __attribute__((always_inline)) void tile(const float *restrict W, 
       TILE_K_STEP(k);
     }
 #undef TILE_K_STEP
-  if (RO >= 4 && k8 == in) { /* a lane's RO outputs are adjacent in Y: their sums as one vector */
+  if (RO >= 3 && k8 == in) { /* a lane's RO outputs are adjacent in Y: their sums as one vector */
     for (int j = 0; j < RL; j++) {
       v8f col[8];
       for (int i = 0; i < 8; i++) col[i] = i < RO ? acc[i][j] : (v8f){0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -147,8 +156,8 @@ static inline __attribute__((always_inline)) const char *pf_next(const char *pf,
  * not NULL): the RO rows that follow, prefetched a part by each tile (ceil(lines / (tiles * k steps))
  * lines per k step, so the group is covered whatever the tile count), and no tile after the one that
  * reaches the group's end: rounded up to a line per k step, the tiles would cover up to tiles x k steps
- * lines, for avx2's 4 x 3 tiles at B16 three times the group (the rows of the next two groups again,
- * ~2 prefetch instructions for each line needed). Dropping them: avx2 B16 matmuls single thread
+ * lines, for avx2's 4 x 3 tiles of the time at B16 three times the group (the rows of the next two
+ * groups again, ~2 prefetch instructions for each line needed). Dropping them: avx2 B16 matmuls single thread
  * 1.15-1.25x faster (2-vCPU AMD EPYC Zen 3); avx512z's two tiles never reached the group's end. */
 static inline __attribute__((always_inline)) void lanes(const float *W, const float *X, float *Y, int in,
                                                         int out, int o, int rb, int re, const int RO,
@@ -219,9 +228,17 @@ static void mm_default(const float *W, int out, int in, const float *X, int R, f
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SIM_HAVE_X86 1
+/* 3 rows x 4 lanes: 12 accumulators, the three rows' weight vectors held while each lane's X streams
+ * past them, and B16 is four whole tiles (4 x 3 left a 1-lane tile of four accumulator chains, too few
+ * to keep both FMA pipes busy). Bitwise the same (the contract), faster on a 2-vCPU AMD EPYC (Zen 2/3,
+ * AVX2), bench_matmul-style, old and new alternated in one process, weights streamed: R=16 gate/up,
+ * down, lm_head 1.05-1.11x, R=4 1.06-1.19x, R=8/12 1.00-1.11x; SmolLM2 B16 step, 2 threads, 3 pairs of
+ * bench/runtime_bench.py runs: 38.7-40.2 -> 36.6-37.0 ms. At 2-3 lanes 4 x 3 stays (3 x 4 was 2-7%
+ * slower there). */
 __attribute__((target("avx2,fma"))) static void mm_avx2(const float *W, int out, int in, const float *X, int R,
                                                     float *Y, int o0, int o1) {
-  mm_body(W, out, in, X, R, Y, o0, o1, 4, 3);
+  if (R > 3) mm_body(W, out, in, X, R, Y, o0, o1, 3, 4);
+  else mm_body(W, out, in, X, R, Y, o0, o1, 4, 3);
 }
 
 /* A batch of at most 4 lanes streams each weight-row group from memory for one tile: groups of ~9-12
