@@ -250,6 +250,10 @@ class ServerConfig(_Strict):
     # Most choices one request may ask for (OpenAI `n`): n independent sequences of the prompt,
     # each its own prefill (no KV fork), admitted and charged like n requests.
     max_n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 8
+    # Most prompts one /v1/completions request may list (`prompt` as a list of strings or of
+    # token-id lists): each prompt is served as its own request (n choices each), all admitted and
+    # charged like that many requests.
+    max_prompts: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 32
     # --- Connections and protocol limits (calserve/api/listener.py, calserve/api/hygiene.py) ---
     # Both launchers unless marked "calserve serve only" (the hypercorn CLI owns its own Config:
     # there, --keep-alive (default 5 s) is both the idle and the header timeout, no connection cap).

@@ -178,11 +178,11 @@ class FastRoutes:
         body_read[0] = True
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         # Decode + prepare: a big body in the prompt worker thread (convert.prepare_body).
-        return eng, await prepare_body(kind, eng, data, tenant, server.max_n)
+        return eng, await prepare_body(kind, eng, data, tenant, server.max_n, server.max_prompts)
 
     async def _generate(self, eng: EngineLike, prep: Prepared, send: Send, scope: Scope,
                         nursery: trio.Nursery) -> None:
-        if prep.n > 1:
+        if prep.choices > 1:
             await self._generate_choices(eng, prep, send, scope, nursery)
             return
         try:
@@ -230,7 +230,8 @@ class FastRoutes:
 
     async def _generate_choices(self, eng: EngineLike, prep: Prepared, send: Send, scope: Scope,
                                 nursery: trio.Nursery) -> None:
-        """``n`` > 1 (:mod:`calserve.api.choices`): every choice is its own engine request."""
+        """``n`` > 1 or a list of prompts (:mod:`calserve.api.choices`): every choice is its own
+        engine request."""
         try:
             leases = await submit_choices(eng, prep)  # admission of every choice: 429/503 here
         except Exception as exc:
@@ -238,6 +239,7 @@ class FastRoutes:
             return
         try:
             metrics = self._state.metrics
+            metrics.prompt_tokens.labels(prep.alias, prep.request.tenant).inc(prep.prompt_tokens())
             tok = eng.tokenizer(prep.alias)
             if prep.stream:
                 self._count(200)

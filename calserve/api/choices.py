@@ -1,11 +1,14 @@
-"""``n`` > 1: n independent sequences of one prompt, served as one OpenAI response.
+"""``n`` > 1 (n independent sequences of one prompt) and a list of prompts (``/v1/completions``:
+n sequences of each), served as one OpenAI response.
 
 There is no KV fork on this runtime (spec §9.3), so each choice is its own engine request
 (:meth:`~calserve.api.convert.Prepared.choice_requests`): its own prefill, admitted and charged to
 the tenant like any request (a 429 for any of them refuses the whole request, and the choices
 already admitted are cancelled at once). Choice i > 0 uses a seed derived from ``seed``.
 
-- JSON: the choices are collected concurrently; ``usage`` is the prompt once (as OpenAI and vLLM
+- Order: choice ``k * n + j`` is choice j of prompt k; each prompt of a list answers as it would
+  alone (the same seeds).
+- JSON: the choices are collected concurrently; ``usage`` is each prompt once (as OpenAI and vLLM
   report it) and the completion tokens of all choices summed. An error in any choice is the
   response's error (the others are cancelled).
 - SSE: every choice streams its chunks (each carrying its ``index``; chat: a role chunk per
@@ -65,8 +68,10 @@ async def release_all(leases: list[RequestLease]) -> None:
 
 
 def _usage(prep: Prepared, usages: list[Usage]) -> Usage:
-    return Usage(usages[0].prompt_tokens if usages else len(prep.request.prompt_tokens),
-                 sum(u.completion_tokens for u in usages))
+    """Each prompt once (as OpenAI and vLLM report it), the completion tokens of every choice."""
+    prompt = (sum(usages[k].prompt_tokens for k in range(0, len(usages), prep.n))
+              if len(usages) == prep.choices else prep.prompt_tokens())
+    return Usage(prompt, sum(u.completion_tokens for u in usages))
 
 
 async def run_json_choices(leases: list[RequestLease], metrics: ApiMetrics, prep: Prepared,
@@ -75,7 +80,7 @@ async def run_json_choices(leases: list[RequestLease], metrics: ApiMetrics, prep
     got: list[tuple[dict[str, Any], Usage] | None] = [None] * len(leases)
 
     async def one(i: int) -> None:
-        fmt = LogprobFormatter(tok, start_offset=len(prep.echo_text))
+        fmt = LogprobFormatter(tok, start_offset=len(prep.echo_of(i)))
         got[i] = await collect_choice(leases[i], metrics, prep, fmt, i)
 
     try:
@@ -110,7 +115,7 @@ async def pump_choices(leases: list[RequestLease], send: Send, metrics: ApiMetri
     """The SSE body of an ``n`` > 1 stream, after the response head (see the module docstring);
     returns each choice's encoder (its ``terminal``). ``probe``: the connection's socket probe."""
     rid, created = new_id("chatcmpl" if prep.kind == "chat" else "cmpl"), now_s()
-    encs = [StreamEncoder.for_choice(prep, LogprobFormatter(tok, start_offset=len(prep.echo_text)),
+    encs = [StreamEncoder.for_choice(prep, LogprobFormatter(tok, start_offset=len(prep.echo_of(i))),
                                      rid=rid, created=created, index=i)
             for i in range(len(leases))]
     lock = trio.Lock()

@@ -1,7 +1,9 @@
 """Turn a decoded OpenAI body into an engine ``GenerateRequest`` (or a 400 naming the field).
 
 Served: ``n`` up to ``server.max_n`` (n independent sequences of the prompt, each its own prefill:
-there is no KV fork on this runtime, spec §9.3; choice i > 0 uses a seed derived from ``seed``),
+there is no KV fork on this runtime, spec §9.3; choice i > 0 uses a seed derived from ``seed``), a
+completion's ``prompt`` as a list of prompts (strings or token-id lists, up to
+``server.max_prompts``: each prompt its own request, n choices each),
 ``presence_penalty``/``frequency_penalty``/``repetition_penalty``/``logit_bias``/``min_p``/``top_k``
 (the batched sampler's processors, ``engine/logits.py``) and ``response_format`` ``json_object`` /
 ``json_schema`` (constrained decoding, ``engine/grammar.py``). Rejected because they would change
@@ -55,21 +57,41 @@ class Prepared:
     include_usage: bool
     echo_text: str  # "" unless completions echo=true
     logprobs: int | None  # None = none; k = chosen + top-k
-    n: int = 1  # choices: n independent sequences (``choice_requests``)
+    n: int = 1  # choices per prompt: n independent sequences (``choice_requests``)
+    # /v1/completions with a list of prompts: the request and echo text of each prompt after the
+    # first (``request`` / ``echo_text``); their choices follow the first prompt's
+    more_prompts: tuple[tuple[GenerateRequest, str], ...] = ()
+
+    @property
+    def choices(self) -> int:
+        """The response's choices: ``n`` per prompt, prompt by prompt (OpenAI's and vLLM's order:
+        choice ``k * n + j`` is choice j of prompt k)."""
+        return self.n * (1 + len(self.more_prompts))
+
+    def echo_of(self, index: int) -> str:
+        """The echoed prompt text of choice ``index`` ("" unless ``echo``)."""
+        k = index // self.n
+        return self.echo_text if k == 0 else self.more_prompts[k - 1][1]
+
+    def prompt_tokens(self) -> int:
+        """Every prompt's tokens, each prompt once (``usage.prompt_tokens`` with ``n`` > 1)."""
+        more = sum(len(r.prompt_tokens) for r, _ in self.more_prompts)
+        return len(self.request.prompt_tokens) + more
 
     def choice_requests(self) -> list[GenerateRequest]:
-        """The engine request of every choice: choice 0 is ``request`` itself (so ``n: 1`` and
-        choice 0 of ``n: 3`` with the same seed are the same answer), choice i > 0 uses a seed
+        """The engine request of every choice, prompt by prompt: choice 0 of a prompt is that
+        prompt's request itself (so ``n: 1`` and choice 0 of ``n: 3`` with the same seed are the
+        same answer, and each prompt of a list answers as it would alone), choice j > 0 uses a seed
         derived from the request's seed (reproducible, and different from the others'), or none
         (the engine draws one) when the request has none."""
-        req = self.request
-        if self.n == 1:
-            return [req]
-        seed = req.sampling.seed
-        out = [req]
-        for i in range(1, self.n):
-            s = None if seed is None else choice_seed(seed, i)
-            out.append(dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=s)))
+        out: list[GenerateRequest] = []
+        for req in (self.request, *(r for r, _ in self.more_prompts)):
+            out.append(req)
+            seed = req.sampling.seed
+            for j in range(1, self.n):
+                s = None if seed is None else choice_seed(seed, j)
+                sampling = dataclasses.replace(req.sampling, seed=s)
+                out.append(dataclasses.replace(req, sampling=sampling))
         return out
 
 
@@ -208,23 +230,9 @@ def _sampling(
     default_max: int, logprobs: int | None, prompt_param: str, vocab: int | None,
     tok: TokenizerLike | None = None,
 ) -> SamplingParams:
-    if prompt_len >= max_seq:
-        raise _context_full(max_seq, prompt_len, prompt_param)
-    room = max_seq - prompt_len
-    mt = max_tokens if max_tokens is not None else min(default_max, room)
-    if mt > room:
-        raise E.RequestError(
-            f"This model's maximum context length is {max_seq} tokens; you requested"
-            f" {prompt_len + mt} tokens ({prompt_len} in the prompt, {mt} in the completion)"
-            " (context length exceeded)",
-            param="max_completion_tokens" if isinstance(body, ChatBody)
-            and body.max_completion_tokens is not None else "max_tokens",
-        )
+    mt = _max_tokens(body, prompt_len=prompt_len, max_seq=max_seq, max_tokens=max_tokens,
+                     default_max=default_max, prompt_param=prompt_param)
     min_tokens = body.min_tokens or 0
-    if min_tokens > mt:
-        raise E.RequestError(
-            f"`min_tokens` ({min_tokens}) must be <= the maximum tokens ({mt})", param="min_tokens"
-        )
     top_k = body.top_k or 0
     if top_k < 0 or (vocab is not None and top_k >= vocab):
         top_k = 0  # a k that keeps the whole vocabulary is no cut-off
@@ -261,6 +269,30 @@ def _sampling(
     )
 
 
+def _max_tokens(body: SamplingFields, *, prompt_len: int, max_seq: int, max_tokens: int | None,
+                default_max: int, prompt_param: str) -> int:
+    """The completion's token budget for a prompt of ``prompt_len`` tokens (400 when the prompt
+    leaves no room, or the asked budget does not fit, or ``min_tokens`` exceeds it)."""
+    if prompt_len >= max_seq:
+        raise _context_full(max_seq, prompt_len, prompt_param)
+    room = max_seq - prompt_len
+    mt = max_tokens if max_tokens is not None else min(default_max, room)
+    if mt > room:
+        raise E.RequestError(
+            f"This model's maximum context length is {max_seq} tokens; you requested"
+            f" {prompt_len + mt} tokens ({prompt_len} in the prompt, {mt} in the completion)"
+            " (context length exceeded)",
+            param="max_completion_tokens" if isinstance(body, ChatBody)
+            and body.max_completion_tokens is not None else "max_tokens",
+        )
+    min_tokens = body.min_tokens or 0
+    if min_tokens > mt:
+        raise E.RequestError(
+            f"`min_tokens` ({min_tokens}) must be <= the maximum tokens ({mt})", param="min_tokens"
+        )
+    return mt
+
+
 def _stream_flags(body: SamplingFields) -> tuple[bool, bool]:
     stream = bool(body.stream)
     usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -277,7 +309,7 @@ def _context_full(max_seq: int, prompt_len: int, param: str) -> E.RequestError:
 
 
 def prepare_completion(
-    engine: ModelsLike, body: CompletionBody, tenant: str, max_n: int = 1
+    engine: ModelsLike, body: CompletionBody, tenant: str, max_n: int = 1, max_prompts: int = 1
 ) -> Prepared:
     n = _reject_unsupported(body, max_n)
     if body.suffix:
@@ -289,37 +321,73 @@ def prepare_completion(
         )
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        if prompt == "":
-            raise E.RequestError("`prompt` must not be empty", param="prompt")
-        check_text_fits(tok, info.max_seq, len(prompt), "prompt")
-        ids = encode_text(tok, prompt)
-        prompt_text = prompt
-    else:
-        if not prompt:
-            raise E.RequestError("`prompt` must not be empty", param="prompt")
-        if any(isinstance(p, (str, list)) for p in prompt):
-            raise E.UnsupportedParameter(
-                "batched prompts are not supported: send one string or one list of token ids"
-                " per request", param="prompt",
-            )
-        if len(prompt) >= info.max_seq:  # before checking each id: the count alone decides
-            raise _context_full(info.max_seq, len(prompt), "prompt")
-        ids = check_token_ids(prompt, _vocab_size(tok, info), "prompt")
-        prompt_text = tok.decode(ids) if body.echo else ""
-    if not ids:
-        raise E.RequestError("`prompt` encodes to zero tokens", param="prompt")
+    items = _prompt_list(body.prompt, max_prompts)
+    params = [f"prompt[{i}]" for i in range(len(items))] if _batched(body.prompt) else ["prompt"]
+    prompts = [(_prompt_ids(tok, info, p, param, body.echo), param)
+               for p, param in zip(items, params)]
     stream, usage = _stream_flags(body)
+    (ids, _), param = prompts[0]
     sampling = _sampling(
         body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=body.max_tokens,
-        default_max=16, logprobs=body.logprobs, prompt_param="prompt",
+        default_max=16, logprobs=body.logprobs, prompt_param=param,
         vocab=_vocab_size(tok, info), tok=tok,
     )
-    req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
-                          user=body.user)
-    return Prepared("completion", info.alias, req, stream, usage,
-                    prompt_text if body.echo else "", body.logprobs, n)
+    reqs = []
+    for k, ((p_ids, p_text), p_param) in enumerate(prompts):
+        s = sampling if k == 0 else dataclasses.replace(sampling, max_tokens=_max_tokens(
+            body, prompt_len=len(p_ids), max_seq=info.max_seq, max_tokens=body.max_tokens,
+            default_max=16, prompt_param=p_param))
+        reqs.append((GenerateRequest(prompt_tokens=p_ids, sampling=s, model=info.alias,
+                                     tenant=tenant, user=body.user), p_text if body.echo else ""))
+    return Prepared("completion", info.alias, reqs[0][0], stream, usage, reqs[0][1], body.logprobs,
+                    n, tuple(reqs[1:]))
+
+
+def _batched(prompt: str | list[Any]) -> bool:
+    """A list of prompts (strings or token-id lists), not one prompt."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
+def _prompt_list(prompt: str | list[Any], max_prompts: int) -> list[str | list[Any]]:
+    """``prompt`` as the list of its prompts: a string or a list of token ids is one prompt; a list
+    of strings, or of token-id lists, is one prompt each (OpenAI's four forms; not mixed), at most
+    ``server.max_prompts`` of them."""
+    if not _batched(prompt):
+        return [prompt]
+    assert isinstance(prompt, list)
+    if len(prompt) > max_prompts:
+        raise E.RequestError(
+            f"`prompt` holds {len(prompt)} prompts; at most {max_prompts} are allowed in one"
+            " request (server.max_prompts)", param="prompt")
+    kind = str if isinstance(prompt[0], str) else list
+    for i, p in enumerate(prompt):
+        if not isinstance(p, kind):
+            raise E.RequestError(
+                f"`prompt[{i}]` must be a {'string' if kind is str else 'list of token ids'} like"
+                " `prompt[0]`: a list of prompts holds strings or token-id lists, not both",
+                param=f"prompt[{i}]")
+    return list(prompt)
+
+
+def _prompt_ids(tok: TokenizerLike, info: ModelInfo, prompt: str | list[Any], param: str,
+                echo: bool | None) -> tuple[tuple[int, ...], str]:
+    """One prompt's token ids and text (the text only when echoed), or a 400 naming ``param``."""
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise E.RequestError(f"`{param}` must not be empty", param=param)
+        check_text_fits(tok, info.max_seq, len(prompt), param)
+        ids = encode_text(tok, prompt)
+        text = prompt
+    else:
+        if not prompt:
+            raise E.RequestError(f"`{param}` must not be empty", param=param)
+        if len(prompt) >= info.max_seq:  # before checking each id: the count alone decides
+            raise _context_full(info.max_seq, len(prompt), param)
+        ids = check_token_ids(prompt, _vocab_size(tok, info), param)
+        text = tok.decode(ids) if echo else ""
+    if not ids:
+        raise E.RequestError(f"`{param}` encodes to zero tokens", param=param)
+    return ids, text
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -404,19 +472,19 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
 
 
 def _prepare(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,
-             tenant: str, max_n: int) -> Prepared:
+             tenant: str, max_n: int, max_prompts: int) -> Prepared:
     if kind == "completion":
-        return prepare_completion(engine, decode(CompletionBody, data), tenant, max_n)
+        return prepare_completion(engine, decode(CompletionBody, data), tenant, max_n, max_prompts)
     return prepare_chat(engine, decode(ChatBody, data), tenant, max_n)
 
 
 async def prepare_body(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,
-                       tenant: str, max_n: int = 1) -> Prepared:
+                       tenant: str, max_n: int = 1, max_prompts: int = 1) -> Prepared:
     """Decode and prepare a generation body (400/404 raise here): on the trio thread when it is
     small (:data:`~calserve.api.tokenizing.INLINE_BODY_BYTES`) and asks for no constrained
     decoding (compiling a grammar can take milliseconds), else in the prompt worker thread over a
     :class:`ModelView` of the engine."""
     if len(data) <= INLINE_BODY_BYTES and b"json_" not in data:
-        return _prepare(kind, engine, data, tenant, max_n)
+        return _prepare(kind, engine, data, tenant, max_n, max_prompts)
     view = ModelView.of(engine)
-    return await run_in_worker(lambda: _prepare(kind, view, data, tenant, max_n))
+    return await run_in_worker(lambda: _prepare(kind, view, data, tenant, max_n, max_prompts))

@@ -130,7 +130,7 @@ async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepare
     receive_many = lease.handle.receive_many
     completion = prep.kind == "completion"
     want_lps = prep.logprobs is not None
-    texts: list[str] = [prep.echo_text]
+    texts: list[str] = [prep.echo_of(index)]
     lp_parts: list[Any] = []
     terminal: FinishEvent | None = None
     while terminal is None:

@@ -98,7 +98,7 @@ class StreamEncoder:
         """The encoder of choice ``index`` of an ``n`` > 1 stream (shared ``rid``/``created``)."""
         chunks = ChunkEncoder(chat=prep.kind == "chat", rid=rid, created=created,
                               model=prep.alias, include_usage=prep.include_usage, index=index)
-        return cls(chunks, include_usage=prep.include_usage, echo_text=prep.echo_text,
+        return cls(chunks, include_usage=prep.include_usage, echo_text=prep.echo_of(index),
                    logprobs=fmt if prep.logprobs is not None else None, last=False)
 
     def opening(self) -> bytes:

@@ -73,6 +73,12 @@ SCHEMAS_AT_BOUNDS = [_js(_nested(9)), _js(_props(256)), _js({"enum": list(range(
                      _js(_any_of(3))]
 # Object-valued fields and hostile values for them (the test model's vocabulary is 128 ids).
 OBJECT_FIELDS: dict[str, list[Any]] = {
+    # a list of prompts (server.max_prompts, default 32): every item is checked as a prompt is
+    "prompt": [
+        ["hi", "there"], ["a"] * 32, ["a"] * 33, ["a", ""], ["a", [1]], ["a", None], [["a"]],
+        [[1, 2], [3]], [[1], []], [[1], [2**63]], [[1], [-1]], [[1], [128]], [[1], [1.5]],
+        [[1], list(range(1, 128)) * 5], ["x" * 10**5, "y"], [[]], [""],
+    ],
     "logit_bias": [
         {"0": 100}, {"5": -100}, {"127": 0.5}, {"0": 100.0001}, {"0": -100.5}, {"0": 2**63},
         {"0": 1e308}, {"0": -1e308}, {"0": "a"}, {"0": None}, {"0": True}, {"0": [1]},
@@ -165,7 +171,7 @@ async def test_every_field_at_and_past_its_bounds() -> None:
         for field in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens",
                       "logprobs", "stop_token_ids", "stop", "n", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
-                      "response_format"):
+                      "response_format", "prompt"):
             assert 200 in statuses[field], field
         assert h.real_engine.ready()
         assert await greedy_text(h) == before

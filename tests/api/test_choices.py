@@ -95,6 +95,61 @@ async def test_n_is_bounded_by_server_max_n() -> None:
         assert status == 400 and body["error"]["param"] == "best_of"
 
 
+async def test_a_prompt_list_answers_each_prompt_as_alone_in_order_json_and_stream() -> None:
+    """``prompt`` as a list: choice k * n + j is choice j of prompt k, the same answer as that
+    prompt alone with the same seed; usage counts each prompt once; each choice is a request."""
+    async with real_app(make_config()) as h:
+        base = {"max_tokens": 5, "temperature": 1.0, "seed": 7, "n": 2, "ignore_eos": True}
+        prompts = ["hello", "a longer prompt"]
+        alone = []
+        for p in prompts:
+            status, body, _ = await h.post(C, {**base, "prompt": p})
+            assert status == 200, body
+            alone += [c["text"] for c in body["choices"]]
+        before = h.real_engine.statistics().admitted_total
+        status, body, _ = await h.post(C, {**base, "prompt": prompts})
+        assert status == 200, body
+        assert h.real_engine.statistics().admitted_total - before == 4
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+        assert [c["text"] for c in body["choices"]] == alone
+        assert body["usage"] == {"prompt_tokens": len("hello") + len("a longer prompt"),
+                                 "completion_tokens": 20, "total_tokens": 40}
+        # token-id lists, echoed: each choice starts with its own prompt's text
+        ids = []
+        for text in ("hi", "ok!"):
+            status, tk, _ = await h.post("/tokenize", {"prompt": text})
+            ids.append(tk["tokens"])
+        status, body, _ = await h.post(C, {**base, "n": 1, "prompt": ids, "echo": True})
+        assert status == 200, body
+        assert [c["text"][:len(t)] for c, t in zip(body["choices"], ["hi", "ok!"])] == ["hi", "ok!"]
+        # streamed: the same answers, indexed, one usage chunk, one [DONE]
+        status, raw = await stream_post(h.client, C, {
+            **base, "prompt": prompts, "stream": True, "stream_options": {"include_usage": True}})
+        assert status == 200
+        events = parse_sse(raw)
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        usage = events[-2]["usage"]
+        assert usage["prompt_tokens"] == 20 and usage["completion_tokens"] == 20
+        assert stream_texts(events, False) == dict(enumerate(alone))
+        assert h.real_engine.ready()
+
+
+async def test_a_prompt_list_refuses_a_bad_item_by_name_and_is_bounded() -> None:
+    async with real_app(make_config(server={"max_prompts": 3})) as h:
+        cases: list[tuple[Any, str]] = [
+            (["a", "b", "c", "d"], "prompt"), (["a", ""], "prompt[1]"), (["a", [1]], "prompt[1]"),
+            ([[1], "a"], "prompt[1]"), ([[1], []], "prompt[1]"), ([[1], [1, 999]], "prompt[1][1]"),
+            (["a", "b" * 10**5], "prompt[1]"),
+        ]
+        for prompt, param in cases:
+            status, body, _ = await h.post(C, {"prompt": prompt, "max_tokens": 2})
+            assert status == 400 and body["error"]["param"] == param, (prompt, body)
+        status, body, _ = await h.post(C, {"prompt": ["a", "b", "c"], "max_tokens": 2})
+        assert status == 200 and len(body["choices"]) == 3
+        # chat has no prompt list; a batched chat body is not a thing (messages is one conversation)
+        assert h.real_engine.ready()
+
+
 async def test_a_refused_choice_refuses_the_request_and_frees_the_others(
         harness_factory: Any, autojump_clock: Any) -> None:
     async with harness_factory(token_delay=0.01, max_running=2) as h:

@@ -49,7 +49,9 @@ CH = "/v1/chat/completions"
         (C, {"prompt": []}, "prompt", "invalid_value"),
         (C, {"prompt": [1, -1]}, "prompt[1]", "invalid_value"),
         (C, {"prompt": [1, 99999]}, "prompt[1]", "invalid_value"),
-        (C, {"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
+        (C, {"prompt": ["a", [1]]}, "prompt[1]", "invalid_value"),  # a list of prompts, mixed
+        (C, {"prompt": [[1], [1, -1]]}, "prompt[1][1]", "invalid_value"),
+        (C, {"prompt": ["a"] * 33}, "prompt", "invalid_value"),  # server.max_prompts is 32
         (C, {"prompt": "x", "n": 9}, "n", "invalid_value"),  # server.max_n is 8
         (C, {"prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
         (C, {"prompt": "x", "logit_bias": {"abc": 10}}, "logit_bias[abc]", "invalid_value"),

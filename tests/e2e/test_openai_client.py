@@ -93,6 +93,17 @@ def test_seed_reproducibility(client: openai.OpenAI) -> None:
     assert a != c  # a different seed samples differently (random weights: near-flat logits)
 
 
+def test_a_list_of_prompts_through_the_client(client: openai.OpenAI) -> None:
+    """``prompt`` as a list (as lm-evaluation-harness sends it): one choice per prompt, in order,
+    each the answer that prompt gets alone."""
+    prompts = ["The quick brown fox", "In the beginning"]
+    alone = [client.completions.create(model="qwen3", prompt=p, max_tokens=6, temperature=0)
+             .choices[0].text for p in prompts]
+    both = client.completions.create(model="qwen3", prompt=prompts, max_tokens=6, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == alone
+
+
 def test_logprobs(client: openai.OpenAI) -> None:
     c = client.completions.create(model="qwen3", prompt="Numbers:", max_tokens=6, temperature=0,
                                   logprobs=3, extra_body={"ignore_eos": True})
