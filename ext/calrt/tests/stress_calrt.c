@@ -176,7 +176,7 @@ static void *chaos(void *arg) {
 int main(void) {
   /* Kernels on 3 worker threads per engine (the pool of pool.c), on a Llama big enough to use them. */
   setenv("CALRT_SIM_THREADS", "3", 1);
-  calrt_open_params op = {"sim-next", 256u << 20};
+  calrt_open_params op = {.profile = "sim-next", .dram_bytes = 256u << 20};
   CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
   CHECK(calrt_sim_configure(dev, 0, 300, 7) == CALRT_OK); /* completion jitter shuffles order */
   test_model tm;

@@ -244,7 +244,7 @@ static void test_boards(void) {
   CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && di.device == 1);
   CHECK(strcmp(di.serial, "calrt-sim-board-1") == 0);
   CHECK(calrt_device_close(dev) == CALRT_OK);
-  calrt_open_params b0 = {"calrt-0.7.6", 64u << 20};
+  calrt_open_params b0 = {.profile = "calrt-0.7.6", .dram_bytes = 64u << 20};
   CHECK(calrt_device_open(&b0, &dev) == CALRT_OK);
   CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && di.device == 0);
   CHECK(calrt_device_close(dev) == CALRT_OK);
@@ -263,7 +263,7 @@ static void test_llama_threads(void) {
   for (int th = 0; th < 2; th++) {
     setenv("CALRT_SIM_THREADS", th ? "3" : "1", 1);
     calrt_device *dev;
-    calrt_open_params op = {"sim-next", 256u << 20};
+    calrt_open_params op = {.profile = "sim-next", .dram_bytes = 256u << 20};
     CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
     calrt_profile prof[2] = {{1, 64, 2, CALRT_KV_FP32, 1, 0}, {4, 64, 5, CALRT_KV_FP32, 1, 0}};
     calrt_timing t0 = {0};
@@ -312,7 +312,7 @@ int main(void) {
   test_llama_threads();
   calrt_device *dev = NULL, *dev2 = NULL;
   test_boards();
-  calrt_open_params op = {"sim-next", 64u << 20};
+  calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
   CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
   CHECK(calrt_device_open(&op, &dev2) == CALRT_E_ALREADY_OPEN);
   test_model tm;
@@ -466,7 +466,7 @@ int main(void) {
   errno = 0;
   CHECK(fcntl(cfd, F_GETFD) == -1 && errno == EBADF); /* closed with the device */
 
-  calrt_open_params old = {"calrt-0.7.6", 64u << 20};
+  calrt_open_params old = {.profile = "calrt-0.7.6", .dram_bytes = 64u << 20};
   CHECK(calrt_device_open(&old, &dev) == CALRT_OK);
   CHECK(calrt_calbin_create(dev, 0, &tm.m, tm.t, (size_t)tm.n, &p4, &t0, &c4) == CALRT_E_NOT_SUPPORTED);
   CHECK(calrt_calbin_create(dev, 1, &tm.m, tm.t, (size_t)tm.n, &p1, &t0, &c1) == CALRT_E_NOT_SUPPORTED);
