@@ -1,4 +1,5 @@
-"""Build of the CalRT binding ``calserve._calrt`` and (by default) the software runtime.
+"""Build of the CalRT binding ``calserve._calrt`` and (by default) the software runtime, and of
+``calserve.vexp64`` (the sampler's float64 exp, ext/vexp64.c).
 
 Build variables (environment):
   CALRT_IMPL=sim (default)  build ext/calrt/sim into ``calserve/libcalrt_sim.so`` next to the extension,
@@ -76,7 +77,7 @@ class BuildCalrt(build_ext):
         return outfile, True
 
     def build_extension(self, ext: Extension) -> None:
-        if IMPL == "sim":
+        if IMPL == "sim" and ext.name == "calserve._calrt":
             self._build_sim(ext)
         out = os.path.abspath(self.get_ext_fullpath(ext.name))
         # The extension links to a temporary name, then replaces the old one.
@@ -128,7 +129,14 @@ setup(
             runtime_library_dirs=rpath,
             extra_compile_args=CFLAGS,
             extra_link_args=["-ldl"],
-        )
+        ),
+        # the sampler's float64 exp, vectorised with glibc's bits (ext/vexp64.c; no CalRT)
+        Extension(
+            "calserve.vexp64",
+            sources=[os.path.join("ext", "vexp64.c")],
+            extra_compile_args=CFLAGS,
+            libraries=["m"],
+        ),
     ],
     cmdclass={"build_ext": BuildCalrt},
 )

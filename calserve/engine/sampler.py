@@ -39,6 +39,7 @@ from typing import Any, Final, final
 import numpy as np
 import numpy.typing as npt
 
+from calserve.engine.fastexp import exp_inplace
 from calserve.engine.logits import LaneLogits, apply_processors
 from calserve.engine.types import SamplingParams, TokenLogprob
 
@@ -230,7 +231,7 @@ def _exp_shifted(rows: npt.NDArray[np.float32], temps: npt.NDArray[np.float64],
     if rowmax is None:
         rowmax = rows.max(axis=1)
     s -= (rowmax.astype(np.float64) / temps)[:, None]
-    np.exp(s, out=s)
+    exp_inplace(s)  # numpy.exp's bits, vectorised where numpy is not (engine/fastexp.py)
     return s
 
 
