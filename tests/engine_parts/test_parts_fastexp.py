@@ -100,3 +100,28 @@ def test_the_sampler_draws_the_same_with_numpy_exp(monkeypatch: pytest.MonkeyPat
     theirs = sample_batch(x, lanes)
     assert ours.tokens.tolist() == theirs.tokens.tolist()
     assert ours.logprobs == theirs.logprobs
+
+
+def test_the_probe_refuses_an_extension_that_differs_or_has_no_vector_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    class OffByOne:  # one element a bit off: the probe must notice
+        @staticmethod
+        def exp_inplace(a: np.ndarray) -> bool:
+            with np.errstate(all="ignore"):
+                np.exp(a, out=a)
+            a.view(np.uint64)[0] += 1
+            return True
+
+    class Scalar:  # no AVX2 + FMA: libm element by element, no gain
+        @staticmethod
+        def exp_inplace(a: np.ndarray) -> bool:
+            with np.errstate(all="ignore"):
+                np.exp(a, out=a)
+            return False
+
+    monkeypatch.setattr(fastexp, "_ext", OffByOne)
+    assert fastexp._agrees() is False
+    monkeypatch.setattr(fastexp, "_ext", Scalar)
+    assert fastexp._agrees() is False
+    monkeypatch.setattr(fastexp, "_ext", None)
+    assert fastexp._agrees() is False
