@@ -12,15 +12,14 @@
  * itself. Results are only used after calserve/engine/fastexp.py's start-up probe found them equal
  * to numpy's exp on the running machine (else numpy's exp is used); tests/engine_parts compare them
  * on millions of inputs. Without AVX2 + FMA every element is libm's exp (no gain, same bits).
- *
- * The table holds, for k = 0..127, tail_k and bits(H_k) - k << 45, where H_k is the double nearest
- * 2^(k/128) and tail_k the double nearest 2^(k/128) / H_k - 1 (generated with 60-digit decimals).
+ * The computation itself is in vexp64_core.h (shared with its C test); this file is the binding.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
 
 #include "vexp64_core.h"
+
 /* exp_inplace(buffer): every element of a writable, C-contiguous float64 buffer replaced by its exp;
  * returns True when the vector path ran (False: libm element by element). */
 static PyObject *exp_inplace(PyObject *self, PyObject *arg) {

@@ -12,6 +12,8 @@
 #include <immintrin.h>
 #endif
 
+/* For k = 0..127: tail_k and bits(H_k) - k << 45, where H_k is the double nearest 2^(k/128) and
+ * tail_k the double nearest 2^(k/128) / H_k - 1 (generated with 60-digit decimals). */
 static const uint64_t TAB[256] = {
   0x0000000000000000ULL, 0x3ff0000000000000ULL,
   0x3c9b3b4f1a88bf6eULL, 0x3feff63da9fb3335ULL,
@@ -201,7 +203,6 @@ static int vexp64_have_avx2_fma(void) {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 #endif
-
 
 /* exp of p[0..n) in place; returns 1 when the AVX2 path ran. */
 static int vexp64_inplace(double *p, size_t n) {

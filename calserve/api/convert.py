@@ -348,7 +348,7 @@ def _batched(prompt: str | list[Any]) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
 
 
-def _prompt_list(prompt: str | list[Any], max_prompts: int) -> list[str | list[Any]]:
+def _prompt_list(prompt: str | list[Any], max_prompts: int) -> Sequence[str | list[Any]]:
     """``prompt`` as the list of its prompts: a string or a list of token ids is one prompt; a list
     of strings, or of token-id lists, is one prompt each (OpenAI's four forms; not mixed), at most
     ``server.max_prompts`` of them."""
@@ -366,7 +366,7 @@ def _prompt_list(prompt: str | list[Any], max_prompts: int) -> list[str | list[A
                 f"`prompt[{i}]` must be a {'string' if kind is str else 'list of token ids'} like"
                 " `prompt[0]`: a list of prompts holds strings or token-id lists, not both",
                 param=f"prompt[{i}]")
-    return list(prompt)
+    return prompt
 
 
 def _prompt_ids(tok: TokenizerLike, info: ModelInfo, prompt: str | list[Any], param: str,
