@@ -1,5 +1,6 @@
 """Build of the CalRT binding ``calserve._calrt`` and (by default) the software runtime, and of
-``calserve.vexp64`` (the sampler's float64 exp, ext/vexp64.c).
+``calserve.vexp64`` (the sampler's float64 exp, ext/vexp64.c) and ``calserve.topp`` (its top-p cut,
+ext/topp.c).
 
 Build variables (environment):
   CALRT_IMPL=sim (default)  build ext/calrt/sim into ``calserve/libcalrt_sim.so`` next to the extension,
@@ -136,6 +137,12 @@ setup(
             sources=[os.path.join("ext", "vexp64.c")],
             extra_compile_args=CFLAGS,
             libraries=["m"],
+        ),
+        # the top-p cut of the sampler's weights, numpy's arithmetic in two passes (ext/topp.c)
+        Extension(
+            "calserve.topp",
+            sources=[os.path.join("ext", "topp.c")],
+            extra_compile_args=CFLAGS,
         ),
     ],
     cmdclass={"build_ext": BuildCalrt},

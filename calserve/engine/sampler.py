@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-import threading
 from collections.abc import Sequence
 from typing import Any, Final, final
 
@@ -41,6 +40,7 @@ import numpy.typing as npt
 
 from calserve.engine.fastexp import exp_inplace
 from calserve.engine.logits import LaneLogits, apply_processors
+from calserve.engine.nucleus import cut, nonzero2, nucleus_of_sorted, scratch
 from calserve.engine.types import SamplingParams, TokenLogprob
 
 __all__ = ["LaneSampling", "SampleResult", "sample_batch", "greedy_argmax", "resolve_seed", "uniform_for"]
@@ -149,16 +149,6 @@ def _pad_blocks(x: npt.NDArray[np.floating], block: int, fill: float) -> npt.NDA
     return x.reshape(m, nb, block)
 
 
-def _nonzero2(mask: npt.NDArray[np.bool_]) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
-    """``np.nonzero(mask)`` of a 2-D mask (rows, columns; row-major order): the same arrays from
-    the flat indices, ~14x faster at [16, 49k] (numpy's 2-D nonzero takes ~1.4 ms there, most of
-    a top-k draw)."""
-    if mask.shape[1] == 0:
-        return np.nonzero(mask)  # type: ignore[return-value]
-    rows, cols = np.divmod(np.flatnonzero(mask), mask.shape[1])
-    return rows, cols
-
-
 def _block_max(x: npt.NDArray[np.floating], block: int) -> npt.NDArray[np.floating]:
     """The maximum of each ``block`` columns of each row (the last block may be shorter): the
     values of ``_pad_blocks(x, block, -inf).max(axis=2)`` without its padded copy of ``x``."""
@@ -186,7 +176,7 @@ def _top_sorted(x: npt.NDArray[np.float32], k: int) -> npt.NDArray[np.int64]:
     bmax = _block_max(x, block)
     nb = bmax.shape[1]
     thr = np.partition(bmax, nb - k, axis=1)[:, nb - k]
-    rows, cols = _nonzero2(x >= thr[:, None])
+    rows, cols = nonzero2(x >= thr[:, None])
     counts = np.bincount(rows, minlength=m)
     starts = np.cumsum(counts) - counts
     slot = np.arange(rows.size) - starts[rows]
@@ -219,12 +209,12 @@ def _kind(ln: LaneSampling, vocab: int) -> int:
 def _exp_shifted(rows: npt.NDArray[np.float32], temps: npt.NDArray[np.float64],
                  rowmax: npt.NDArray[np.float32] | None = None) -> npt.NDArray[np.float64]:
     """``exp(x/T - max(x/T))`` per row in float64, computed in place in the sampler's scratch
-    buffer (:func:`_scratch`): at [16, 32k] a fresh float64 temporary costs more in page faults
-    than the arithmetic itself.
+    buffer (:func:`~calserve.engine.nucleus.scratch`): at [16, 32k] a fresh float64 temporary
+    costs more in page faults than the arithmetic itself.
     ``x / 1.0 == x`` exactly, so a batch whose temperatures are all 1 (OpenAI's default, and the
     logprobs' raw softmax) skips the division: ~20 % of this function at [16, 49k]. ``rowmax``:
     ``rows.max(axis=1)`` when the caller has it. The result is valid until the next call."""
-    s = _scratch(rows.shape, np.float64, "weights")
+    s = scratch(rows.shape, np.float64, "weights")
     s[...] = rows
     if not (temps == 1.0).all():
         s /= temps[:, None]
@@ -277,17 +267,6 @@ def _draw_one(eb: npt.NDArray[np.float64], u: float) -> npt.NDArray[np.int64]:
     return np.array([b * _DRAW_BLOCK + min(j, last_pos)], dtype=np.int64)
 
 
-def _nucleus_of_sorted(
-    q: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64], before: npt.NDArray[np.float64]
-) -> npt.NDArray[np.bool_]:
-    """Keep mask of candidates sorted by probability: keep while the mass ranked before a token
-    (``before`` + exclusive cumsum) is < top_p; never an empty set."""
-    exclusive = before[:, None] + np.cumsum(q, axis=1) - q
-    keep = (exclusive < top_p[:, None]) & (q > 0.0)
-    keep[:, 0] |= before <= 0.0  # at least one: the most likely token
-    return keep
-
-
 def _draw_top_k(
     rows: npt.NDArray[np.float32],
     temps: npt.NDArray[np.float64],
@@ -310,100 +289,13 @@ def _draw_top_k(
     if min_p is not None:  # the best candidate's weight is exp(0) = 1
         cand = np.where(cand >= min_p[:, None], cand, 0.0)
     q = cand / cand.sum(axis=1, keepdims=True)
-    keep = _nucleus_of_sorted(q, top_p, np.zeros(m))
+    keep = nucleus_of_sorted(q, top_p, np.zeros(m))
     # Draw in token-id order over the kept set (the same rule as every other path).
     by_id = np.argsort(np.where(keep, ids, vocab), axis=1, kind="stable")
     w = np.take_along_axis(np.where(keep, q, 0.0), by_id, axis=1)
     j = _draw_id_order(w, u)
     chosen: npt.NDArray[np.int64] = np.take_along_axis(ids, by_id, axis=1)[np.arange(m), j]
     return chosen
-
-
-# Probability buckets for the nucleus: the top 16 bits of a float64 (sign, exponent, 4 mantissa
-# bits) are monotone in the value, so ``bits >> 48`` sorts weights into 16 buckets per octave.
-_BUCKET_SHIFT: Final = np.uint64(48)
-_BUCKETS: Final = 16 * 64 + 1  # 64 octaves below the maximum, then one bucket for the rest
-_TOP_KEY: Final = 0x3FF0  # 1.0's top 16 bits: the bucket of the maximum weight
-
-
-def _buckets(e: npt.NDArray[np.float64], out: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """Each weight's bucket (0: the maximum's, ``_BUCKETS - 1``: everything 64 octaves below it),
-    from its float64 bits, in place in ``out`` (one buffer: at [16, 49k] every fresh temporary of
-    this size cost ~0.4 ms in page faults, the uint64 expressions ~5 ms in all)."""
-    np.right_shift(e.view(np.uint64), _BUCKET_SHIFT, out=out.view(np.uint64))  # < 2**16
-    np.minimum(out, _TOP_KEY, out=out)
-    np.subtract(_TOP_KEY, out, out=out)
-    np.minimum(out, _BUCKETS - 1, out=out)
-    return out
-
-
-def _nucleus_mask(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64],
-                  x: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
-    """The top-p set of each row of weights ``e = exp(x/T - max)`` (max 1.0) without sorting the
-    vocabulary.
-
-    Bucket masses (a histogram over float bits) locate the bucket where the cumulative mass in
-    descending order crosses top_p: buckets above it are kept whole, buckets below dropped, and
-    only the tokens of that one bucket are sorted to find the exact cut, by (logit ``x`` desc,
-    id asc): the order top-k and greedy use. Weights can tie where the logits do not (``exp`` of
-    a difference below float64's resolution is 1.0: logits 0 and 2.8e-24 both weigh 1.0), and
-    then the higher logit ranks first, as it does for greedy (found by a random-seed run)."""
-    m, v = e.shape
-    if m == 1:
-        return _nucleus_one(e[0], float(top_p[0]), x[0])[None, :]
-    z = e.sum(axis=1)
-    flat = _buckets(e, _scratch((m, v), np.int64, "buckets"))  # offset by its row's below
-    off = np.arange(m, dtype=np.int64) * _BUCKETS
-    flat += off[:, None]
-    mass = np.bincount(flat.ravel(), weights=e.ravel(), minlength=m * _BUCKETS).reshape(m, _BUCKETS)
-    cum = np.cumsum(mass, axis=1) / z[:, None]
-    # First bucket whose inclusive cumulative mass reaches top_p (clipped: rounding near 1.0).
-    bb = np.minimum(np.count_nonzero(cum < top_p[:, None], axis=1), _BUCKETS - 1)
-    r = np.arange(m)
-    before = np.where(bb > 0, cum[r, np.maximum(bb - 1, 0)], 0.0)
-    cut = (bb + off)[:, None]
-    keep = flat < cut
-    rows_i, cols = _nonzero2(flat == cut)
-    counts = np.bincount(rows_i, minlength=m)
-    width = max(int(counts.max()), 1)
-    slot = np.arange(rows_i.size) - (np.cumsum(counts) - counts)[rows_i]
-    ids = np.full((m, width), v, dtype=np.int64)
-    vals = np.full((m, width), 0.0, dtype=np.float64)  # padding has no mass ...
-    logit = np.full((m, width), -np.inf, dtype=np.float32)  # ... and sorts last
-    ids[rows_i, slot] = cols
-    vals[rows_i, slot] = e[rows_i, cols]
-    logit[rows_i, slot] = x[rows_i, cols]
-    order = np.lexsort((ids, -logit), axis=-1)
-    ids = np.take_along_axis(ids, order, axis=1)
-    q = np.maximum(np.take_along_axis(vals, order, axis=1), 0.0) / z[:, None]
-    kb = _nucleus_of_sorted(q, top_p, before)
-    kr, kc = _nonzero2(kb & (ids < v))
-    keep[kr, ids[kr, kc]] = True
-    out: npt.NDArray[np.bool_] = keep & (e > 0.0)
-    return out
-
-
-def _nucleus_one(e: npt.NDArray[np.float64], top_p: float,
-                 x: npt.NDArray[np.float32]) -> npt.NDArray[np.bool_]:
-    """:func:`_nucleus_mask` of one row: the same operations on its values in the same order
-    (the row's sum and its buckets' masses reduce the same values the same way; the boundary
-    bucket's tokens, unpadded, sort the same), without the batch's row bookkeeping — the default
-    configuration (B1) draws every top-p token this way."""
-    z = e.sum()
-    bucket = _buckets(e, _scratch((1, e.shape[0]), np.int64, "buckets")[0])
-    cum = np.cumsum(np.bincount(bucket, weights=e, minlength=_BUCKETS)) / z
-    bb = min(int(np.count_nonzero(cum < top_p)), _BUCKETS - 1)
-    before = cum[bb - 1] if bb > 0 else 0.0
-    keep = bucket < bb
-    ids = np.flatnonzero(bucket == bb)
-    order = np.lexsort((ids, -x[ids]))
-    ids = ids[order]
-    q = np.maximum(e[ids], 0.0) / z
-    if ids.size:
-        kept = _nucleus_of_sorted(q[None, :], np.array([top_p]), np.array([before]))[0]
-        keep[ids[kept]] = True
-    out: npt.NDArray[np.bool_] = keep & (e > 0.0)
-    return out
 
 
 def _drop_below(e: npt.NDArray[np.float64], min_p: npt.NDArray[np.float64]) -> None:
@@ -423,32 +315,8 @@ def _draw_nucleus(
     e = _exp_shifted(rows, temps)
     if min_p is not None:
         _drop_below(e, min_p)
-    keep = _nucleus_mask(e, top_p, rows)
-    np.multiply(e, keep, out=e)
+    cut(e, top_p, rows)  # weights outside the top-p set to 0 (engine/nucleus.py)
     return _draw_id_order(e, u)
-
-
-_local = threading.local()
-
-
-def _scratch(shape: tuple[int, ...], dtype: type[np.generic], use: str) -> npt.NDArray[Any]:
-    """A C-contiguous buffer of ``shape`` and ``dtype`` for one ``use`` in a sampling call, reused
-    from call to call by the calling thread (the engine's; each use's buffer is consumed before
-    the next call needs it, and nothing returned refers to one). At [16, 49k] every fresh
-    temporary of the weights' size cost ~0.4 ms in page faults (a large allocation is a fresh
-    mapping), which made a top-p draw twice as slow as its arithmetic. One buffer per use and row
-    width, as many rows as the largest batch so far (a smaller batch gets its first rows): ~50 MB
-    a thread at B16 on a 152k vocabulary, the three uses together."""
-    bufs: dict[tuple[str, tuple[int, ...]], npt.NDArray[Any]] | None = getattr(_local, "bufs", None)
-    if bufs is None:
-        bufs = _local.bufs = {}
-    key = (use, shape[1:])
-    buf = bufs.get(key)
-    if buf is None or buf.dtype != dtype or buf.shape[0] < shape[0]:
-        if buf is None and len(bufs) >= 8:  # another model's width: drop the old ones
-            bufs.clear()
-        buf = bufs[key] = np.empty(shape, dtype=dtype)
-    return buf[: shape[0]]
 
 
 def greedy_argmax(x: npt.NDArray[np.float32]) -> list[int]:
@@ -494,7 +362,7 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
     if any(ln.logits is not None for ln in lanes):
         # Processors add finite values or -inf: a NaN or non-finite raw row stays one, and the
         # row check below catches it (and a row the grammar mask bans entirely).
-        x = apply_processors(x, [ln.logits for ln in lanes], out=_scratch(x.shape, np.float32, "processed"))
+        x = apply_processors(x, [ln.logits for ln in lanes], out=scratch(x.shape, np.float32, "processed"))
     rowmax = x.max(axis=1)
     bad = ~np.isfinite(rowmax)  # max propagates NaN; -inf means the row has no finite value
     if bad.any():

@@ -300,7 +300,7 @@ def test_greedy_fast_path_equals_general_path(x: np.ndarray, data: st.DataObject
 @given(st.integers(1, 20), st.integers(1, 300), st.floats(0.0, 1.0), st.integers(0, 2**32 - 1))
 def test_flat_nonzero_is_numpys_2d_nonzero(m: int, v: int, density: float, seed: int) -> None:
     """The sampler's 2-D nonzero (flat indices split by the row length) gives numpy's arrays."""
-    from calserve.engine.sampler import _nonzero2
+    from calserve.engine.nucleus import nonzero2 as _nonzero2
     mask = np.random.default_rng(seed).random((m, v)) < density
     want, got = np.nonzero(mask), _nonzero2(mask)
     for w, g in zip(want, got, strict=True):
@@ -360,7 +360,7 @@ def test_scratch_buffers_are_per_use_and_width_and_leave_no_trace() -> None:
     batch as in a fresh thread."""
     import threading
 
-    from calserve.engine.sampler import _scratch
+    from calserve.engine.nucleus import scratch as _scratch
 
     big = _scratch((16, 1000), np.float64, "t-weights")
     small = _scratch((3, 1000), np.float64, "t-weights")
@@ -403,7 +403,8 @@ def test_one_row_nucleus_is_the_batch_nucleus(v: int, top_p: float, zeros: float
                                              seed: int) -> None:
     """A lone row's top-p set (the default configuration's every top-p token) is the batch's set
     of that row beside another: same buckets, same cut, same ranking by logit and id."""
-    from calserve.engine.sampler import _drop_below, _exp_shifted, _nucleus_mask
+    from calserve.engine.nucleus import nucleus_mask as _nucleus_mask
+    from calserve.engine.sampler import _drop_below, _exp_shifted
 
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((2, v)) * rng.choice([0.01, 1.0, 3.0, 30.0])).astype(np.float32)
