@@ -179,9 +179,18 @@ __attribute__((target("avx2,fma"))) static void vexp64_avx2(double *p, size_t n)
     kd = _mm256_sub_pd(kd, shift);
     const __m256d r = _mm256_fmadd_pd(kd, lo, _mm256_fmadd_pd(kd, hi, x));
     const __m256i idx = _mm256_slli_epi64(_mm256_and_si256(ki, m127), 1);
-    const __m256d tail = _mm256_i64gather_pd((const double *)(const void *)TAB, idx, 8);
-    const __m256i sbits = _mm256_add_epi64(
-        _mm256_i64gather_epi64((const long long *)(const void *)(TAB + 1), idx, 8), _mm256_slli_epi64(ki, 45));
+    /* each element's (tail, sbits) pair is adjacent in TAB: four 16-byte loads and a transpose
+     * instead of two gathers (exp of [16, 49152] on a 2-vCPU AMD EPYC: 1.23-1.29 ms with the
+     * gathers, 0.92-1.00 ms so) */
+    const __m128i i01 = _mm256_castsi256_si128(idx), i23 = _mm256_extracti128_si256(idx, 1);
+    const __m128i t0 = _mm_loadu_si128((const __m128i *)(const void *)(TAB + _mm_cvtsi128_si64(i01)));
+    const __m128i t1 = _mm_loadu_si128((const __m128i *)(const void *)(TAB + _mm_extract_epi64(i01, 1)));
+    const __m128i t2 = _mm_loadu_si128((const __m128i *)(const void *)(TAB + _mm_cvtsi128_si64(i23)));
+    const __m128i t3 = _mm_loadu_si128((const __m128i *)(const void *)(TAB + _mm_extract_epi64(i23, 1)));
+    const __m256i t02 = _mm256_inserti128_si256(_mm256_castsi128_si256(t0), t2, 1); /* x0 y0 x2 y2 */
+    const __m256i t13 = _mm256_inserti128_si256(_mm256_castsi128_si256(t1), t3, 1); /* x1 y1 x3 y3 */
+    const __m256d tail = _mm256_castsi256_pd(_mm256_unpacklo_epi64(t02, t13));      /* x0 x1 x2 x3 */
+    const __m256i sbits = _mm256_add_epi64(_mm256_unpackhi_epi64(t02, t13), _mm256_slli_epi64(ki, 45));
     const __m256d r2 = _mm256_mul_pd(r, r);
     __m256d tmp = _mm256_fmadd_pd(r2, _mm256_fmadd_pd(r, c3, c2), _mm256_add_pd(tail, r));
     tmp = _mm256_fmadd_pd(_mm256_mul_pd(r2, r2), _mm256_fmadd_pd(r, c5, c4), tmp);
