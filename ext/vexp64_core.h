@@ -195,8 +195,10 @@ __attribute__((target("avx2,fma"))) static void vexp64_avx2(double *p, size_t n)
     __m256d tmp = _mm256_fmadd_pd(r2, _mm256_fmadd_pd(r, c3, c2), _mm256_add_pd(tail, r));
     tmp = _mm256_fmadd_pd(_mm256_mul_pd(r2, r2), _mm256_fmadd_pd(r, c5, c4), tmp);
     const __m256d scale = _mm256_castsi256_pd(sbits);
-    _mm256_storeu_pd(p + i, _mm256_fmadd_pd(scale, tmp, scale));
-    const int ok = _mm256_movemask_pd(_mm256_castsi256_pd(fast));
+    /* exp(-inf) = +0: the tokens a grammar mask bans (most of a constrained row) skip libm */
+    const __m256d neginf = _mm256_cmp_pd(x, _mm256_set1_pd(-INFINITY), _CMP_EQ_OQ);
+    _mm256_storeu_pd(p + i, _mm256_andnot_pd(neginf, _mm256_fmadd_pd(scale, tmp, scale)));
+    const int ok = _mm256_movemask_pd(_mm256_or_pd(_mm256_castsi256_pd(fast), neginf));
     if (ok != 0xF) {
       double xs[4];
       _mm256_storeu_pd(xs, x);
