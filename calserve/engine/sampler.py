@@ -408,13 +408,20 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
     out_lp: list[TokenLogprob | None] = [None] * n
     want = [i for i, ln in enumerate(lanes) if ln.logprobs is not None]
     if want:
+        unprocessed = x is raw  # rowmax is then the raw rows' maximum too
         x = raw
-        w = np.array(want, dtype=np.int64)
-        xw = x[w]
-        lse = xw.max(axis=1).astype(np.float64) + np.log(_exp_shifted(xw, np.ones(len(w))).sum(axis=1))
+        if len(want) == n:  # every lane: the rows themselves, not a copy of them
+            w = np.arange(n, dtype=np.int64)
+            xw = x
+            wmax = rowmax if unprocessed else x.max(axis=1)
+        else:
+            w = np.array(want, dtype=np.int64)
+            xw = x[w]
+            wmax = rowmax[w] if unprocessed else xw.max(axis=1)
+        lse = wmax.astype(np.float64) + np.log(_exp_shifted(xw, np.ones(len(w)), wmax).sum(axis=1))
         chosen = xw[np.arange(len(w)), tokens[w]].astype(np.float64) - lse
         kmax = max(lanes[i].logprobs or 0 for i in want)
-        top_ids = _top_sorted(x[w], min(kmax, vocab)) if kmax > 0 else np.zeros((len(w), 0), np.int64)
+        top_ids = _top_sorted(xw, min(kmax, vocab)) if kmax > 0 else np.zeros((len(w), 0), np.int64)
         top_lp = np.take_along_axis(xw, top_ids, axis=1).astype(np.float64) - lse[:, None]
         for r, i in enumerate(want):
             k = min(lanes[i].logprobs or 0, vocab)
