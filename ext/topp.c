@@ -83,8 +83,40 @@ fail_e:
   return NULL;
 }
 
+/* drop_below(e, min_p): e [m, v] float64 (in place), min_p [m] float64: every weight below its row's
+ * min_p set to +0.0 (min-p: the best token weighs exactly 1), what numpy.copyto(e, 0.0, where=e <
+ * min_p[:, None]) does, in one pass and no mask. */
+static PyObject *drop_below(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *oe, *op;
+  if (!PyArg_ParseTuple(args, "OO", &oe, &op)) return NULL;
+  Py_buffer e, p;
+  if (get(oe, &e, "d", 1, "e") < 0) return NULL;
+  if (get(op, &p, "d", 0, "min_p") < 0) {
+    PyBuffer_Release(&e);
+    return NULL;
+  }
+  const Py_ssize_t m = p.len / 8;
+  if (m <= 0 || e.len / 8 % m != 0) {
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&e);
+    PyErr_SetString(PyExc_ValueError, "topp.drop_below: shapes do not agree");
+    return NULL;
+  }
+  const size_t v = (size_t)(e.len / 8 / m);
+  double *ew = e.buf;
+  const double *pw = p.buf;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t r = 0; r < m; r++) topp_drop_row(ew + (size_t)r * v, v, pw[r]);
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&p);
+  PyBuffer_Release(&e);
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"cut", cut, METH_VARARGS, "the top-p cut of each row of a float64 weight matrix, in place"},
+    {"drop_below", drop_below, METH_VARARGS, "min-p: weights below their row's min_p set to 0, in place"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -90,4 +90,12 @@ static size_t topp_cut_row(double *e, size_t v, double z, double top_p, double *
   return n;
 }
 
+/* min-p on one row of weights: every weight below min_p set to +0.0 (the rest untouched). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void topp_drop_row(double *e, size_t v, double min_p) {
+  for (size_t i = 0; i < v; i++) e[i] = e[i] < min_p ? 0.0 : e[i];
+}
+
 #endif

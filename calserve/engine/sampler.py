@@ -40,7 +40,7 @@ import numpy.typing as npt
 
 from calserve.engine.fastexp import exp_inplace
 from calserve.engine.logits import LaneLogits, apply_processors
-from calserve.engine.nucleus import cut, nonzero2, nucleus_of_sorted, scratch
+from calserve.engine.nucleus import cut, drop_below, nonzero2, nucleus_of_sorted, scratch
 from calserve.engine.types import SamplingParams, TokenLogprob
 
 __all__ = ["LaneSampling", "SampleResult", "sample_batch", "greedy_argmax", "resolve_seed", "uniform_for"]
@@ -301,7 +301,7 @@ def _draw_top_k(
 def _drop_below(e: npt.NDArray[np.float64], min_p: npt.NDArray[np.float64]) -> None:
     """min-p on weights ``e = exp(x/T - max(x/T))`` (the best token's is exactly 1, so
     ``p_t >= min_p * p_max`` is ``e_t >= min_p``), in place; min_p 0 keeps the row."""
-    np.copyto(e, 0.0, where=e < min_p[:, None])
+    drop_below(e, min_p)
 
 
 def _draw_nucleus(

@@ -91,3 +91,18 @@ def test_bad_buffers_are_refused() -> None:
         topp.cut(e, *ok[:4], np.empty(7, np.int64))
     with pytest.raises(TypeError, match="counts must be"):
         topp.cut(e, *ok[:3], np.empty(2), ok[4])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 300), st.lists(st.floats(0.0, 1.0), min_size=5, max_size=5),
+       st.integers(0, 2**32 - 1))
+def test_drop_below_is_numpys_masked_copy(m: int, v: int, bounds: list[float], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, v)) * 3).astype(np.float32)
+    e = _weights(x, np.full(m, 0.8), np.zeros(m))
+    min_p = np.array(bounds[:m])
+    want = e.copy()
+    np.copyto(want, 0.0, where=want < min_p[:, None])
+    got = e.copy()
+    nucleus.drop_below(got, min_p)
+    assert np.array_equal(want.view(np.uint64), got.view(np.uint64))

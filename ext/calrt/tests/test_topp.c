@@ -111,6 +111,20 @@ int main(void) {
     double row[3] = {1.0, edge[0], edge[1]};
     for (size_t t = 0; t < ntp; t++) check_row(row, 3, tps[t]);
   }
+  /* min-p: every weight below the bound to +0.0, the rest untouched (lengths 0..70: the vector
+   * loop and its tail) */
+  for (size_t v = 0; v <= 70; v++) {
+    weights(w, v ? v : 1, 4.0, 0.2, 0);
+    double got[70], bound = unit() * 0.5;
+    memcpy(got, w, sizeof(double) * v);
+    topp_drop_row(got, v, bound);
+    for (size_t i = 0; i < v; i++) {
+      const double want = w[i] < bound ? 0.0 : w[i];
+      if (memcmp(&want, &got[i], sizeof want) != 0 && failures++ < 10)
+        fprintf(stderr, "topp: drop_row(%a < %a) = %a\n", w[i], bound, got[i]);
+    }
+    rows++;
+  }
   free(w);
   printf("topp: %ld rows, %ld differ from the reference\n", rows, failures);
   return failures ? 1 : 0;
