@@ -298,6 +298,21 @@ def _draw_top_k(
     return chosen
 
 
+def _softmax_sums(e: npt.NDArray[np.float64], idx: list[int], sel: list[LaneSampling],
+                  into: dict[int, float]) -> None:
+    """The raw softmax normalisers the logprobs need, from a full-vocabulary draw's weights ``e``
+    of lanes ``idx`` (settings ``sel``) on unprocessed logits: for a lane at temperature 1 whose
+    weights min-p left whole they are exactly the row sums the logprobs compute (``x / 1.0 == x``,
+    the same exp, the same pairwise sum of the same row), so OpenAI's default request with
+    logprobs pays one exp over the vocabulary, not two."""
+    keep = [k for k, ln in enumerate(sel)
+            if ln.logprobs is not None and ln.temperature == 1.0 and ln.min_p == 0.0]
+    if keep:
+        rows = e if len(keep) == len(sel) else e[keep]
+        for k, z in zip(keep, rows.sum(axis=1).tolist(), strict=True):
+            into[idx[k]] = z
+
+
 def _drop_below(e: npt.NDArray[np.float64], min_p: npt.NDArray[np.float64]) -> None:
     """min-p on weights ``e = exp(x/T - max(x/T))`` (the best token's is exactly 1, so
     ``p_t >= min_p * p_max`` is ``e_t >= min_p``), in place; min_p 0 keeps the row."""
@@ -359,6 +374,7 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
         return SampleResult(tokens=np.array(greedy_argmax(x), dtype=np.int64), logprobs=[None] * n)
     tokens = np.zeros(n, dtype=np.int64)
     raw = x  # logprobs are those of the raw logits
+    sums: dict[int, float] = {}  # lane -> its raw softmax normaliser, when a draw had it
     if any(ln.logits is not None for ln in lanes):
         # Processors add finite values or -inf: a NaN or non-finite raw row stays one, and the
         # row check below catches it (and a row the grammar mask bans entirely).
@@ -398,6 +414,8 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
                 if mp is not None:
                     _drop_below(e, mp)
                 tokens[t] = _draw_id_order(e, uk)
+                if x is raw:
+                    _softmax_sums(e, idx, sel, sums)
             elif kind == _TOP_K:
                 tokens[t] = _draw_top_k(x[t], temps, np.array([ln.top_k for ln in sel], np.int64),
                                         np.array([ln.top_p for ln in sel], np.float64), uk, mp)
@@ -418,7 +436,11 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
             w = np.array(want, dtype=np.int64)
             xw = x[w]
             wmax = rowmax[w] if unprocessed else xw.max(axis=1)
-        lse = wmax.astype(np.float64) + np.log(_exp_shifted(xw, np.ones(len(w)), wmax).sum(axis=1))
+        if all(i in sums for i in want):  # temperature 1, full vocabulary: the draw's weights
+            z = np.array([sums[i] for i in want], dtype=np.float64)
+        else:
+            z = _exp_shifted(xw, np.ones(len(w)), wmax).sum(axis=1)
+        lse = wmax.astype(np.float64) + np.log(z)
         chosen = xw[np.arange(len(w)), tokens[w]].astype(np.float64) - lse
         kmax = max(lanes[i].logprobs or 0 for i in want)
         top_ids = _top_sorted(xw, min(kmax, vocab)) if kmax > 0 else np.zeros((len(w), 0), np.int64)

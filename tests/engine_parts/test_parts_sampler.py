@@ -416,3 +416,24 @@ def test_one_row_nucleus_is_the_batch_nucleus(v: int, top_p: float, zeros: float
     one = _nucleus_mask(e[:1].copy(), tp[:1], x[:1])
     both = _nucleus_mask(e.copy(), tp, x)
     assert one.shape == (1, v) and np.array_equal(one[0], both[0])
+
+
+@given(st.data())
+def test_temperature_one_logprobs_from_the_draws_weights_are_the_computed_ones(data: st.DataObject) -> None:
+    """Lanes at temperature 1 over the full vocabulary take the softmax normaliser of their logprobs
+    from the draw's weights; beside a lane that needs them computed (another temperature), all are
+    computed: the logprobs are the same bits either way, and so are the tokens."""
+    x = data.draw(logits_matrix(max_rows=4, max_vocab=300))
+    n = x.shape[0]
+    seeds = data.draw(st.lists(st.integers(0, 2**63), min_size=n, max_size=n))
+    k = data.draw(st.sampled_from([0, 3]))
+    lanes = [LaneSampling(temperature=1.0, seed=s, step=5, logprobs=k) for s in seeds]
+    reused = sample_batch(x, lanes)
+    mate = LaneSampling(temperature=0.7, seed=1, logprobs=0)
+    computed = sample_batch(np.concatenate([x, x[:1]]), [*lanes, mate])
+    assert reused.tokens.tolist() == computed.tokens[:n].tolist()
+    assert reused.logprobs == computed.logprobs[:n]
+    for lp, row in zip(reused.logprobs, x, strict=True):
+        assert lp is not None
+        lse = float(np.log(np.exp(row.astype(np.float64) - row.max()).sum()) + row.max())
+        assert lp.logprob == pytest.approx(float(row[lp.token_id]) - lse, abs=1e-9)
