@@ -1,4 +1,5 @@
-/* topp.c — calserve.topp: the top-p (nucleus) cut of a batch of sampling weights, in place.
+/* topp.c — calserve.topp: the sampler's vocabulary truncations in place: the top-p (nucleus) cut of
+ * a batch of sampling weights, min-p's zeroing, and the grammar masks on the logits.
  *
  * The sampler's top-p draw (calserve/engine/nucleus.py) finds each row's nucleus from a histogram of
  * its float64 weights over 1,025 probability buckets. In numpy that is a bucket array, a weighted
@@ -114,9 +115,60 @@ static PyObject *drop_below(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* apply_mask(x, rows, words): x [n, v] float32 (in place), rows [k] int64 (rows of x), words [k, nw]
+ * int32: row rows[j]'s tokens outside mask j set to -inf, what numpy.copyto(x[rows[j]], -inf,
+ * where=unpackbits(words[j], bitorder="little")[:v] == 0) does, without the [k, v] bit array. */
+static PyObject *apply_mask(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *ox, *orows, *ow;
+  if (!PyArg_ParseTuple(args, "OOO", &ox, &orows, &ow)) return NULL;
+  Py_buffer x, rows, w;
+  if (PyObject_GetBuffer(ox, &x, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+  if (get(orows, &rows, "q", 0, "rows") < 0) {
+    PyBuffer_Release(&x);
+    return NULL;
+  }
+  if (PyObject_GetBuffer(ow, &w, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND) < 0) {
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&x);
+    return NULL;
+  }
+  PyObject *res = NULL;
+  if (x.itemsize != 4 || !x.format || strcmp(x.format, "f") != 0 || x.ndim != 2 || w.itemsize != 4 ||
+      !w.format || !(strcmp(w.format, "i") == 0 || strcmp(w.format, "I") == 0) || w.ndim != 2) {
+    PyErr_SetString(PyExc_TypeError, "topp.apply_mask needs float32 x [n, v] and int32 words [k, nw]");
+    goto done;
+  }
+  const Py_ssize_t n = x.shape[0], v = x.shape[1], k = rows.len / 8, nw = w.shape[1];
+  if (w.shape[0] != k) {
+    PyErr_SetString(PyExc_ValueError, "topp.apply_mask: one mask per row");
+    goto done;
+  }
+  const int64_t *rw = rows.buf;
+  for (Py_ssize_t j = 0; j < k; j++)
+    if (rw[j] < 0 || rw[j] >= n) {
+      PyErr_SetString(PyExc_IndexError, "topp.apply_mask: row out of range");
+      goto done;
+    }
+  uint32_t *xb = x.buf;
+  const uint32_t *wb = w.buf;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t j = 0; j < k; j++)
+    topp_mask_row(xb + (size_t)rw[j] * (size_t)v, (size_t)v, wb + (size_t)j * (size_t)nw, (size_t)nw);
+  Py_END_ALLOW_THREADS
+  res = Py_None;
+  Py_INCREF(res);
+done:
+  PyBuffer_Release(&w);
+  PyBuffer_Release(&rows);
+  PyBuffer_Release(&x);
+  return res;
+}
+
 static PyMethodDef methods[] = {
     {"cut", cut, METH_VARARGS, "the top-p cut of each row of a float64 weight matrix, in place"},
     {"drop_below", drop_below, METH_VARARGS, "min-p: weights below their row's min_p set to 0, in place"},
+    {"apply_mask", apply_mask, METH_VARARGS, "grammar masks: tokens outside each row's bitmask set to -inf, in place"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -90,6 +90,29 @@ static size_t topp_cut_row(double *e, size_t v, double z, double top_p, double *
   return n;
 }
 
+/* A grammar's token mask on one row of logits: every token whose bit (bit t % 32 of word t / 32) is
+ * clear, or beyond the mask's nw words, set to -inf (float32 bits 0xFF800000); the rest untouched.
+ * Branch-free: a mask that allows a scattered half of the vocabulary costs what any other does. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void topp_mask_row(uint32_t *x, size_t v, const uint32_t *words, size_t nw) {
+  const size_t full = nw < v / 32 ? nw : v / 32; /* whole words inside the row */
+  for (size_t i = 0; i < full; i++) {
+    const uint32_t wd = words[i];
+    uint32_t *xr = x + 32 * i;
+    if (wd == 0xFFFFFFFFu) continue; /* all 32 allowed: most words of a permissive state */
+    for (int b = 0; b < 32; b++) {   /* vectorised: a variable shift per lane */
+      const uint32_t allowed = 0u - ((wd >> b) & 1u);
+      xr[b] = (xr[b] & allowed) | (0xFF800000u & ~allowed);
+    }
+  }
+  for (size_t t = 32 * full; t < v; t++) { /* a partial last word, then what no word covers */
+    const uint32_t allowed = t / 32 < nw ? 0u - ((words[t / 32] >> (t % 32)) & 1u) : 0u;
+    x[t] = (x[t] & allowed) | (0xFF800000u & ~allowed);
+  }
+}
+
 /* min-p on one row of weights: every weight below min_p set to +0.0 (the rest untouched). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
 __attribute__((target_clones("avx2", "default")))

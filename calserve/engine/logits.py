@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from calserve.engine.grammar import GrammarState, fill_masks
+from calserve.engine.nucleus import apply_masks
 from calserve.engine.types import SamplingParams
 
 __all__ = ["LaneLogits", "LaneHistory", "SeqSamplingState", "apply_processors", "lane_logits"]
@@ -215,17 +216,5 @@ def apply_processors(x: npt.NDArray[np.float32], procs: Sequence[LaneLogits | No
         x[r, c] -= f * cnt + pr
     masked = [(i, p.allowed) for i, p in live if p.allowed is not None]
     if masked:
-        words = np.stack([a for _, a in masked])
-        bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-        if bits.shape[1] < vocab:  # a mask narrower than the logits bans the rest
-            bits = np.concatenate([bits, np.zeros((len(masked), vocab - bits.shape[1]), np.uint8)],
-                                  axis=1)
-        banned = bits == 0
-        if len(masked) == n:  # every lane constrained: in place, no row copies
-            np.copyto(x, np.float32(-np.inf), where=banned)
-        else:
-            rows = np.array([i for i, _ in masked], np.int64)
-            sub = x[rows]
-            np.copyto(sub, np.float32(-np.inf), where=banned)
-            x[rows] = sub
+        apply_masks(x, [i for i, _ in masked], [a for _, a in masked])
     return x

@@ -1,4 +1,5 @@
-"""The top-p (nucleus) set of a batch of sampling weights, and the sampler's scratch buffers.
+"""The sampler's vocabulary truncations — the top-p (nucleus) set, min-p, grammar masks — and its
+scratch buffers.
 
 :func:`nucleus_mask` is the numpy formulation (issue 5; sessions 27-28): bucket masses over the
 float bits of the weights locate the bucket where the cumulative mass in descending order crosses
@@ -18,7 +19,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["scratch", "nonzero2", "nucleus_of_sorted", "nucleus_mask", "cut", "drop_below", "NATIVE"]
+__all__ = ["scratch", "nonzero2", "nucleus_of_sorted", "nucleus_mask", "cut", "drop_below", "apply_masks",
+           "NATIVE"]
 
 _ext: Any
 try:
@@ -207,3 +209,26 @@ def drop_below(e: npt.NDArray[np.float64], min_p: npt.NDArray[np.float64]) -> No
         _ext.drop_below(e, np.ascontiguousarray(min_p, dtype=np.float64))
         return
     np.copyto(e, 0.0, where=e < min_p[:, None])
+
+
+def apply_masks(x: npt.NDArray[np.float32], rows: list[int], masks: list[npt.NDArray[np.int32]]) -> None:
+    """Grammar masks on logits ``x`` [n, v] in place: row ``rows[j]``'s tokens whose bit in
+    ``masks[j]`` (bit t % 32 of word t // 32) is clear, or beyond the mask, set to -inf. One
+    branch-free pass a row with the extension (a mask allowing a scattered half of the vocabulary
+    cost ~4 ms at [16, 49152] as numpy's masked copy, a mostly-allowed one ~0.3), else numpy."""
+    n, vocab = x.shape
+    words = np.stack(masks)
+    if _ext is not None and x.flags.c_contiguous and words.dtype == np.int32:
+        _ext.apply_mask(x, np.asarray(rows, dtype=np.int64), words)
+        return
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    if bits.shape[1] < vocab:  # a mask narrower than the logits bans the rest
+        bits = np.concatenate([bits, np.zeros((len(masks), vocab - bits.shape[1]), np.uint8)], axis=1)
+    banned = bits == 0
+    if len(rows) == n and rows == list(range(n)):  # every lane constrained: in place, no row copies
+        np.copyto(x, np.float32(-np.inf), where=banned)
+    else:
+        idx = np.array(rows, np.int64)
+        sub = x[idx]
+        np.copyto(sub, np.float32(-np.inf), where=banned)
+        x[idx] = sub

@@ -106,3 +106,41 @@ def test_drop_below_is_numpys_masked_copy(m: int, v: int, bounds: list[float], s
     got = e.copy()
     nucleus.drop_below(got, min_p)
     assert np.array_equal(want.view(np.uint64), got.view(np.uint64))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 200), st.integers(-2, 1), st.data())
+def test_apply_masks_is_numpys_masked_copy(n: int, v: int, width: int, data: st.DataObject) -> None:
+    """Grammar masks on logits: the extension's pass and numpy's unpackbits + masked copy ban the same
+    tokens (masks as wide as the vocabulary, one word narrower or wider; words all set, none set, all
+    but one bit, a few bits or random; every row or some)."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x = rng.standard_normal((n, v)).astype(np.float32)
+    nw = max(1, -(-v // 32) + width)
+    rows = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1)))
+    kinds = data.draw(st.lists(st.sampled_from(["random", "all", "none", "sparse", "all_but_one"]),
+                               min_size=len(rows), max_size=len(rows)))
+    masks = []
+    for kind in kinds:
+        if kind == "random":
+            m = rng.integers(-2**31, 2**31 - 1, nw, dtype=np.int64).astype(np.int32)
+        elif kind == "all_but_one":  # one token banned in each word
+            m = np.full(nw, -1, np.int64)
+            m ^= np.int64(1) << rng.integers(0, 32, nw)
+            m = (m & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+        elif kind == "sparse":
+            m = np.zeros(nw, np.int32)
+            m[rng.integers(0, nw, 3)] = np.int32(1 << int(rng.integers(0, 31)))
+        else:
+            m = np.full(nw, -1 if kind == "all" else 0, np.int32)
+        masks.append(m)
+    got = x.copy()
+    nucleus.apply_masks(got, rows, masks)
+    want = x.copy()
+    saved = nucleus._ext
+    try:
+        nucleus._ext = None  # the numpy formulation
+        nucleus.apply_masks(want, rows, masks)
+    finally:
+        nucleus._ext = saved
+    assert np.array_equal(want.view(np.uint32), got.view(np.uint32))

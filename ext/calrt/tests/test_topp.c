@@ -125,6 +125,28 @@ int main(void) {
     }
     rows++;
   }
+  /* grammar masks: a token whose bit is clear, or beyond the mask's words, becomes -inf (lengths
+   * 1..200, masks one word narrower to one word wider than the row; words full, empty, all but one
+   * bit, one bit, random) */
+  for (size_t v = 1; v <= 200; v++)
+    for (int extra = -1; extra <= 1; extra++) {
+      const size_t nw = (v + 31) / 32 + (size_t)(extra < 0 && (v + 31) / 32 == 1 ? 0 : extra);
+      uint32_t words[16], x[200], y[200];
+      for (size_t i = 0; i < nw; i++) {
+        const uint64_t r = next();
+        const uint32_t one = 1u << (r >> 40 & 31);
+        words[i] = r % 5 == 0 ? 0xFFFFFFFFu : r % 5 == 1 ? 0u : r % 5 == 2 ? ~one : r % 5 == 3 ? one : (uint32_t)(r >> 32);
+      }
+      for (size_t t = 0; t < v; t++) x[t] = y[t] = (uint32_t)next();
+      topp_mask_row(x, v, words, nw);
+      for (size_t t = 0; t < v; t++) {
+        const int allowed = t / 32 < nw && (words[t / 32] >> (t % 32) & 1u);
+        const uint32_t want = allowed ? y[t] : 0xFF800000u;
+        if (x[t] != want && failures++ < 10)
+          fprintf(stderr, "topp: mask_row(v %zu, nw %zu) token %zu = %08x, want %08x\n", v, nw, t, x[t], want);
+      }
+      rows++;
+    }
   free(w);
   printf("topp: %ld rows, %ld differ from the reference\n", rows, failures);
   return failures ? 1 : 0;
