@@ -192,7 +192,6 @@ def apply_processors(x: npt.NDArray[np.float32], procs: Sequence[LaneLogits | No
     else:
         np.copyto(out, x)
         x = out
-    n, vocab = x.shape
     live = [(i, p) for i, p in enumerate(procs) if p is not None]
     bias = [(i, p) for i, p in live if p.bias_ids.size]
     if bias:

@@ -202,9 +202,10 @@ def cut(e: npt.NDArray[np.float64], top_p: npt.NDArray[np.float64],
 
 
 def drop_below(e: npt.NDArray[np.float64], min_p: npt.NDArray[np.float64]) -> None:
-    """Every weight of row r of ``e`` below ``min_p[r]`` set to 0, in place (min-p on weights whose
-    best is exactly 1): ``numpy.copyto(e, 0.0, where=e < min_p[:, None])``, in one pass without the
-    mask when the extension is built."""
+    """min-p on weights ``e = exp(x/T - max(x/T))``, in place: the best token's weight is exactly
+    1, so ``p_t >= min_p * p_max`` is ``e_t >= min_p``, and every weight of row r below
+    ``min_p[r]`` is set to 0 (min_p 0 keeps the row): ``numpy.copyto(e, 0.0, where=e < min_p[:,
+    None])``, in one pass without the mask when the extension is built."""
     if _ext is not None and e.flags.c_contiguous and e.shape[0] > 0 and e.shape[1] > 0:
         _ext.drop_below(e, np.ascontiguousarray(min_p, dtype=np.float64))
         return

@@ -33,7 +33,7 @@ import dataclasses
 import math
 import secrets
 from collections.abc import Sequence
-from typing import Any, Final, final
+from typing import Final, final
 
 import numpy as np
 import numpy.typing as npt
@@ -313,12 +313,6 @@ def _softmax_sums(e: npt.NDArray[np.float64], idx: list[int], sel: list[LaneSamp
             into[idx[k]] = z
 
 
-def _drop_below(e: npt.NDArray[np.float64], min_p: npt.NDArray[np.float64]) -> None:
-    """min-p on weights ``e = exp(x/T - max(x/T))`` (the best token's is exactly 1, so
-    ``p_t >= min_p * p_max`` is ``e_t >= min_p``), in place; min_p 0 keeps the row."""
-    drop_below(e, min_p)
-
-
 def _draw_nucleus(
     rows: npt.NDArray[np.float32],
     temps: npt.NDArray[np.float64],
@@ -329,7 +323,7 @@ def _draw_nucleus(
     """Top-p over the whole vocabulary (no top-k), after min-p when given."""
     e = _exp_shifted(rows, temps)
     if min_p is not None:
-        _drop_below(e, min_p)
+        drop_below(e, min_p)
     cut(e, top_p, rows)  # weights outside the top-p set to 0 (engine/nucleus.py)
     return _draw_id_order(e, u)
 
@@ -412,7 +406,7 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
             if kind == _FULL:
                 e = _exp_shifted(x[t], temps, rowmax[t])
                 if mp is not None:
-                    _drop_below(e, mp)
+                    drop_below(e, mp)
                 tokens[t] = _draw_id_order(e, uk)
                 if x is raw:
                     _softmax_sums(e, idx, sel, sums)

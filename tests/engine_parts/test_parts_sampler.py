@@ -403,15 +403,16 @@ def test_one_row_nucleus_is_the_batch_nucleus(v: int, top_p: float, zeros: float
                                              seed: int) -> None:
     """A lone row's top-p set (the default configuration's every top-p token) is the batch's set
     of that row beside another: same buckets, same cut, same ranking by logit and id."""
+    from calserve.engine.nucleus import drop_below
     from calserve.engine.nucleus import nucleus_mask as _nucleus_mask
-    from calserve.engine.sampler import _drop_below, _exp_shifted
+    from calserve.engine.sampler import _exp_shifted
 
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((2, v)) * rng.choice([0.01, 1.0, 3.0, 30.0])).astype(np.float32)
     if ties:
         x = np.round(x)
     e = _exp_shifted(x, np.array([0.7, 1.3])).copy()
-    _drop_below(e, np.array([zeros / 2, 0.0]))  # min-p zeros in the first row
+    drop_below(e, np.array([zeros / 2, 0.0]))  # min-p zeros in the first row
     tp = np.array([top_p, 0.5])
     one = _nucleus_mask(e[:1].copy(), tp[:1], x[:1])
     both = _nucleus_mask(e.copy(), tp, x)

@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calserve.engine import nucleus
-from calserve.engine.sampler import _drop_below, _exp_shifted
+from calserve.engine.sampler import _exp_shifted
 
 
 def _weights(x: np.ndarray, temps: np.ndarray, min_p: np.ndarray) -> np.ndarray:
     e = _exp_shifted(x, temps).copy()
-    _drop_below(e, min_p)
+    nucleus.drop_below(e, min_p)
     return e
 
 
