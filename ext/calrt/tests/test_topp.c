@@ -13,14 +13,8 @@
 
 #include "../../topp_core.h"
 
-static uint64_t rng = 0x9E3779B97F4A7C15ULL;
-static uint64_t next(void) {
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return rng;
-}
-static double unit(void) { return (double)(next() >> 11) * 0x1p-53; }
+#define XORSHIFT_SEED 0x9E3779B97F4A7C15ULL
+#include "xorshift.h"
 static double normal(void) { return sqrt(-2.0 * log(unit() + 0x1p-60)) * cos(6.283185307179586 * unit()); }
 
 static long failures = 0, rows = 0;

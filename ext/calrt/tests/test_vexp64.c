@@ -11,14 +11,8 @@
 
 #include "../../vexp64_core.h"
 
-static uint64_t rng = 0x2545F4914F6CDD1DULL;
-static uint64_t next(void) {
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return rng;
-}
-static double unit(void) { return (double)(next() >> 11) * 0x1p-53; }
+#define XORSHIFT_SEED 0x2545F4914F6CDD1DULL
+#include "xorshift.h"
 
 static long failures = 0;
 
