@@ -48,7 +48,8 @@ import numpy.typing as npt
 
 from calserve.errors import RequestError
 
-__all__ = ["Grammar", "GrammarState", "compile_response_format", "fill_masks", "grammar_tokenizer",
+__all__ = ["Grammar", "GrammarState", "compile_response_format", "compile_json_schema", "fill_masks",
+           "grammar_tokenizer",
            "check_schema_bounds", "LIMITS", "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_NODES",
            "MAX_SCHEMA_PROPERTIES", "MAX_SCHEMA_LIST_ITEMS", "MAX_SCHEMA_COMBINATOR_NESTING"]
 
@@ -77,8 +78,8 @@ _TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[int, llguidance.LLTokenizer]] =
 _executor: llguidance.LLExecutor | None = None
 
 
-def _bad(msg: str) -> RequestError:
-    return RequestError(msg, param=_PARAM)
+def _bad(msg: str, param: str = _PARAM) -> RequestError:
+    return RequestError(msg, param=param)
 
 
 def grammar_tokenizer(tok: Any, vocab: int) -> llguidance.LLTokenizer:
@@ -196,9 +197,13 @@ def _schema_of(rf: Any) -> tuple[str, Any] | None:
     return kind, schema
 
 
-def check_schema_bounds(schema: Any) -> None:
-    """Raise the 400 (``response_format``) of a schema past one of the bounds (module
+def check_schema_bounds(schema: Any, param: str = _PARAM) -> None:
+    """Raise the 400 (naming ``param``) of a schema past one of the bounds (module
     docstring). Iterative: the walk itself is bounded by :data:`MAX_SCHEMA_NODES`."""
+
+    def _bad(msg: str) -> RequestError:
+        return RequestError(msg.replace("`response_format`", f"`{param}`"), param=param)
+
     nodes = 0
     # (value, depth, combinators around it)
     todo: list[tuple[Any, int, int]] = [(schema, 1, 0)]
@@ -237,17 +242,27 @@ def compile_response_format(rf: Any, tok: Any, vocab: int) -> Grammar | None:
     if got is None:
         return None
     kind, schema = got
-    check_schema_bounds(schema)
+    return compile_json_schema(schema, tok, vocab, kind)
+
+
+def compile_json_schema(schema: Any, tok: Any, vocab: int, kind: str = "json_schema",
+                        param: str = _PARAM) -> Grammar:
+    """The grammar of a JSON schema for ``tok`` (bounded, validated, enforced in full: the module
+    docstring); its 400s name ``param`` (``response_format``, or ``tools`` for tool calling)."""
+    check_schema_bounds(schema, param)
     try:
         text = json.dumps(schema)
         grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
     except Exception as e:  # ValueError/TypeError for a malformed schema; never a 500
-        raise _bad(f"`response_format` has an invalid schema: {str(e)[:500]}") from None
-    ll = grammar_tokenizer(tok, vocab)
+        raise _bad(f"`{param}` has an invalid schema: {str(e)[:500]}", param) from None
+    try:
+        ll = grammar_tokenizer(tok, vocab)
+    except RequestError as e:
+        raise _bad(e.message, param) from None
     is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=LIMITS)
     if is_err:
-        raise _bad(f"`response_format` schema cannot be enforced: {' '.join(msgs)[:500]}")
+        raise _bad(f"`{param}` schema cannot be enforced: {' '.join(msgs)[:500]}", param)
     m = llguidance.LLMatcher(ll, grammar, log_level=0, limits=LIMITS)
     if m.is_error():
-        raise _bad(f"`response_format` schema cannot be enforced: {m.get_error()[:500]}")
+        raise _bad(f"`{param}` schema cannot be enforced: {m.get_error()[:500]}", param)
     return Grammar(kind, schema, m)
