@@ -6,11 +6,13 @@ completion's ``prompt`` as a list of prompts (strings or token-id lists, up to
 ``server.max_prompts``: each prompt its own request, n choices each),
 ``presence_penalty``/``frequency_penalty``/``repetition_penalty``/``logit_bias``/``min_p``/``top_k``
 (the batched sampler's processors, ``engine/logits.py``) and ``response_format`` ``json_object`` /
-``json_schema`` (constrained decoding, ``engine/grammar.py``). Rejected because they would change
-results: ``best_of``>1 (no fork), ``suffix``, ``echo`` with ``logprobs``,
-``tools``/``functions``/``tool_choice``/``function_call``, non-text content parts, tool messages,
-and ``min_tokens``/``ignore_eos`` with a ``response_format`` (they sample past where the grammar
-ends). ``echo`` alone is supported (the prompt text is prepended).
+``json_schema`` (constrained decoding, ``engine/grammar.py``), and on chat ``tools`` /
+``tool_choice`` / ``parallel_tool_calls`` and tool messages (``api/tools.py``). Rejected because
+they would change results: ``best_of``>1 (no fork), ``suffix``, ``echo`` with ``logprobs``, the
+legacy ``functions``/``function_call``, ``tools`` on completions or with a ``response_format``,
+non-text content parts, and ``min_tokens``/``ignore_eos`` with a ``response_format`` or ``tools``
+(they sample past where the grammar ends). ``echo`` alone is supported (the prompt text is
+prepended).
 
 Hostile sizes (README "Per-request limits and slow readers"): a prompt longer than the context can
 hold is refused before any tokenizing (text: :func:`calserve.api.tokenizing.check_text_fits`;
@@ -35,7 +37,8 @@ from calserve.api.schemas import (
     SamplingFields,
 )
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
-from calserve.engine.grammar import compile_response_format
+from calserve.api.tools import ToolCalling, parse_tools, tool_messages
+from calserve.engine.grammar import Grammar, compile_json_schema, compile_response_format
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 from calserve.models.tokenizer import Tokenizer
@@ -45,7 +48,7 @@ __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_comp
            "choice_seed"]
 
 MAX_STOP_STRINGS = 16
-_CHAT_ROLES = {"system", "developer", "user", "assistant"}
+_CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,12 @@ class Prepared:
     # /v1/completions with a list of prompts: the request and echo text of each prompt after the
     # first (``request`` / ``echo_text``); their choices follow the first prompt's
     more_prompts: tuple[tuple[GenerateRequest, str], ...] = ()
+    tools: ToolCalling | None = None  # chat with tools: the answer is parsed into tool calls
+
+    @property
+    def streams_tokens(self) -> bool:
+        """Streamed as the tokens come (with tools the answer is sent once it is complete)."""
+        return self.stream and self.tools is None
 
     @property
     def choices(self) -> int:
@@ -158,12 +167,15 @@ def _reject_unsupported(body: SamplingFields, max_n: int) -> int:
         raise E.RequestError(f"`n` must be at most {max_n} (server.max_n)", param="n")
     if body.best_of not in (None, 1):
         raise bad("best_of", "only best_of=1 (no KV fork/copy on this runtime, spec §9.3)")
-    if body.tools or body.functions:
-        raise bad("tools" if body.tools else "functions", "tool calling is not implemented")
-    for name in ("tool_choice", "function_call"):
-        v = getattr(body, name)
-        if v not in (None, "none", "auto"):
-            raise bad(name, "tool calling is not implemented")
+    if body.functions:
+        raise bad("functions", "the legacy `functions` are not served: send `tools`")
+    if body.function_call not in (None, "none", "auto"):
+        raise bad("function_call", "the legacy `function_call` is not served: send `tool_choice`")
+    if not isinstance(body, ChatBody):
+        if body.tools:
+            raise bad("tools", "tool calling is served on /v1/chat/completions")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise bad("tool_choice", "tool calling is served on /v1/chat/completions")
     return n
 
 
@@ -228,8 +240,10 @@ def _logit_bias(body: SamplingFields, vocab: int | None) -> tuple[tuple[int, flo
 def _sampling(
     body: SamplingFields, *, prompt_len: int, max_seq: int, max_tokens: int | None,
     default_max: int, logprobs: int | None, prompt_param: str, vocab: int | None,
-    tok: TokenizerLike | None = None,
+    tok: TokenizerLike | None = None, grammar: Grammar | None = None,
 ) -> SamplingParams:
+    """``grammar``: the answer's grammar when the request has one besides ``response_format``
+    (tools)."""
     mt = _max_tokens(body, prompt_len=prompt_len, max_seq=max_seq, max_tokens=max_tokens,
                      default_max=default_max, prompt_param=prompt_param)
     min_tokens = body.min_tokens or 0
@@ -239,14 +253,14 @@ def _sampling(
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0  # greedy: dividing by a subnormal temperature overflows
-    grammar = None
-    if body.response_format is not None:
+    if grammar is None and body.response_format is not None:
         grammar = compile_response_format(body.response_format, tok, vocab or 0)
-        if grammar is not None and min_tokens:
+    if grammar is not None and body.response_format is not None:
+        if min_tokens:
             raise E.UnsupportedParameter(
                 "`min_tokens` is not supported with a `response_format` (it would sample past"
                 " the end of the answer)", param="min_tokens")
-        if grammar is not None and body.ignore_eos:
+        if body.ignore_eos:
             raise E.UnsupportedParameter(
                 "`ignore_eos` is not supported with a `response_format`", param="ignore_eos")
     return SamplingParams(
@@ -398,12 +412,12 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if m.role not in _CHAT_ROLES:
             raise E.UnsupportedParameter(
-                f"role {m.role!r} is not supported (use system, developer, user or assistant)",
-                param=f"messages[{i}].role",
+                f"role {m.role!r} is not supported (use system, developer, user, assistant or"
+                " tool)", param=f"messages[{i}].role",
             )
-        if m.tool_calls:
-            raise E.UnsupportedParameter("tool calls are not supported",
-                                         param=f"messages[{i}].tool_calls")
+        if m.tool_calls is not None and m.role != "assistant":
+            raise E.RequestError("only an assistant message has `tool_calls`",
+                                 param=f"messages[{i}].tool_calls")
         if m.content is None:
             text = ""
         elif isinstance(m.content, str):
@@ -423,6 +437,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     )
                 parts.append(p.text)
             text = "".join(parts)
+        if m.role == "tool" or m.tool_calls is not None:  # an earlier turn of tool calling
+            out.append(tool_messages(m.role, text, m.tool_calls, m.tool_call_id, f"messages[{i}]"))
+            continue
         out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
     return out
 
@@ -454,7 +471,22 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
         raise E.RequestError("`top_logprobs` requires `logprobs: true`", param="top_logprobs")
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
+    tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    grammar = None
     msgs = chat_messages(body.messages)
+    if tools is not None:
+        rf = body.response_format
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise E.UnsupportedParameter("`response_format` cannot be combined with `tools` (the"
+                                         " answer's format is the tool-call format)",
+                                         param="response_format")
+        for name in ("min_tokens", "ignore_eos"):  # refused before the grammar is compiled
+            if getattr(body, name):
+                raise E.UnsupportedParameter(f"`{name}` is not supported with `tools` (it would"
+                                             " sample past the end of the answer)", param=name)
+        msgs = tools.with_instructions(msgs)
+        grammar = compile_json_schema(tools.schema(), tok, _vocab_size(tok, info) or 0,
+                                      param="tools")
     ids = encode_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq)
     if not ids:
         raise E.RequestError("`messages` render to zero tokens", param="messages")
@@ -464,11 +496,11 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
     sampling = _sampling(
         body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=mt,
         default_max=info.max_seq, logprobs=k, prompt_param="messages",
-        vocab=_vocab_size(tok, info), tok=tok,
+        vocab=_vocab_size(tok, info), tok=tok, grammar=grammar,
     )
     req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
                           user=body.user)
-    return Prepared("chat", info.alias, req, stream, usage, "", k, n)
+    return Prepared("chat", info.alias, req, stream, usage, "", k, n, tools=tools)
 
 
 def _prepare(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,
@@ -482,9 +514,9 @@ async def prepare_body(kind: Literal["completion", "chat"], engine: ModelsLike, 
                        tenant: str, max_n: int = 1, max_prompts: int = 1) -> Prepared:
     """Decode and prepare a generation body (400/404 raise here): on the trio thread when it is
     small (:data:`~calserve.api.tokenizing.INLINE_BODY_BYTES`) and asks for no constrained
-    decoding (compiling a grammar can take milliseconds), else in the prompt worker thread over a
+    decoding (``response_format`` or ``tools``: compiling a grammar can take milliseconds), else in the prompt worker thread over a
     :class:`ModelView` of the engine."""
-    if len(data) <= INLINE_BODY_BYTES and b"json_" not in data:
+    if len(data) <= INLINE_BODY_BYTES and b"json_" not in data and b'"tools"' not in data:
         return _prepare(kind, engine, data, tenant, max_n, max_prompts)
     view = ModelView.of(engine)
     return await run_in_worker(lambda: _prepare(kind, view, data, tenant, max_n, max_prompts))

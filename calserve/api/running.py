@@ -164,8 +164,11 @@ async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepare
         return ({"index": index, "text": text, "logprobs": logprobs, "finish_reason": fr},
                 terminal.usage)
     chat_lp = {"content": [x for part in lp_parts for x in part]} if want_lps else None
-    return ({"index": index, "message": {"role": "assistant", "content": text},
-             "logprobs": chat_lp, "finish_reason": fr}, terminal.usage)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if prep.tools is not None:  # the answer is a tool call or a response (api/tools.py)
+        message, fr = prep.tools.message(text, fr)
+    return ({"index": index, "message": message, "logprobs": chat_lp, "finish_reason": fr},
+            terminal.usage)
 
 
 def _unread_reporter(handle: HandleLike, probe: SocketProbe | None) -> Callable[[], None] | None:

@@ -5,8 +5,8 @@ Decisions (documented in README.md, "HTTP API"):
 - Unknown fields are ignored (as vLLM does): OpenAI clients send many optional fields (``store``,
   ``metadata``, ``service_tier``, ...). Fields we *know* and cannot honour without changing results are
   listed here and rejected with 400 naming the parameter (see ``calserve.api.convert``).
-- ``prompt`` is one string or one list of token ids. A batch (list of strings / list of lists) is an
-  n>1-like fan-out and is rejected with 400 ``param: "prompt"``: send one request per prompt.
+- ``prompt`` is one string, one list of token ids, or a list of prompts (strings or token-id lists,
+  up to ``server.max_prompts``: ``convert.py``).
 - ``null`` is accepted for every optional field and means "default".
 """
 
@@ -82,11 +82,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None  # vLLM extension
     min_p: MinP | None = None  # vLLM extension
     response_format: Any = None  # text | json_object | json_schema (engine/grammar.py)
+    # Chat only: tool calling (api/tools.py checks them); the legacy ``functions`` /
+    # ``function_call`` are refused (convert.py)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     # Known but not supported when they would change results (checked in convert.py):
     best_of: Count | None = None
-    tools: Any = None
     functions: Any = None
-    tool_choice: Any = None
     function_call: Any = None
 
 

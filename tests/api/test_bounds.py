@@ -264,3 +264,46 @@ async def test_a_sampler_failure_fails_that_request_alone(monkeypatch: pytest.Mo
         assert await greedy_text(h) == before
         st_ = h.real_engine.statistics()
         assert st_ is not None
+
+
+def _tool(name: Any = "f", **function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+# Tool calling's fields (api/tools.py), each alone on a chat request: 200 (tool_choice "none"
+# leaves the tools out, so this test model needs no grammar tokenizer) or a 400 naming the field.
+TOOL_FIELDS: dict[str, list[Any]] = {
+    "tools": [
+        [_tool()], [_tool(f"t{i}") for i in range(128)], [_tool(f"t{i}") for i in range(129)],
+        [], "x", 3, [{}], [None], [_tool(2**63)], [_tool("x" * 65)], [_tool("é")],
+        [_tool(description="d" * 4097)], [_tool(parameters=[])], [_tool(strict=2**63)],
+        *[[_tool(parameters=rf["json_schema"]["schema"])] for rf in SCHEMAS_PAST_BOUNDS],
+    ],
+    "tool_choice": ["none", "auto", "required", {}, [], 2**63, "x" * 10**4,
+                    {"type": "function", "function": {"name": "x" * 10**4}}],
+    "parallel_tool_calls": [True, False, 2**63, "x", None],
+}
+
+
+async def test_tool_fields_at_and_past_their_bounds() -> None:
+    async with real_app(make_config()) as h:
+        before = await greedy_text(h)
+        for field, values in TOOL_FIELDS.items():
+            seen = set()
+            for v in values:
+                doc: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 3, field: v}
+                if field == "tools":
+                    doc["tool_choice"] = "none"  # validated all the same, then left out
+                for stream in (False, True):
+                    seen.add(await expect_bounded(h, CH, {**doc, "stream": stream}, field))
+            assert seen == {200, 400}, (field, seen)
+        # past a schema bound: the 400 says which one, before anything is compiled
+        for rf in SCHEMAS_PAST_BOUNDS:
+            status, body, _ = await h.post(CH, {"messages": [{"role": "user", "content": "hi"}],
+                                                "tools": [_tool(parameters=rf["json_schema"]["schema"])]})
+            assert status == 400 and body["error"]["param"] == "tools", body
+            assert any(w in body["error"]["message"] for w in ("deeper", "too large", "keys",
+                                                               "items", "nests")), body
+        assert h.real_engine.ready()
+        assert await greedy_text(h) == before

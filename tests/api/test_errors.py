@@ -30,6 +30,10 @@ C = "/v1/completions"
 CH = "/v1/chat/completions"
 
 
+def _tool(name: str, **function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, **function}}
+
+
 @pytest.mark.parametrize(
     "path,body,param,code",
     [
@@ -70,7 +74,13 @@ CH = "/v1/chat/completions"
         (CH, {"messages": []}, "messages", "invalid_value"),
         (CH, {"messages": [{"content": "hi"}]}, "messages[0].role", "invalid_value"),
         (CH, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", None),
-        (CH, {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", None),
+        (CH, {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", None),
+        (CH, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+         "messages[0].tool_calls", None),
+        (CH, {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+         "messages[0].tool_calls[0].function", None),
+        (CH, {"messages": [{"role": "assistant", "tool_calls": {}}]}, "messages[0].tool_calls",
+         None),
         (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content[0].type", "unsupported_parameter"),
         (CH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
@@ -80,7 +90,32 @@ CH = "/v1/chat/completions"
         ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
          "messages[0].content[0].text", "invalid_value"),
         (CH, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "tools", "unsupported_parameter"),
+         "tools[0].function", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}], "tools": [_tool("f")] * 2},
+         "tools[1].function.name", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}], "tools": [_tool("a b")]},
+         "tools[0].function.name", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}],
+              "tools": [_tool("f", parameters=[1])]}, "tools[0].function.parameters", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}],
+              "tools": [_tool("f", parameters={"type": "objectx"})]}, "tools", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}],
+              "tools": [_tool("f", description=5)]}, "tools[0].function.description", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}], "tools": [_tool("f")],
+              "tool_choice": "sometimes"}, "tool_choice", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}], "tools": [_tool("f")],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+         "tool_choice", None),
+        (CH, {"messages": [{"role": "user", "content": "x"}], "tools": [_tool("f")],
+              "response_format": {"type": "json_object"}}, "response_format",
+         "unsupported_parameter"),
+        (CH, {"messages": [{"role": "user", "content": "x"}], "tools": [_tool("f")],
+              "min_tokens": 2}, "min_tokens", "unsupported_parameter"),
+        (CH, {"messages": [{"role": "user", "content": "x"}], "functions": [_tool("f")]},
+         "functions", "unsupported_parameter"),
+        (C, {"prompt": "x", "tools": [_tool("f")]}, "tools", "unsupported_parameter"),
         (CH, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
          None),
         (CH, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},

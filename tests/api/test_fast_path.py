@@ -67,7 +67,7 @@ CASES: list[tuple[str, Any]] = [
     (C, {"prompt": "hi", "max_tokens": 0}),
     (C, {"prompt": "hi", "model": "nope"}),
     (C, b'{"prompt": '),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}),
+    (CHAT, {"messages": [{"role": "function", "content": "x"}]}),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 9, "stream": True}),
 ]
 

@@ -112,7 +112,7 @@ async def test_big_bodies_are_tokenized_in_the_worker_small_ones_inline(
         assert list(h.engine.submitted[1].prompt_tokens) == demo_tok.encode(big)
         # Errors raised in the worker are answered like inline ones (400 naming the field).
         status, out, _ = await h.post("/v1/chat/completions", {
-            "messages": [{"role": "tool", "content": big}]})
+            "messages": [{"role": "function", "content": big}]})
         assert status == 400 and out["error"]["param"] == "messages[0].role", out
         status, out, _ = await h.post("/v1/completions", {"prompt": big, "max_tokens": 0})
         assert status == 400 and out["error"]["param"] == "max_tokens", out

@@ -133,3 +133,37 @@ def test_greedy_tokens_and_logprobs_equal_an_independent_numpy_forward(
             assert c.choices[0].text.startswith(tok.decode(want[:n])), (prompt, want)
         for i in range(n):
             assert abs(lp.token_logprobs[i] - want_lp[i]) <= 1e-3, (prompt, i, lp.token_logprobs[i], want_lp[i])
+
+
+WEATHER_TOOLS: Any = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Current time in a timezone",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
+]
+
+
+def test_a_tool_call_for_a_real_question_streamed_and_not(client: openai.OpenAI) -> None:
+    """Asked for the weather with a weather tool and a clock, tool_choice required, greedy: it calls
+    get_weather for Paris (api/tools.py's generic format: the template has no tool syntax)."""
+    msgs: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw: Any = {"model": "smollm2", "messages": msgs, "tools": WEATHER_TOOLS, "tool_choice": "required",
+               "temperature": 0, "max_tokens": 60}
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+    call = c.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] == "Paris", call
+    streamed: dict[int, list[str]] = {}
+    for ch in client.chat.completions.create(**kw, stream=True):
+        for d in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            slot = streamed.setdefault(d.index, ["", ""])
+            slot[0] += d.function.name or "" if d.function else ""
+            slot[1] += d.function.arguments or "" if d.function else ""
+    assert [(n, json.loads(a)) for n, a in streamed.values()] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]

@@ -1,0 +1,293 @@
+"""Tool calling (OpenAI ``tools`` / ``tool_choice`` / ``parallel_tool_calls``) for any model.
+
+The model is told about the tools in its system message and answers with one JSON object, held to a
+schema by constrained decoding (the grammar of ``response_format``: ``engine/grammar.py``)::
+
+    {"tool_calls": [{"name": "<a tool>", "arguments": {...the tool's parameters...}}, ...]}
+    {"response": "<text for the user>"}
+
+This is llama.cpp server's *generic* tool-call format: it needs nothing of the model's chat template,
+so it works for every package (SmolLM2's template, like most small models', has no tool syntax), and
+the answer always parses: each call names a tool of the request and its ``arguments`` validate
+against that tool's ``parameters``. ``tool_choice``: ``"auto"`` (the default with tools) allows both
+forms; ``"required"`` only calls; ``{"type": "function", "function": {"name": N}}`` only calls of N;
+``"none"`` leaves the tools out (a plain answer). ``parallel_tool_calls: false`` allows one call.
+What a model trained on another tool syntax (Hermes ``<tool_call>`` tags, Llama 3's ``python_tag``)
+would write is not parsed: its calls come in this format, which it is told.
+
+The response is OpenAI's: calls as ``message.tool_calls`` (ids ``call_<24 hex>``, ``arguments`` a
+JSON string), ``content`` null, ``finish_reason`` ``"tool_calls"``; a ``response`` as ``content``.
+An answer cut short (``max_tokens``, a deadline) is not JSON: a direct answer's text so far is
+returned as ``content``, a call cut short as the JSON generated, with the ``finish_reason``
+(``length``). Object schemas in ``parameters`` that do not say ``additionalProperties`` get
+``false`` (the named arguments only: a small model otherwise adds keys until ``max_tokens``). Streamed (``stream: true``), the answer is sent
+when it is complete (one delta per choice with the whole calls or text): a call is only known once
+its JSON is. Earlier turns: an assistant message with ``tool_calls`` is shown to the model as the
+JSON it would have written, and a ``tool`` message as a user message
+``{"tool_response": {"tool_call_id": ..., "content": ...}}``.
+
+Bounds (issue 12): at most :data:`MAX_TOOLS` tools, names ``^[A-Za-z0-9_-]{1,64}$`` and unique,
+descriptions up to :data:`MAX_DESCRIPTION_CHARS`; the combined schema passes the grammar's bounds.
+Every refusal is a 400 naming the field (``tools[i].function.name``, ``tool_choice``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import secrets
+from typing import Any, Final
+
+from calserve import errors as E
+from calserve.api.render import DONE, sse
+
+__all__ = ["ToolCalling", "parse_tools", "tool_messages", "answer_sse", "MAX_TOOLS",
+           "MAX_DESCRIPTION_CHARS"]
+
+MAX_TOOLS: Final = 128
+MAX_DESCRIPTION_CHARS: Final = 4096
+MAX_PARALLEL_CALLS: Final = 16  # calls in one answer (parallel_tool_calls true)
+_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NO_PARAMETERS: Final[dict[str, Any]] = {"type": "object", "properties": {}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCalling:
+    """The tools of one chat request, as the prompt shows them and the grammar holds the answer."""
+
+    tools: tuple[dict[str, Any], ...]  # {"name", "description", "parameters"} each
+    mode: str  # "auto" | "required" | the one tool's name
+    parallel: bool
+
+    @property
+    def forced(self) -> str | None:
+        """The tool every call must name (``tool_choice`` naming one), else None."""
+        return None if self.mode in ("auto", "required") else self.mode
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema of the answer (module docstring)."""
+        calls = [{"type": "object",
+                  "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for t in self.tools if self.forced in (None, t["name"])]
+        items: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        call_form = {"type": "object",
+                     "properties": {"tool_calls": {"type": "array", "items": items, "minItems": 1,
+                                                   "maxItems": MAX_PARALLEL_CALLS if self.parallel
+                                                   else 1}},
+                     "required": ["tool_calls"], "additionalProperties": False}
+        if self.mode != "auto":
+            return call_form
+        text_form = {"type": "object", "properties": {"response": {"type": "string"}},
+                     "required": ["response"], "additionalProperties": False}
+        return {"anyOf": [call_form, text_form]}
+
+    def instructions(self) -> str:
+        """What the system message tells the model."""
+        listing = json.dumps(list(self.tools), ensure_ascii=False, separators=(",", ":"))
+        call = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}'
+        if self.mode == "auto":
+            how = (f"To call tools, answer with {call}; to answer the user directly, answer with"
+                   ' {"response": "<your answer>"}.')
+        elif self.forced is None:
+            how = f"Call one or more tools: answer with {call}."
+        else:
+            how = f"Call the tool `{self.forced}`: answer with {call}."
+        if not self.parallel:
+            how += " Call at most one tool at a time."
+        return ("You have access to these tools (the arguments of each follow its JSON Schema"
+                f" `parameters`):\n{listing}\nAnswer with one JSON object. {how}")
+
+    def with_instructions(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """``messages`` with the instructions appended to the first system message (one is put
+        first when there is none)."""
+        text = self.instructions()
+        if messages and messages[0]["role"] == "system":
+            first = messages[0]["content"]
+            return [{"role": "system", "content": f"{first}\n\n{text}" if first else text},
+                    *messages[1:]]
+        return [{"role": "system", "content": text}, *messages]
+
+    def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
+        """The assistant message and ``finish_reason`` of the generated ``text``."""
+        try:
+            answer = json.loads(text)
+        except ValueError:  # cut short: not JSON (yet); a direct answer's text so far
+            partial = _partial_response(text)
+            return {"role": "assistant", "content": text if partial is None else partial}, finish
+        if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
+            calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                      "function": {"name": c["name"],
+                                   "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                     for c in answer["tool_calls"]]
+            return ({"role": "assistant", "content": None, "tool_calls": calls},
+                    "tool_calls" if finish == "stop" else finish)
+        if isinstance(answer, dict) and isinstance(answer.get("response"), str):
+            return {"role": "assistant", "content": answer["response"]}, finish
+        return {"role": "assistant", "content": text}, finish
+
+
+def _closed(schema: Any, depth: int = 0) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists
+    ``properties`` and says nothing of extra ones (OpenAI's ``strict`` asks it of the client; here
+    it is the default, as in xgrammar's strict mode): a model is held to the named arguments
+    instead of adding keys until ``max_tokens``. What it accepts still validates against the
+    original. The walk stops at the grammar's depth bound (the schema is checked after)."""
+    if depth > 64:
+        return schema
+    if isinstance(schema, list):
+        return [_closed(v, depth + 1) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v, depth + 1) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _partial_response(text: str) -> str | None:
+    """The text of a ``{"response": "...`` answer cut short, else None."""
+    head = '{"response":"'
+    if not text.startswith(head):
+        return None
+    body = text[len(head):]
+    for cut in range(0, 6):  # an escape cut in the middle (``\``, ``\u12``)
+        try:
+            got = json.loads('"' + body[:len(body) - cut] + '"')
+        except ValueError:
+            continue
+        return got if isinstance(got, str) else None
+    return None
+
+
+def _bad(param: str, why: str) -> E.RequestError:
+    return E.RequestError(why, param=param)
+
+
+def _tool(i: int, t: Any) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if not isinstance(t, dict) or t.get("type") != "function":
+        raise _bad(f"{where}.type", f"`{where}` must be an object with `type: \"function\"`")
+    f = t.get("function")
+    if not isinstance(f, dict):
+        raise _bad(f"{where}.function", f"`{where}.function` must be an object")
+    name = f.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise _bad(f"{where}.function.name",
+                   f"`{where}.function.name` must be 1 to 64 letters, digits, `_` or `-`")
+    desc = f.get("description")
+    if desc is not None and (not isinstance(desc, str) or len(desc) > MAX_DESCRIPTION_CHARS):
+        raise _bad(f"{where}.function.description",
+                   f"`{where}.function.description` must be a string of at most"
+                   f" {MAX_DESCRIPTION_CHARS} characters")
+    params = f.get("parameters")
+    if params is None:
+        params = _NO_PARAMETERS
+    if not isinstance(params, dict):
+        raise _bad(f"{where}.function.parameters",
+                   f"`{where}.function.parameters` must be a JSON Schema object")
+    strict = f.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _bad(f"{where}.function.strict", f"`{where}.function.strict` must be a boolean")
+    out: dict[str, Any] = {"name": name}
+    if desc:
+        out["description"] = desc
+    out["parameters"] = _closed(params)
+    return out
+
+
+def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolCalling | None:
+    """The request's :class:`ToolCalling`, or None when it calls no tool (no tools, or
+    ``tool_choice: "none"``); a 400 naming the field for anything malformed."""
+    if tools is None:
+        if tool_choice not in (None, "none", "auto"):
+            raise _bad("tool_choice", "`tool_choice` needs `tools`")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise _bad("tools", "`tools` must be a non-empty list of functions")
+    if len(tools) > MAX_TOOLS:
+        raise _bad("tools", f"`tools` holds {len(tools)} tools; at most {MAX_TOOLS} are allowed")
+    parsed = [_tool(i, t) for i, t in enumerate(tools)]
+    names = [t["name"] for t in parsed]
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            raise _bad(f"tools[{i}].function.name", f"tool name `{n}` appears twice in `tools`")
+    if tool_choice in (None, "auto"):
+        mode = "auto"
+    elif tool_choice == "none":
+        return None
+    elif tool_choice == "required":
+        mode = "required"
+    elif (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+          and isinstance(tool_choice.get("function"), dict)):
+        name = tool_choice["function"].get("name")
+        if name not in names:
+            raise _bad("tool_choice", f"`tool_choice` names `{str(name)[:64]}`, which is not in"
+                                      " `tools`")
+        mode = name
+    else:
+        raise _bad("tool_choice", '`tool_choice` must be "none", "auto", "required" or'
+                                  ' {"type": "function", "function": {"name": ...}}')
+    return ToolCalling(tuple(parsed), mode, parallel is not False)
+
+
+def tool_messages(role: str, content: str, tool_calls: Any, tool_call_id: str | None,
+                  where: str) -> dict[str, str]:
+    """The plain message an earlier turn's tool call (``assistant`` with ``tool_calls``) or tool
+    result (``tool``) is shown to the model as (module docstring); 400s name ``where``'s fields."""
+    if role == "tool":
+        if tool_call_id is not None and not isinstance(tool_call_id, str):
+            raise _bad(f"{where}.tool_call_id", f"`{where}.tool_call_id` must be a string")
+        body = {"tool_response": {"tool_call_id": tool_call_id, "content": content}}
+        return {"role": "user", "content": json.dumps(body, ensure_ascii=False)}
+    if not isinstance(tool_calls, list) or len(tool_calls) > MAX_PARALLEL_CALLS:
+        raise _bad(f"{where}.tool_calls",
+                   f"`{where}.tool_calls` must be a list of at most {MAX_PARALLEL_CALLS} calls")
+    calls = []
+    for j, c in enumerate(tool_calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        name = f.get("name") if isinstance(f, dict) else None
+        args = f.get("arguments") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not isinstance(args, str):
+            raise _bad(f"{where}.tool_calls[{j}].function",
+                       f"`{where}.tool_calls[{j}].function` must have a string `name` and"
+                       " `arguments` (JSON text)")
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = args  # shown as the text it was
+        calls.append({"name": name, "arguments": parsed})
+    answer: dict[str, Any] = {"tool_calls": calls}
+    text = json.dumps(answer, ensure_ascii=False)
+    return {"role": "assistant", "content": f"{content}\n{text}" if content else text}
+
+
+def answer_sse(body: dict[str, Any], include_usage: bool) -> bytes:
+    """The SSE stream of a complete chat answer ``body`` (a ``chat.completion``), as OpenAI
+    streams it: per choice a role chunk, one delta with the whole content or tool calls (and the
+    choice's logprobs), a finish chunk; then the usage chunk (``include_usage``) and ``[DONE]``."""
+    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
+            "model": body["model"]}
+    if "system_fingerprint" in body:
+        head["system_fingerprint"] = body["system_fingerprint"]
+    tail: dict[str, Any] = {"usage": None} if include_usage else {}
+    out: list[bytes] = []
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> None:
+        out.append(sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                             "finish_reason": finish}], **tail}))
+
+    for c in body["choices"]:
+        i, msg = c["index"], c["message"]
+        chunk(i, {"role": "assistant", "content": ""}, None)
+        if msg.get("tool_calls"):
+            chunk(i, {"tool_calls": [{"index": k, **call} for k, call in enumerate(msg["tool_calls"])]},
+                  None, c.get("logprobs"))
+        elif msg.get("content"):
+            chunk(i, {"content": msg["content"]}, None, c.get("logprobs"))
+        chunk(i, {}, c["finish_reason"])
+    if include_usage:
+        out.append(sse({**head, "choices": [], "usage": body["usage"]}))
+    out.append(DONE)
+    return b"".join(out)
