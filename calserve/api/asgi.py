@@ -48,8 +48,8 @@ from calserve.api.render import LogprobFormatter, encode
 from calserve.api.running import RequestLease, pump_stream, run_json
 from calserve.api.socket_probe import SocketProbe, probe_from_send, probe_of
 from calserve.api.state import ApiState
-from calserve.api.stream_encoder import StreamEncoder
-from calserve.api.tools import answer_sse
+from calserve.api.stream_encoder import SseEncoder, StreamEncoder
+from calserve.api.tool_stream import ToolStreamEncoder
 from calserve.api.write_watch import close_later, watched_send
 from calserve.engine.types import ErrorEvent, FinishEvent
 
@@ -201,8 +201,10 @@ class FastRoutes:
             fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
             # the generation the request is pinned to (engines without one: no such field)
             fingerprint: str | None = getattr(handle, "system_fingerprint", None)
-            if prep.streams_tokens:
-                enc = StreamEncoder.for_request(prep, fmt, fingerprint)
+            if prep.stream:
+                enc: SseEncoder = (
+                    StreamEncoder.for_request(prep, fmt, fingerprint) if prep.tools is None
+                    else ToolStreamEncoder.for_request(prep, prep.tools, fmt, fingerprint))
                 self._count(200)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
@@ -220,19 +222,9 @@ class FastRoutes:
             except Exception as exc:  # an ErrorEvent (500/503) or a bug
                 await self._send_error(send, to_api_error(exc))
                 return
-            await self._send_answer(send, prep, body)
+            await self._send_json(send, 200, encode(body), [])
         finally:
             await lease.release()  # no-op once ended; else cancels, shielded
-
-    async def _send_answer(self, send: Send, prep: Prepared, body: dict[str, Any]) -> None:
-        """A complete answer: JSON, or (tools, streamed: api/tools.py) its SSE stream."""
-        if not prep.stream:
-            await self._send_json(send, 200, encode(body), [])
-            return
-        self._count(200)
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        await send({"type": "http.response.body", "body": answer_sse(body, prep.include_usage),
-                    "more_body": False})
 
     def _probe(self, scope: Scope, send: Send) -> SocketProbe | None:
         """The connection's socket probe (None: the launcher gives none)."""
@@ -252,7 +244,7 @@ class FastRoutes:
             metrics = self._state.metrics
             metrics.prompt_tokens.labels(prep.alias, prep.request.tenant).inc(prep.prompt_tokens())
             tok = eng.tokenizer(prep.alias)
-            if prep.streams_tokens:
+            if prep.stream:
                 self._count(200)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
@@ -269,7 +261,7 @@ class FastRoutes:
             except Exception as exc:  # an ErrorEvent (500/503) or a bug
                 await self._send_error(send, to_api_error(exc))
                 return
-            await self._send_answer(send, prep, body)
+            await self._send_json(send, 200, encode(body), [])
         finally:
             await release_all(leases)  # no-op for the ended ones; else cancels, shielded
 

@@ -42,7 +42,8 @@ from calserve.api.protocol import EngineLike, TokenizerLike
 from calserve.api.render import DONE, LogprobFormatter, new_id, now_s
 from calserve.api.running import RequestLease, Send, collect_choice, pump_stream, response_body
 from calserve.api.socket_probe import SocketProbe
-from calserve.api.stream_encoder import StreamEncoder
+from calserve.api.stream_encoder import SseEncoder, StreamEncoder
+from calserve.api.tool_stream import ToolStreamEncoder
 from calserve.engine.types import FinishEvent, Usage
 
 __all__ = ["submit_choices", "run_json_choices", "pump_choices", "release_all"]
@@ -111,13 +112,17 @@ def _first(eg: BaseExceptionGroup[BaseException]) -> BaseException:
 
 async def pump_choices(leases: list[RequestLease], send: Send, metrics: ApiMetrics,
                        prep: Prepared, tok: TokenizerLike, pacer: StreamPacer | None,
-                       probe: SocketProbe | None = None) -> list[StreamEncoder]:
+                       probe: SocketProbe | None = None) -> list[SseEncoder]:
     """The SSE body of an ``n`` > 1 stream, after the response head (see the module docstring);
     returns each choice's encoder (its ``terminal``). ``probe``: the connection's socket probe."""
     rid, created = new_id("chatcmpl" if prep.kind == "chat" else "cmpl"), now_s()
-    encs = [StreamEncoder.for_choice(prep, LogprobFormatter(tok, start_offset=len(prep.echo_of(i))),
-                                     rid=rid, created=created, index=i)
-            for i in range(len(leases))]
+    tools = prep.tools
+    encs: list[SseEncoder] = [
+        StreamEncoder.for_choice(prep, LogprobFormatter(tok, start_offset=len(prep.echo_of(i))),
+                                 rid=rid, created=created, index=i) if tools is None
+        else ToolStreamEncoder.for_choice(prep, tools, LogprobFormatter(tok), rid=rid,
+                                          created=created, index=i, last=False)
+        for i in range(len(leases))]
     lock = trio.Lock()
 
     async def locked_send(msg: dict[str, Any]) -> None:

@@ -76,6 +76,13 @@ class ChunkEncoder:
         return (self._choice + body + b',"finish_reason":' + _ENC.encode(fr) + b"}]"
                 + self._usage_null + _END)
 
+    def delta(self, delta: dict[str, Any], lps: Any = None, fr: str | None = None) -> bytes:
+        """A chat chunk with any ``delta`` (tool calls: ``api/tool_stream.py``); ``lps`` as in
+        :meth:`chunk`."""
+        return (self._choice + b'"delta":' + _ENC.encode(delta) + b',"logprobs":'
+                + (_ENC.encode({"content": lps}) if lps is not None else b"null")
+                + b',"finish_reason":' + _ENC.encode(fr) + b"}]" + self._usage_null + _END)
+
     def usage(self, u: Usage) -> bytes:
         """The final ``choices: []`` chunk carrying usage (``stream_options.include_usage``)."""
         return (self._head + b',"choices":[],"usage":{"prompt_tokens":'

@@ -67,11 +67,6 @@ class Prepared:
     tools: ToolCalling | None = None  # chat with tools: the answer is parsed into tool calls
 
     @property
-    def streams_tokens(self) -> bool:
-        """Streamed as the tokens come (with tools the answer is sent once it is complete)."""
-        return self.stream and self.tools is None
-
-    @property
     def choices(self) -> int:
         """The response's choices: ``n`` per prompt, prompt by prompt (OpenAI's and vLLM's order:
         choice ``k * n + j`` is choice j of prompt k)."""

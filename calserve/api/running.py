@@ -25,7 +25,7 @@ from calserve.api.render import (
     LogprobFormatter, finish_reason, merge_completion_logprobs, new_id, now_s, usage_dict,
 )
 from calserve.api.socket_probe import SocketProbe
-from calserve.api.stream_encoder import StreamEncoder
+from calserve.api.stream_encoder import SseEncoder
 from calserve.engine.types import ErrorEvent, FinishEvent, TokenEvent, Usage
 
 __all__ = ["RequestLease", "cancel_request", "run_json", "collect_choice", "response_body",
@@ -186,7 +186,7 @@ def _unread_reporter(handle: HandleLike, probe: SocketProbe | None) -> Callable[
     return tell
 
 
-async def pump_stream(lease: RequestLease, enc: StreamEncoder, send: Send, metrics: ApiMetrics,
+async def pump_stream(lease: RequestLease, enc: SseEncoder, send: Send, metrics: ApiMetrics,
                       prep: Prepared, pacer: StreamPacer | None = None,
                       probe: SocketProbe | None = None) -> None:
     """The SSE body, after the response head: read the handle's events, encode (``enc``), write one

@@ -19,7 +19,7 @@ What a stream looks like (``tests/api/test_stream_encoder.py`` pins each rule):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Final, final
+from typing import Any, Final, Protocol, final
 
 from calserve.api.chunks import ChunkEncoder
 from calserve.api.convert import Prepared
@@ -29,11 +29,33 @@ from calserve.api.render import (
 )
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
-__all__ = ["StreamEncoder"]
+__all__ = ["StreamEncoder", "SseEncoder", "stream_error_chunk", "NO_TERMINAL"]
+
+
+class SseEncoder(Protocol):
+    """What :func:`~calserve.api.running.pump_stream` drives (:class:`StreamEncoder`, and
+    ``api/tool_stream.py``'s for tool calling): see :class:`StreamEncoder`."""
+
+    tokens: int
+    terminal: FinishEvent | ErrorEvent | None
+    finished: bool
+
+    def opening(self) -> bytes: ...
+
+    def encode(self, batch: Sequence[Event]) -> bytes: ...
+
+    def failure(self, exc: BaseException) -> bytes: ...
+
+    def usage_chunk(self, usage: Usage) -> bytes: ...
 
 
 def _error_chunk(err: ApiError) -> bytes:
     return sse(err.body())
+
+
+def stream_error_chunk(ev: ErrorEvent) -> bytes:
+    """The last event of a stream that ended with ``ev``."""
+    return _error_chunk(_stream_error(ev))
 
 
 def _stream_error(ev: ErrorEvent) -> ApiError:
@@ -45,7 +67,7 @@ def _stream_error(ev: ErrorEvent) -> ApiError:
 
 
 # What a client gets when the engine's events end without a terminal event (an engine bug).
-_NO_TERMINAL: Final = _error_chunk(ApiError(
+NO_TERMINAL: Final = _error_chunk(ApiError(
     500, "the engine ended the request without a terminal event", type="server_error",
     code="internal_error"))
 
@@ -130,7 +152,7 @@ class StreamEncoder:
         if not batch:  # the events ended without a terminal event: an engine bug
             self.tokens = 0
             self.finished = True
-            return _NO_TERMINAL
+            return NO_TERMINAL
         chat = self._chat
         fmt = self._fmt
         texts: list[str] = []

@@ -20,9 +20,9 @@ JSON string), ``content`` null, ``finish_reason`` ``"tool_calls"``; a ``response
 An answer cut short (``max_tokens``, a deadline) is not JSON: a direct answer's text so far is
 returned as ``content``, a call cut short as the JSON generated, with the ``finish_reason``
 (``length``). Object schemas in ``parameters`` that do not say ``additionalProperties`` get
-``false`` (the named arguments only: a small model otherwise adds keys until ``max_tokens``). Streamed (``stream: true``), the answer is sent
-when it is complete (one delta per choice with the whole calls or text): a call is only known once
-its JSON is. Earlier turns: an assistant message with ``tool_calls`` is shown to the model as the
+``false`` (the named arguments only: a small model otherwise adds keys until ``max_tokens``).
+Streamed (``stream: true``), a direct answer's text streams as it comes and calls are sent whole
+once the answer is complete (``api/tool_stream.py``). Earlier turns: an assistant message with ``tool_calls`` is shown to the model as the
 JSON it would have written, and a ``tool`` message as a user message
 ``{"tool_response": {"tool_call_id": ..., "content": ...}}``.
 
@@ -40,16 +40,17 @@ import secrets
 from typing import Any, Final
 
 from calserve import errors as E
-from calserve.api.render import DONE, sse
 
-__all__ = ["ToolCalling", "parse_tools", "tool_messages", "answer_sse", "MAX_TOOLS",
-           "MAX_DESCRIPTION_CHARS"]
+__all__ = ["ToolCalling", "parse_tools", "tool_messages", "MAX_TOOLS", "MAX_DESCRIPTION_CHARS",
+           "RESPONSE_PREFIX"]
 
 MAX_TOOLS: Final = 128
 MAX_DESCRIPTION_CHARS: Final = 4096
 MAX_PARALLEL_CALLS: Final = 16  # calls in one answer (parallel_tool_calls true)
 _NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NO_PARAMETERS: Final[dict[str, Any]] = {"type": "object", "properties": {}}
+#: How a direct answer begins (the grammar writes no whitespace between JSON tokens).
+RESPONSE_PREFIX: Final = '{"response":"'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,16 +149,17 @@ def _closed(schema: Any, depth: int = 0) -> Any:
 
 def _partial_response(text: str) -> str | None:
     """The text of a ``{"response": "...`` answer cut short, else None."""
-    head = '{"response":"'
-    if not text.startswith(head):
+    if not text.startswith(RESPONSE_PREFIX):
         return None
-    body = text[len(head):]
+    body = text[len(RESPONSE_PREFIX):]
     for cut in range(0, 6):  # an escape cut in the middle (``\``, ``\u12``)
         try:
             got = json.loads('"' + body[:len(body) - cut] + '"')
         except ValueError:
             continue
-        return got if isinstance(got, str) else None
+        if not isinstance(got, str):
+            return None
+        return got[:-1] if got and "\ud800" <= got[-1] <= "\udbff" else got  # a lone half
     return None
 
 
@@ -262,32 +264,3 @@ def tool_messages(role: str, content: str, tool_calls: Any, tool_call_id: str | 
     text = json.dumps(answer, ensure_ascii=False)
     return {"role": "assistant", "content": f"{content}\n{text}" if content else text}
 
-
-def answer_sse(body: dict[str, Any], include_usage: bool) -> bytes:
-    """The SSE stream of a complete chat answer ``body`` (a ``chat.completion``), as OpenAI
-    streams it: per choice a role chunk, one delta with the whole content or tool calls (and the
-    choice's logprobs), a finish chunk; then the usage chunk (``include_usage``) and ``[DONE]``."""
-    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"],
-            "model": body["model"]}
-    if "system_fingerprint" in body:
-        head["system_fingerprint"] = body["system_fingerprint"]
-    tail: dict[str, Any] = {"usage": None} if include_usage else {}
-    out: list[bytes] = []
-
-    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> None:
-        out.append(sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": finish}], **tail}))
-
-    for c in body["choices"]:
-        i, msg = c["index"], c["message"]
-        chunk(i, {"role": "assistant", "content": ""}, None)
-        if msg.get("tool_calls"):
-            chunk(i, {"tool_calls": [{"index": k, **call} for k, call in enumerate(msg["tool_calls"])]},
-                  None, c.get("logprobs"))
-        elif msg.get("content"):
-            chunk(i, {"content": msg["content"]}, None, c.get("logprobs"))
-        chunk(i, {}, c["finish_reason"])
-    if include_usage:
-        out.append(sse({**head, "choices": [], "usage": body["usage"]}))
-    out.append(DONE)
-    return b"".join(out)

@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calserve import errors as E
-from calserve.api.render import DONE
-from calserve.api.tools import MAX_PARALLEL_CALLS, MAX_TOOLS, answer_sse, parse_tools, tool_messages
+from calserve.api.tools import MAX_PARALLEL_CALLS, MAX_TOOLS, parse_tools, tool_messages
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
                                             "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
@@ -179,41 +178,3 @@ def test_earlier_turns_are_shown_as_the_format() -> None:
             tool_messages("assistant", "", calls, None, "messages[1]")
         assert e.value.param == param
 
-
-def _events(raw: bytes) -> list[Any]:
-    assert raw.endswith(DONE)
-    out = []
-    for block in raw[:-len(DONE)].split(b"\n\n"):
-        if block:
-            assert block.startswith(b"data: ")
-            out.append(json.loads(block[6:]))
-    return out
-
-
-def test_a_complete_answer_streams_as_openai_chunks() -> None:
-    body = {"id": "chatcmpl-1", "object": "chat.completion", "created": 7, "model": "m",
-            "system_fingerprint": "fp",
-            "choices": [
-                {"index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
-                    "role": "assistant", "content": None, "tool_calls": [
-                        {"id": "call_a", "type": "function",
-                         "function": {"name": "now", "arguments": "{}"}}]}},
-                {"index": 1, "finish_reason": "stop", "logprobs": None,
-                 "message": {"role": "assistant", "content": "hi"}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}}
-    ev = _events(answer_sse(body, include_usage=True))
-    assert all(e["object"] == "chat.completion.chunk" and e["id"] == "chatcmpl-1"
-               and e["system_fingerprint"] == "fp" for e in ev)
-    deltas = [(c["index"], c["delta"], c["finish_reason"]) for e in ev for c in e["choices"]]
-    assert deltas == [
-        (0, {"role": "assistant", "content": ""}, None),
-        (0, {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                             "function": {"name": "now", "arguments": "{}"}}]}, None),
-        (0, {}, "tool_calls"),
-        (1, {"role": "assistant", "content": ""}, None),
-        (1, {"content": "hi"}, None),
-        (1, {}, "stop")]
-    assert ev[-1]["choices"] == [] and ev[-1]["usage"] == body["usage"]
-    assert all(e["usage"] is None for e in ev[:-1])
-    no_usage = _events(answer_sse(body, include_usage=False))
-    assert len(no_usage) == 6 and all("usage" not in e for e in no_usage)

@@ -148,3 +148,31 @@ def test_bad_tools_are_400s_naming_the_field(client: openai.OpenAI) -> None:
                                            tool_choice=choice or "auto", max_tokens=5)
         body: Any = e.value.body
         assert body["param"] == param, body
+
+
+def test_a_direct_answer_streams_as_text(client: openai.OpenAI) -> None:
+    """tool_choice auto, streamed: a direct answer's text arrives as content deltas (never the
+    JSON around it) and adds up to the unstreamed answer; calls arrive whole. (That the text
+    streams as it grows: tests/api/test_tool_stream.py; this model writes 40 tokens in a few ms.)"""
+    seen = set()
+    for seed in range(8):
+        kw: Any = {"model": "qwen3", "messages": MSGS, "tools": TOOLS, "seed": seed,
+                   "temperature": 1.0, "max_tokens": 40}
+        r = client.chat.completions.create(**kw)
+        want = r.choices[0]
+        parts, calls, finish = [], [], None
+        for ch in client.chat.completions.create(**kw, stream=True):
+            for c in ch.choices:
+                parts.append(c.delta.content or "")
+                calls.extend(c.delta.tool_calls or [])
+                finish = c.finish_reason or finish
+        assert finish == want.finish_reason
+        if want.message.tool_calls:
+            seen.add("call")
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+                (c.function.name, json.loads(c.function.arguments))
+                for c in want.message.tool_calls]
+        else:
+            seen.add("text")
+            assert "".join(parts) == want.message.content and not calls
+    assert seen

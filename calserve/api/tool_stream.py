@@ -1,0 +1,198 @@
+"""The SSE stream of a chat answer with tools (api/tools.py), as the tokens come.
+
+The answer is one JSON object, ``{"response": "..."}`` or ``{"tool_calls": [...]}``, and its first
+characters say which (the grammar writes no whitespace): a direct answer's string is decoded as it
+grows and streamed as ``content`` deltas (what a client sees is the text, never the JSON around
+it; an escape sequence cut between two tokens waits for its end); tool calls are sent as one
+``tool_calls`` delta when the answer is complete (a call is only known once its JSON is). Then the
+finish chunk (``tool_calls`` for calls), the usage chunk and ``[DONE]``, or the error event, exactly
+as :class:`~calserve.api.stream_encoder.StreamEncoder` ends a stream. The deltas of a stream add up
+to the message of the same answer unstreamed (``tests/api/test_tool_stream.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Final, final
+
+from calserve.api.chunks import ChunkEncoder
+from calserve.api.convert import Prepared
+from calserve.api.errors import from_exception
+from calserve.api.render import DONE, LogprobFormatter, finish_reason, new_id, now_s, sse
+from calserve.api.stream_encoder import NO_TERMINAL, stream_error_chunk
+from calserve.api.tools import RESPONSE_PREFIX, ToolCalling
+from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
+
+__all__ = ["ResponseText", "ToolStreamEncoder"]
+
+_DECODER: Final = json.JSONDecoder(strict=False)
+
+
+def _safe_end(s: str) -> tuple[int, bool]:
+    """How much of ``s`` (a JSON string's inside, from its start) decodes on its own, and whether
+    the string's closing quote ends it there: an escape is never cut (``\\uD83D`` waits for its
+    low surrogate's escape too)."""
+    i, n = 0, len(s)
+    while i < n:
+        c = s[i]
+        if c == '"':
+            return i, True
+        if c != "\\":
+            i += 1
+            continue
+        if i + 1 >= n:
+            return i, False
+        if s[i + 1] != "u":
+            i += 2
+            continue
+        if i + 6 > n:
+            return i, False
+        if "\\ud800" <= s[i:i + 6].lower() <= "\\udbff":  # a high surrogate: its pair too
+            if i + 8 > n or (s[i + 6:i + 8] == "\\u" and i + 12 > n):
+                return i, False
+            i += 12 if s[i + 6:i + 8] == "\\u" else 6
+            continue
+        i += 6
+    return n, False
+
+
+@final
+class ResponseText:
+    """The text of a ``{"response": "..."}`` answer as it grows; nothing for tool calls."""
+
+    __slots__ = ("_buf", "mode", "done", "sent")
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self.mode: str | None = None  # None: undecided; "text"; "calls"
+        self.done = False  # the string's closing quote was seen
+        self.sent: list[str] = []  # what feed() returned
+
+    def feed(self, text: str) -> str:
+        """The answer's next characters -> the text they add (may be "")."""
+        if self.mode == "calls" or self.done or not text:
+            return ""
+        buf = self._buf + text
+        if self.mode is None:
+            if len(buf) < len(RESPONSE_PREFIX):
+                self._buf = buf
+                if not RESPONSE_PREFIX.startswith(buf):
+                    self.mode = "calls"
+                return ""
+            if not buf.startswith(RESPONSE_PREFIX):
+                self.mode = "calls"
+                return ""
+            self.mode = "text"
+            buf = buf[len(RESPONSE_PREFIX):]
+        end, closed = _safe_end(buf)
+        self.done = closed
+        self._buf = buf[end:]
+        if end == 0:
+            return ""
+        out: str = _DECODER.decode('"' + buf[:end] + '"')
+        self.sent.append(out)
+        return out
+
+
+@final
+class ToolStreamEncoder:
+    """:class:`~calserve.api.stream_encoder.StreamEncoder`'s interface for an answer with tools
+    (module docstring)."""
+
+    __slots__ = ("_chunks", "_tools", "_fmt", "_usage", "_last", "_all", "_lps", "_text",
+                 "tokens", "terminal", "finished")
+
+    def __init__(self, chunks: ChunkEncoder, tools: ToolCalling, *, include_usage: bool,
+                 logprobs: LogprobFormatter | None, last: bool = True) -> None:
+        self._chunks = chunks
+        self._tools = tools
+        self._fmt = logprobs
+        self._usage = include_usage
+        self._last = last
+        self._all: list[str] = []  # every text of the answer
+        self._lps: list[Any] = []  # logprobs not sent yet (tool calls: with the calls)
+        self._text = ResponseText()
+        self.tokens = 0
+        self.terminal: FinishEvent | ErrorEvent | None = None
+        self.finished = False
+
+    @classmethod
+    def for_choice(cls, prep: Prepared, tools: ToolCalling, fmt: LogprobFormatter, *, rid: str,
+                   created: int, index: int = 0, last: bool = True,
+                   system_fingerprint: str | None = None) -> ToolStreamEncoder:
+        chunks = ChunkEncoder(chat=True, rid=rid, created=created, model=prep.alias,
+                              include_usage=prep.include_usage, index=index,
+                              system_fingerprint=system_fingerprint)
+        return cls(chunks, tools, include_usage=prep.include_usage,
+                   logprobs=fmt if prep.logprobs is not None else None, last=last)
+
+    @classmethod
+    def for_request(cls, prep: Prepared, tools: ToolCalling, fmt: LogprobFormatter,
+                    system_fingerprint: str | None = None) -> ToolStreamEncoder:
+        return cls.for_choice(prep, tools, fmt, rid=new_id("chatcmpl"), created=now_s(),
+                              system_fingerprint=system_fingerprint)
+
+    def opening(self) -> bytes:
+        return self._chunks.chunk("", None, None, role=True)
+
+    def failure(self, exc: BaseException) -> bytes:
+        return sse(from_exception(exc).body())
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return self._chunks.usage(usage)
+
+    def encode(self, batch: Sequence[Event]) -> bytes:
+        if not batch:  # the events ended without a terminal event: an engine bug
+            self.tokens = 0
+            self.finished = True
+            return NO_TERMINAL
+        fmt = self._fmt
+        n_tokens = 0
+        added: list[str] = []
+        terminal: FinishEvent | ErrorEvent | None = None
+        for ev in batch:
+            if isinstance(ev, TokenEvent):
+                n_tokens += len(ev.token_ids)
+                self._all.append(ev.text)
+                added.append(self._text.feed(ev.text))
+                if fmt is not None and ev.logprobs:
+                    self._lps.extend(fmt.chat(ev.logprobs))
+                continue
+            terminal = ev
+            break
+        self.tokens = n_tokens
+        out = b""
+        text = "".join(added)
+        if text or (self._lps and self._text.mode == "text"):
+            out = self._chunks.chunk(text, self._lps or None, None)
+            self._lps = []
+        if terminal is None:
+            return out
+        self.terminal = terminal
+        self.finished = True
+        if isinstance(terminal, ErrorEvent):
+            return out + stream_error_chunk(terminal)
+        return out + self._finish(terminal)
+
+    def _finish(self, terminal: FinishEvent) -> bytes:
+        chunks = self._chunks
+        self._all.append(terminal.text)
+        msg, fr = self._tools.message("".join(self._all), finish_reason(terminal.reason))
+        lps = self._lps or None
+        out = b""
+        if msg.get("tool_calls"):
+            calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
+            out += chunks.delta({"tool_calls": calls}, lps)
+        else:
+            content = msg["content"] or ""
+            sent = "".join(self._text.sent)
+            rest = content[len(sent):] if content.startswith(sent) else ""
+            if rest or lps:
+                out += chunks.chunk(rest, lps, None)
+        out += chunks.delta({}, None, fr)
+        if not self._last:
+            return out
+        if self._usage:
+            out += chunks.usage(terminal.usage)
+        return out + DONE
