@@ -433,7 +433,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                 parts.append(p.text)
             text = "".join(parts)
         if m.role == "tool" or m.tool_calls is not None:  # an earlier turn of tool calling
-            out.append(tool_messages(m.role, text, m.tool_calls, m.tool_call_id, f"messages[{i}]"))
+            shown = tool_messages(m.role, text, m.tool_calls, m.tool_call_id, f"messages[{i}]")
+            if m.role == "tool" and i and messages[i - 1].role == "tool":
+                # the results of parallel calls: one user turn (templates that insist on
+                # alternating user and assistant turns would refuse two in a row)
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + shown["content"]}
+            else:
+                out.append(shown)
             continue
         out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
     return out

@@ -178,3 +178,21 @@ def test_earlier_turns_are_shown_as_the_format() -> None:
             tool_messages("assistant", "", calls, None, "messages[1]")
         assert e.value.param == param
 
+
+
+def test_parallel_results_are_one_user_turn() -> None:
+    from calserve.api.convert import chat_messages
+    from calserve.api.schemas import ChatMessage
+
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    msgs = chat_messages([
+        ChatMessage(role="user", content="time twice?"),
+        ChatMessage(role="assistant", tool_calls=[call, {**call, "id": "c2"}]),
+        ChatMessage(role="tool", content="10:00", tool_call_id="c1"),
+        ChatMessage(role="tool", content="10:01", tool_call_id="c2"),
+        ChatMessage(role="user", content="thanks"),
+    ])
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "user"]
+    results = [json.loads(line) for line in msgs[2]["content"].split("\n")]
+    assert results == [{"tool_response": {"tool_call_id": "c1", "content": "10:00"}},
+                       {"tool_response": {"tool_call_id": "c2", "content": "10:01"}}]
