@@ -68,11 +68,16 @@ class ToolCalling:
         return None if self.mode in ("auto", "required") else self.mode
 
     def schema(self) -> dict[str, Any]:
-        """The JSON schema of the answer (module docstring)."""
+        """The JSON schema of the answer (module docstring). Each tool's ``parameters`` sits in
+        the root's ``$defs`` (``tool_<i>``) with its local ``$ref``s rebased there: a schema whose
+        references point into itself (pydantic's ``#/$defs/Model``) means the same inside it."""
+        defs = {f"tool_{i}": _rebase(t["parameters"], f"#/$defs/tool_{i}")
+                for i, t in enumerate(self.tools)}
         calls = [{"type": "object",
-                  "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+                  "properties": {"name": {"const": t["name"]},
+                                 "arguments": {"$ref": f"#/$defs/tool_{i}"}},
                   "required": ["name", "arguments"], "additionalProperties": False}
-                 for t in self.tools if self.forced in (None, t["name"])]
+                 for i, t in enumerate(self.tools) if self.forced in (None, t["name"])]
         items: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
         call_form = {"type": "object",
                      "properties": {"tool_calls": {"type": "array", "items": items, "minItems": 1,
@@ -80,10 +85,10 @@ class ToolCalling:
                                                    else 1}},
                      "required": ["tool_calls"], "additionalProperties": False}
         if self.mode != "auto":
-            return call_form
+            return {"$defs": defs, **call_form}
         text_form = {"type": "object", "properties": {"response": {"type": "string"}},
                      "required": ["response"], "additionalProperties": False}
-        return {"anyOf": [call_form, text_form]}
+        return {"$defs": defs, "anyOf": [call_form, text_form]}
 
     def instructions(self) -> str:
         """What the system message tells the model."""
@@ -145,6 +150,23 @@ def _closed(schema: Any, depth: int = 0) -> Any:
     out = {k: _closed(v, depth + 1) for k, v in schema.items()}
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
         out["additionalProperties"] = False
+    return out
+
+
+def _rebase(schema: Any, base: str, depth: int = 0) -> Any:
+    """``schema`` moved to ``base`` (a JSON pointer fragment): its local ``$ref``s (``#``,
+    ``#/...``) point where they pointed, from there. The walk stops at the grammar's depth bound
+    (the schema is checked after)."""
+    if depth > 64:
+        return schema
+    if isinstance(schema, list):
+        return [_rebase(v, base, depth + 1) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rebase(v, base, depth + 1) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
     return out
 
 

@@ -196,3 +196,29 @@ def test_parallel_results_are_one_user_turn() -> None:
     results = [json.loads(line) for line in msgs[2]["content"].split("\n")]
     assert results == [{"tool_response": {"tool_call_id": "c1", "content": "10:00"}},
                        {"tool_response": {"tool_call_id": "c2", "content": "10:01"}}]
+
+
+def test_parameters_that_refer_into_themselves() -> None:
+    """pydantic writes nested models as ``$defs`` and ``$ref: "#/$defs/Model"``; a recursive one
+    refers to ``#``. Inside the answer's schema they mean what they meant alone."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    shape = {"type": "object", "$defs": {"Point": point},
+             "properties": {"corners": {"type": "array", "items": {"$ref": "#/$defs/Point"}},
+                            "origin": {"$ref": "#/properties/corners/items"}},
+             "required": ["corners"]}
+    tree = {"type": "object", "properties": {"v": {"type": "integer"},
+                                             "kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["v"]}
+    t = parse_tools([tool("shape", shape), tool("tree", tree)], "required", None)
+    assert t is not None
+    s = t.schema()
+
+    def ok(name: str, args: Any) -> bool:
+        return valid(s, {"tool_calls": [{"name": name, "arguments": args}]})
+
+    assert ok("shape", {"corners": [{"x": 1}, {"x": 2}], "origin": {"x": 0}})
+    assert not ok("shape", {"corners": [{"x": "a"}]})
+    assert not ok("shape", {"corners": [], "origin": {"y": 1}})
+    assert ok("tree", {"v": 1, "kids": [{"v": 2, "kids": []}, {"v": 3}]})
+    assert not ok("tree", {"v": 1, "kids": [{"kids": []}]})
+    assert not ok("tree", {"v": 1, "kids": [{"v": 2, "extra": 0}]})  # closed at every level

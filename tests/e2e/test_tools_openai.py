@@ -176,3 +176,24 @@ def test_a_direct_answer_streams_as_text(client: openai.OpenAI) -> None:
             seen.add("text")
             assert "".join(parts) == want.message.content and not calls
     assert seen
+
+
+def test_pydantic_style_parameters_with_defs(client: openai.OpenAI) -> None:
+    """Parameters as pydantic writes them (``$defs`` + ``$ref: "#/$defs/..."``, and a pointer into
+    the schema itself): the calls validate against them as given."""
+    coord = {"type": "integer", "minimum": -99, "maximum": 99}  # the noise model's numbers end
+    point = {"type": "object", "properties": {"x": coord, "y": coord}, "required": ["x", "y"]}
+    shape = {"type": "object", "$defs": {"Point": point},
+             "properties": {"corners": {"type": "array", "items": {"$ref": "#/$defs/Point"},
+                                        "maxItems": 4},
+                            "origin": {"$ref": "#/properties/corners/items"}},
+             "required": ["corners", "origin"]}
+    tools: Any = [{"type": "function", "function": {"name": "draw", "parameters": shape}}]
+    for seed in range(4):
+        r = client.chat.completions.create(model="qwen3", messages=MSGS, tools=tools, seed=seed,
+                                           tool_choice="required", temperature=1.0,
+                                           parallel_tool_calls=False, max_tokens=400)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        for call in c.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), shape)
