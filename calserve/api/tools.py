@@ -123,7 +123,7 @@ class ToolCalling:
         except ValueError:  # cut short: not JSON (yet); a direct answer's text so far
             partial = _partial_response(text)
             return {"role": "assistant", "content": text if partial is None else partial}, finish
-        if isinstance(answer, dict) and isinstance(answer.get("tool_calls"), list):
+        if isinstance(answer, dict) and _calls_ok(answer.get("tool_calls")):
             calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
                       "function": {"name": c["name"],
                                    "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
@@ -133,6 +133,14 @@ class ToolCalling:
         if isinstance(answer, dict) and isinstance(answer.get("response"), str):
             return {"role": "assistant", "content": answer["response"]}, finish
         return {"role": "assistant", "content": text}, finish
+
+
+def _calls_ok(calls: Any) -> bool:
+    """``calls`` has the shape the grammar holds a finished answer to (a list of calls, each a
+    tool's name and its arguments); anything else is shown as the text it is."""
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c
+        for c in calls)
 
 
 def _closed(schema: Any, depth: int = 0) -> Any:
@@ -207,7 +215,7 @@ def _tool(i: int, t: Any) -> dict[str, Any]:
                    f"`{where}.function.description` must be a string of at most"
                    f" {MAX_DESCRIPTION_CHARS} characters")
     params = f.get("parameters")
-    if params is None:
+    if params is None or params == {}:  # no arguments ({} would allow any JSON value)
         params = _NO_PARAMETERS
     if not isinstance(params, dict):
         raise _bad(f"{where}.function.parameters",

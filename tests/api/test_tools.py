@@ -222,3 +222,14 @@ def test_parameters_that_refer_into_themselves() -> None:
     assert ok("tree", {"v": 1, "kids": [{"v": 2, "kids": []}, {"v": 3}]})
     assert not ok("tree", {"v": 1, "kids": [{"kids": []}]})
     assert not ok("tree", {"v": 1, "kids": [{"v": 2, "extra": 0}]})  # closed at every level
+
+
+def test_no_parameters_means_no_arguments_and_odd_answers_stay_text() -> None:
+    t = parse_tools([tool("now", {}), tool("ping")], "required", None)
+    assert t is not None
+    for name in ("now", "ping"):
+        assert valid(t.schema(), {"tool_calls": [{"name": name, "arguments": {}}]})
+        assert not valid(t.schema(), {"tool_calls": [{"name": name, "arguments": 5}]})
+        assert not valid(t.schema(), {"tool_calls": [{"name": name, "arguments": {"a": 1}}]})
+    for odd in ('{"tool_calls":[{"arguments":{}}]}', '{"tool_calls":[3]}', '{"other":1}', "[1]"):
+        assert t.message(odd, "stop") == ({"role": "assistant", "content": odd}, "stop")
