@@ -37,6 +37,7 @@ from calserve.api.readiness import RETRY_AFTER_S, not_ready_reason
 from calserve.api.schemas import DetokenizeBody, TokenizeBody
 from calserve.api.state import ApiState
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
+from calserve.api.tools import parse_tools
 
 __all__ = ["register_routes", "json_response", "error_response"]
 
@@ -135,8 +136,14 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
                                  param=given[1] if len(given) > 1 else "prompt")
         prompt: str | None = None  # with `messages`: the rendered conversation (chat template)
         if b.messages is not None:
-            prompt, ids = render_chat(tok, chat_messages(b.messages),
-                                      b.add_generation_prompt is not False, info.max_seq)
+            msgs = chat_messages(b.messages)
+            tools = parse_tools(b.tools, b.tool_choice, b.parallel_tool_calls)
+            if tools is not None:  # the instructions a chat request with them adds
+                msgs = tools.with_instructions(msgs)
+            prompt, ids = render_chat(tok, msgs, b.add_generation_prompt is not False,
+                                      info.max_seq)
+        elif b.tools is not None:
+            raise E.RequestError("`tools` go with `messages`", param="tools")
         else:
             text = b.prompt if b.prompt is not None else b.content
             assert text is not None

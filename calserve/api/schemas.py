@@ -134,6 +134,10 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     with_pieces: bool | None = None  # llama.cpp: return [{"id", "piece"}]
+    # with ``messages``: the prompt a chat request with these tools renders (vLLM takes them too)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):

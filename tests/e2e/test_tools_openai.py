@@ -197,3 +197,20 @@ def test_pydantic_style_parameters_with_defs(client: openai.OpenAI) -> None:
         assert c.finish_reason == "tool_calls", c
         for call in c.message.tool_calls or []:
             jsonschema.validate(json.loads(call.function.arguments), shape)
+
+
+def test_tokenize_renders_the_prompt_a_request_with_tools_uses(client: openai.OpenAI,
+                                                              server: ServerProcess) -> None:
+    """``/tokenize`` with ``messages`` and ``tools`` gives the prompt the chat request renders:
+    its count is the request's ``usage.prompt_tokens``."""
+    import httpx
+
+    body = {"model": "qwen3", "messages": MSGS, "tools": TOOLS}
+    tok = httpx.post(server.url + "/tokenize", json=body, timeout=30).json()
+    plain = httpx.post(server.url + "/tokenize", json={**body, "tools": None}, timeout=30).json()
+    assert '"get_weather"' in tok["prompt"] and '"get_weather"' not in plain["prompt"]
+    r = client.chat.completions.create(model="qwen3", messages=MSGS, tools=TOOLS, max_tokens=1,
+                                       seed=0)
+    assert r.usage is not None and r.usage.prompt_tokens == tok["count"]
+    bad = httpx.post(server.url + "/tokenize", json={"prompt": "x", "tools": TOOLS}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
