@@ -95,8 +95,8 @@ class ToolCalling:
         listing = json.dumps(list(self.tools), ensure_ascii=False, separators=(",", ":"))
         call = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}]}'
         if self.mode == "auto":
-            how = (f"To call tools, answer with {call}; to answer the user directly, answer with"
-                   ' {"response": "<your answer>"}.')
+            how = (f"When a tool can answer the request, call it: answer with {call}. Otherwise"
+                   ' answer the user directly: answer with {"response": "<your answer>"}.')
         elif self.forced is None:
             how = f"Call one or more tools: answer with {call}."
         else:
