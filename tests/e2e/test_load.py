@@ -104,6 +104,68 @@ async def test_100_streaming_clients_disconnect_mid_stream(storm_server: ServerP
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
+async def test_tool_streams_cut_mid_answer_and_json_ones_abandoned(storm_server: ServerProcess
+                                                                    ) -> None:
+    """Tool calling under a disconnect storm (api/tool_stream.py, api/tools.py): 30 streamed
+    answers cut after their first chunks and 10 unstreamed ones abandoned by their clients, with
+    constrained decoding on every lane; every request ends, every lane and stream comes back, and
+    the next answer with tools is whole."""
+    server = storm_server
+    url = server.url
+    assert server.port is not None
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"]}}}]  # (the noise model's strings run to max_tokens otherwise)
+    doc = {"model": "qwen3", "messages": [{"role": "user", "content": "Weather?"}],
+           "tools": tools, "max_tokens": 1500, "temperature": 1.0}
+    before = await trio.to_thread.run_sync(scrape, url)
+
+    async def cut_stream(seed: int) -> None:
+        body = json.dumps({**doc, "stream": True, "seed": seed}).encode()
+        req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+               b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        async with stream:
+            await stream.send_all(req)
+            got = b""
+            while got.count(b"data: {") < 2 and b"[DONE]" not in got:
+                data = await stream.receive_some(65536)
+                assert data, got
+                got += data
+            assert got.startswith(b"HTTP/1.1 200"), got.decode()[-400:]
+
+    async def abandon_json(seed: int) -> None:
+        async with httpx.AsyncClient(timeout=0.2) as client:
+            try:
+                await client.post(url + "/v1/chat/completions", json={**doc, "seed": 100 + seed})
+            except httpx.TimeoutException:
+                pass
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as n:
+            for i in range(30):
+                n.start_soon(cut_stream, i)
+            for i in range(10):
+                n.start_soon(abandon_json, i)
+    m = await trio.to_thread.run_sync(wait_idle, url)
+    for gauge in ("calserve_requests_running", "calserve_kv_tokens_reserved",
+                  "calserve_streams_active", "calserve_executor_inflight_jobs"):
+        assert value(m, gauge) == 0, gauge
+    assert value(m, "calserve_kv_sequences", state="Active") == 0
+    ended = sum(value(m, "calserve_requests_finished_total", outcome=o)
+                - value(before, "calserve_requests_finished_total", outcome=o)
+                for o in ("cancelled", "completed"))
+    assert ended == 40
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await client.post(url + "/v1/chat/completions",
+                              json={**doc, "tool_choice": "required", "max_tokens": 200, "seed": 1,
+                                    "parallel_tool_calls": False})
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])["city"] is not None
+
+
 def test_metric_families_move(server: ServerProcess) -> None:
     """Each spec §16 family the demo setup can exercise is driven and seen to move."""
     url = server.url
