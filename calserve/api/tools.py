@@ -138,7 +138,7 @@ class ToolCalling:
 def _calls_ok(calls: Any) -> bool:
     """``calls`` has the shape the grammar holds a finished answer to (a list of calls, each a
     tool's name and its arguments); anything else is shown as the text it is."""
-    return isinstance(calls, list) and all(
+    return isinstance(calls, list) and bool(calls) and all(
         isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c
         for c in calls)
 

@@ -231,5 +231,6 @@ def test_no_parameters_means_no_arguments_and_odd_answers_stay_text() -> None:
         assert valid(t.schema(), {"tool_calls": [{"name": name, "arguments": {}}]})
         assert not valid(t.schema(), {"tool_calls": [{"name": name, "arguments": 5}]})
         assert not valid(t.schema(), {"tool_calls": [{"name": name, "arguments": {"a": 1}}]})
-    for odd in ('{"tool_calls":[{"arguments":{}}]}', '{"tool_calls":[3]}', '{"other":1}', "[1]"):
+    for odd in ('{"tool_calls":[{"arguments":{}}]}', '{"tool_calls":[3]}', '{"tool_calls":[]}',
+                '{"other":1}', "[1]"):
         assert t.message(odd, "stop") == ({"role": "assistant", "content": odd}, "stop")
