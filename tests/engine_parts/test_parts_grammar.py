@@ -157,3 +157,28 @@ def test_schemas_at_the_size_bounds_compile_in_bounded_time_and_past_them_are_re
             compile_response_format(f, tok, tok.vocab_size)
         assert e.value.param == "response_format"
         assert time.monotonic() - t < 0.1, f
+
+
+def test_compiled_grammars_are_cached_per_tokenizer_and_schema(tok: Tokenizer) -> None:
+    """The same schema (tools sent request after request) compiles once; a grammar's requests
+    advance their own matchers; a schema that fails is never cached; the cache keeps the most
+    recent GRAMMAR_CACHE schemas of a tokenizer."""
+    from calserve.engine.grammar import GRAMMAR_CACHE, compile_json_schema
+
+    schema = {"type": "object", "properties": {"cached": {"type": "integer"}}}
+    g = compile_json_schema(schema, tok, tok.vocab_size)
+    assert compile_json_schema(schema, tok, tok.vocab_size) is g
+    assert compile_json_schema(schema, tok, tok.vocab_size, kind="json_object") is not g
+    assert compile_response_format(rf(schema), tok, tok.vocab_size) is g  # the same grammar either way
+    a, b = g.new_state(), g.new_state()
+    a.sync(tok.encode('{"cached":'))
+    assert b.consumed == 0 and not b.matcher.is_error() and a.consumed > 0
+    hf = tokenizers.Tokenizer.from_str(demo_tokenizer_json())
+    other = Tokenizer(hf, (hf.token_to_id("<|im_end|>"),))
+    assert compile_json_schema(schema, other, other.vocab_size) is not g
+    for _ in range(2):  # refused each time, never remembered
+        with pytest.raises(RequestError):
+            compile_json_schema({"type": "objectx"}, tok, tok.vocab_size, param="tools")
+    for i in range(GRAMMAR_CACHE):
+        compile_json_schema({"type": "object", "properties": {f"p{i}": {"type": "null"}}}, tok, tok.vocab_size)
+    assert compile_json_schema(schema, tok, tok.vocab_size) is not g  # the oldest went
