@@ -250,12 +250,11 @@ def _sampling(
         temperature = 0.0  # greedy: dividing by a subnormal temperature overflows
     if grammar is None and body.response_format is not None:
         grammar = compile_response_format(body.response_format, tok, vocab or 0)
-    if grammar is not None and body.response_format is not None:
-        if min_tokens:
+        if grammar is not None and min_tokens:
             raise E.UnsupportedParameter(
                 "`min_tokens` is not supported with a `response_format` (it would sample past"
                 " the end of the answer)", param="min_tokens")
-        if body.ignore_eos:
+        if grammar is not None and body.ignore_eos:
             raise E.UnsupportedParameter(
                 "`ignore_eos` is not supported with a `response_format`", param="ignore_eos")
     return SamplingParams(
