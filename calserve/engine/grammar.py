@@ -89,24 +89,25 @@ def _bad(msg: str, param: str = _PARAM) -> RequestError:
     return RequestError(msg, param=param)
 
 
-def grammar_tokenizer(tok: Any, vocab: int) -> llguidance.LLTokenizer:
+def grammar_tokenizer(tok: Any, vocab: int, param: str = _PARAM) -> llguidance.LLTokenizer:
     """The llguidance tokenizer of the package tokenizer ``tok`` (``tok.backend`` is its HF
-    ``tokenizers.Tokenizer``) for logits of width ``vocab``, EOS = the model's EOS ids; cached."""
+    ``tokenizers.Tokenizer``) for logits of width ``vocab``, EOS = the model's EOS ids; cached.
+    Its 400s (no usable tokenizer) name ``param``."""
     with _lock:
         per = _TOKENIZERS.setdefault(tok, {})
         ll = per.get(vocab)
         if ll is None:
             backend = getattr(tok, "backend", None)
             if backend is None or not hasattr(backend, "to_str"):
-                raise _bad("constrained decoding needs the model's tokenizer.json tokenizer")
+                raise _bad("constrained decoding needs the model's tokenizer.json tokenizer", param)
             eos = [int(t) for t in tok.eos_token_ids]
             if not eos:
-                raise _bad("constrained decoding needs the model's EOS token")
+                raise _bad("constrained decoding needs the model's EOS token", param)
             try:
                 ll = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=eos)
             except Exception as e:  # a tokenizer llguidance cannot read: no constrained decoding
                 raise _bad(f"constrained decoding is not available for this model's tokenizer:"
-                           f" {str(e)[:300]}") from None
+                           f" {str(e)[:300]}", param) from None
             per[vocab] = ll
         return ll
 
@@ -207,10 +208,6 @@ def _schema_of(rf: Any) -> tuple[str, Any] | None:
 def check_schema_bounds(schema: Any, param: str = _PARAM) -> None:
     """Raise the 400 (naming ``param``) of a schema past one of the bounds (module
     docstring). Iterative: the walk itself is bounded by :data:`MAX_SCHEMA_NODES`."""
-
-    def _bad(msg: str) -> RequestError:
-        return RequestError(msg.replace("`response_format`", f"`{param}`"), param=param)
-
     nodes = 0
     # (value, depth, combinators around it)
     todo: list[tuple[Any, int, int]] = [(schema, 1, 0)]
@@ -218,28 +215,28 @@ def check_schema_bounds(schema: Any, param: str = _PARAM) -> None:
         value, depth, comb = todo.pop()
         nodes += 1
         if nodes > MAX_SCHEMA_NODES:
-            raise _bad(f"`response_format` schema is too large: more than {MAX_SCHEMA_NODES}"
-                       " values")
+            raise _bad(f"`{param}` schema is too large: more than {MAX_SCHEMA_NODES}"
+                       " values", param)
         if isinstance(value, dict):
             children: Any = value.items()
             if len(value) > MAX_SCHEMA_PROPERTIES:
-                raise _bad(f"`response_format` schema has an object with {len(value)} keys"
-                           f" (at most {MAX_SCHEMA_PROPERTIES})")
+                raise _bad(f"`{param}` schema has an object with {len(value)} keys"
+                           f" (at most {MAX_SCHEMA_PROPERTIES})", param)
         elif isinstance(value, list):
             children = ((None, v) for v in value)
             if len(value) > MAX_SCHEMA_LIST_ITEMS:
-                raise _bad(f"`response_format` schema has a list of {len(value)} items"
-                           f" (at most {MAX_SCHEMA_LIST_ITEMS})")
+                raise _bad(f"`{param}` schema has a list of {len(value)} items"
+                           f" (at most {MAX_SCHEMA_LIST_ITEMS})", param)
         else:
             continue
         if depth >= MAX_SCHEMA_DEPTH:
-            raise _bad(f"`response_format` schema is nested deeper than {MAX_SCHEMA_DEPTH}"
-                       " levels")
+            raise _bad(f"`{param}` schema is nested deeper than {MAX_SCHEMA_DEPTH}"
+                       " levels", param)
         for key, child in children:
             c = comb + 1 if key in _COMBINATORS else comb
             if c > MAX_SCHEMA_COMBINATOR_NESTING:
-                raise _bad("`response_format` schema nests anyOf/oneOf/allOf more than"
-                           f" {MAX_SCHEMA_COMBINATOR_NESTING} deep")
+                raise _bad(f"`{param}` schema nests anyOf/oneOf/allOf more than"
+                           f" {MAX_SCHEMA_COMBINATOR_NESTING} deep", param)
             todo.append((child, depth + 1, c))
 
 
@@ -261,10 +258,7 @@ def compile_json_schema(schema: Any, tok: Any, vocab: int, kind: str = "json_sch
         text = json.dumps(schema)
     except Exception as e:  # ValueError/TypeError for a value JSON cannot hold; never a 500
         raise _bad(f"`{param}` has an invalid schema: {str(e)[:500]}", param) from None
-    try:
-        ll = grammar_tokenizer(tok, vocab)
-    except RequestError as e:
-        raise _bad(e.message, param) from None
+    ll = grammar_tokenizer(tok, vocab, param)
     key = (vocab, kind, text)
     with _lock:
         cache = _COMPILED.setdefault(tok, {})
