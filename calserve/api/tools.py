@@ -38,6 +38,7 @@ import dataclasses
 import json
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any, Final
 
 from calserve import errors as E
@@ -143,39 +144,45 @@ def _calls_ok(calls: Any) -> bool:
         for c in calls)
 
 
-def _closed(schema: Any, depth: int = 0) -> Any:
+def _map_schema(schema: Any, fix: Callable[[dict[str, Any], dict[str, Any]], None],
+                depth: int = 0) -> Any:
+    """A copy of ``schema`` in which every object has been passed to ``fix(original, copy)``
+    (children first). The walk stops at the grammar's depth bound (the schema is checked after)."""
+    if depth > 64:
+        return schema
+    if isinstance(schema, list):
+        return [_map_schema(v, fix, depth + 1) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _map_schema(v, fix, depth + 1) for k, v in schema.items()}
+    fix(schema, out)
+    return out
+
+
+def _close(original: dict[str, Any], copy: dict[str, Any]) -> None:
+    if isinstance(original.get("properties"), dict) and "additionalProperties" not in original:
+        copy["additionalProperties"] = False
+
+
+def _closed(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` on every object schema that lists
     ``properties`` and says nothing of extra ones (OpenAI's ``strict`` asks it of the client; here
     it is the default, as in xgrammar's strict mode): a model is held to the named arguments
     instead of adding keys until ``max_tokens``. What it accepts still validates against the
-    original. The walk stops at the grammar's depth bound (the schema is checked after)."""
-    if depth > 64:
-        return schema
-    if isinstance(schema, list):
-        return [_closed(v, depth + 1) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed(v, depth + 1) for k, v in schema.items()}
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
+    original."""
+    return _map_schema(schema, _close)
 
 
-def _rebase(schema: Any, base: str, depth: int = 0) -> Any:
+def _rebase(schema: Any, base: str) -> Any:
     """``schema`` moved to ``base`` (a JSON pointer fragment): its local ``$ref``s (``#``,
-    ``#/...``) point where they pointed, from there. The walk stops at the grammar's depth bound
-    (the schema is checked after)."""
-    if depth > 64:
-        return schema
-    if isinstance(schema, list):
-        return [_rebase(v, base, depth + 1) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _rebase(v, base, depth + 1) for k, v in schema.items()}
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-        out["$ref"] = base + ref[1:]
-    return out
+    ``#/...``) point where they pointed, from there."""
+
+    def fix(original: dict[str, Any], copy: dict[str, Any]) -> None:
+        ref = original.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            copy["$ref"] = base + ref[1:]
+
+    return _map_schema(schema, fix)
 
 
 def _partial_response(text: str) -> str | None:
