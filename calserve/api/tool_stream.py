@@ -12,88 +12,18 @@ to the message of the same answer unstreamed (``tests/api/test_tool_stream.py``)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from typing import Any, Final, final
+from typing import Any, final
 
 from calserve.api.chunks import ChunkEncoder
 from calserve.api.convert import Prepared
 from calserve.api.errors import from_exception
 from calserve.api.render import DONE, LogprobFormatter, finish_reason, new_id, now_s, sse
 from calserve.api.stream_encoder import NO_TERMINAL, stream_error_chunk
-from calserve.api.tools import RESPONSE_PREFIX, ToolCalling
+from calserve.api.tools import ResponseText, ToolCalling
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
-__all__ = ["ResponseText", "ToolStreamEncoder"]
-
-_DECODER: Final = json.JSONDecoder(strict=False)
-
-
-def _safe_end(s: str) -> tuple[int, bool]:
-    """How much of ``s`` (a JSON string's inside, from its start) decodes on its own, and whether
-    the string's closing quote ends it there: an escape is never cut (``\\uD83D`` waits for its
-    low surrogate's escape too)."""
-    i, n = 0, len(s)
-    while i < n:
-        c = s[i]
-        if c == '"':
-            return i, True
-        if c != "\\":
-            i += 1
-            continue
-        if i + 1 >= n:
-            return i, False
-        if s[i + 1] != "u":
-            i += 2
-            continue
-        if i + 6 > n:
-            return i, False
-        if "\\ud800" <= s[i:i + 6].lower() <= "\\udbff":  # a high surrogate: its pair too
-            if i + 8 > n or (s[i + 6:i + 8] == "\\u" and i + 12 > n):
-                return i, False
-            i += 12 if s[i + 6:i + 8] == "\\u" else 6
-            continue
-        i += 6
-    return n, False
-
-
-@final
-class ResponseText:
-    """The text of a ``{"response": "..."}`` answer as it grows; nothing for tool calls."""
-
-    __slots__ = ("_buf", "mode", "done", "sent")
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self.mode: str | None = None  # None: undecided; "text"; "calls"
-        self.done = False  # the string's closing quote was seen
-        self.sent: list[str] = []  # what feed() returned
-
-    def feed(self, text: str) -> str:
-        """The answer's next characters -> the text they add (may be "")."""
-        if self.mode == "calls" or self.done or not text:
-            return ""
-        buf = self._buf + text
-        if self.mode is None:
-            if len(buf) < len(RESPONSE_PREFIX):
-                self._buf = buf
-                if not RESPONSE_PREFIX.startswith(buf):
-                    self.mode = "calls"
-                return ""
-            if not buf.startswith(RESPONSE_PREFIX):
-                self.mode = "calls"
-                return ""
-            self.mode = "text"
-            buf = buf[len(RESPONSE_PREFIX):]
-        end, closed = _safe_end(buf)
-        self.done = closed
-        self._buf = buf[end:]
-        if end == 0:
-            return ""
-        out: str = _DECODER.decode('"' + buf[:end] + '"')
-        self.sent.append(out)
-        return out
-
+__all__ = ["ToolStreamEncoder"]
 
 @final
 class ToolStreamEncoder:

@@ -39,12 +39,12 @@ import json
 import re
 import secrets
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, final
 
 from calserve import errors as E
 
-__all__ = ["ToolCalling", "parse_tools", "tool_messages", "MAX_TOOLS", "MAX_DESCRIPTION_CHARS",
-           "RESPONSE_PREFIX"]
+__all__ = ["ToolCalling", "ResponseText", "parse_tools", "tool_messages", "MAX_TOOLS",
+           "MAX_DESCRIPTION_CHARS", "RESPONSE_PREFIX"]
 
 MAX_TOOLS: Final = 128
 MAX_DESCRIPTION_CHARS: Final = 4096
@@ -185,20 +185,87 @@ def _rebase(schema: Any, base: str) -> Any:
     return _map_schema(schema, fix)
 
 
+_DECODER: Final = json.JSONDecoder(strict=False)
+
+
+def _safe_end(s: str) -> tuple[int, bool]:
+    """How much of ``s`` (a JSON string's inside, from its start) decodes on its own, and whether
+    the string's closing quote ends it there: an escape is never cut (``\\uD83D`` waits for its
+    low surrogate's escape too)."""
+    i, n = 0, len(s)
+    while i < n:
+        c = s[i]
+        if c == '"':
+            return i, True
+        if c != "\\":
+            i += 1
+            continue
+        if i + 1 >= n:
+            return i, False
+        if s[i + 1] != "u":
+            i += 2
+            continue
+        if i + 6 > n:
+            return i, False
+        if "\\ud800" <= s[i:i + 6].lower() <= "\\udbff":  # a high surrogate: its pair too
+            if i + 8 > n or (s[i + 6:i + 8] == "\\u" and i + 12 > n):
+                return i, False
+            i += 12 if s[i + 6:i + 8] == "\\u" else 6
+            continue
+        i += 6
+    return n, False
+
+
+@final
+class ResponseText:
+    """The text of a ``{"response": "..."}`` answer as it grows; nothing for tool calls."""
+
+    __slots__ = ("_buf", "mode", "done", "sent")
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self.mode: str | None = None  # None: undecided; "text"; "calls"
+        self.done = False  # the string's closing quote was seen
+        self.sent: list[str] = []  # what feed() returned
+
+    def feed(self, text: str) -> str:
+        """The answer's next characters -> the text they add (may be "")."""
+        if self.mode == "calls" or self.done or not text:
+            return ""
+        buf = self._buf + text
+        if self.mode is None:
+            if len(buf) < len(RESPONSE_PREFIX):
+                self._buf = buf
+                if not RESPONSE_PREFIX.startswith(buf):
+                    self.mode = "calls"
+                return ""
+            if not buf.startswith(RESPONSE_PREFIX):
+                self.mode = "calls"
+                return ""
+            self.mode = "text"
+            buf = buf[len(RESPONSE_PREFIX):]
+        end, closed = _safe_end(buf)
+        self.done = closed
+        self._buf = buf[end:]
+        if end == 0:
+            return ""
+        try:
+            out: str = _DECODER.decode('"' + buf[:end] + '"')
+        except ValueError:  # not JSON text (a grammar bypassed): nothing more is streamed
+            self.mode = "calls"
+            return ""
+        self.sent.append(out)
+        return out
+
+
 def _partial_response(text: str) -> str | None:
-    """The text of a ``{"response": "...`` answer cut short, else None."""
+    """The text of a ``{"response": "...`` answer cut short (what :class:`ResponseText` streamed
+    of it), else None."""
     if not text.startswith(RESPONSE_PREFIX):
         return None
-    body = text[len(RESPONSE_PREFIX):]
-    for cut in range(0, 6):  # an escape cut in the middle (``\``, ``\u12``)
-        try:
-            got = json.loads('"' + body[:len(body) - cut] + '"')
-        except ValueError:
-            continue
-        if not isinstance(got, str):
-            return None
-        return got[:-1] if got and "\ud800" <= got[-1] <= "\udbff" else got  # a lone half
-    return None
+    r = ResponseText()
+    r.feed(text)
+    return "".join(r.sent) if r.mode == "text" else None
 
 
 def _bad(param: str, why: str) -> E.RequestError:

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from calserve.api.chunks import ChunkEncoder
 from calserve.api.render import DONE
-from calserve.api.tool_stream import ResponseText, ToolStreamEncoder
-from calserve.api.tools import ToolCalling, parse_tools
+from calserve.api.tool_stream import ToolStreamEncoder
+from calserve.api.tools import ResponseText, ToolCalling, parse_tools
 from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, TokenEvent, Usage
 
 TOOLS: Any = [{"type": "function", "function": {"name": "now"}},
@@ -132,3 +132,10 @@ def test_one_choice_of_several_and_the_error_ends() -> None:
                                            include_usage=False), calling(),
                               include_usage=False, logprobs=None)
     assert "error" in events(empty.encode([]))[0] and empty.finished
+
+
+def test_text_that_is_not_json_stops_the_stream_instead_of_raising() -> None:
+    r = ResponseText()
+    assert r.feed('{"response":"ok ') == "ok "
+    assert r.feed('a\\x b') == "" and r.mode == "calls"  # \x is no JSON escape
+    assert r.feed("more") == "" and r.sent == ["ok "]
