@@ -29,7 +29,7 @@ from calserve.api.render import (
 )
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
-__all__ = ["StreamEncoder", "SseEncoder", "stream_error_chunk", "NO_TERMINAL"]
+__all__ = ["StreamEncoder", "SseEncoder", "stream_error_chunk", "failure_chunk", "NO_TERMINAL"]
 
 
 class SseEncoder(Protocol):
@@ -56,6 +56,11 @@ def _error_chunk(err: ApiError) -> bytes:
 def stream_error_chunk(ev: ErrorEvent) -> bytes:
     """The last event of a stream that ended with ``ev``."""
     return _error_chunk(_stream_error(ev))
+
+
+def failure_chunk(exc: BaseException) -> bytes:
+    """The last event of a stream whose engine event stream raised ``exc``."""
+    return _error_chunk(from_exception(exc))
 
 
 def _stream_error(ev: ErrorEvent) -> ApiError:
@@ -146,7 +151,7 @@ class StreamEncoder:
 
     def failure(self, exc: BaseException) -> bytes:
         """The last event of a stream whose engine event stream raised ``exc``."""
-        return _error_chunk(from_exception(exc))
+        return failure_chunk(exc)
 
     def _encode_batch(self, batch: Sequence[Event]) -> bytes:
         if not batch:  # the events ended without a terminal event: an engine bug

@@ -17,9 +17,8 @@ from typing import Any, final
 
 from calserve.api.chunks import ChunkEncoder
 from calserve.api.convert import Prepared
-from calserve.api.errors import from_exception
-from calserve.api.render import DONE, LogprobFormatter, finish_reason, new_id, now_s, sse
-from calserve.api.stream_encoder import NO_TERMINAL, stream_error_chunk
+from calserve.api.render import DONE, LogprobFormatter, finish_reason, new_id, now_s
+from calserve.api.stream_encoder import NO_TERMINAL, failure_chunk, stream_error_chunk
 from calserve.api.tools import ResponseText, ToolCalling
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
@@ -67,7 +66,7 @@ class ToolStreamEncoder:
         return self._chunks.chunk("", None, None, role=True)
 
     def failure(self, exc: BaseException) -> bytes:
-        return sse(from_exception(exc).body())
+        return failure_chunk(exc)
 
     def usage_chunk(self, usage: Usage) -> bytes:
         return self._chunks.usage(usage)
