@@ -38,7 +38,7 @@ import json
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, final
 
 import llguidance
@@ -48,7 +48,7 @@ import numpy.typing as npt
 
 from calserve.errors import RequestError
 
-__all__ = ["Grammar", "GrammarState", "compile_response_format", "compile_json_schema", "fill_masks",
+__all__ = ["Grammar", "GrammarState", "compile_response_format", "compile_json_schema", "compile_lark", "fill_masks",
            "grammar_tokenizer", "GRAMMAR_CACHE",
            "check_schema_bounds", "LIMITS", "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_NODES",
            "MAX_SCHEMA_PROPERTIES", "MAX_SCHEMA_LIST_ITEMS", "MAX_SCHEMA_COMBINATOR_NESTING"]
@@ -127,7 +127,7 @@ class Grammar:
     __slots__ = ("kind", "schema", "_template")
 
     def __init__(self, kind: str, schema: Any, template: llguidance.LLMatcher) -> None:
-        self.kind = kind  # "json_object" | "json_schema"
+        self.kind = kind  # "json_object" | "json_schema" | "tools" | "tools_hermes"
         self.schema = schema  # the JSON schema enforced (tests validate against it)
         self._template = template  # never advanced: deep-copied per request
 
@@ -258,6 +258,24 @@ def compile_json_schema(schema: Any, tok: Any, vocab: int, kind: str = "json_sch
         text = json.dumps(schema)
     except Exception as e:  # ValueError/TypeError for a value JSON cannot hold; never a 500
         raise _bad(f"`{param}` has an invalid schema: {str(e)[:500]}", param) from None
+    return _compiled(tok, vocab, kind, text, schema, param, lambda: (
+        llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)))
+
+
+def compile_lark(lark: str, schema: Any, tok: Any, vocab: int, kind: str, param: str) -> Grammar:
+    """The grammar of a Lark grammar in llguidance's dialect (tool calls in a model's own syntax,
+    ``api/tools_hermes.py``) for ``tok``, compiled and checked as :func:`compile_json_schema`
+    compiles a schema; ``schema``: the JSON schema embedded in it (its bounds are checked first;
+    kept on the grammar for tests). Its 400s name ``param``."""
+    check_schema_bounds(schema, param)
+    return _compiled(tok, vocab, kind, lark, schema, param,
+                     lambda: llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+def _compiled(tok: Any, vocab: int, kind: str, text: str, schema: Any, param: str,
+              build: Callable[[], str]) -> Grammar:
+    """The :class:`Grammar` ``build()`` gives (llguidance's grammar text), validated under
+    :data:`LIMITS` for ``tok``, from the cache when ``(vocab, kind, text)`` was compiled lately."""
     ll = grammar_tokenizer(tok, vocab, param)
     key = (vocab, kind, text)
     with _lock:
@@ -267,7 +285,7 @@ def compile_json_schema(schema: Any, tok: Any, vocab: int, kind: str = "json_sch
             cache[key] = hit  # the most recent last
             return hit
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+        grammar = build()
     except Exception as e:  # ValueError/TypeError for a malformed schema; never a 500
         raise _bad(f"`{param}` has an invalid schema: {str(e)[:500]}", param) from None
     is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=LIMITS)
