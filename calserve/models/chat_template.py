@@ -8,8 +8,10 @@ Face's ``apply_chat_template`` does:
 - ``jinja2.sandbox.ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks`` and
   the ``loopcontrols`` extension (``break``/``continue``); no attribute of a Python object that the
   sandbox deems unsafe, no mutation of lists or dicts;
-- the variables ``messages`` (a list of ``{"role", "content"}`` dicts), ``add_generation_prompt``,
-  ``bos_token``, ``eos_token``; the helpers ``raise_exception(msg)``, ``strftime_now(fmt)`` and a
+- the variables ``messages`` (a list of ``{"role", "content"}`` dicts, with ``tool_calls`` /
+  ``tool_call_id`` for a template that shows tools itself), ``add_generation_prompt``,
+  ``bos_token``, ``eos_token``, and ``tools`` when the request's tools are the template's to show
+  (``api/tools_hermes.py``); the helpers ``raise_exception(msg)``, ``strftime_now(fmt)`` and a
   ``tojson`` filter that keeps non-ASCII text (``ensure_ascii=False``, as Hugging Face's).
 
 A template is the operator's (signed with the package), the messages are the client's: a template
@@ -145,12 +147,15 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ValidationError(f"chat_template does not compile: {e}") from None
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-               ) -> str:
-        """The prompt text; a failing or runaway template is a RequestError naming ``messages``."""
-        ctx = {"messages": [dict(m) for m in messages],
-               "add_generation_prompt": add_generation_prompt,
-               "bos_token": self.bos_token, "eos_token": self.eos_token}
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text; a failing or runaway template is a RequestError naming ``messages``.
+        ``tools`` (OpenAI's ``tools`` list) is the template's ``tools`` variable when not None."""
+        ctx: dict[str, Any] = {"messages": [dict(m) for m in messages],
+                               "add_generation_prompt": add_generation_prompt,
+                               "bos_token": self.bos_token, "eos_token": self.eos_token}
+        if tools is not None:
+            ctx["tools"] = [dict(t) for t in tools]
         prev = getattr(_local, "deadline", None)
         _local.deadline = time.monotonic() + MAX_RENDER_SECONDS
         parts: list[str] = []

@@ -96,9 +96,11 @@ def pack_demo_variant(
     seed: int,
     profiles: tuple[int, ...] = (1, 4, 8, 16),
     timing: str = "none",
+    chat_template: str | None = None,
 ) -> Path:
     """The demo architecture and tokenizer with weights drawn from ``seed``: a second, different
-    model (its own outputs, golden and sha256) for replacement and multi-model tests and benches."""
+    model (its own outputs, golden and sha256) for replacement and multi-model tests and benches;
+    ``chat_template``: a Jinja template for it (ChatML when None)."""
     from calserve.models import demo_model
     from calserve.models.pack import build_package
     from calserve.runtime.reference import random_weights
@@ -110,4 +112,5 @@ def pack_demo_variant(
         tokenizer_json=tok_json, special=demo_model.demo_special_tokens(tok_json),
         profiles=profiles, timing=timing, max_seq=DEMO_MAX_SEQ, max_sequences=DEMO_MAX_SEQUENCES,
         source=f"calserve demo architecture, seeded random weights (seed {seed})", replace=True,
+        **({} if chat_template is None else {"chat_template": chat_template}),
     )

@@ -117,6 +117,11 @@ class Tokenizer:
         self._special_first = frozenset(t[0] for t in specials)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._literal: tokenizers.Tokenizer | None = None  # encode_special_tokens clone, on demand
+        # The model's own tool-call syntax (api/tools_hermes.py): its template shows tools the
+        # Hermes way and the tag is text (a special token would be dropped by the detokenizer).
+        self.tool_syntax: str | None = (
+            "hermes" if self._jinja is not None and "<tool_call>" in self.chat_template
+            and "tools" in self.chat_template and not self.has_special_text("<tool_call>") else None)
 
     @classmethod
     def from_file(
@@ -154,12 +159,14 @@ class Tokenizer:
         return None if i is None else int(i)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The prompt text of ``messages``: the package's Jinja template, or ChatML."""
+        """The prompt text of ``messages``: the package's Jinja template (given ``tools`` as its
+        ``tools`` variable when not None), or ChatML."""
         if self._jinja is None:
             return render_chatml(messages, add_generation_prompt)
-        return self._jinja.render(_plain_messages(messages), add_generation_prompt)
+        return self._jinja.render(_plain_messages(messages), add_generation_prompt, tools)
 
     def has_special_text(self, text: str) -> bool:
         """Whether ``text`` holds the string of a special token (``<|im_start|>``, ...)."""
@@ -169,7 +176,8 @@ class Tokenizer:
         return pat.search(text) is not None
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], rendered: str,
-                    add_generation_prompt: bool = True) -> list[int] | None:
+                    add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int] | None:
         """The token ids of ``rendered`` (:meth:`apply_chat_template` of ``messages``) with every
         message content tokenized literally (see the module docstring), or None when no content
         holds a special-token string: then ``encode(rendered)`` is exactly that. RequestError
@@ -185,7 +193,7 @@ class Tokenizer:
                                "U+E000/U+E001, which calserve needs to tell contents apart",
                                param=where)
         marked = [dict(m, content=f"{_MARK_OPEN}{i}{_MARK_CLOSE}") for i, m in enumerate(messages)]
-        parts = _MARK_RE.split(self.apply_chat_template(marked, add_generation_prompt))
+        parts = _MARK_RE.split(self.apply_chat_template(marked, add_generation_prompt, tools))
         # parts alternate: template text, content index, template text, ... (text first and
         # last). The contents as they are, else as Jinja's ``trim`` leaves them (Llama 3's
         # template trims every content), must give the rendering back.
