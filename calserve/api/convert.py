@@ -35,16 +35,29 @@ from calserve.api.schemas import (
     ChatMessage,
     CompletionBody,
     SamplingFields,
+    TokenizeBody,
 )
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
-from calserve.api.tools import ToolCalling, parse_tools, tool_messages
-from calserve.engine.grammar import Grammar, compile_json_schema, compile_response_format
+from calserve.api.tools import MAX_PARALLEL_CALLS, ToolCalling, parse_tools, tool_messages
+from calserve.api.tools_hermes import (
+    call_schema,
+    hermes_grammar,
+    native_tool_message,
+    special_text_param,
+    template_tools,
+)
+from calserve.engine.grammar import (
+    Grammar,
+    compile_json_schema,
+    compile_lark,
+    compile_response_format,
+)
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 from calserve.models.tokenizer import Tokenizer
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
-           "prepare_chat", "prepare_body", "chat_messages", "encode_chat", "render_chat",
+           "prepare_chat", "prepare_body", "chat_messages", "chat_input", "encode_chat", "render_chat",
            "choice_seed"]
 
 MAX_STOP_STRINGS = 16
@@ -398,11 +411,13 @@ def _prompt_ids(tok: TokenizerLike, info: ModelInfo, prompt: str | list[Any], pa
     return ids, text
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Validate chat messages into the plain ``{"role", "content"}`` list the template takes."""
+def chat_messages(messages: list[ChatMessage], native: bool = False) -> list[dict[str, Any]]:
+    """Validate chat messages into the plain ``{"role", "content"}`` list the template takes;
+    ``native`` (a template with its own tool syntax): earlier turns of tool calling as it takes
+    them (``api/tools_hermes.py``), else as plain messages (``api/tools.py``)."""
     if not messages:
         raise E.RequestError("`messages` must not be empty", param="messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if m.role not in _CHAT_ROLES:
             raise E.UnsupportedParameter(
@@ -431,6 +446,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     )
                 parts.append(p.text)
             text = "".join(parts)
+        if native and (m.role == "tool" or m.tool_calls is not None):
+            out.append(native_tool_message(m.role, text, m.tool_calls, m.tool_call_id,
+                                           f"messages[{i}]", MAX_PARALLEL_CALLS))
+            continue
         if m.role == "tool" or m.tool_calls is not None:  # an earlier turn of tool calling
             shown = tool_messages(m.role, text, m.tool_calls, m.tool_call_id, f"messages[{i}]")
             if m.role == "tool" and i and messages[i - 1].role == "tool":
@@ -444,22 +463,48 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def render_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool,
-                max_seq: int) -> tuple[str | None, tuple[int, ...]]:
-    """Render (the model's chat template) and tokenize: ``(prompt text, ids)``, the text None when
-    the tokenizer renders straight to ids. A rendering longer than ``max_seq`` tokens can hold is
-    refused before it is tokenized (param ``messages``), as is a template that fails."""
-    rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+def chat_input(tok: TokenizerLike, body: ChatBody | TokenizeBody
+               ) -> tuple[ToolCalling | None, list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A chat body's ``(tools, messages, the template's tools)``: with tools in the generic
+    syntax the instructions join the messages (``api/tools.py``); a template with its own tool
+    syntax gets the tools to show and earlier calls as it takes them (``api/tools_hermes.py``),
+    none of them holding a special-token string (the template copies them as its own text)."""
+    syntax = tok.tool_syntax if isinstance(tok, Tokenizer) else None
+    tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, syntax or "json")
+    msgs = chat_messages(body.messages or [], native=syntax is not None)
+    if tools is not None and tools.syntax == "json":
+        return tools, tools.with_instructions(msgs), None
+    shown = None if tools is None else template_tools(tools)
+    if isinstance(tok, Tokenizer) and syntax is not None:
+        bad = special_text_param(tok.has_special_text, shown or [], msgs)
+        if bad is not None:
+            raise E.RequestError(f"`{bad}` holds a special-token string, which this model's chat"
+                                 " template would copy as a control token", param=bad)
+    return tools, msgs, shown
+
+
+def render_chat(tok: TokenizerLike, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                max_seq: int, tools: list[dict[str, Any]] | None = None
+                ) -> tuple[str | None, tuple[int, ...]]:
+    """Render (the model's chat template, given ``tools`` to show when not None) and tokenize:
+    ``(prompt text, ids)``, the text None when the tokenizer renders straight to ids. A rendering
+    longer than ``max_seq`` tokens can hold is refused before it is tokenized (param
+    ``messages``), as is a template that fails."""
+    if tools is not None:
+        assert isinstance(tok, Tokenizer)  # chat_input: only its templates show tools
+        rendered: Any = tok.apply_chat_template(messages, add_generation_prompt, tools)
+    else:
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     if isinstance(rendered, str):
         check_text_fits(tok, max_seq, len(rendered), "messages", "the rendered conversation")
         # message contents are text, never control tokens (Tokenizer.encode_chat)
-        literal = (tok.encode_chat(messages, rendered, add_generation_prompt)
+        literal = (tok.encode_chat(messages, rendered, add_generation_prompt, tools)
                    if isinstance(tok, Tokenizer) else None)
         return rendered, tuple(literal) if literal is not None else encode_text(tok, rendered)
     return None, tuple(int(t) for t in rendered)
 
 
-def encode_chat(tok: TokenizerLike, messages: list[dict[str, str]], add_generation_prompt: bool,
+def encode_chat(tok: TokenizerLike, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 max_seq: int) -> tuple[int, ...]:
     """The token ids of :func:`render_chat`."""
     return render_chat(tok, messages, add_generation_prompt, max_seq)[1]
@@ -471,9 +516,8 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
         raise E.RequestError("`top_logprobs` requires `logprobs: true`", param="top_logprobs")
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
-    tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    tools, msgs, shown = chat_input(tok, body)
     grammar = None
-    msgs = chat_messages(body.messages)
     if tools is not None:
         rf = body.response_format
         if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
@@ -484,10 +528,13 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
             if getattr(body, name):
                 raise E.UnsupportedParameter(f"`{name}` is not supported with `tools` (it would"
                                              " sample past the end of the answer)", param=name)
-        msgs = tools.with_instructions(msgs)
-        grammar = compile_json_schema(tools.schema(), tok, _vocab_size(tok, info) or 0,
-                                      param="tools")
-    ids = encode_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq)
+        vocab = _vocab_size(tok, info) or 0
+        if tools.syntax == "hermes":
+            grammar = compile_lark(hermes_grammar(tools), call_schema(tools), tok, vocab,
+                                   "tools_hermes", "tools")
+        else:
+            grammar = compile_json_schema(tools.schema(), tok, vocab, param="tools")
+    _, ids = render_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq, shown)
     if not ids:
         raise E.RequestError("`messages` render to zero tokens", param="messages")
     stream, usage = _stream_flags(body)

@@ -25,7 +25,7 @@ from calserve.api.asgi import FAST_ROUTES
 from calserve.api.bodies import check_declared, decode, too_large
 from calserve.api.convert import (
     ModelView,
-    chat_messages,
+    chat_input,
     check_token_ids,
     render_chat,
     resolve_model,
@@ -37,7 +37,6 @@ from calserve.api.readiness import RETRY_AFTER_S, not_ready_reason
 from calserve.api.schemas import DetokenizeBody, TokenizeBody
 from calserve.api.state import ApiState
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
-from calserve.api.tools import parse_tools
 
 __all__ = ["register_routes", "json_response", "error_response"]
 
@@ -136,12 +135,9 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
                                  param=given[1] if len(given) > 1 else "prompt")
         prompt: str | None = None  # with `messages`: the rendered conversation (chat template)
         if b.messages is not None:
-            msgs = chat_messages(b.messages)
-            tools = parse_tools(b.tools, b.tool_choice, b.parallel_tool_calls)
-            if tools is not None:  # the instructions a chat request with them adds
-                msgs = tools.with_instructions(msgs)
+            _, msgs, shown = chat_input(tok, b)  # with tools: the prompt the chat request has
             prompt, ids = render_chat(tok, msgs, b.add_generation_prompt is not False,
-                                      info.max_seq)
+                                      info.max_seq, shown)
         elif b.tools is not None:
             raise E.RequestError("`tools` go with `messages`", param="tools")
         else:

@@ -1,10 +1,12 @@
 """The SSE stream of a chat answer with tools (api/tools.py), as the tokens come.
 
-The answer is one JSON object, ``{"response": "..."}`` or ``{"tool_calls": [...]}``, and its first
-characters say which (the grammar writes no whitespace): a direct answer's string is decoded as it
-grows and streamed as ``content`` deltas (what a client sees is the text, never the JSON around
-it; an escape sequence cut between two tokens waits for its end); tool calls are sent as one
-``tool_calls`` delta when the answer is complete (a call is only known once its JSON is). Then the
+In the generic syntax the answer is one JSON object, ``{"response": "..."}`` or
+``{"tool_calls": [...]}``, and its first characters say which (the grammar writes no whitespace):
+a direct answer's string is decoded as it grows and streamed as ``content`` deltas (what a client
+sees is the text, never the JSON around it; an escape sequence cut between two tokens waits for
+its end). In the Hermes syntax (``api/tools_hermes.py``) the text before the first
+``<tool_call>`` streams as it comes. Tool calls are sent as one ``tool_calls`` delta when the
+answer is complete (a call is only known once its JSON is). Then the
 finish chunk (``tool_calls`` for calls), the usage chunk and ``[DONE]``, or the error event, exactly
 as :class:`~calserve.api.stream_encoder.StreamEncoder` ends a stream. The deltas of a stream add up
 to the message of the same answer unstreamed (``tests/api/test_tool_stream.py``).
@@ -19,7 +21,7 @@ from calserve.api.chunks import ChunkEncoder
 from calserve.api.convert import Prepared
 from calserve.api.render import DONE, LogprobFormatter, finish_reason, new_id, now_s
 from calserve.api.stream_encoder import NO_TERMINAL, failure_chunk, stream_error_chunk
-from calserve.api.tools import ResponseText, ToolCalling
+from calserve.api.tools import ToolCalling
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
 __all__ = ["ToolStreamEncoder"]
@@ -41,7 +43,7 @@ class ToolStreamEncoder:
         self._last = last
         self._all: list[str] = []  # every text of the answer
         self._lps: list[Any] = []  # logprobs not sent yet (tool calls: with the calls)
-        self._text = ResponseText()
+        self._text = tools.text_stream()
         self.tokens = 0
         self.terminal: FinishEvent | ErrorEvent | None = None
         self.finished = False
@@ -110,15 +112,15 @@ class ToolStreamEncoder:
         msg, fr = self._tools.message("".join(self._all), finish_reason(terminal.reason))
         lps = self._lps or None
         out = b""
-        if msg.get("tool_calls"):
-            calls = [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]
-            out += chunks.delta({"tool_calls": calls}, lps)
-        else:
-            content = msg["content"] or ""
-            sent = "".join(self._text.sent)
-            rest = content[len(sent):] if content.startswith(sent) else ""
-            if rest or lps:
-                out += chunks.chunk(rest, lps, None)
+        calls = msg.get("tool_calls")
+        content = msg["content"] or ""
+        sent = "".join(self._text.sent)
+        rest = content[len(sent):] if content.startswith(sent) else ""
+        if rest or (lps and not calls):
+            out += chunks.chunk(rest, None if calls else lps, None)
+        if calls:
+            out += chunks.delta({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]},
+                                lps)
         out += chunks.delta({}, None, fr)
         if not self._last:
             return out

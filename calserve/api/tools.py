@@ -12,8 +12,10 @@ the answer always parses: each call names a tool of the request and its ``argume
 against that tool's ``parameters``. ``tool_choice``: ``"auto"`` (the default with tools) allows both
 forms; ``"required"`` only calls; ``{"type": "function", "function": {"name": N}}`` only calls of N;
 ``"none"`` leaves the tools out (a plain answer). ``parallel_tool_calls: false`` allows one call.
-What a model trained on another tool syntax (Hermes ``<tool_call>`` tags, Llama 3's ``python_tag``)
-would write is not parsed: its calls come in this format, which it is told.
+A package whose chat template has the Hermes ``<tool_call>`` syntax (Qwen2.5, Qwen3, Hermes) is
+answered in that syntax instead (``api/tools_hermes.py``, ``syntax="hermes"``); another model's own
+syntax (Llama 3's ``python_tag``, Mistral's ``[TOOL_CALLS]``) is not parsed: its calls come in the
+generic format, which it is told.
 
 The response is OpenAI's: calls as ``message.tool_calls`` (ids ``call_<24 hex>``, ``arguments`` a
 JSON string), ``content`` null, ``finish_reason`` ``"tool_calls"``; a ``response`` as ``content``.
@@ -42,9 +44,10 @@ from collections.abc import Callable
 from typing import Any, Final, final
 
 from calserve import errors as E
+from calserve.api.tools_hermes import HermesText, checked_call_id, earlier_calls, hermes_answer
 
 __all__ = ["ToolCalling", "ResponseText", "parse_tools", "tool_messages", "MAX_TOOLS",
-           "MAX_DESCRIPTION_CHARS", "RESPONSE_PREFIX"]
+           "MAX_DESCRIPTION_CHARS", "RESPONSE_PREFIX", "openai_calls"]
 
 MAX_TOOLS: Final = 128
 MAX_DESCRIPTION_CHARS: Final = 4096
@@ -62,16 +65,23 @@ class ToolCalling:
     tools: tuple[dict[str, Any], ...]  # {"name", "description", "parameters"} each
     mode: str  # "auto" | "required" | the one tool's name
     parallel: bool
+    syntax: str = "json"  # "json": the answer of this module; "hermes": api/tools_hermes.py
+
+    @property
+    def max_calls(self) -> int:
+        """The calls one answer may hold."""
+        return MAX_PARALLEL_CALLS if self.parallel else 1
 
     @property
     def forced(self) -> str | None:
         """The tool every call must name (``tool_choice`` naming one), else None."""
         return None if self.mode in ("auto", "required") else self.mode
 
-    def schema(self) -> dict[str, Any]:
-        """The JSON schema of the answer (module docstring). Each tool's ``parameters`` sits in
-        the root's ``$defs`` (``tool_<i>``) with its local ``$ref``s rebased there: a schema whose
-        references point into itself (pydantic's ``#/$defs/Model``) means the same inside it."""
+    def call_schemas(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """``($defs, one schema per callable tool)``: each tool's ``parameters`` sits in ``$defs``
+        (``tool_<i>``) with its local ``$ref``s rebased there (a schema whose references point
+        into itself, pydantic's ``#/$defs/Model``, means the same inside it); a call is
+        ``{"name": <the tool>, "arguments": <its parameters>}``."""
         defs = {f"tool_{i}": _rebase(t["parameters"], f"#/$defs/tool_{i}")
                 for i, t in enumerate(self.tools)}
         calls = [{"type": "object",
@@ -79,11 +89,15 @@ class ToolCalling:
                                  "arguments": {"$ref": f"#/$defs/tool_{i}"}},
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for i, t in enumerate(self.tools) if self.forced in (None, t["name"])]
+        return defs, calls
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema of the answer (module docstring; :meth:`call_schemas`)."""
+        defs, calls = self.call_schemas()
         items: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
         call_form = {"type": "object",
                      "properties": {"tool_calls": {"type": "array", "items": items, "minItems": 1,
-                                                   "maxItems": MAX_PARALLEL_CALLS if self.parallel
-                                                   else 1}},
+                                                   "maxItems": self.max_calls}},
                      "required": ["tool_calls"], "additionalProperties": False}
         if self.mode != "auto":
             return {"$defs": defs, **call_form}
@@ -117,23 +131,39 @@ class ToolCalling:
                     *messages[1:]]
         return [{"role": "system", "content": text}, *messages]
 
+    def text_stream(self) -> ResponseText | HermesText:
+        """What streams of the answer as content while it grows (``api/tool_stream.py``)."""
+        return HermesText() if self.syntax == "hermes" else ResponseText()
+
     def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
         """The assistant message and ``finish_reason`` of the generated ``text``."""
+        if self.syntax == "hermes":
+            content, calls = hermes_answer(self, text)
+            if calls is None:
+                return {"role": "assistant", "content": content}, finish
+            return ({"role": "assistant", "content": content, "tool_calls": openai_calls(calls)},
+                    "tool_calls" if finish == "stop" else finish)
         try:
             answer = json.loads(text)
         except ValueError:  # cut short: not JSON (yet); a direct answer's text so far
             partial = _partial_response(text)
             return {"role": "assistant", "content": text if partial is None else partial}, finish
         if isinstance(answer, dict) and _calls_ok(answer.get("tool_calls")):
-            calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                      "function": {"name": c["name"],
-                                   "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-                     for c in answer["tool_calls"]]
-            return ({"role": "assistant", "content": None, "tool_calls": calls},
+            return ({"role": "assistant", "content": None,
+                     "tool_calls": openai_calls(answer["tool_calls"])},
                     "tool_calls" if finish == "stop" else finish)
         if isinstance(answer, dict) and isinstance(answer.get("response"), str):
             return {"role": "assistant", "content": answer["response"]}, finish
         return {"role": "assistant", "content": text}, finish
+
+
+def openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``[{"name", "arguments"}]`` as OpenAI's ``tool_calls`` (``call_<24 hex>`` ids, the
+    arguments as JSON text)."""
+    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+             "function": {"name": c["name"],
+                          "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+            for c in calls]
 
 
 def _calls_ok(calls: Any) -> bool:
@@ -304,9 +334,10 @@ def _tool(i: int, t: Any) -> dict[str, Any]:
     return out
 
 
-def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolCalling | None:
-    """The request's :class:`ToolCalling`, or None when it calls no tool (no tools, or
-    ``tool_choice: "none"``); a 400 naming the field for anything malformed."""
+def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None, syntax: str = "json"
+                ) -> ToolCalling | None:
+    """The request's :class:`ToolCalling` (answered in ``syntax``), or None when it calls no tool
+    (no tools, or ``tool_choice: "none"``); a 400 naming the field for anything malformed."""
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
             raise _bad("tool_choice", "`tool_choice` needs `tools`")
@@ -336,7 +367,7 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolCall
     else:
         raise _bad("tool_choice", '`tool_choice` must be "none", "auto", "required" or'
                                   ' {"type": "function", "function": {"name": ...}}')
-    return ToolCalling(tuple(parsed), mode, parallel is not False)
+    return ToolCalling(tuple(parsed), mode, parallel is not False, syntax)
 
 
 def tool_messages(role: str, content: str, tool_calls: Any, tool_call_id: str | None,
@@ -344,27 +375,11 @@ def tool_messages(role: str, content: str, tool_calls: Any, tool_call_id: str | 
     """The plain message an earlier turn's tool call (``assistant`` with ``tool_calls``) or tool
     result (``tool``) is shown to the model as (module docstring); 400s name ``where``'s fields."""
     if role == "tool":
-        if tool_call_id is not None and not isinstance(tool_call_id, str):
-            raise _bad(f"{where}.tool_call_id", f"`{where}.tool_call_id` must be a string")
-        body = {"tool_response": {"tool_call_id": tool_call_id, "content": content}}
+        body = {"tool_response": {"tool_call_id": checked_call_id(tool_call_id, where),
+                                  "content": content}}
         return {"role": "user", "content": json.dumps(body, ensure_ascii=False)}
-    if not isinstance(tool_calls, list) or len(tool_calls) > MAX_PARALLEL_CALLS:
-        raise _bad(f"{where}.tool_calls",
-                   f"`{where}.tool_calls` must be a list of at most {MAX_PARALLEL_CALLS} calls")
-    calls = []
-    for j, c in enumerate(tool_calls):
-        f = c.get("function") if isinstance(c, dict) else None
-        name = f.get("name") if isinstance(f, dict) else None
-        args = f.get("arguments") if isinstance(f, dict) else None
-        if not isinstance(name, str) or not isinstance(args, str):
-            raise _bad(f"{where}.tool_calls[{j}].function",
-                       f"`{where}.tool_calls[{j}].function` must have a string `name` and"
-                       " `arguments` (JSON text)")
-        try:
-            parsed = json.loads(args)
-        except ValueError:
-            parsed = args  # shown as the text it was
-        calls.append({"name": name, "arguments": parsed})
+    calls = [{"name": c["name"], "arguments": c["arguments"]}  # shown without their ids
+             for c in earlier_calls(tool_calls, where, MAX_PARALLEL_CALLS)]
     answer: dict[str, Any] = {"tool_calls": calls}
     text = json.dumps(answer, ensure_ascii=False)
     return {"role": "assistant", "content": f"{content}\n{text}" if content else text}
