@@ -23,6 +23,8 @@ worker thread, so the trio thread never tokenizes more than a small body.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
@@ -54,13 +56,19 @@ from calserve.engine.grammar import (
 )
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
+from calserve.models.chat_template import RESERVED_VARIABLES
 from calserve.models.tokenizer import Tokenizer
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
            "prepare_chat", "prepare_body", "chat_messages", "chat_input", "encode_chat", "render_chat",
+           "template_variables",
            "choice_seed"]
 
 MAX_STOP_STRINGS = 16
+#: Bounds on a request's ``chat_template_kwargs`` (:func:`template_variables`).
+MAX_TEMPLATE_VARIABLES = 32
+MAX_TEMPLATE_VARIABLES_BYTES = 65536
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -483,22 +491,47 @@ def chat_input(tok: TokenizerLike, body: ChatBody | TokenizeBody
     return tools, msgs, shown
 
 
+def template_variables(value: Any) -> dict[str, Any] | None:
+    """A request's ``chat_template_kwargs`` (vLLM's extension: more variables for the model's own
+    chat template, ``{"enable_thinking": false}`` for Qwen3), checked: an object of at most
+    :data:`MAX_TEMPLATE_VARIABLES` names (identifiers, none of the variables the rendering sets
+    itself) whose JSON is at most :data:`MAX_TEMPLATE_VARIABLES_BYTES`; a 400 naming the field
+    otherwise. None for none."""
+    if value is None:
+        return None
+    param = "chat_template_kwargs"
+    if not isinstance(value, dict):
+        raise E.RequestError(f"`{param}` must be an object", param=param)
+    if len(value) > MAX_TEMPLATE_VARIABLES:
+        raise E.RequestError(f"`{param}` holds {len(value)} names; at most"
+                             f" {MAX_TEMPLATE_VARIABLES} are allowed", param=param)
+    for k in value:
+        if not _IDENTIFIER.fullmatch(k) or k in RESERVED_VARIABLES:
+            raise E.RequestError(f"`{param}` name `{k[:64]}` is not allowed (an identifier of at"
+                                 " most 64 characters, not one the rendering sets itself:"
+                                 f" {', '.join(sorted(RESERVED_VARIABLES))})", param=param)
+    if len(json.dumps(value, ensure_ascii=False)) > MAX_TEMPLATE_VARIABLES_BYTES:
+        raise E.RequestError(f"`{param}` is larger than {MAX_TEMPLATE_VARIABLES_BYTES} characters"
+                             " of JSON", param=param)
+    return dict(value)
+
+
 def render_chat(tok: TokenizerLike, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                max_seq: int, tools: list[dict[str, Any]] | None = None
-                ) -> tuple[str | None, tuple[int, ...]]:
-    """Render (the model's chat template, given ``tools`` to show when not None) and tokenize:
-    ``(prompt text, ids)``, the text None when the tokenizer renders straight to ids. A rendering
-    longer than ``max_seq`` tokens can hold is refused before it is tokenized (param
-    ``messages``), as is a template that fails."""
-    if tools is not None:
-        assert isinstance(tok, Tokenizer)  # chat_input: only its templates show tools
-        rendered: Any = tok.apply_chat_template(messages, add_generation_prompt, tools)
+                max_seq: int, tools: list[dict[str, Any]] | None = None,
+                variables: dict[str, Any] | None = None) -> tuple[str | None, tuple[int, ...]]:
+    """Render (the model's chat template, given ``tools`` to show when not None and the
+    request's ``variables``) and tokenize: ``(prompt text, ids)``, the text None when the
+    tokenizer renders straight to ids. A rendering longer than ``max_seq`` tokens can hold is
+    refused before it is tokenized (param ``messages``), as is a template that fails."""
+    if isinstance(tok, Tokenizer):
+        rendered: Any = tok.apply_chat_template(messages, add_generation_prompt, tools, variables)
     else:
+        assert tools is None  # chat_input: only a package tokenizer's template shows tools
         rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     if isinstance(rendered, str):
         check_text_fits(tok, max_seq, len(rendered), "messages", "the rendered conversation")
         # message contents are text, never control tokens (Tokenizer.encode_chat)
-        literal = (tok.encode_chat(messages, rendered, add_generation_prompt, tools)
+        literal = (tok.encode_chat(messages, rendered, add_generation_prompt, tools, variables)
                    if isinstance(tok, Tokenizer) else None)
         return rendered, tuple(literal) if literal is not None else encode_text(tok, rendered)
     return None, tuple(int(t) for t in rendered)
@@ -534,7 +567,8 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
                                    "tools_hermes", "tools")
         else:
             grammar = compile_json_schema(tools.schema(), tok, vocab, param="tools")
-    _, ids = render_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq, shown)
+    _, ids = render_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq, shown,
+                         template_variables(body.chat_template_kwargs))
     if not ids:
         raise E.RequestError("`messages` render to zero tokens", param="messages")
     stream, usage = _stream_flags(body)

@@ -29,6 +29,7 @@ from calserve.api.convert import (
     check_token_ids,
     render_chat,
     resolve_model,
+    template_variables,
 )
 from calserve.api.errors import ApiError, retry_after_header
 from calserve.api.metrics import CONTENT_TYPE, version_info
@@ -137,7 +138,8 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
         if b.messages is not None:
             _, msgs, shown = chat_input(tok, b)  # with tools: the prompt the chat request has
             prompt, ids = render_chat(tok, msgs, b.add_generation_prompt is not False,
-                                      info.max_seq, shown)
+                                      info.max_seq, shown,
+                                      template_variables(b.chat_template_kwargs))
         elif b.tools is not None:
             raise E.RequestError("`tools` go with `messages`", param="tools")
         else:

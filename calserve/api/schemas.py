@@ -120,8 +120,10 @@ class ChatBody(SamplingFields, kw_only=True):
     max_completion_tokens: PosInt | None = None
     logprobs: bool | None = None
     top_logprobs: LogprobsK | None = None
-    # Extension (vLLM): extra arguments to the chat template are not supported; ignored if empty.
+    # Extensions (vLLM): the template's generation prompt, and variables for the model's own
+    # chat template (``{"enable_thinking": false}`` for Qwen3; api/convert.template_variables)
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: Any = None
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -133,6 +135,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: Any = None  # with ``messages``: as a chat request's
     with_pieces: bool | None = None  # llama.cpp: return [{"id", "piece"}]
     # with ``messages``: the prompt a chat request with these tools renders (vLLM takes them too)
     tools: Any = None

@@ -10,8 +10,8 @@ Face's ``apply_chat_template`` does:
   sandbox deems unsafe, no mutation of lists or dicts;
 - the variables ``messages`` (a list of ``{"role", "content"}`` dicts, with ``tool_calls`` /
   ``tool_call_id`` for a template that shows tools itself), ``add_generation_prompt``,
-  ``bos_token``, ``eos_token``, and ``tools`` when the request's tools are the template's to show
-  (``api/tools_hermes.py``); the helpers ``raise_exception(msg)``, ``strftime_now(fmt)`` and a
+  ``bos_token``, ``eos_token``, ``tools`` when the request's tools are the template's to show
+  (``api/tools_hermes.py``), and the request's ``chat_template_kwargs`` (``enable_thinking``, ...); the helpers ``raise_exception(msg)``, ``strftime_now(fmt)`` and a
   ``tojson`` filter that keeps non-ASCII text (``ensure_ascii=False``, as Hugging Face's).
 
 A template is the operator's (signed with the package), the messages are the client's: a template
@@ -42,7 +42,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from calserve.errors import RequestError, ValidationError
 
-__all__ = ["ChatTemplate", "MAX_RENDER_SECONDS", "MAX_RENDER_CHARS", "is_chatml"]
+__all__ = ["ChatTemplate", "MAX_RENDER_SECONDS", "MAX_RENDER_CHARS", "is_chatml",
+           "RESERVED_VARIABLES"]
 
 #: Wall time one rendering may take (an ordinary template renders in well under a millisecond).
 MAX_RENDER_SECONDS: Final = 0.5
@@ -50,6 +51,10 @@ MAX_RENDER_SECONDS: Final = 0.5
 #: model's context after rendering, README "Per-request limits").
 MAX_RENDER_CHARS: Final = 4 * 2**20
 _CHECK_EVERY: Final = 256  # range items between two clock reads
+#: The variables and helpers a rendering sets itself (a request's own variables may not).
+RESERVED_VARIABLES: Final = frozenset({"messages", "add_generation_prompt", "bos_token",
+                                       "eos_token", "tools", "raise_exception", "strftime_now",
+                                       "range", "namespace", "loop", "self"})
 
 _local = threading.local()  # the deadline of the rendering running on this thread
 
@@ -148,12 +153,16 @@ class ChatTemplate:
             raise ValidationError(f"chat_template does not compile: {e}") from None
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               variables: Mapping[str, Any] | None = None) -> str:
         """The prompt text; a failing or runaway template is a RequestError naming ``messages``.
-        ``tools`` (OpenAI's ``tools`` list) is the template's ``tools`` variable when not None."""
-        ctx: dict[str, Any] = {"messages": [dict(m) for m in messages],
-                               "add_generation_prompt": add_generation_prompt,
-                               "bos_token": self.bos_token, "eos_token": self.eos_token}
+        ``tools`` (OpenAI's ``tools`` list) is the template's ``tools`` variable when not None;
+        ``variables``: more of them (a request's ``chat_template_kwargs``: none of the names
+        above, :data:`RESERVED_VARIABLES`)."""
+        ctx: dict[str, Any] = dict(variables or {})
+        ctx.update({"messages": [dict(m) for m in messages],
+                    "add_generation_prompt": add_generation_prompt,
+                    "bos_token": self.bos_token, "eos_token": self.eos_token})
         if tools is not None:
             ctx["tools"] = [dict(t) for t in tools]
         prev = getattr(_local, "deadline", None)

@@ -161,12 +161,14 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text of ``messages``: the package's Jinja template (given ``tools`` as its
-        ``tools`` variable when not None), or ChatML."""
+        ``tools`` variable when not None, and ``variables``), or ChatML (which takes neither)."""
         if self._jinja is None:
             return render_chatml(messages, add_generation_prompt)
-        return self._jinja.render(_plain_messages(messages), add_generation_prompt, tools)
+        return self._jinja.render(_plain_messages(messages), add_generation_prompt, tools,
+                                  variables)
 
     def has_special_text(self, text: str) -> bool:
         """Whether ``text`` holds the string of a special token (``<|im_start|>``, ...)."""
@@ -177,7 +179,8 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], rendered: str,
                     add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int] | None:
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    variables: Mapping[str, Any] | None = None) -> list[int] | None:
         """The token ids of ``rendered`` (:meth:`apply_chat_template` of ``messages``) with every
         message content tokenized literally (see the module docstring), or None when no content
         holds a special-token string: then ``encode(rendered)`` is exactly that. RequestError
@@ -193,7 +196,8 @@ class Tokenizer:
                                "U+E000/U+E001, which calserve needs to tell contents apart",
                                param=where)
         marked = [dict(m, content=f"{_MARK_OPEN}{i}{_MARK_CLOSE}") for i, m in enumerate(messages)]
-        parts = _MARK_RE.split(self.apply_chat_template(marked, add_generation_prompt, tools))
+        parts = _MARK_RE.split(self.apply_chat_template(marked, add_generation_prompt, tools,
+                                                        variables))
         # parts alternate: template text, content index, template text, ... (text first and
         # last). The contents as they are, else as Jinja's ``trim`` leaves them (Llama 3's
         # template trims every content), must give the rendering back.

@@ -47,9 +47,10 @@ class ChatCharTokenizer:
 
 def api_source(*, profiles: Sequence[int] = (1, 4, 8), max_seq: int = 256,
                max_sequences: int = 16, step_us: float = 1000.0, alias: str = "qwen3",
-               tokenizer: Any = None, prefill_base_us: float = 200.0) -> ModelSource:
+               tokenizer: Any = None, prefill_base_us: float = 200.0,
+               vocab_size: int = 128) -> ModelSource:
     """An in-memory model for the FakeBackend (as ``tests/engine/helpers.fake_source``)."""
-    cfg = ModelConfig(vocab_size=128, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=4)
     return ModelSource(
         alias=alias, model_config=cfg, weights={},

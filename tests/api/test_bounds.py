@@ -270,8 +270,9 @@ def _tool(name: Any = "f", **function: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, **function}}
 
 
-# Tool calling's fields (api/tools.py), each alone on a chat request: 200 (tool_choice "none"
-# leaves the tools out, so this test model needs no grammar tokenizer) or a 400 naming the field.
+# Tool calling's fields (api/tools.py) and the chat template's variables (convert.template_variables),
+# each alone on a chat request: 200 (tool_choice "none" leaves the tools out, so this test model
+# needs no grammar tokenizer) or a 400 naming the field.
 TOOL_FIELDS: dict[str, list[Any]] = {
     "tools": [
         [_tool()], [_tool(f"t{i}") for i in range(128)], [_tool(f"t{i}") for i in range(129)],
@@ -282,6 +283,12 @@ TOOL_FIELDS: dict[str, list[Any]] = {
     "tool_choice": ["none", "auto", "required", {}, [], 2**63, "x" * 10**4,
                     {"type": "function", "function": {"name": "x" * 10**4}}],
     "parallel_tool_calls": [True, False, 2**63, "x", None],
+    "chat_template_kwargs": [
+        None, {}, {"enable_thinking": False}, {f"k{i}": i for i in range(32)},
+        {f"k{i}": i for i in range(33)}, {"k": "x" * 65000}, {"k": "x" * 70000}, {"x" * 64: 1},
+        {"x" * 65: 1}, {"messages": []}, {"tools": 1}, {"a b": 1}, {"1a": 1}, {"é": 1}, [], "x",
+        2**63, {"k": [[[[[[[[[[[]]]]]]]]]]]}, {"k": 2**70},
+    ],
 }
 
 

@@ -82,3 +82,42 @@ async def test_a_message_cannot_forge_a_turn_through_the_api() -> None:
         assert tok.decode(body["tokens"], skip_special_tokens=False) == body["prompt"]
         status, body, _ = await h.post("/tokenize", {"prompt": forged[0]["content"]})
         assert status == 200 and body["tokens"].count(im_start) == 1  # a raw prompt's stay special
+
+
+def real_tokenizer(template: str) -> object:
+    """The demo package's tokenizer with ``template`` (a package tokenizer: its template takes
+    the request's variables)."""
+    import tokenizers
+
+    from calserve.models.demo import demo_tokenizer_json
+    from calserve.models.tokenizer import Tokenizer
+
+    return Tokenizer(tokenizers.Tokenizer.from_str(demo_tokenizer_json()), eos_token_ids=[2],
+                     chat_template=template)
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+            "{% endif %}{% endif %}")
+
+
+async def test_chat_template_kwargs_are_the_template_s_variables() -> None:
+    """vLLM's ``chat_template_kwargs`` (Qwen3's ``enable_thinking``): variables of the model's own
+    template, the same in ``/tokenize`` and a chat request; names the rendering sets are 400s."""
+    src = api_source(tokenizer=real_tokenizer(THINKING), vocab_size=512)
+    async with real_app(make_config(), sources=[src]) as h:
+        prompts = {}
+        for kw in (None, {"enable_thinking": False}, {"enable_thinking": True}):
+            doc: dict = {"messages": MSGS, **({} if kw is None else {"chat_template_kwargs": kw})}
+            status, body, _ = await h.post("/tokenize", doc)
+            assert status == 200, body
+            prompts[str(kw)] = body["prompt"]
+            status, chat, _ = await h.post("/v1/chat/completions", {**doc, "max_tokens": 2})
+            assert status == 200 and chat["usage"]["prompt_tokens"] == body["count"], chat
+        assert prompts["None"] == prompts[str({"enable_thinking": True})]
+        assert prompts[str({"enable_thinking": False})] == prompts["None"] + "<think>\n\n</think>\n\n"
+        for bad in ({"messages": []}, {"add_generation_prompt": False}, {"not a name": 1}, [1]):
+            for path in ("/tokenize", "/v1/chat/completions"):
+                status, body, _ = await h.post(path, {"messages": MSGS, "chat_template_kwargs": bad})
+                assert status == 400 and body["error"]["param"] == "chat_template_kwargs", body
