@@ -23,13 +23,11 @@ from calserve import __version__
 from calserve import errors as E
 from calserve.api.asgi import FAST_ROUTES
 from calserve.api.bodies import check_declared, decode, too_large
+from calserve.api.chat_prompt import chat_input, render_chat, template_variables
 from calserve.api.convert import (
     ModelView,
-    chat_input,
     check_token_ids,
-    render_chat,
     resolve_model,
-    template_variables,
 )
 from calserve.api.errors import ApiError, retry_after_header
 from calserve.api.metrics import CONTENT_TYPE, version_info

@@ -121,7 +121,7 @@ class ChatBody(SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: LogprobsK | None = None
     # Extensions (vLLM): the template's generation prompt, and variables for the model's own
-    # chat template (``{"enable_thinking": false}`` for Qwen3; api/convert.template_variables)
+    # chat template (``{"enable_thinking": false}`` for Qwen3; api/chat_prompt.template_variables)
     add_generation_prompt: bool | None = None
     chat_template_kwargs: Any = None
 

@@ -27,7 +27,7 @@ Streamed (``stream: true``), a direct answer's text streams as it comes and call
 once the answer is complete (``api/tool_stream.py``). Earlier turns: an assistant message with ``tool_calls`` is shown to the model as the
 JSON it would have written, and a ``tool`` message as a user message
 ``{"tool_response": {"tool_call_id": ..., "content": ...}}`` (the results of parallel calls, one
-line each, in one user message: ``convert.chat_messages``).
+line each, in one user message: ``chat_prompt.chat_messages``).
 
 Bounds (issue 12): at most :data:`MAX_TOOLS` tools, names ``^[A-Za-z0-9_-]{1,64}$`` and unique,
 descriptions up to :data:`MAX_DESCRIPTION_CHARS`; the combined schema passes the grammar's bounds.

@@ -270,7 +270,7 @@ def _tool(name: Any = "f", **function: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, **function}}
 
 
-# Tool calling's fields (api/tools.py) and the chat template's variables (convert.template_variables),
+# Tool calling's fields (api/tools.py) and the chat template's variables (chat_prompt.template_variables),
 # each alone on a chat request: 200 (tool_choice "none" leaves the tools out, so this test model
 # needs no grammar tokenizer) or a 400 naming the field.
 TOOL_FIELDS: dict[str, list[Any]] = {

@@ -34,7 +34,7 @@ def demo_tok() -> Tokenizer:
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """The threads ``encode_text`` ran in (convert's and the routes' reference to it)."""
+    """The threads ``encode_text`` ran in (convert's, chat_prompt's and the routes' references)."""
     seen: list[str] = []
     real = tokenizing.encode_text
 
@@ -43,7 +43,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         return real(tok, text)
 
     monkeypatch.setattr(convert, "encode_text", spy)
-    from calserve.api import routes
+    from calserve.api import chat_prompt, routes
+    monkeypatch.setattr(chat_prompt, "encode_text", spy)
     monkeypatch.setattr(routes, "encode_text", spy)
     yield seen
 

@@ -181,7 +181,7 @@ def test_earlier_turns_are_shown_as_the_format() -> None:
 
 
 def test_parallel_results_are_one_user_turn() -> None:
-    from calserve.api.convert import chat_messages
+    from calserve.api.chat_prompt import chat_messages
     from calserve.api.schemas import ChatMessage
 
     call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from calserve import errors as E
 from calserve.api.chunks import ChunkEncoder
-from calserve.api.convert import chat_input
+from calserve.api.chat_prompt import chat_input
 from calserve.api.schemas import ChatBody, ChatMessage
 from calserve.api.tool_stream import ToolStreamEncoder
 from calserve.api.tools import MAX_PARALLEL_CALLS, ToolCalling, parse_tools
