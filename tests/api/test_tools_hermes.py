@@ -137,15 +137,19 @@ def stream(pieces: list[str], tc: ToolCalling, finish: FinishReason = FinishReas
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(PIECES, max_size=10), st.sampled_from(["", PARIS, PARIS + "\n" + PARIS]),
-       st.lists(st.integers(0, 300), max_size=10))
-def test_streamed_deltas_add_up_to_the_message(head: list[str], calls: str, points: list[int]
-                                               ) -> None:
-    """Text (with tag-like pieces) then maybe calls, cut anywhere: the content deltas are the
-    message's content, nothing of a tag is ever streamed, the calls come whole at the end."""
+       st.lists(st.integers(0, 300), max_size=10), st.integers(0, 40))
+def test_streamed_deltas_add_up_to_the_message(head: list[str], calls: str, points: list[int],
+                                               short: int) -> None:
+    """Text (with tag-like pieces) then maybe calls, split anywhere and maybe cut short
+    (``max_tokens``): the content deltas are the message's content, nothing of a tag is streamed
+    before the answer ends, the calls come whole at the end."""
     tc = calling()
     answer = "".join(head) + calls
-    ds = deltas(stream(cut(answer, points), tc))
-    want, fr = tc.message(answer, "stop")
+    finish = FinishReason.STOP
+    if short and calls:
+        answer, finish = answer[:-short], FinishReason.LENGTH
+    ds = deltas(stream(cut(answer, points), tc, finish))
+    want, fr = tc.message(answer, "length" if finish is FinishReason.LENGTH else "stop")
     content = "".join(d.get("content", "") for d, _ in ds[1:])
     assert content == (want["content"] or "") and ds[-1] == ({}, fr)
     sent = [d for d, _ in ds if "tool_calls" in d]
