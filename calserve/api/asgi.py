@@ -203,8 +203,8 @@ class FastRoutes:
             fingerprint: str | None = getattr(handle, "system_fingerprint", None)
             if prep.stream:
                 enc: SseEncoder = (
-                    StreamEncoder.for_request(prep, fmt, fingerprint) if prep.tools is None
-                    else ToolStreamEncoder.for_request(prep, prep.tools, fmt, fingerprint))
+                    StreamEncoder.for_request(prep, fmt, fingerprint) if prep.answer is None
+                    else ToolStreamEncoder.for_request(prep, prep.answer, fmt, fingerprint))
                 self._count(200)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})

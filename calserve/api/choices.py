@@ -116,11 +116,11 @@ async def pump_choices(leases: list[RequestLease], send: Send, metrics: ApiMetri
     """The SSE body of an ``n`` > 1 stream, after the response head (see the module docstring);
     returns each choice's encoder (its ``terminal``). ``probe``: the connection's socket probe."""
     rid, created = new_id("chatcmpl" if prep.kind == "chat" else "cmpl"), now_s()
-    tools = prep.tools
+    answer = prep.answer
     encs: list[SseEncoder] = [
         StreamEncoder.for_choice(prep, LogprobFormatter(tok, start_offset=len(prep.echo_of(i))),
-                                 rid=rid, created=created, index=i) if tools is None
-        else ToolStreamEncoder.for_choice(prep, tools, LogprobFormatter(tok), rid=rid,
+                                 rid=rid, created=created, index=i) if answer is None
+        else ToolStreamEncoder.for_choice(prep, answer, LogprobFormatter(tok), rid=rid,
                                           created=created, index=i, last=False)
         for i in range(len(leases))]
     lock = trio.Lock()

@@ -38,7 +38,7 @@ from calserve.api.schemas import (
     SamplingFields,
 )
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
-from calserve.api.tools import ToolCalling
+from calserve.api.reasoning import REASONING_FORMATS, Answer, Reasoning
 from calserve.api.tools_hermes import call_schema, hermes_grammar
 from calserve.engine.grammar import (
     Grammar,
@@ -68,7 +68,8 @@ class Prepared:
     # /v1/completions with a list of prompts: the request and echo text of each prompt after the
     # first (``request`` / ``echo_text``); their choices follow the first prompt's
     more_prompts: tuple[tuple[GenerateRequest, str], ...] = ()
-    tools: ToolCalling | None = None  # chat with tools: the answer is parsed into tool calls
+    # chat with tools or a thinking model: how the answer is shaped (tool calls, reasoning)
+    answer: Answer | None = None
 
     @property
     def choices(self) -> int:
@@ -426,10 +427,14 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
                                    "tools_hermes", "tools")
         else:
             grammar = compile_json_schema(tools.schema(), tok, vocab, param="tools")
-    _, ids = render_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq, shown,
-                         template_variables(body.chat_template_kwargs))
+    if body.reasoning_format is not None and body.reasoning_format not in REASONING_FORMATS:
+        raise E.RequestError(f"`reasoning_format` must be one of {', '.join(REASONING_FORMATS)}",
+                             param="reasoning_format")
+    prompt, ids = render_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq,
+                              shown, template_variables(body.chat_template_kwargs))
     if not ids:
         raise E.RequestError("`messages` render to zero tokens", param="messages")
+    reasoning = Reasoning.of(prompt, getattr(tok, "reasoning_tags", False), body.reasoning_format)
     stream, usage = _stream_flags(body)
     k = (body.top_logprobs or 0) if body.logprobs else None
     mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -440,7 +445,8 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
     )
     req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
                           user=body.user)
-    return Prepared("chat", info.alias, req, stream, usage, "", k, n, tools=tools)
+    answer = None if tools is None and reasoning is None else Answer(tools, reasoning)
+    return Prepared("chat", info.alias, req, stream, usage, "", k, n, answer=answer)
 
 
 def _prepare(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,

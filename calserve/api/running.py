@@ -165,8 +165,8 @@ async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepare
                 terminal.usage)
     chat_lp = {"content": [x for part in lp_parts for x in part]} if want_lps else None
     message: dict[str, Any] = {"role": "assistant", "content": text}
-    if prep.tools is not None:  # the answer is a tool call or a response (api/tools.py)
-        message, fr = prep.tools.message(text, fr)
+    if prep.answer is not None:  # tool calls, reasoning (api/tools.py, api/reasoning.py)
+        message, fr = prep.answer.message(text, fr)
     return ({"index": index, "message": message, "logprobs": chat_lp, "finish_reason": fr},
             terminal.usage)
 

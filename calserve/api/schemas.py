@@ -124,6 +124,9 @@ class ChatBody(SamplingFields, kw_only=True):
     # chat template (``{"enable_thinking": false}`` for Qwen3; api/chat_prompt.template_variables)
     add_generation_prompt: bool | None = None
     chat_template_kwargs: Any = None
+    # Extension (llama.cpp): "auto" (the default) returns a thinking model's reasoning apart, as
+    # ``reasoning_content``; "none" leaves it in ``content`` (api/reasoning.py)
+    reasoning_format: str | None = None
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):

@@ -1,4 +1,5 @@
-"""The SSE stream of a chat answer with tools (api/tools.py), as the tokens come.
+"""The SSE stream of a chat answer with tools (api/tools.py) or reasoning (api/reasoning.py), as
+the tokens come.
 
 In the generic syntax the answer is one JSON object, ``{"response": "..."}`` or
 ``{"tool_calls": [...]}``, and its first characters say which (the grammar writes no whitespace):
@@ -6,7 +7,8 @@ a direct answer's string is decoded as it grows and streamed as ``content`` delt
 sees is the text, never the JSON around it; an escape sequence cut between two tokens waits for
 its end). In the Hermes syntax (``api/tools_hermes.py``) the text before the first
 ``<tool_call>`` streams as it comes. Tool calls are sent as one ``tool_calls`` delta when the
-answer is complete (a call is only known once its JSON is). Then the
+answer is complete (a call is only known once its JSON is). A thinking model's reasoning goes out
+as ``reasoning_content`` deltas before the content (``api/reasoning.py``). Then the
 finish chunk (``tool_calls`` for calls), the usage chunk and ``[DONE]``, or the error event, exactly
 as :class:`~calserve.api.stream_encoder.StreamEncoder` ends a stream. The deltas of a stream add up
 to the message of the same answer unstreamed (``tests/api/test_tool_stream.py``).
@@ -21,6 +23,7 @@ from calserve.api.chunks import ChunkEncoder
 from calserve.api.convert import Prepared
 from calserve.api.render import DONE, LogprobFormatter, finish_reason, new_id, now_s
 from calserve.api.stream_encoder import NO_TERMINAL, failure_chunk, stream_error_chunk
+from calserve.api.reasoning import Answer
 from calserve.api.tools import ToolCalling
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
@@ -31,37 +34,37 @@ class ToolStreamEncoder:
     """:class:`~calserve.api.stream_encoder.StreamEncoder`'s interface for an answer with tools
     (module docstring)."""
 
-    __slots__ = ("_chunks", "_tools", "_fmt", "_usage", "_last", "_all", "_lps", "_text",
+    __slots__ = ("_chunks", "_answer", "_fmt", "_usage", "_last", "_all", "_lps", "_text",
                  "tokens", "terminal", "finished")
 
-    def __init__(self, chunks: ChunkEncoder, tools: ToolCalling, *, include_usage: bool,
+    def __init__(self, chunks: ChunkEncoder, answer: Answer | ToolCalling, *, include_usage: bool,
                  logprobs: LogprobFormatter | None, last: bool = True) -> None:
         self._chunks = chunks
-        self._tools = tools
+        self._answer = answer if isinstance(answer, Answer) else Answer(tools=answer)
         self._fmt = logprobs
         self._usage = include_usage
         self._last = last
         self._all: list[str] = []  # every text of the answer
         self._lps: list[Any] = []  # logprobs not sent yet (tool calls: with the calls)
-        self._text = tools.text_stream()
+        self._text = self._answer.stream()
         self.tokens = 0
         self.terminal: FinishEvent | ErrorEvent | None = None
         self.finished = False
 
     @classmethod
-    def for_choice(cls, prep: Prepared, tools: ToolCalling, fmt: LogprobFormatter, *, rid: str,
+    def for_choice(cls, prep: Prepared, answer: Answer, fmt: LogprobFormatter, *, rid: str,
                    created: int, index: int = 0, last: bool = True,
                    system_fingerprint: str | None = None) -> ToolStreamEncoder:
         chunks = ChunkEncoder(chat=True, rid=rid, created=created, model=prep.alias,
                               include_usage=prep.include_usage, index=index,
                               system_fingerprint=system_fingerprint)
-        return cls(chunks, tools, include_usage=prep.include_usage,
+        return cls(chunks, answer, include_usage=prep.include_usage,
                    logprobs=fmt if prep.logprobs is not None else None, last=last)
 
     @classmethod
-    def for_request(cls, prep: Prepared, tools: ToolCalling, fmt: LogprobFormatter,
+    def for_request(cls, prep: Prepared, answer: Answer, fmt: LogprobFormatter,
                     system_fingerprint: str | None = None) -> ToolStreamEncoder:
-        return cls.for_choice(prep, tools, fmt, rid=new_id("chatcmpl"), created=now_s(),
+        return cls.for_choice(prep, answer, fmt, rid=new_id("chatcmpl"), created=now_s(),
                               system_fingerprint=system_fingerprint)
 
     def opening(self) -> bytes:
@@ -80,13 +83,16 @@ class ToolStreamEncoder:
             return NO_TERMINAL
         fmt = self._fmt
         n_tokens = 0
+        reasoning: list[str] = []
         added: list[str] = []
         terminal: FinishEvent | ErrorEvent | None = None
         for ev in batch:
             if isinstance(ev, TokenEvent):
                 n_tokens += len(ev.token_ids)
                 self._all.append(ev.text)
-                added.append(self._text.feed(ev.text))
+                r, c = self._text.feed(ev.text)
+                reasoning.append(r)
+                added.append(c)
                 if fmt is not None and ev.logprobs:
                     self._lps.extend(fmt.chat(ev.logprobs))
                 continue
@@ -94,8 +100,12 @@ class ToolStreamEncoder:
             break
         self.tokens = n_tokens
         out = b""
-        text = "".join(added)
-        if text or (self._lps and self._text.mode == "text"):
+        text, thought = "".join(added), "".join(reasoning)
+        if thought:
+            delta = {"reasoning_content": thought, **({"content": text} if text else {})}
+            out = self._chunks.delta(delta, self._lps or None)
+            self._lps = []
+        elif text or (self._lps and self._text.text_mode):
             out = self._chunks.chunk(text, self._lps or None, None)
             self._lps = []
         if terminal is None:
@@ -109,13 +119,14 @@ class ToolStreamEncoder:
     def _finish(self, terminal: FinishEvent) -> bytes:
         chunks = self._chunks
         self._all.append(terminal.text)
-        msg, fr = self._tools.message("".join(self._all), finish_reason(terminal.reason))
+        msg, fr = self._answer.message("".join(self._all), finish_reason(terminal.reason))
         lps = self._lps or None
         out = b""
         calls = msg.get("tool_calls")
-        content = msg["content"] or ""
-        sent = "".join(self._text.sent)
-        rest = content[len(sent):] if content.startswith(sent) else ""
+        thought = _rest(msg.get("reasoning_content") or "", self._text.sent_reasoning)
+        if thought:
+            out += chunks.delta({"reasoning_content": thought}, None)
+        rest = _rest(msg["content"] or "", self._text.sent)
         if rest or (lps and not calls):
             out += chunks.chunk(rest, None if calls else lps, None)
         if calls:
@@ -127,3 +138,9 @@ class ToolStreamEncoder:
         if self._usage:
             out += chunks.usage(terminal.usage)
         return out + DONE
+
+
+def _rest(full: str, sent: list[str]) -> str:
+    """What of ``full`` the stream has not sent (``sent`` its start; "" when it is not)."""
+    done = "".join(sent)
+    return full[len(done):] if full.startswith(done) else ""

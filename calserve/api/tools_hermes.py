@@ -40,7 +40,7 @@ from typing import Any, Final, Protocol, final
 from calserve import errors as E
 
 __all__ = ["TRIGGER", "hermes_grammar", "hermes_answer", "HermesText",
-           "template_tools", "native_tool_message", "earlier_calls", "checked_call_id", "special_text_param", "call_schema"]
+           "template_tools", "native_tool_message", "earlier_calls", "checked_call_id", "special_text_param", "call_schema", "held_back"]
 
 TRIGGER: Final = "<tool_call>"
 _OPEN: Final = TRIGGER + "\n"
@@ -129,11 +129,11 @@ def hermes_answer(tc: ToolCalling, text: str) -> tuple[str | None, list[dict[str
     return text[:i].rstrip() or None, calls
 
 
-def _held(buf: str) -> int:
-    """How many characters at the end of ``buf`` could still turn out to precede a tag or be its
-    start: the longest end that begins the tag, and the whitespace before it."""
-    k = min(len(buf), len(TRIGGER) - 1)
-    while k and not TRIGGER.startswith(buf[len(buf) - k:]):
+def held_back(buf: str, tag: str) -> int:
+    """How many characters at the end of ``buf`` may not be streamed yet: the longest end that
+    begins ``tag``, and the whitespace before it (dropped if the tag follows)."""
+    k = min(len(buf), len(tag) - 1)
+    while k and not tag.startswith(buf[len(buf) - k:]):
         k -= 1
     j = len(buf) - k
     while j and buf[j - 1].isspace():
@@ -162,7 +162,7 @@ class HermesText:
             self.mode = "calls"
             out, self._buf = buf[:i].rstrip(), ""
         else:
-            keep = _held(buf)
+            keep = held_back(buf, TRIGGER)
             out, self._buf = buf[:len(buf) - keep], buf[len(buf) - keep:]
         if out:
             self.sent.append(out)

@@ -122,6 +122,12 @@ class Tokenizer:
         self.tool_syntax: str | None = (
             "hermes" if self._jinja is not None and "<tool_call>" in self.chat_template
             and "tools" in self.chat_template and not self.has_special_text("<tool_call>") else None)
+        # A thinking model's template (api/reasoning.py): its answers begin with a think block,
+        # whose tags the detokenizer keeps (text, not special tokens).
+        self.reasoning_tags: bool = (
+            self._jinja is not None and "<think>" in self.chat_template
+            and "</think>" in self.chat_template and not self.has_special_text("<think>")
+            and not self.has_special_text("</think>"))
 
     @classmethod
     def from_file(

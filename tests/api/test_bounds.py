@@ -270,7 +270,8 @@ def _tool(name: Any = "f", **function: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, **function}}
 
 
-# Tool calling's fields (api/tools.py) and the chat template's variables (chat_prompt.template_variables),
+# Tool calling's fields (api/tools.py), the chat template's variables (chat_prompt.template_variables)
+# and reasoning_format (api/reasoning.py),
 # each alone on a chat request: 200 (tool_choice "none" leaves the tools out, so this test model
 # needs no grammar tokenizer) or a 400 naming the field.
 TOOL_FIELDS: dict[str, list[Any]] = {
@@ -289,6 +290,7 @@ TOOL_FIELDS: dict[str, list[Any]] = {
         {"x" * 65: 1}, {"messages": []}, {"tools": 1}, {"a b": 1}, {"1a": 1}, {"é": 1}, [], "x",
         2**63, {"k": [[[[[[[[[[[]]]]]]]]]]]}, {"k": 2**70},
     ],
+    "reasoning_format": ["auto", "none", None, "deepseek", "", "x" * 10**4, 2**63, [], {}],
 }
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from calserve import errors as E
 from calserve.api.chunks import ChunkEncoder
 from calserve.api.chat_prompt import chat_input
+from calserve.api.reasoning import Answer
 from calserve.api.schemas import ChatBody, ChatMessage
 from calserve.api.tool_stream import ToolStreamEncoder
 from calserve.api.tools import MAX_PARALLEL_CALLS, ToolCalling, parse_tools
@@ -124,7 +125,7 @@ PIECES = st.sampled_from(["Hi", " ", "\n", "<", "<tool", "_call", ">", "tool_cal
                           "</tool_call>", "ok.", "\u00e9", "\U0001f600"])
 
 
-def stream(pieces: list[str], tc: ToolCalling, finish: FinishReason = FinishReason.STOP
+def stream(pieces: list[str], tc: ToolCalling | Answer, finish: FinishReason = FinishReason.STOP
            ) -> bytes:
     enc = ToolStreamEncoder(ChunkEncoder(chat=True, rid="chatcmpl-1", created=1, model="m",
                                          include_usage=False), tc,
