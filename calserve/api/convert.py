@@ -410,6 +410,14 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
     tools, msgs, shown = chat_input(tok, body)
+    if body.reasoning_format is not None and body.reasoning_format not in REASONING_FORMATS:
+        raise E.RequestError(f"`reasoning_format` must be one of {', '.join(REASONING_FORMATS)}",
+                             param="reasoning_format")
+    prompt, ids = render_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq,
+                              shown, template_variables(body.chat_template_kwargs))
+    if not ids:
+        raise E.RequestError("`messages` render to zero tokens", param="messages")
+    reasoning = Reasoning.of(prompt, getattr(tok, "reasoning_tags", False), body.reasoning_format)
     grammar = None
     if tools is not None:
         rf = body.response_format
@@ -422,19 +430,12 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
                 raise E.UnsupportedParameter(f"`{name}` is not supported with `tools` (it would"
                                              " sample past the end of the answer)", param=name)
         vocab = _vocab_size(tok, info) or 0
-        if tools.syntax == "hermes":
-            grammar = compile_lark(hermes_grammar(tools), call_schema(tools), tok, vocab,
+        if tools.syntax == "hermes":  # a thinking model may think before calls it must make
+            think = None if reasoning is None else "open" if reasoning.opened else "optional"
+            grammar = compile_lark(hermes_grammar(tools, think), call_schema(tools), tok, vocab,
                                    "tools_hermes", "tools")
         else:
             grammar = compile_json_schema(tools.schema(), tok, vocab, param="tools")
-    if body.reasoning_format is not None and body.reasoning_format not in REASONING_FORMATS:
-        raise E.RequestError(f"`reasoning_format` must be one of {', '.join(REASONING_FORMATS)}",
-                             param="reasoning_format")
-    prompt, ids = render_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq,
-                              shown, template_variables(body.chat_template_kwargs))
-    if not ids:
-        raise E.RequestError("`messages` render to zero tokens", param="messages")
-    reasoning = Reasoning.of(prompt, getattr(tok, "reasoning_tags", False), body.reasoning_format)
     stream, usage = _stream_flags(body)
     k = (body.top_logprobs or 0) if body.logprobs else None
     mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

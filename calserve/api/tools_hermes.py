@@ -75,8 +75,11 @@ def call_schema(tc: ToolCalling) -> dict[str, Any]:
     return {"$defs": defs, **one, "x-guidance": _JSON_STYLE}
 
 
-def hermes_grammar(tc: ToolCalling) -> str:
-    """The Lark grammar (llguidance's dialect) of an answer (module docstring)."""
+def hermes_grammar(tc: ToolCalling, think: str | None = None) -> str:
+    """The Lark grammar (llguidance's dialect) of an answer (module docstring). ``think``: the
+    model thinks first (``api/reasoning.py``), ``"optional"`` a ``<think>...</think>`` block
+    before the calls of ``required``/a named tool, ``"open"`` the rest of a block the prompt
+    opened (``auto``'s free text allows either already)."""
     close = json.dumps(_CLOSE)
     calls = f'"\\n" call {close}'
     if tc.max_calls > 1:
@@ -87,7 +90,13 @@ def hermes_grammar(tc: ToolCalling) -> str:
                 f"start: TEXT | trigger {calls}"
                 f"trigger[lazy]: TEXT {json.dumps(TRIGGER)}\n"
                 "TEXT: /(.|\\n)*/\n")
-    return f"%llguidance {{}}\nstart: {json.dumps(TRIGGER)} {calls}"
+    if think is None:
+        return f"%llguidance {{}}\nstart: {json.dumps(TRIGGER)} {calls}"
+    head = '"<think>" ' if think == "optional" else ""
+    return (f"%llguidance {{}}\nstart: thought{'?' if head else ''} {json.dumps(TRIGGER)} {calls}"
+            "thought: think_body WS?\n"
+            f'think_body[lazy]: {head}/(.|\\n)*/ "</think>"\n'
+            "WS: /[ \\t\\r\\n]+/\n")
 
 
 def _parse_calls(tc: ToolCalling, text: str) -> list[dict[str, Any]] | None:

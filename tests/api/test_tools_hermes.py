@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from calserve import errors as E
 from calserve.api.chunks import ChunkEncoder
 from calserve.api.chat_prompt import chat_input
-from calserve.api.reasoning import Answer
+from calserve.api.reasoning import Answer, Reasoning
 from calserve.api.schemas import ChatBody, ChatMessage
 from calserve.api.tool_stream import ToolStreamEncoder
 from calserve.api.tools import MAX_PARALLEL_CALLS, ToolCalling, parse_tools
@@ -68,10 +68,10 @@ def test_which_templates_answer_in_the_hermes_syntax() -> None:
     assert tok(None).tool_syntax is None  # ChatML: the generic JSON answer
 
 
-def accepts(tc: ToolCalling, text: str) -> bool:
+def accepts(tc: ToolCalling, text: str, think: str | None = None) -> bool:
     """Whether the answer grammar takes ``text`` whole and may end there."""
-    g = compile_lark(hermes_grammar(tc), call_schema(tc), TOK, TOK.vocab_size, "tools_hermes",
-                     "tools")
+    g = compile_lark(hermes_grammar(tc, think), call_schema(tc), TOK, TOK.vocab_size,
+                     "tools_hermes", "tools")
     m = g.new_state().matcher
     return bool(m.consume_tokens(TOK.encode(text))) and not m.is_error() and m.is_accepting()
 
@@ -102,6 +102,20 @@ def test_required_named_and_parallel_bounds() -> None:
     many = "\n".join([PARIS] * MAX_PARALLEL_CALLS)
     assert accepts(calling("required"), many)
     assert not accepts(calling("required"), many + "\n" + PARIS)
+
+
+def test_a_thinking_model_may_think_before_the_calls_it_must_make() -> None:
+    req = calling("required")
+    assert accepts(req, "<think>\nA weather question: call.\n</think>\n\n" + PARIS, "optional")
+    assert accepts(req, "<think>x</think>" + PARIS, "optional") and accepts(req, PARIS, "optional")
+    assert not accepts(req, "Sure. " + PARIS, "optional")
+    assert not accepts(req, "<think>x</think> and text " + PARIS, "optional")
+    assert not accepts(req, "<think>x</think>\n" + call("get_time", {}), "optional")
+    # the prompt opened the block: it is closed before the calls
+    assert accepts(req, "inside the block\n</think>\n\n" + PARIS, "open")
+    assert not accepts(req, PARIS, "open")
+    msg, fr = Answer(req, Reasoning()).message("<think>\nhm\n</think>\n\n" + PARIS, "stop")
+    assert fr == "tool_calls" and msg["reasoning_content"] == "hm" and msg["content"] is None
 
 
 def test_the_answer_becomes_openai_s_message() -> None:
