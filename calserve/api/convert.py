@@ -40,6 +40,7 @@ from calserve.api.schemas import (
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
 from calserve.api.reasoning import REASONING_FORMATS, Answer, Reasoning
 from calserve.api.tools_hermes import call_schema, hermes_grammar
+from calserve.api.tools_llama import llama_call_schema, llama_grammar
 from calserve.engine.grammar import (
     Grammar,
     compile_json_schema,
@@ -434,6 +435,9 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
             think = None if reasoning is None else "open" if reasoning.opened else "optional"
             grammar = compile_lark(hermes_grammar(tools, think), call_schema(tools), tok, vocab,
                                    "tools_hermes", "tools")
+        elif tools.syntax == "llama3_json":
+            grammar = compile_lark(llama_grammar(tools), llama_call_schema(tools), tok, vocab,
+                                   "tools_llama3_json", "tools")
         else:
             grammar = compile_json_schema(tools.schema(), tok, vocab, param="tools")
     stream, usage = _stream_flags(body)

@@ -25,6 +25,7 @@ from typing import Any, Final, final
 
 from calserve.api.tools import ResponseText, ToolCalling
 from calserve.api.tools_hermes import HermesText, held_back
+from calserve.api.tools_llama import LlamaText
 
 __all__ = ["OPEN", "CLOSE", "Reasoning", "Answer", "AnswerText", "split_reasoning",
            "REASONING_FORMATS"]
@@ -116,7 +117,8 @@ class AnswerText:
 
     __slots__ = ("_tools", "_split", "sent", "sent_reasoning")
 
-    def __init__(self, tools: ResponseText | HermesText | None, reasoning: Reasoning | None
+    def __init__(self, tools: ResponseText | HermesText | LlamaText | None,
+                 reasoning: Reasoning | None
                  ) -> None:
         self._tools = tools
         self._split = None if reasoning is None else _Split(reasoning.opened)

@@ -13,8 +13,9 @@ against that tool's ``parameters``. ``tool_choice``: ``"auto"`` (the default wit
 forms; ``"required"`` only calls; ``{"type": "function", "function": {"name": N}}`` only calls of N;
 ``"none"`` leaves the tools out (a plain answer). ``parallel_tool_calls: false`` allows one call.
 A package whose chat template has the Hermes ``<tool_call>`` syntax (Qwen2.5, Qwen3, Hermes) is
-answered in that syntax instead (``api/tools_hermes.py``, ``syntax="hermes"``); another model's own
-syntax (Llama 3's ``python_tag``, Mistral's ``[TOOL_CALLS]``) is not parsed: its calls come in the
+answered in that syntax instead (``api/tools_hermes.py``, ``syntax="hermes"``), and one in Llama
+3.1+'s (the answer is the call's JSON) in that one (``api/tools_llama.py``, ``"llama3_json"``);
+another model's own syntax (Mistral's ``[TOOL_CALLS]``) is not parsed: its calls come in the
 generic format, which it is told.
 
 The response is OpenAI's: calls as ``message.tool_calls`` (ids ``call_<24 hex>``, ``arguments`` a
@@ -45,6 +46,7 @@ from typing import Any, Final, final
 
 from calserve import errors as E
 from calserve.api.tools_hermes import HermesText, checked_call_id, earlier_calls, hermes_answer
+from calserve.api.tools_llama import LlamaText, llama_answer
 
 __all__ = ["ToolCalling", "ResponseText", "parse_tools", "tool_messages", "MAX_TOOLS",
            "MAX_DESCRIPTION_CHARS", "RESPONSE_PREFIX", "openai_calls"]
@@ -65,12 +67,14 @@ class ToolCalling:
     tools: tuple[dict[str, Any], ...]  # {"name", "description", "parameters"} each
     mode: str  # "auto" | "required" | the one tool's name
     parallel: bool
-    syntax: str = "json"  # "json": the answer of this module; "hermes": api/tools_hermes.py
+    # "json": the answer of this module; "hermes": api/tools_hermes.py; "llama3_json":
+    # api/tools_llama.py (one call an answer)
+    syntax: str = "json"
 
     @property
     def max_calls(self) -> int:
         """The calls one answer may hold."""
-        return MAX_PARALLEL_CALLS if self.parallel else 1
+        return MAX_PARALLEL_CALLS if self.parallel and self.syntax != "llama3_json" else 1
 
     @property
     def forced(self) -> str | None:
@@ -131,14 +135,17 @@ class ToolCalling:
                     *messages[1:]]
         return [{"role": "system", "content": text}, *messages]
 
-    def text_stream(self) -> ResponseText | HermesText:
+    def text_stream(self) -> ResponseText | HermesText | LlamaText:
         """What streams of the answer as content while it grows (``api/tool_stream.py``)."""
-        return HermesText() if self.syntax == "hermes" else ResponseText()
+        if self.syntax == "hermes":
+            return HermesText()
+        return LlamaText() if self.syntax == "llama3_json" else ResponseText()
 
     def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
         """The assistant message and ``finish_reason`` of the generated ``text``."""
-        if self.syntax == "hermes":
-            content, calls = hermes_answer(self, text)
+        if self.syntax != "json":
+            content, calls = (hermes_answer(self, text) if self.syntax == "hermes"
+                              else llama_answer(self, text))
             if calls is None:
                 return {"role": "assistant", "content": content}, finish
             return ({"role": "assistant", "content": content, "tool_calls": openai_calls(calls)},

@@ -40,7 +40,7 @@ from typing import Any, Final, Protocol, final
 from calserve import errors as E
 
 __all__ = ["TRIGGER", "hermes_grammar", "hermes_answer", "HermesText",
-           "template_tools", "native_tool_message", "earlier_calls", "checked_call_id", "special_text_param", "call_schema", "held_back"]
+           "template_tools", "native_tool_message", "earlier_calls", "checked_call_id", "special_text_param", "call_schema", "held_back", "JSON_STYLE", "ToolCalling"]
 
 TRIGGER: Final = "<tool_call>"
 _OPEN: Final = TRIGGER + "\n"
@@ -48,7 +48,7 @@ _CLOSE: Final = "\n</tool_call>"
 _NEXT: Final = "\n" + _OPEN  # between two calls
 #: How the calls' JSON is written (Hermes/Qwen templates render earlier calls with Python's
 #: ``json.dumps`` defaults) and no free whitespace (a model must not pad forever).
-_JSON_STYLE: Final = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_STYLE: Final = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ToolCalling(Protocol):
@@ -72,7 +72,7 @@ def call_schema(tc: ToolCalling) -> dict[str, Any]:
     """The JSON schema of one call (``name`` and ``arguments``), in the Hermes JSON style."""
     defs, calls = tc.call_schemas()
     one: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {"$defs": defs, **one, "x-guidance": _JSON_STYLE}
+    return {"$defs": defs, **one, "x-guidance": JSON_STYLE}
 
 
 def hermes_grammar(tc: ToolCalling, think: str | None = None) -> str:

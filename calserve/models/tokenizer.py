@@ -119,9 +119,9 @@ class Tokenizer:
         self._literal: tokenizers.Tokenizer | None = None  # encode_special_tokens clone, on demand
         # The model's own tool-call syntax (api/tools_hermes.py): its template shows tools the
         # Hermes way and the tag is text (a special token would be dropped by the detokenizer).
-        self.tool_syntax: str | None = (
-            "hermes" if self._jinja is not None and "<tool_call>" in self.chat_template
-            and "tools" in self.chat_template and not self.has_special_text("<tool_call>") else None)
+        self.tool_syntax: str | None = _tool_syntax(self.chat_template) if self._jinja else None
+        if self.tool_syntax == "hermes" and self.has_special_text("<tool_call>"):
+            self.tool_syntax = None
         # A thinking model's template (api/reasoning.py): its answers begin with a think block,
         # whose tags the detokenizer keeps (text, not special tokens).
         self.reasoning_tags: bool = (
@@ -227,6 +227,19 @@ class Tokenizer:
             if text:
                 ids += enc.encode(text, add_special_tokens=False).ids
         return ids
+
+
+def _tool_syntax(template: str) -> str | None:
+    """The tool-call syntax a Jinja chat template shows tools in (api/tools.py): Hermes
+    ``<tool_call>`` tags (Qwen2.5, Qwen3, Hermes), Llama 3.1+'s JSON answer (its ``ipython``
+    role), or None (the generic format)."""
+    if "tools" not in template:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "ipython<|end_header_id|>" in template:
+        return "llama3_json"
+    return None
 
 
 def _plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -61,6 +61,16 @@ def call(name: str, args: Any) -> str:
 PARIS = call("get_weather", {"city": "Paris"})
 
 
+# a call and its result in earlier turns
+HISTORY: Any = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "20 C"},
+]
+
+
 def test_which_templates_answer_in_the_hermes_syntax() -> None:
     assert TOK.tool_syntax == "hermes"
     for name in ("smollm2.jinja", "llama3.jinja"):
@@ -192,14 +202,7 @@ def body(**kw: Any) -> ChatBody:
 
 
 def test_the_template_gets_the_tools_and_earlier_turns_as_it_takes_them() -> None:
-    history = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "20 C"},
-    ]
-    tools, msgs, shown = chat_input(TOK, body(messages=history, tools=TOOLS))
+    tools, msgs, shown = chat_input(TOK, body(messages=HISTORY, tools=TOOLS))
     assert tools is not None and tools.syntax == "hermes" and shown is not None
     assert [t["function"]["name"] for t in shown] == ["get_weather", "now"]
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # an object
@@ -209,11 +212,11 @@ def test_the_template_gets_the_tools_and_earlier_turns_as_it_takes_them() -> Non
     assert PARIS in prompt and "<tool_response>\n20 C\n</tool_response>" in prompt
     assert "tool_calls" not in prompt  # not the generic instructions
     # without tools in the request, earlier calls are still the template's own syntax
-    _, msgs, shown = chat_input(TOK, body(messages=history))
+    _, msgs, shown = chat_input(TOK, body(messages=HISTORY))
     assert shown is None and PARIS in TOK.apply_chat_template(msgs, True)
     # a package without the syntax: the generic instructions, earlier turns as plain messages
     plain = tok(None)
-    tools, msgs, shown = chat_input(plain, body(messages=history, tools=TOOLS))
+    tools, msgs, shown = chat_input(plain, body(messages=HISTORY, tools=TOOLS))
     assert tools is not None and tools.syntax == "json" and shown is None
     assert "tool_calls" in msgs[0]["content"] and msgs[3]["role"] == "user"  # the tool result
 
@@ -252,3 +255,58 @@ def test_malformed_earlier_turns_are_400s_naming_the_field(msg: dict[str, Any], 
     with pytest.raises(E.RequestError) as e:
         chat_input(TOK, body(messages=[{"role": "user", "content": "Hi"}, msg], tools=TOOLS))
     assert e.value.param == param
+
+
+# ---- Llama 3.1+'s syntax (api/tools_llama.py): the answer is the call's JSON --------------------
+
+LLAMA = tok((TEMPLATES / "llama3_tools.jinja").read_text())
+
+
+def llama(choice: Any = None) -> ToolCalling:
+    t = parse_tools(TOOLS, choice, None, "llama3_json")
+    assert t is not None
+    return t
+
+
+def llama_accepts(tc: ToolCalling, text: str) -> bool:
+    from calserve.api.tools_llama import llama_call_schema, llama_grammar
+
+    g = compile_lark(llama_grammar(tc), llama_call_schema(tc), TOK, TOK.vocab_size,
+                     "tools_llama3_json", "tools")
+    m = g.new_state().matcher
+    return bool(m.consume_tokens(TOK.encode(text))) and not m.is_error() and m.is_accepting()
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+def test_llama_s_syntax_grammar_and_message() -> None:
+    assert LLAMA.tool_syntax == "llama3_json"
+    auto, req = llama(), llama("required")
+    assert auto.max_calls == 1  # one call a turn, whatever parallel_tool_calls says
+    assert llama_accepts(auto, "Paris is sunny {today}.") and llama_accepts(auto, "")
+    assert llama_accepts(auto, LLAMA_CALL) and llama_accepts(req, LLAMA_CALL)
+    assert not llama_accepts(req, "Sure: " + LLAMA_CALL)
+    assert not llama_accepts(auto, '{"name": "get_time", "parameters": {}}')
+    assert not llama_accepts(auto, '{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    assert not llama_accepts(auto, LLAMA_CALL + LLAMA_CALL)
+    msg, fr = auto.message(LLAMA_CALL, "stop")
+    assert fr == "tool_calls" and msg["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg["tool_calls"]] == [("get_weather", {"city": "Paris"})]
+    assert auto.message("It is sunny.", "stop")[0] == {"role": "assistant", "content": "It is sunny."}
+    assert auto.message(LLAMA_CALL[:-4], "length")[0]["content"] == LLAMA_CALL[:-4]
+    for pieces in ([LLAMA_CALL[:5], LLAMA_CALL[5:]], ["It is ", "sunny ", "{x}."]):
+        ds = deltas(stream(pieces, auto))
+        want, fr = auto.message("".join(pieces), "stop")
+        assert "".join(d.get("content", "") for d, _ in ds[1:]) == (want["content"] or "")
+        assert ds[-1] == ({}, fr)
+
+
+def test_llama_s_template_gets_the_tools_and_earlier_turns() -> None:
+    tools, msgs, shown = chat_input(LLAMA, body(messages=HISTORY, tools=TOOLS))
+    assert tools is not None and tools.syntax == "llama3_json" and shown is not None
+    prompt = LLAMA.apply_chat_template(msgs, True, shown)
+    assert "Environment: ipython" in prompt and '"name": "get_weather"' in prompt
+    assert LLAMA_CALL + "<|eot_id|>" in prompt
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\n20 C<|eot_id|>" in prompt

@@ -1,6 +1,7 @@
-"""Tool calls in a model's own Hermes syntax through the official openai client against a real
-``calserve serve`` (api/tools_hermes.py): the demo model packed with Qwen2.5's chat template, whose
-template shows the tools and which answers in ``<tool_call>`` tags held by the grammar.
+"""Tool calls in a model's own syntax through the official openai client against a real
+``calserve serve``: the demo model packed with Qwen2.5's chat template (Hermes ``<tool_call>``
+tags, api/tools_hermes.py), and with a template in Llama 3.1+'s syntax (the answer is the call's
+JSON, api/tools_llama.py); the template shows the tools and the grammar holds the answer.
 
 The demo model's text is noise: with ``required`` or a named tool the grammar alone makes every
 answer calls of the request's tools with valid arguments; with ``auto`` the noise model writes text
@@ -8,6 +9,7 @@ answer calls of the request's tools with valid arguments; with ``auto`` the nois
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,14 +29,22 @@ from .test_tools_openai import BY_NAME, MSGS, TOOLS, check_calls
 QWEN25 = (Path(__file__).parents[1] / "models" / "chat_templates" / "qwen2_5.jinja").read_text()
 
 
-@pytest.fixture(scope="module")
-def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    d = tmp_path_factory.mktemp("hermes")
+@contextlib.contextmanager
+def demo_with_template(tmp_path_factory: pytest.TempPathFactory, alias: str, seed: int,
+                       template: str) -> Iterator[ServerProcess]:
+    """``calserve serve`` of the demo model packed (seeded) with ``template``, as ``alias``."""
+    d = tmp_path_factory.mktemp(alias)
     key = d / "key"
     generate_keypair(key)
-    pkg = pack_demo_variant(d / "pkg", key, seed=11, profiles=(1, 4), chat_template=QWEN25)
-    with serving_calserve(d / "home", d, "--model", str(pkg), "--alias", "hermes",
+    pkg = pack_demo_variant(d / "pkg", key, seed=seed, profiles=(1, 4), chat_template=template)
+    with serving_calserve(d / "home", d, "--model", str(pkg), "--alias", alias,
                           "--trusted-key", f"{key}.pub") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with demo_with_template(tmp_path_factory, "hermes", 11, QWEN25) as proc:
         yield proc
 
 
@@ -116,3 +126,34 @@ def test_auto_answers_text_and_a_conversation_carries_calls_and_results(
                 {"id": "x", "type": "function", "function": {
                     "name": "now", "arguments": '{"q": "<|im_start|>system"}'}}]}])
     assert e.value.body["param"] == "messages[1].tool_calls"  # type: ignore[index]
+
+
+LLAMA_TOOLS = (Path(__file__).parents[1] / "models" / "chat_templates"
+               / "llama3_tools.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The demo model with a template in Llama 3.1+'s tool syntax (api/tools_llama.py)."""
+    with demo_with_template(tmp_path_factory, "llama", 12, LLAMA_TOOLS) as proc:
+        yield proc
+
+
+def test_llama_syntax_answers_are_valid_calls_or_text(llama: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=llama.url + "/v1", api_key="unused", max_retries=0)
+    for seed in range(3):
+        for choice, only in (("required", None),
+                             ({"type": "function", "function": {"name": "get_weather"}},
+                              "get_weather")):
+            c = client.chat.completions.create(model="llama", messages=MSGS, tools=TOOLS,
+                                               tool_choice=choice, seed=seed, temperature=1.0,
+                                               max_tokens=300).choices[0]
+            assert c.finish_reason == "tool_calls" and c.message.content is None, c
+            assert len(c.message.tool_calls or []) == 1  # one call a turn in this syntax
+            check_calls(c.message.tool_calls, only)
+        c = client.chat.completions.create(model="llama", messages=MSGS, tools=TOOLS, seed=seed,
+                                           temperature=1.0, max_tokens=20).choices[0]
+        if c.message.tool_calls:
+            check_calls(c.message.tool_calls)
+        else:
+            assert c.message.content is not None and not c.message.content.startswith("{")
