@@ -38,7 +38,7 @@ from calserve.api.schemas import (
     SamplingFields,
 )
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
-from calserve.api.reasoning import REASONING_FORMATS, Answer, Reasoning
+from calserve.api.reasoning import Answer, Reasoning
 from calserve.api.tools_hermes import call_schema, hermes_grammar
 from calserve.api.tools_llama import llama_call_schema, llama_grammar
 from calserve.engine.grammar import (
@@ -411,9 +411,6 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
     tools, msgs, shown = chat_input(tok, body)
-    if body.reasoning_format is not None and body.reasoning_format not in REASONING_FORMATS:
-        raise E.RequestError(f"`reasoning_format` must be one of {', '.join(REASONING_FORMATS)}",
-                             param="reasoning_format")
     prompt, ids = render_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq,
                               shown, template_variables(body.chat_template_kwargs))
     if not ids:

@@ -27,14 +27,10 @@ from calserve.api.tools import ResponseText, ToolCalling
 from calserve.api.tools_hermes import HermesText, held_back
 from calserve.api.tools_llama import LlamaText
 
-__all__ = ["OPEN", "CLOSE", "Reasoning", "Answer", "AnswerText", "split_reasoning",
-           "REASONING_FORMATS"]
+__all__ = ["OPEN", "CLOSE", "Reasoning", "Answer", "AnswerText", "split_reasoning"]
 
 OPEN: Final = "<think>"
 CLOSE: Final = "</think>"
-#: The request's ``reasoning_format``: ``auto`` (the default: split when the template thinks),
-#: ``none`` (never).
-REASONING_FORMATS: Final = ("auto", "none")
 
 
 def split_reasoning(text: str, opened: bool) -> tuple[str | None, str]:

@@ -13,7 +13,7 @@ Decisions (documented in README.md, "HTTP API"):
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -123,10 +123,10 @@ class ChatBody(SamplingFields, kw_only=True):
     # Extensions (vLLM): the template's generation prompt, and variables for the model's own
     # chat template (``{"enable_thinking": false}`` for Qwen3; api/chat_prompt.template_variables)
     add_generation_prompt: bool | None = None
-    chat_template_kwargs: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Extension (llama.cpp): "auto" (the default) returns a thinking model's reasoning apart, as
     # ``reasoning_content``; "none" leaves it in ``content`` (api/reasoning.py)
-    reasoning_format: str | None = None
+    reasoning_format: Literal["auto", "none"] | None = None
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
@@ -138,7 +138,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
-    chat_template_kwargs: Any = None  # with ``messages``: as a chat request's
+    chat_template_kwargs: dict[str, Any] | None = None  # with ``messages``: as a chat request's
     with_pieces: bool | None = None  # llama.cpp: return [{"id", "piece"}]
     # with ``messages``: the prompt a chat request with these tools renders (vLLM takes them too)
     tools: Any = None
