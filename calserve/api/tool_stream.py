@@ -24,7 +24,6 @@ from calserve.api.convert import Prepared
 from calserve.api.render import DONE, LogprobFormatter, finish_reason, new_id, now_s
 from calserve.api.stream_encoder import NO_TERMINAL, failure_chunk, stream_error_chunk
 from calserve.api.reasoning import Answer
-from calserve.api.tools import ToolCalling
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
 __all__ = ["ToolStreamEncoder"]
@@ -32,15 +31,15 @@ __all__ = ["ToolStreamEncoder"]
 @final
 class ToolStreamEncoder:
     """:class:`~calserve.api.stream_encoder.StreamEncoder`'s interface for an answer with tools
-    (module docstring)."""
+    or reasoning (module docstring)."""
 
     __slots__ = ("_chunks", "_answer", "_fmt", "_usage", "_last", "_all", "_lps", "_text",
                  "tokens", "terminal", "finished")
 
-    def __init__(self, chunks: ChunkEncoder, answer: Answer | ToolCalling, *, include_usage: bool,
+    def __init__(self, chunks: ChunkEncoder, answer: Answer, *, include_usage: bool,
                  logprobs: LogprobFormatter | None, last: bool = True) -> None:
         self._chunks = chunks
-        self._answer = answer if isinstance(answer, Answer) else Answer(tools=answer)
+        self._answer = answer
         self._fmt = logprobs
         self._usage = include_usage
         self._last = last

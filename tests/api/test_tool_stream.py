@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from calserve.api.chunks import ChunkEncoder
 from calserve.api.render import DONE
+from calserve.api.reasoning import Answer
 from calserve.api.tool_stream import ToolStreamEncoder
 from calserve.api.tools import ResponseText, ToolCalling, parse_tools
 from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, TokenEvent, Usage
@@ -66,7 +67,7 @@ def events(raw: bytes) -> list[Any]:
 def stream(pieces: list[str], finish: FinishReason = FinishReason.STOP, last: bool = True,
            usage: bool = True) -> tuple[bytes, ToolStreamEncoder]:
     enc = ToolStreamEncoder(ChunkEncoder(chat=True, rid="chatcmpl-1", created=1, model="m",
-                                         include_usage=usage), calling(),
+                                         include_usage=usage), Answer(calling()),
                             include_usage=usage, logprobs=None, last=last)
     out = enc.opening()
     for p in pieces:
@@ -121,7 +122,7 @@ def test_one_choice_of_several_and_the_error_ends() -> None:
     raw, _ = stream(['{"response":"hi"}'], last=False, usage=False)
     assert not raw.endswith(DONE) and deltas(raw)[-1] == ({}, "stop")
     enc = ToolStreamEncoder(ChunkEncoder(chat=True, rid="r", created=1, model="m",
-                                         include_usage=False), calling(),
+                                         include_usage=False), Answer(calling()),
                             include_usage=False, logprobs=None)
     out = enc.encode([TokenEvent((1,), '{"response":"par'),
                       ErrorEvent("device lost", "device_error")])
@@ -129,7 +130,7 @@ def test_one_choice_of_several_and_the_error_ends() -> None:
     ev = events(out)
     assert ev[0]["choices"][0]["delta"] == {"content": "par"} and "error" in ev[-1]
     empty = ToolStreamEncoder(ChunkEncoder(chat=True, rid="r", created=1, model="m",
-                                           include_usage=False), calling(),
+                                           include_usage=False), Answer(calling()),
                               include_usage=False, logprobs=None)
     assert "error" in events(empty.encode([]))[0] and empty.finished
 

@@ -151,8 +151,10 @@ PIECES = st.sampled_from(["Hi", " ", "\n", "<", "<tool", "_call", ">", "tool_cal
 
 def stream(pieces: list[str], tc: ToolCalling | Answer, finish: FinishReason = FinishReason.STOP
            ) -> bytes:
+    """The SSE of an answer in ``pieces`` (``tc``: its tools alone, or its whole shape)."""
+    answer = tc if isinstance(tc, Answer) else Answer(tc)
     enc = ToolStreamEncoder(ChunkEncoder(chat=True, rid="chatcmpl-1", created=1, model="m",
-                                         include_usage=False), tc,
+                                         include_usage=False), answer,
                             include_usage=False, logprobs=None)
     out = enc.opening()
     for p in pieces:
