@@ -39,14 +39,7 @@ from calserve.api.schemas import (
 )
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
 from calserve.api.reasoning import Answer, Reasoning
-from calserve.api.tools_hermes import call_schema, hermes_grammar
-from calserve.api.tools_llama import llama_call_schema, llama_grammar
-from calserve.engine.grammar import (
-    Grammar,
-    compile_json_schema,
-    compile_lark,
-    compile_response_format,
-)
+from calserve.engine.grammar import Grammar, compile_response_format
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 
@@ -427,16 +420,8 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
             if getattr(body, name):
                 raise E.UnsupportedParameter(f"`{name}` is not supported with `tools` (it would"
                                              " sample past the end of the answer)", param=name)
-        vocab = _vocab_size(tok, info) or 0
-        if tools.syntax == "hermes":  # a thinking model may think before calls it must make
-            think = None if reasoning is None else "open" if reasoning.opened else "optional"
-            grammar = compile_lark(hermes_grammar(tools, think), call_schema(tools), tok, vocab,
-                                   "tools_hermes", "tools")
-        elif tools.syntax == "llama3_json":
-            grammar = compile_lark(llama_grammar(tools), llama_call_schema(tools), tok, vocab,
-                                   "tools_llama3_json", "tools")
-        else:
-            grammar = compile_json_schema(tools.schema(), tok, vocab, param="tools")
+        think = None if reasoning is None else "open" if reasoning.opened else "optional"
+        grammar = tools.grammar(tok, _vocab_size(tok, info) or 0, think)
     stream, usage = _stream_flags(body)
     k = (body.top_logprobs or 0) if body.logprobs else None
     mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -45,8 +45,16 @@ from collections.abc import Callable
 from typing import Any, Final, final
 
 from calserve import errors as E
-from calserve.api.tools_hermes import HermesText, checked_call_id, earlier_calls, hermes_answer
-from calserve.api.tools_llama import LlamaText, llama_answer
+from calserve.api.tools_hermes import (
+    HermesText,
+    call_schema,
+    checked_call_id,
+    earlier_calls,
+    hermes_answer,
+    hermes_grammar,
+)
+from calserve.api.tools_llama import LlamaText, llama_answer, llama_call_schema, llama_grammar
+from calserve.engine.grammar import Grammar, compile_json_schema, compile_lark
 
 __all__ = ["ToolCalling", "ResponseText", "parse_tools", "tool_messages", "MAX_TOOLS",
            "MAX_DESCRIPTION_CHARS", "RESPONSE_PREFIX", "openai_calls"]
@@ -134,6 +142,18 @@ class ToolCalling:
             return [{"role": "system", "content": f"{first}\n\n{text}" if first else text},
                     *messages[1:]]
         return [{"role": "system", "content": text}, *messages]
+
+    def grammar(self, tok: Any, vocab: int, think: str | None = None) -> Grammar:
+        """The compiled grammar that holds the answer in this syntax, for ``tok``'s logits of
+        width ``vocab`` (its 400s name ``tools``); ``think``: a thinking model may think before
+        calls it must make (Hermes: ``hermes_grammar``)."""
+        if self.syntax == "hermes":
+            return compile_lark(hermes_grammar(self, think), call_schema(self), tok, vocab,
+                                "tools_hermes", "tools")
+        if self.syntax == "llama3_json":
+            return compile_lark(llama_grammar(self), llama_call_schema(self), tok, vocab,
+                                "tools_llama3_json", "tools")
+        return compile_json_schema(self.schema(), tok, vocab, param="tools")
 
     def text_stream(self) -> ResponseText | HermesText | LlamaText:
         """What streams of the answer as content while it grows (``api/tool_stream.py``)."""

@@ -48,8 +48,8 @@ import numpy.typing as npt
 
 from calserve.errors import RequestError
 
-__all__ = ["Grammar", "GrammarState", "compile_response_format", "compile_json_schema", "compile_lark", "fill_masks",
-           "grammar_tokenizer", "GRAMMAR_CACHE",
+__all__ = ["Grammar", "GrammarState", "compile_response_format", "compile_json_schema",
+           "compile_lark", "fill_masks", "grammar_tokenizer", "GRAMMAR_CACHE",
            "check_schema_bounds", "LIMITS", "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_NODES",
            "MAX_SCHEMA_PROPERTIES", "MAX_SCHEMA_LIST_ITEMS", "MAX_SCHEMA_COMBINATOR_NESTING"]
 
@@ -127,7 +127,7 @@ class Grammar:
     __slots__ = ("kind", "schema", "_template")
 
     def __init__(self, kind: str, schema: Any, template: llguidance.LLMatcher) -> None:
-        self.kind = kind  # "json_object" | "json_schema" | "tools" | "tools_hermes"
+        self.kind = kind  # "json_object" | "json_schema" | "tools_hermes" | "tools_llama3_json"
         self.schema = schema  # the JSON schema enforced (tests validate against it)
         self._template = template  # never advanced: deep-copied per request
 
@@ -264,7 +264,7 @@ def compile_json_schema(schema: Any, tok: Any, vocab: int, kind: str = "json_sch
 
 def compile_lark(lark: str, schema: Any, tok: Any, vocab: int, kind: str, param: str) -> Grammar:
     """The grammar of a Lark grammar in llguidance's dialect (tool calls in a model's own syntax,
-    ``api/tools_hermes.py``) for ``tok``, compiled and checked as :func:`compile_json_schema`
+    ``api/tools_hermes.py``, ``api/tools_llama.py``) for ``tok``, compiled and checked as :func:`compile_json_schema`
     compiles a schema; ``schema``: the JSON schema embedded in it (its bounds are checked first;
     kept on the grammar for tests). Its 400s name ``param``."""
     check_schema_bounds(schema, param)
