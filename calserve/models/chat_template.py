@@ -11,7 +11,8 @@ Face's ``apply_chat_template`` does:
 - the variables ``messages`` (a list of ``{"role", "content"}`` dicts, with ``tool_calls`` /
   ``tool_call_id`` for a template that shows tools itself), ``add_generation_prompt``,
   ``bos_token``, ``eos_token``, ``tools`` when the request's tools are the template's to show
-  (``api/tools_hermes.py``), and the request's ``chat_template_kwargs`` (``enable_thinking``, ...); the helpers ``raise_exception(msg)``, ``strftime_now(fmt)`` and a
+  (``api/tools_hermes.py``, ``api/tools_llama.py``), and the request's ``chat_template_kwargs``
+  (``enable_thinking``, ...); the helpers ``raise_exception(msg)``, ``strftime_now(fmt)`` and a
   ``tojson`` filter that keeps non-ASCII text (``ensure_ascii=False``, as Hugging Face's).
 
 A template is the operator's (signed with the package), the messages are the client's: a template

@@ -103,6 +103,7 @@ def pack_demo_variant(
     ``chat_template``: a Jinja template for it (ChatML when None)."""
     from calserve.models import demo_model
     from calserve.models.pack import build_package
+    from calserve.models.tokenizer import CHATML
     from calserve.runtime.reference import random_weights
 
     tok_json = demo_model.demo_tokenizer_json()
@@ -112,5 +113,5 @@ def pack_demo_variant(
         tokenizer_json=tok_json, special=demo_model.demo_special_tokens(tok_json),
         profiles=profiles, timing=timing, max_seq=DEMO_MAX_SEQ, max_sequences=DEMO_MAX_SEQUENCES,
         source=f"calserve demo architecture, seeded random weights (seed {seed})", replace=True,
-        **({} if chat_template is None else {"chat_template": chat_template}),
+        chat_template=chat_template or CHATML,
     )

@@ -117,8 +117,9 @@ class Tokenizer:
         self._special_first = frozenset(t[0] for t in specials)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._literal: tokenizers.Tokenizer | None = None  # encode_special_tokens clone, on demand
-        # The model's own tool-call syntax (api/tools_hermes.py): its template shows tools the
-        # Hermes way and the tag is text (a special token would be dropped by the detokenizer).
+        # The model's own tool-call syntax (api/tools.py): Hermes tags when its template shows
+        # tools that way and the tag is text (the detokenizer would drop a special token), Llama
+        # 3.1+'s JSON answer, or None (the generic format).
         self.tool_syntax: str | None = _tool_syntax(self.chat_template) if self._jinja else None
         if self.tool_syntax == "hermes" and self.has_special_text("<tool_call>"):
             self.tool_syntax = None
