@@ -2,7 +2,7 @@
 
 - :func:`chat_messages`: the OpenAI messages as the ``{"role", "content"}`` dicts a template takes
   (earlier turns of tool calling as plain messages, ``api/tools.py``, or as a template with its own
-  tool syntax takes them, ``api/tools_hermes.py``);
+  tool syntax takes them, ``api/tools_native.py``);
 - :func:`chat_input`: a chat body's tools, messages and the tools its template shows;
 - :func:`template_variables`: a request's ``chat_template_kwargs``, checked;
 - :func:`render_chat`: the rendering and its token ids (message contents literal, never control
@@ -23,7 +23,7 @@ from calserve.api.protocol import TokenizerLike
 from calserve.api.schemas import ChatBody, ChatMessage, TokenizeBody
 from calserve.api.tokenizing import check_text_fits, encode_text
 from calserve.api.tools import MAX_PARALLEL_CALLS, ToolCalling, parse_tools, tool_messages
-from calserve.api.tools_hermes import native_tool_message, special_text_param, template_tools
+from calserve.api.tools_native import native_tool_message, special_text_param, template_tools
 from calserve.models.chat_template import RESERVED_VARIABLES
 from calserve.models.tokenizer import Tokenizer
 
@@ -40,7 +40,7 @@ _CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "too
 def chat_messages(messages: list[ChatMessage], native: bool = False) -> list[dict[str, Any]]:
     """Validate chat messages into the plain ``{"role", "content"}`` list the template takes;
     ``native`` (a template with its own tool syntax): earlier turns of tool calling as it takes
-    them (``api/tools_hermes.py``), else as plain messages (``api/tools.py``)."""
+    them (``api/tools_native.py``), else as plain messages (``api/tools.py``)."""
     if not messages:
         raise E.RequestError("`messages` must not be empty", param="messages")
     out: list[dict[str, Any]] = []
@@ -93,7 +93,7 @@ def chat_input(tok: TokenizerLike, body: ChatBody | TokenizeBody
                ) -> tuple[ToolCalling | None, list[dict[str, Any]], list[dict[str, Any]] | None]:
     """A chat body's ``(tools, messages, the template's tools)``: with tools in the generic
     syntax the instructions join the messages (``api/tools.py``); a template with its own tool
-    syntax gets the tools to show and earlier calls as it takes them (``api/tools_hermes.py``),
+    syntax gets the tools to show and earlier calls as it takes them (``api/tools_native.py``),
     none of them holding a special-token string (the template copies them as its own text)."""
     syntax = tok.tool_syntax if isinstance(tok, Tokenizer) else None
     tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls, syntax or "json")

@@ -24,7 +24,8 @@ import dataclasses
 from typing import Any, Final, final
 
 from calserve.api.tools import ResponseText, ToolCalling
-from calserve.api.tools_hermes import HermesText, held_back
+from calserve.api.tools_hermes import HermesText
+from calserve.api.tools_native import held_back
 from calserve.api.tools_llama import LlamaText
 
 __all__ = ["OPEN", "CLOSE", "Reasoning", "Answer", "AnswerText", "split_reasoning"]

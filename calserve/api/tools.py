@@ -25,8 +25,9 @@ returned as ``content``, a call cut short as the JSON generated, with the ``fini
 (``length``). Object schemas in ``parameters`` that do not say ``additionalProperties`` get
 ``false`` (the named arguments only: a small model otherwise adds keys until ``max_tokens``).
 Streamed (``stream: true``), a direct answer's text streams as it comes and calls are sent whole
-once the answer is complete (``api/tool_stream.py``). Earlier turns: an assistant message with ``tool_calls`` is shown to the model as the
-JSON it would have written, and a ``tool`` message as a user message
+once the answer is complete (``api/tool_stream.py``). Earlier turns: an assistant message with
+``tool_calls`` is shown to the model as the JSON it would have written, and a ``tool`` message as
+a user message
 ``{"tool_response": {"tool_call_id": ..., "content": ...}}`` (the results of parallel calls, one
 line each, in one user message: ``chat_prompt.chat_messages``).
 
@@ -45,15 +46,9 @@ from collections.abc import Callable
 from typing import Any, Final, final
 
 from calserve import errors as E
-from calserve.api.tools_hermes import (
-    HermesText,
-    call_schema,
-    checked_call_id,
-    earlier_calls,
-    hermes_answer,
-    hermes_grammar,
-)
+from calserve.api.tools_hermes import HermesText, call_schema, hermes_answer, hermes_grammar
 from calserve.api.tools_llama import LlamaText, llama_answer, llama_call_schema, llama_grammar
+from calserve.api.tools_native import checked_call_id, earlier_calls
 from calserve.engine.grammar import Grammar, compile_json_schema, compile_lark
 
 __all__ = ["ToolCalling", "ResponseText", "parse_tools", "tool_messages", "MAX_TOOLS",

@@ -8,7 +8,7 @@ shows tools that way (it reads ``tools`` and has the ``ipython`` role header:
 ``Tokenizer.tool_syntax == "llama3_json"``) is served in it, as vLLM's ``llama3_json`` parser and
 llama.cpp's server serve it:
 
-- the tools and earlier turns go to the template as ``api/tools_hermes.py`` gives them;
+- the tools and earlier turns go to the template as ``api/tools_native.py`` gives them;
 - the answer is held by a grammar (llguidance Lark): with ``tool_choice: "auto"`` either text that
   does not begin with ``{`` or one call, ``{"name": <a tool of the request>, "parameters": <its
   arguments, validated>}``; with ``"required"`` or a named tool, the call.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, Final, final
 
-from calserve.api.tools_hermes import JSON_STYLE, ToolCalling
+from calserve.api.tools_native import JSON_STYLE, ToolCalling
 
 __all__ = ["llama_grammar", "llama_answer", "llama_call_schema", "LlamaText"]
 

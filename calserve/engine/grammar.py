@@ -264,8 +264,8 @@ def compile_json_schema(schema: Any, tok: Any, vocab: int, kind: str = "json_sch
 
 def compile_lark(lark: str, schema: Any, tok: Any, vocab: int, kind: str, param: str) -> Grammar:
     """The grammar of a Lark grammar in llguidance's dialect (tool calls in a model's own syntax,
-    ``api/tools_hermes.py``, ``api/tools_llama.py``) for ``tok``, compiled and checked as :func:`compile_json_schema`
-    compiles a schema; ``schema``: the JSON schema embedded in it (its bounds are checked first;
+    ``api/tools_hermes.py``, ``api/tools_llama.py``) for ``tok``, compiled and checked as
+    :func:`compile_json_schema` compiles a schema; ``schema``: the JSON schema embedded in it (its bounds are checked first;
     kept on the grammar for tests). Its 400s name ``param``."""
     check_schema_bounds(schema, param)
     return _compiled(tok, vocab, kind, lark, schema, param,
