@@ -148,6 +148,11 @@ class Answer:
     tools: ToolCalling | None = None
     reasoning: Reasoning | None = None
 
+    @property
+    def _split(self) -> Reasoning | None:
+        """The reasoning to split off the text (none in the generic JSON tool answer)."""
+        return None if self.tools is not None and self.tools.syntax == "json" else self.reasoning
+
     def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
         """The assistant message and ``finish_reason`` of the generated ``text``."""
         if self.tools is not None:
@@ -155,9 +160,9 @@ class Answer:
         else:
             msg = {"role": "assistant", "content": text}
         content = msg.get("content")
-        if self.reasoning is not None and isinstance(content, str) and not (
-                self.tools is not None and self.tools.syntax == "json"):
-            reasoning, rest = split_reasoning(content, self.reasoning.opened)
+        split = self._split
+        if split is not None and isinstance(content, str):
+            reasoning, rest = split_reasoning(content, split.opened)
             if reasoning is not None:
                 msg["content"] = None if (msg.get("tool_calls") and not rest) else rest
                 msg["reasoning_content"] = reasoning
@@ -165,5 +170,4 @@ class Answer:
 
     def stream(self) -> AnswerText:
         tools = None if self.tools is None else self.tools.text_stream()
-        split = None if self.tools is not None and self.tools.syntax == "json" else self.reasoning
-        return AnswerText(tools, split)
+        return AnswerText(tools, self._split)
