@@ -422,6 +422,9 @@ static PyObject *Calbin_introspect(CalbinObject *self, PyObject *noargs) {
     Py_DECREF(e);
   }
   const calrt_model_desc *m = &i.model;
+  const char *arch = m->arch == CALRT_ARCH_LLAMA   ? "LlamaForCausalLM"
+                     : m->arch == CALRT_ARCH_QWEN2 ? "Qwen2ForCausalLM"
+                                                   : "Qwen3ForCausalLM";
   PyObject *d = Py_BuildValue(
       "{s:i,s:i,s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:d,s:d,s:O,s:s},s:N,s:i,s:i,s:i,s:s,"
       "s:{s:s,s:(iiiii),s:s,s:K},s:O,s:O,s:O,s:s,s:K,s:O,s:O,s:O}",
@@ -430,7 +433,7 @@ static PyObject *Calbin_introspect(CalbinObject *self, PyObject *noargs) {
       "num_attention_heads", m->num_attention_heads, "num_key_value_heads", m->num_key_value_heads,
       "head_dim", m->head_dim, "rms_norm_eps", (double)m->rms_norm_eps, "rope_theta", m->rope_theta,
       "tie_word_embeddings", m->tie_word_embeddings ? Py_True : Py_False, "architecture",
-      m->arch == CALRT_ARCH_LLAMA ? "LlamaForCausalLM" : "Qwen3ForCausalLM", "tensors", tl, "compiled_batch",
+      arch, "tensors", tl, "compiled_batch",
       i.profile.compiled_batch, "max_seq", i.profile.max_seq, "max_sequences", i.profile.max_sequences,
       "kv_dtype", i.profile.kv_dtype == CALRT_KV_BF16 ? "bf16" : "fp32", "kv_layout", "order",
       "layer,kv,kv_head,position,head_dim", "shape_per_sequence", i.kv_shape[0], i.kv_shape[1],

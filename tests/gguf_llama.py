@@ -1,11 +1,13 @@
-"""A Llama forward pass in numpy straight from a GGUF file, in llama.cpp's own layout — the test's
-independent check of the importer and the kernels.
+"""A Llama (or Qwen2) forward pass in numpy straight from a GGUF file, in llama.cpp's own layout —
+the test's independent check of the importer and the kernels.
 
 Shares no code with ``calserve.models.gguf_import`` or ``calserve.runtime.reference``: the tensors
 are dequantized here from their raw blocks (Q4_1, Q8_0, F32: what SmolLM2's file holds), the Q/K
-rows stay as llama.cpp stores them (permuted), and RoPE is llama.cpp's "normal" mode, which rotates
-the adjacent pairs (2i, 2i+1) of each head. Only the ``gguf`` package's file reader is used, for the
-metadata and the raw bytes.
+rows stay as llama.cpp stores them (a Llama's permuted), and RoPE is llama.cpp's mode for the
+architecture: "normal" for ``llama``, which rotates the adjacent pairs (2i, 2i+1) of each head;
+"neox" for ``qwen2``, which rotates the pairs (i, i + d/2) and adds the q/k/v biases
+(``attn_q.bias`` ...) before it. Only the ``gguf`` package's file reader is used, for the metadata
+and the raw bytes.
 """
 
 from __future__ import annotations
@@ -48,13 +50,15 @@ class GGUFLlama:
         def meta(k: str) -> Any:
             return r.fields[k].contents()
 
-        self.n_layer = int(meta("llama.block_count"))
-        self.n_head = int(meta("llama.attention.head_count"))
-        self.n_kv = int(meta("llama.attention.head_count_kv"))
-        self.d_model = int(meta("llama.embedding_length"))
+        a = self.arch = str(meta("general.architecture"))
+        assert a in ("llama", "qwen2"), a
+        self.n_layer = int(meta(f"{a}.block_count"))
+        self.n_head = int(meta(f"{a}.attention.head_count"))
+        self.n_kv = int(meta(f"{a}.attention.head_count_kv"))
+        self.d_model = int(meta(f"{a}.embedding_length"))
         self.head_dim = self.d_model // self.n_head
-        self.eps = float(meta("llama.attention.layer_norm_rms_epsilon"))
-        self.base = float(meta("llama.rope.freq_base"))
+        self.eps = float(meta(f"{a}.attention.layer_norm_rms_epsilon"))
+        self.base = float(meta(f"{a}.rope.freq_base"))
         self.t: dict[str, np.ndarray] = {}
         for t in r.tensors:
             cols = int(t.shape[0])  # GGUF's first dimension is the row length
@@ -69,15 +73,23 @@ class GGUFLlama:
         return x / np.sqrt(np.mean(x * x) + self.eps) * w
 
     def _rope(self, x: np.ndarray, pos: int) -> np.ndarray:
-        """llama.cpp NORM mode: pairs (2i, 2i+1), angle pos * base^(-2i/d)."""
+        """llama.cpp NORM mode (llama): pairs (2i, 2i+1); NEOX mode (qwen2): pairs (i, i + d/2);
+        angle pos * base^(-2i/d) for pair i."""
         d = self.head_dim
         ang = pos * self.base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
         c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-        a, b = x[:, 0::2], x[:, 1::2]
+        first, second = (slice(0, d // 2), slice(d // 2, d)) if self.arch == "qwen2" else \
+            (slice(0, d, 2), slice(1, d, 2))
+        a, b = x[:, first], x[:, second]
         out = np.empty_like(x)
-        out[:, 0::2] = a * c - b * s
-        out[:, 1::2] = a * s + b * c
+        out[:, first] = a * c - b * s
+        out[:, second] = a * s + b * c
         return out
+
+    def _proj(self, p: str, name: str, h: np.ndarray) -> np.ndarray:
+        y = self.t[p + name + ".weight"] @ h
+        bias = self.t.get(p + name + ".bias")  # qwen2's q/k/v
+        return y if bias is None else y + bias
 
     def step(self, token: int) -> np.ndarray:
         """Append ``token``; return the logits of the next token."""
@@ -87,9 +99,9 @@ class GGUFLlama:
         for i in range(self.n_layer):
             p = f"blk.{i}."
             h = self._norm(x, t[p + "attn_norm.weight"])
-            q = self._rope((t[p + "attn_q.weight"] @ h).reshape(H, D), pos)
-            k = self._rope((t[p + "attn_k.weight"] @ h).reshape(KV, D), pos)
-            v = (t[p + "attn_v.weight"] @ h).reshape(KV, D)
+            q = self._rope(self._proj(p, "attn_q", h).reshape(H, D), pos)
+            k = self._rope(self._proj(p, "attn_k", h).reshape(KV, D), pos)
+            v = self._proj(p, "attn_v", h).reshape(KV, D)
             self.k[i].append(k)
             self.v[i].append(v)
             K, V = np.stack(self.k[i]), np.stack(self.v[i])  # [S, KV, D]

@@ -1,6 +1,6 @@
 """``calserve pack --from-gguf FILE``: a GGUF checkpoint (llama.cpp's format) as a signed package.
 
-Read with the ``gguf`` package. Supported: ``general.architecture`` ``llama`` and ``qwen3``; tensor
+Read with the ``gguf`` package. Supported: ``general.architecture`` ``llama``, ``qwen2`` and ``qwen3``; tensor
 types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, all dequantized to float32 (stored as F32
 by default, BF16 on request — the runtime computes in float32 either way).
 
@@ -10,10 +10,11 @@ and K projections so that its interleaved ("normal") RoPE, which rotates the pai
 head, computes what the checkpoint's rotate-half RoPE computes on the pairs ``(i, i + d/2)``. The
 import undoes that permutation per head, so the package holds the checkpoint's own weights and the
 runtime's rotate-half RoPE (the same as Qwen3's) computes what the original model computes. Qwen3
-GGUFs use rotate-half in llama.cpp too and are not permuted.
+and Qwen2 GGUFs use rotate-half in llama.cpp too ("neox" mode) and are not permuted; Qwen2's q/k/v
+projection biases (``blk.N.attn_q.bias`` ...) are read as ``self_attn.q_proj.bias`` ...
 
-Refused, naming the key: other architectures, RoPE scaling, partial rotary dimensions, attention or
-MLP biases, tensor types outside the list.
+Refused, naming the key: other architectures, RoPE scaling, partial rotary dimensions, biases other
+than Qwen2's q/k/v ones, tensor types outside the list.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from calserve.errors import ValidationError
 from calserve.models.gguf_tokenizer import GGUFTokenizer, tokenizer_from_metadata
 from calserve.models.manifest import SpecialTokens
 from calserve.models.pack import DEFAULT_PROFILES, build_package
-from calserve.runtime.reference import LLAMA, QWEN3, ModelConfig, weight_shapes
+from calserve.runtime.reference import LLAMA, QWEN2, QWEN3, ModelConfig, weight_shapes
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-_ARCH = {"llama": LLAMA, "qwen3": QWEN3}
+_ARCH = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
 _LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -61,7 +62,7 @@ _GLOBAL = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
+_BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
 
 class GGUFModel:
@@ -171,7 +172,7 @@ def _hf_name(gguf_name: str, source: str) -> str:
     m = _BLK.fullmatch(gguf_name)
     if m is None or m.group(2) not in _LAYER:
         raise ValidationError(f"{source}: tensor {gguf_name} is not part of a supported decoder")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.weight"
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
 
 
 def _dequantize(t: Any, source: str) -> np.ndarray:

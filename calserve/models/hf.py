@@ -1,4 +1,4 @@
-"""Reading Hugging Face Qwen3/Llama checkpoints without torch, and a tiny safetensors reader/writer.
+"""Reading Hugging Face Qwen3/Llama/Qwen2 checkpoints without torch, and a tiny safetensors reader/writer.
 
 ``safetensors.numpy`` cannot read BF16 (numpy has no bfloat16), and real Qwen3 checkpoints are BF16,
 so the header (8-byte little-endian length + JSON) is parsed here and BF16 is upcast by shifting each
@@ -178,6 +178,9 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
             raise ValidationError(f"{d / 'config.json'}: {k} is true; biases are not supported")
     if cfg_d.get("rope_scaling"):
         raise ValidationError(f"{d / 'config.json'}: rope_scaling is not supported")
+    if cfg_d.get("use_sliding_window"):  # Qwen2's option (off in the released checkpoints)
+        raise ValidationError(f"{d / 'config.json'}: use_sliding_window is true; sliding-window "
+                              "attention is not supported")
     try:
         config = ModelConfig.from_hf(cfg_d)
     except (KeyError, ValueError, TypeError) as e:

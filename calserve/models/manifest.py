@@ -56,13 +56,14 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ArchitectureManifest(_Strict, kw_only=True):
     """The fields of :class:`calserve.runtime.reference.ModelConfig` (HF ``config.json`` names).
 
-    ``architecture`` says which decoder: ``Qwen3ForCausalLM`` (per-head q/k RMSNorm) or
-    ``LlamaForCausalLM`` (none; HF's rotate-half RoPE layout). ``rope_theta`` is the model's RoPE base
+    ``architecture`` says which decoder: ``Qwen3ForCausalLM`` (per-head q/k RMSNorm),
+    ``LlamaForCausalLM`` (none; HF's rotate-half RoPE layout) or ``Qwen2ForCausalLM`` (Llama with
+    q/k/v projection biases). ``rope_theta`` is the model's RoPE base
     and ``tie_word_embeddings`` whether the head is the embedding (else ``lm_head.weight`` is stored).
     Packages written before Llama support name no architecture and are Qwen3.
     """
 
-    architecture: Literal["Qwen3ForCausalLM", "LlamaForCausalLM"] = "Qwen3ForCausalLM"
+    architecture: Literal["Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"] = "Qwen3ForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int

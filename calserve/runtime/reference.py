@@ -1,18 +1,19 @@
-"""Numpy reference of the decoders (Qwen3, Llama) that the software CalRT computes.
+"""Numpy reference of the decoders (Qwen3, Llama, Qwen2) that the software CalRT computes.
 
 This is the definition of "correct" for every other implementation in the tree: the C kernels of
 calrt-sim are checked against it (tests/runtime), golden files of model packages are produced with it
 (calserve/models), and a future ``calserve device-check`` compares a board with it.
 
 Architecture (Hugging Face ``Qwen3ForCausalLM``; ``LlamaForCausalLM`` is the same decoder without the
-per-head q/k RMSNorm — ``ModelConfig.qk_norm`` — with its own RoPE base and a tied or untied head):
+per-head q/k RMSNorm — ``ModelConfig.qk_norm`` — with its own RoPE base and a tied or untied head;
+``Qwen2ForCausalLM`` is Llama with a bias on the q, k and v projections — ``ModelConfig.qkv_bias``):
 
     x = embed[token]
     for each layer:
         h = rmsnorm(x, input_layernorm)
-        q = h @ Wq.T  -> [n_heads, head_dim];   q = rmsnorm(q, q_norm) per head;  q = rope(q, pos)
-        k = h @ Wk.T  -> [n_kv, head_dim];      k = rmsnorm(k, k_norm) per head;  k = rope(k, pos)
-        v = h @ Wv.T  -> [n_kv, head_dim]
+        q = h @ Wq.T (+ bq)  -> [n_heads, head_dim];   q = rmsnorm(q, q_norm) per head;  q = rope(q, pos)
+        k = h @ Wk.T (+ bk)  -> [n_kv, head_dim];      k = rmsnorm(k, k_norm) per head;  k = rope(k, pos)
+        v = h @ Wv.T (+ bv)  -> [n_kv, head_dim]
         (K, V appended to the cache; bf16 caches round K and V to bf16, round-to-nearest-even)
         a = softmax(q . K^T / sqrt(head_dim), causal) . V   (GQA: head i reads kv head i // (n_heads/n_kv))
         x = x + a @ Wo.T
@@ -21,7 +22,7 @@ per-head q/k RMSNorm — ``ModelConfig.qk_norm`` — with its own RoPE base and 
     logits = rmsnorm(x, norm) @ lm_head.T      (lm_head = embed when tie_word_embeddings)
 
 RoPE uses the "neox" layout (rotate_half over the two halves of head_dim), which is Hugging Face's for
-both families (a GGUF Llama's Q/K rows are un-permuted into it on import). All math is float32.
+every family (a GGUF Llama's Q/K rows are un-permuted into it on import). All math is float32.
 Weight names and shapes are Hugging Face's; see :func:`weight_shapes`.
 """
 
@@ -46,12 +47,13 @@ __all__ = [
 
 QWEN3 = "Qwen3ForCausalLM"
 LLAMA = "LlamaForCausalLM"
-ARCHITECTURES: tuple[str, ...] = (QWEN3, LLAMA)
+QWEN2 = "Qwen2ForCausalLM"
+ARCHITECTURES: tuple[str, ...] = (QWEN3, LLAMA, QWEN2)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The architecture figures of a Qwen3 or Llama decoder (names follow HF ``config.json``)."""
+    """The architecture figures of a Qwen3, Llama or Qwen2 decoder (names follow HF ``config.json``)."""
 
     vocab_size: int
     hidden_size: int
@@ -110,6 +112,11 @@ class ModelConfig:
         """Qwen3 RMS-normalises each head of q and k before RoPE; Llama does not."""
         return self.architecture == QWEN3
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 adds a bias to the q, k and v projections; Qwen3 and Llama do not."""
+        return self.architecture == QWEN2
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -123,7 +130,7 @@ class ModelConfig:
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3/Llama checkpoint must have, HF names -> shape (out_features first)."""
+    """Every tensor a Qwen3/Llama/Qwen2 checkpoint must have, HF names -> shape (out_features first)."""
     h, d = cfg.hidden_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_hidden_layers):
@@ -132,6 +139,10 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.q_proj.weight"] = (cfg.num_attention_heads * d, h)
         shapes[p + "self_attn.k_proj.weight"] = (cfg.num_key_value_heads * d, h)
         shapes[p + "self_attn.v_proj.weight"] = (cfg.num_key_value_heads * d, h)
+        if cfg.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (cfg.num_attention_heads * d,)
+            shapes[p + "self_attn.k_proj.bias"] = (cfg.num_key_value_heads * d,)
+            shapes[p + "self_attn.v_proj.bias"] = (cfg.num_key_value_heads * d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
@@ -153,6 +164,8 @@ def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict
     for name, shape in weight_shapes(cfg).items():
         if name.endswith("norm.weight"):
             w = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith(".bias"):  # Qwen2's q/k/v biases: large enough to matter
+            w = 0.5 * rng.standard_normal(shape)
         else:
             fan_in = shape[-1]
             w = rng.standard_normal(shape) * (scale if len(shape) == 1 else 1.0 / np.sqrt(fan_in))
@@ -198,7 +211,7 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 class ReferenceModel:
-    """A Qwen3/Llama forward pass with a KV cache for one sequence.
+    """A Qwen3/Llama/Qwen2 forward pass with a KV cache for one sequence.
 
     ``kv_dtype="bf16"`` rounds cached K and V to bfloat16 exactly as a bf16 KV cache would.
     """
@@ -241,9 +254,14 @@ class ReferenceModel:
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             h = _rmsnorm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, H, D)
-            k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, KV, D)
-            v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, KV, D)
+            q = h @ w[p + "self_attn.q_proj.weight"].T
+            k = h @ w[p + "self_attn.k_proj.weight"].T
+            v = h @ w[p + "self_attn.v_proj.weight"].T
+            if cfg.qkv_bias:
+                q = q + w[p + "self_attn.q_proj.bias"]
+                k = k + w[p + "self_attn.k_proj.bias"]
+                v = v + w[p + "self_attn.v_proj.bias"]
+            q, k, v = q.reshape(T, H, D), k.reshape(T, KV, D), v.reshape(T, KV, D)
             if cfg.qk_norm:
                 q = _rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
                 k = _rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)

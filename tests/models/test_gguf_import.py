@@ -55,7 +55,8 @@ def _gguf_name(hf: str) -> str:
     if hf == "lm_head.weight":
         return "output.weight"
     _, _, i, rest = hf.split(".", 3)
-    return f"blk.{i}.{_LAYER[rest.removesuffix('.weight')]}.weight"
+    stem, _, kind = rest.rpartition(".")  # kind: weight, or bias (Qwen2's q/k/v)
+    return f"blk.{i}.{_LAYER[stem]}.{kind}"
 
 
 def _k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -164,11 +165,18 @@ def test_every_supported_type_dequantizes_and_qk_rows_come_back(tmp_path: Path) 
             assert err < tol, (name, kind, err)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path, tied: bool) -> None:
-    cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": tied})
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("llama", False), ("qwen2", True),
+                                            ("qwen2", False)])
+def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path, arch: str,
+                                                                  tied: bool) -> None:
+    """A Llama (Q/K permuted in the file, llama.cpp's normal RoPE) and a Qwen2 (not permuted, neox
+    RoPE, q/k/v biases) packed from GGUF compute what tests/gguf_llama.py computes from the file."""
+    cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": tied, "architecture": _HF_ARCH[arch]})
     w = random_weights(cfg, seed=5)
-    write_gguf(tmp_path / "t.gguf", cfg, w,
+    write_gguf(tmp_path / "t.gguf", cfg, w, arch=arch, meta={"pre": "qwen2"} if arch == "qwen2" else None,
                types={"model.layers.1.self_attn.q_proj.weight": "Q4_1",
                       "model.layers.1.self_attn.k_proj.weight": "Q8_0"})
     key = tmp_path / "key"
@@ -176,7 +184,7 @@ def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path
     pkg = pack_from_gguf(tmp_path / "t.gguf", tmp_path / "pkg", key, profiles=(1,))
     vp = open_package(pkg, TrustStore((load_verify_key(str(key) + ".pub"),)), tmp_path,
                       allow_outside_root=True)
-    assert vp.manifest.model.architecture == "LlamaForCausalLM"
+    assert vp.manifest.model.architecture == _HF_ARCH[arch]
     assert vp.manifest.model.tie_word_embeddings is tied
     assert vp.manifest.chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     ref = GGUFLlama(tmp_path / "t.gguf")
@@ -222,6 +230,18 @@ def test_refusals_name_the_key(tmp_path: Path, arch: str, meta: dict[str, Any],
     write_gguf(tmp_path / "bad.gguf", TINY, w, arch=arch, meta=meta, types=types)
     with pytest.raises(ValidationError, match=names.replace(".", r"\.")):
         read_gguf(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize(("arch", "extra"), [("llama", "model.layers.0.self_attn.q_proj.bias"),
+                                             ("qwen2", "model.layers.1.self_attn.o_proj.bias")])
+def test_biases_other_than_qwen2s_are_refused(tmp_path: Path, arch: str, extra: str) -> None:
+    cfg = ModelConfig(**{**TINY.to_dict(), "architecture": _HF_ARCH[arch]})
+    w = random_weights(cfg, seed=1)
+    w[extra] = np.ones(w[extra.replace(".bias", ".weight")].shape[0], np.float32)
+    write_gguf(tmp_path / "b.gguf", cfg, w, arch=arch)
+    with pytest.raises(ValidationError, match=f"{extra.replace('.', '[.]')} does not belong to a "
+                                              f"{_HF_ARCH[arch]}"):
+        read_gguf(tmp_path / "b.gguf")
 
 
 def test_not_a_gguf_file(tmp_path: Path) -> None:

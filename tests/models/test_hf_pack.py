@@ -95,6 +95,47 @@ def test_hf_llama_checkpoint_is_the_llama_family(hf_dir: Path, tmp_path: Path) -
             load_hf_checkpoint(d)
 
 
+def test_hf_qwen2_checkpoint_packs_with_its_biases(hf_dir: Path, tmp_path: Path) -> None:
+    """An HF ``Qwen2ForCausalLM`` (Qwen2/2.5: Llama plus q/k/v projection biases) packs; its golden
+    tokens equal the reference's and the software runtime's at B1 and B4; a checkpoint without its
+    biases, and one with sliding-window attention on, are refused by name."""
+    from calserve.models.devicecheck import golden_run
+    from calserve.runtime import Device
+
+    d = tmp_path / "qwen2"
+    d.mkdir()
+    for f in ("tokenizer.json", "generation_config.json", "tokenizer_config.json"):
+        (d / f).write_text((hf_dir / f).read_text())
+    cfg = {**json.loads((hf_dir / "config.json").read_text()), "architectures": ["Qwen2ForCausalLM"],
+           "rope_theta": 1000000.0, "use_sliding_window": False, "sliding_window": 32768}
+    del cfg["head_dim"]  # Qwen2's config.json has none: hidden / heads
+    (d / "config.json").write_text(json.dumps(cfg))
+    w = random_weights(ModelConfig.from_hf(cfg), seed=3)
+    assert "model.layers.1.self_attn.k_proj.bias" in w
+    _raw_bf16_safetensors(d / "model.safetensors", w)
+    ck = load_hf_checkpoint(d)
+    assert ck.config.architecture == "Qwen2ForCausalLM" and ck.config.head_dim == 12
+    priv, pub = generate_keypair(tmp_path / "key")
+    out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1, 4], "none", max_seq=128)
+    vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
+    assert vp.manifest.model_config() == ck.config
+    for case in vp.golden().cases:
+        for toks in case.expected.values():
+            assert toks == greedy_generate(ck.config, ck.weights, case.prompt, len(toks))
+    with Device.open(profile="sim-next") as dev:
+        for b in (1, 4):
+            ok, detail = golden_run(dev, vp, b)
+            assert ok, f"B{b}: {detail}"
+    (d / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
+    with pytest.raises(ValidationError, match="use_sliding_window"):
+        load_hf_checkpoint(d)
+    (d / "config.json").write_text(json.dumps(cfg))
+    _raw_bf16_safetensors(d / "model.safetensors",
+                          {k: v for k, v in w.items() if k != "model.layers.0.self_attn.v_proj.bias"})
+    with pytest.raises(ValidationError, match=r"v_proj\.bias missing for a Qwen2ForCausalLM"):
+        load_hf_checkpoint(d)
+
+
 def test_hf_checkpoint_reads_bf16_exactly(hf_dir: Path) -> None:
     ck = load_hf_checkpoint(hf_dir)
     ref = random_weights(ck.config, seed=7)

@@ -35,6 +35,10 @@ SMALL_LLAMA = ModelConfig(
     architecture="LlamaForCausalLM",
 )
 
+# Qwen2 at the same size: Llama plus the q/k/v projection biases.
+SMALL_QWEN2 = ModelConfig(**{**SMALL_LLAMA.to_dict(), "architecture": "Qwen2ForCausalLM",
+                             "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6})
+
 
 @pytest.fixture
 def small_weights() -> dict:

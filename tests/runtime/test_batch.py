@@ -11,7 +11,7 @@ from calserve.runtime.reference import greedy_generate
 
 from calserve.runtime.reference import ModelConfig, random_weights
 
-from .conftest import SMALL, SMALL_LLAMA
+from .conftest import SMALL, SMALL_LLAMA, SMALL_QWEN2
 
 
 def _prefill(cb: Calbin, seq: int, prompt: list[int]) -> int:
@@ -41,9 +41,11 @@ def test_batch_lanes_bitwise_equal_b1(next_device: Device, small_weights: dict, 
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
-def test_llama_batch_lanes_bitwise_equal_b1(next_device: Device, kv_dtype: str) -> None:
-    """The Llama path (no q/k norm, its RoPE base) keeps the same B1 vs B16 bitwise invariance."""
-    _check_lanes_equal_b1(next_device, SMALL_LLAMA, random_weights(SMALL_LLAMA, seed=11), 16, kv_dtype)
+@pytest.mark.parametrize("cfg", [SMALL_LLAMA, SMALL_QWEN2], ids=["llama", "qwen2"])
+def test_llama_batch_lanes_bitwise_equal_b1(next_device: Device, kv_dtype: str, cfg: ModelConfig) -> None:
+    """The Llama path (no q/k norm, its RoPE base) and Qwen2's (its q/k/v biases) keep the same B1
+    vs B16 bitwise invariance."""
+    _check_lanes_equal_b1(next_device, cfg, random_weights(cfg, seed=11), 16, kv_dtype)
 
 
 def _check_lanes_equal_b1(next_device: Device, cfg: ModelConfig, weights: dict, batch: int,
@@ -128,14 +130,15 @@ def test_remove_tokens_at_end_then_redecode(device: Device, small_weights: dict,
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 def test_decode_steps_equal_one_prefill_of_the_same_tokens(next_device: Device, small_weights: dict,
                                                            arch: str, kv_dtype: str) -> None:
     """A decode step's RoPE and KV write run inside its attention tasks (each decode row is its own
     sequence); a prefill's run for all rows before its attention. Both must give the same bits: the
     logits after decoding t_1..t_k one step at a time (B16, several lanes at once) equal those of one
     prefill of prompt + t_1..t_k, and so does the KV the steps wrote."""
-    cfg, w = (SMALL, small_weights) if arch == "qwen3" else (SMALL_LLAMA, random_weights(SMALL_LLAMA, seed=11))
+    cfg = {"qwen3": SMALL, "llama": SMALL_LLAMA, "qwen2": SMALL_QWEN2}[arch]
+    w = small_weights if arch == "qwen3" else random_weights(cfg, seed=11)
     rng = np.random.default_rng(5)
     cb = next_device.load_calbin(cfg, w, ProfileSpec(16, 64, 32, kv_dtype=kv_dtype))
     lanes = 5

@@ -166,10 +166,12 @@ calrt_status calrt_engine_counters(calrt_device *dev, int chip, calrt_engine eng
 /* ---- calbin -------------------------------------------------------------------------------- */
 
 /* The decoder family. Llama is Qwen3 without the per-head q/k RMSNorm (no q_norm/k_norm tensors);
- * both use the rotate-half ("neox") RoPE layout of Hugging Face checkpoints with base rope_theta. */
-typedef enum calrt_arch { CALRT_ARCH_QWEN3 = 0, CALRT_ARCH_LLAMA = 1 } calrt_arch;
+ * Qwen2 is Llama with a bias on the q, k and v projections (self_attn.{q,k,v}_proj.bias tensors, added
+ * before RoPE). All use the rotate-half ("neox") RoPE layout of Hugging Face checkpoints with base
+ * rope_theta. */
+typedef enum calrt_arch { CALRT_ARCH_QWEN3 = 0, CALRT_ARCH_LLAMA = 1, CALRT_ARCH_QWEN2 = 2 } calrt_arch;
 
-typedef struct calrt_model_desc { /* Qwen3 / Llama decoder (Hugging Face names) */
+typedef struct calrt_model_desc { /* Qwen3 / Llama / Qwen2 decoder (Hugging Face names) */
   int32_t vocab_size, hidden_size, intermediate_size, num_hidden_layers;
   int32_t num_attention_heads, num_key_value_heads, head_dim;
   float rms_norm_eps;

@@ -5,20 +5,28 @@
 
 #include "internal.h"
 
-static const char *LAYER_NAMES[11] = {
+#define N_LAYER_NAMES 14
+static const char *LAYER_NAMES[N_LAYER_NAMES] = {
     "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
     "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-    "mlp.up_proj.weight", "mlp.down_proj.weight"};
+    "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias"};
 
-/* Which of LAYER_NAMES a layer of the family has, in order (Llama has no q_norm/k_norm). */
+/* Which of LAYER_NAMES a layer of the family has, in weight_shapes() order (Llama has no
+ * q_norm/k_norm; Qwen2 is Llama with the q/k/v biases after the v projection). */
 static const int QWEN3_SLOTS[11] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
 static const int LLAMA_SLOTS[9] = {0, 1, 2, 3, 4, 7, 8, 9, 10};
+static const int QWEN2_SLOTS[12] = {0, 1, 2, 3, 11, 12, 13, 4, 7, 8, 9, 10};
 
 static int layer_slots(const calrt_model_desc *m, const int **slots) {
   if (m->arch == CALRT_ARCH_LLAMA) {
     *slots = LLAMA_SLOTS;
     return 9;
+  }
+  if (m->arch == CALRT_ARCH_QWEN2) {
+    *slots = QWEN2_SLOTS;
+    return 12;
   }
   *slots = QWEN3_SLOTS;
   return 11;
@@ -36,8 +44,9 @@ static int32_t expected_tensors(const calrt_model_desc *m, calrt_tensor_info *ou
   T2("model.embed_tokens.weight", m->vocab_size, h);
   char buf[96];
   for (int i = 0; i < m->num_hidden_layers; i++) {
-    int64_t shp[11][2] = {{h, 0}, {H * d, h}, {KV * d, h}, {KV * d, h}, {h, H * d}, {d, 0},
-                          {d, 0}, {h, 0}, {I, h}, {I, h}, {h, I}};
+    int64_t shp[N_LAYER_NAMES][2] = {{h, 0}, {H * d, h}, {KV * d, h}, {KV * d, h}, {h, H * d}, {d, 0},
+                                     {d, 0}, {h, 0}, {I, h}, {I, h}, {h, I}, {H * d, 0}, {KV * d, 0},
+                                     {KV * d, 0}};
     const int *slots;
     const int nl = layer_slots(m, &slots);
     for (int jj = 0; jj < nl; jj++) {
@@ -88,7 +97,7 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
   if (m->vocab_size < 1 || m->hidden_size < 1 || m->intermediate_size < 1 || m->num_hidden_layers < 1 ||
       m->num_attention_heads < 1 || m->num_key_value_heads < 1 || m->head_dim < 2 || m->head_dim % 2 ||
       m->num_attention_heads % m->num_key_value_heads || !(m->rms_norm_eps > 0) || !(m->rope_theta > 0) ||
-      (m->arch != CALRT_ARCH_QWEN3 && m->arch != CALRT_ARCH_LLAMA))
+      (m->arch != CALRT_ARCH_QWEN3 && m->arch != CALRT_ARCH_LLAMA && m->arch != CALRT_ARCH_QWEN2))
     return sim_err(CALRT_E_INVALID_ARGUMENT, "model: invalid model description");
   const calrt_profile *p = profile;
   if (p->compiled_batch < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.compiled_batch must be >= 1");
@@ -152,10 +161,11 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
       if (i == 0) cb->embed = dp;
       else if (i <= nl * m->num_hidden_layers) {
         int L = (i - 1) / nl, j = lslots[(i - 1) % nl];
-        const float **slots[11] = {&cb->layers[L].in_norm, &cb->layers[L].q, &cb->layers[L].k,
-                                   &cb->layers[L].v, &cb->layers[L].o, &cb->layers[L].q_norm,
-                                   &cb->layers[L].k_norm, &cb->layers[L].post_norm, &cb->layers[L].gate,
-                                   &cb->layers[L].up, &cb->layers[L].down};
+        const float **slots[N_LAYER_NAMES] = {
+            &cb->layers[L].in_norm, &cb->layers[L].q, &cb->layers[L].k, &cb->layers[L].v,
+            &cb->layers[L].o, &cb->layers[L].q_norm, &cb->layers[L].k_norm, &cb->layers[L].post_norm,
+            &cb->layers[L].gate, &cb->layers[L].up, &cb->layers[L].down, &cb->layers[L].q_bias,
+            &cb->layers[L].k_bias, &cb->layers[L].v_bias};
         *slots[j] = dp;
       } else if (i == nl * m->num_hidden_layers + 1) cb->final_norm = dp;
       else cb->lm_head = dp;

@@ -15,6 +15,7 @@
 /* Per-layer weight pointers into the caller's (not copied) buffers. */
 typedef struct sim_layer {
   const float *in_norm, *q, *k, *v, *o, *q_norm, *k_norm, *post_norm, *gate, *up, *down;
+  const float *q_bias, *k_bias, *v_bias; /* Qwen2 only (NULL otherwise) */
 } sim_layer;
 
 typedef struct sim_seq {

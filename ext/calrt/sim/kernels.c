@@ -537,6 +537,14 @@ static void attn_task(void *ctx, int task, int worker) {
   attn_default(a, task, worker);
 }
 
+/* y[r, :] += b for each of the R rows of width n. */
+static void add_bias_rows(float *y, const float *b, int n, int R) {
+  for (int r = 0; r < R; r++) {
+    float *row = y + (size_t)r * (size_t)n;
+    for (int i = 0; i < n; i++) row[i] += b[i];
+  }
+}
+
 /* A job's buffers up to this size are kept by the engine's pool for the next job (every decode step
  * and short prefill); a long prefill allocates its own and frees them. */
 #define SIM_SCRATCH_KEEP ((size_t)32 << 20)
@@ -546,7 +554,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const int h = m->hidden_size, H = m->num_attention_heads, KVH = m->num_key_value_heads;
   const int D = m->head_dim, I = m->intermediate_size, V = m->vocab_size, group = H / KVH;
   const int S = cb->p.max_seq, bf16 = cb->p.kv_dtype == CALRT_KV_BF16;
-  const int qkn = m->arch != CALRT_ARCH_LLAMA; /* Qwen3: per-head q/k RMSNorm; Llama: none */
+  const int qkn = m->arch == CALRT_ARCH_QWEN3; /* Qwen3: per-head q/k RMSNorm; Llama, Qwen2: none */
   if (null_compute || !cb->has_weights) {
     if (job->kind == JOB_PREFILL) {
       if (job->n_tok > 0)
@@ -633,6 +641,11 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
                             {w->v, KVH * D, h, hn, R, v, 0, 0}},
                      .n_ops = 3};
     matmuls(pool, &qkv);
+    if (w->q_bias) { /* Qwen2: the projections' biases, before RoPE (each row alone: B-invariant) */
+      add_bias_rows(q, w->q_bias, H * D, R);
+      add_bias_rows(k, w->k_bias, KVH * D, R);
+      add_bias_rows(v, w->v_bias, KVH * D, R);
+    }
     PROF_MARK(SIM_PROF_QKV);
     /* q/k norm (Qwen3) + RoPE, then write K/V of every row into its sequence's cache: inside each
      * attention task when every row is its own sequence (decode: no row reads another's KV), else

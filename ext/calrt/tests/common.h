@@ -40,12 +40,12 @@ static void add(test_model *tm, const char *name, int64_t a, int64_t b, float ba
   tm->t[i] = (calrt_tensor){tm->names[i], tm->data[i], b ? 2 : 1, {a, b}};
 }
 
-/* A random model of `m`'s figures (Llama: no q_norm/k_norm tensors). */
+/* A random model of `m`'s figures (Llama, Qwen2: no q_norm/k_norm tensors; Qwen2: q/k/v biases). */
 static void make_model_desc(test_model *tm, calrt_model_desc desc) {
   memset(tm, 0, sizeof *tm);
   tm->m = desc;
   const calrt_model_desc *m = &tm->m;
-  const int qk_norm = m->arch != CALRT_ARCH_LLAMA;
+  const int qk_norm = m->arch == CALRT_ARCH_QWEN3, qkv_bias = m->arch == CALRT_ARCH_QWEN2;
   int h = m->hidden_size, d = m->head_dim, H = m->num_attention_heads, KV = m->num_key_value_heads;
   add(tm, "model.embed_tokens.weight", m->vocab_size, h, 0);
   char b[96];
@@ -55,6 +55,11 @@ static void make_model_desc(test_model *tm, calrt_model_desc desc) {
     A("self_attn.q_proj.weight", H * d, h, 0);
     A("self_attn.k_proj.weight", KV * d, h, 0);
     A("self_attn.v_proj.weight", KV * d, h, 0);
+    if (qkv_bias) {
+      A("self_attn.q_proj.bias", H * d, 0, 0);
+      A("self_attn.k_proj.bias", KV * d, 0, 0);
+      A("self_attn.v_proj.bias", KV * d, 0, 0);
+    }
     A("self_attn.o_proj.weight", h, H * d, 0);
     if (qk_norm) {
       A("self_attn.q_norm.weight", d, 0, 1);
@@ -75,9 +80,9 @@ static inline void make_model(test_model *tm, int tie) {
   make_model_desc(tm, (calrt_model_desc){61, 24, 40, 2, 4, 2, 8, 1e-6f, 10000.0, tie, CALRT_ARCH_QWEN3});
 }
 
-/* A Llama big enough that its gate/up matmuls (decode too) and prefill attention run on the pool. */
-static inline void make_llama(test_model *tm, int tie) {
-  make_model_desc(tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-5f, 100000.0, tie, CALRT_ARCH_LLAMA});
+/* A Llama (or Qwen2: `arch`) big enough that its gate/up matmuls (decode too) and prefill attention run on the pool. */
+static inline void make_llama(test_model *tm, int tie, int arch) {
+  make_model_desc(tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-5f, 100000.0, tie, arch});
 }
 
 static void free_model(test_model *tm) {

@@ -180,7 +180,7 @@ int main(void) {
   CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
   CHECK(calrt_sim_configure(dev, 0, 300, 7) == CALRT_OK); /* completion jitter shuffles order */
   test_model tm;
-  make_llama(&tm, 1);
+  make_llama(&tm, 1, CALRT_ARCH_LLAMA);
   calrt_profile p1 = {1, 48, THREADS, CALRT_KV_FP32, 1, 0}, p4 = {4, 48, THREADS, CALRT_KV_BF16, 1, 0};
   calrt_profile p1b = {1, 48, THREADS, CALRT_KV_BF16, 1, 0};
   calrt_timing t = {50, 10, 200, 0.5};

@@ -250,12 +250,12 @@ static void test_boards(void) {
   CHECK(calrt_device_close(dev) == CALRT_OK);
 }
 
-/* Llama through the worker-thread pool: a 40-token prefill and 4 decode steps give bitwise the same
- * logits with 1 and 3 kernel threads (CALRT_SIM_THREADS, read when an engine starts computing), and
- * at B1 and in lane 2 of a B4 job. */
-static void test_llama_threads(void) {
+/* Llama (and Qwen2, its q/k/v biases) through the worker-thread pool: a 40-token prefill and 4 decode
+ * steps give bitwise the same logits with 1 and 3 kernel threads (CALRT_SIM_THREADS, read when an
+ * engine starts computing), and at B1 and in lane 2 of a B4 job. */
+static void test_llama_threads(int arch) {
   test_model tm;
-  make_llama(&tm, 0);
+  make_llama(&tm, 0, arch);
   const int V = tm.m.vocab_size, STEPS = 4, P = 40;
   float *out[2][2]; /* [threads 1/3][B1/B4] */
   int32_t prompt[40];
@@ -309,7 +309,8 @@ static void test_llama_threads(void) {
 }
 
 int main(void) {
-  test_llama_threads();
+  test_llama_threads(CALRT_ARCH_LLAMA);
+  test_llama_threads(CALRT_ARCH_QWEN2);
   calrt_device *dev = NULL, *dev2 = NULL;
   test_boards();
   calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
