@@ -1,5 +1,6 @@
-"""The generation routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``: raw ASGI, the
-only implementation of both.
+"""The generation routes, ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST
+/v1/responses`` (the chat path answering in OpenAI's Responses shape: ``api/responses.py``): raw
+ASGI, the only implementation of them.
 
 Why raw ASGI: under quart every streamed chunk went through quart's response machinery
 (request/response wrappers, per-chunk timeout and context handling) — about half of the server's CPU
@@ -32,7 +33,7 @@ cancelled there.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, final
+from typing import Any, Final, final
 from urllib.parse import urlparse
 
 import trio
@@ -40,12 +41,14 @@ import trio
 from calserve.api.bodies import check_declared, too_large
 from calserve.api.chunked_send import chunked_send
 from calserve.api.choices import pump_choices, release_all, run_json_choices, submit_choices
-from calserve.api.convert import Prepared, prepare_body
+from calserve.api.convert import Kind, Prepared, prepare_body
 from calserve.api.errors import ApiError, to_api_error
 from calserve.api.hygiene import body_timeout, drain
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
-from calserve.api.running import RequestLease, pump_stream, run_json
+from calserve.api.responses import json_response
+from calserve.api.responses_stream import ResponsesStreamEncoder
+from calserve.api.running import RequestLease, collect_choice, pump_stream, run_json
 from calserve.api.socket_probe import SocketProbe, probe_from_send, probe_of
 from calserve.api.state import ApiState
 from calserve.api.stream_encoder import SseEncoder, StreamEncoder
@@ -55,10 +58,9 @@ from calserve.engine.types import ErrorEvent, FinishEvent
 
 __all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES"]
 
-Kind = Literal["completion", "chat"]
 # Exact paths served here (POST only; other methods get quart's 405/OPTIONS handling).
 FAST_ROUTES: Final[dict[str, Kind]] = {
-    "/v1/completions": "completion", "/v1/chat/completions": "chat",
+    "/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "responses",
 }
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
@@ -110,7 +112,7 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
 
 @final
 class FastRoutes:
-    """The two generation routes as one raw ASGI handler bound to the app's :class:`ApiState` (the
+    """The generation routes as one raw ASGI handler bound to the app's :class:`ApiState` (the
     same engine host quart's lifespan starts)."""
 
     def __init__(self, state: ApiState) -> None:
@@ -202,9 +204,13 @@ class FastRoutes:
             # the generation the request is pinned to (engines without one: no such field)
             fingerprint: str | None = getattr(handle, "system_fingerprint", None)
             if prep.stream:
-                enc: SseEncoder = (
-                    StreamEncoder.for_request(prep, fmt, fingerprint) if prep.answer is None
-                    else ToolStreamEncoder.for_request(prep, prep.answer, fmt, fingerprint))
+                enc: SseEncoder
+                if prep.responses is not None:
+                    enc = ResponsesStreamEncoder(prep.alias, prep.answer, prep.responses)
+                elif prep.answer is None:
+                    enc = StreamEncoder.for_request(prep, fmt, fingerprint)
+                else:
+                    enc = ToolStreamEncoder.for_request(prep, prep.answer, fmt, fingerprint)
                 self._count(200)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": _SSE_HEADERS})
@@ -216,8 +222,13 @@ class FastRoutes:
                 await out(_END_BODY)
                 return
             try:
-                body = await run_json(lease, metrics, prep, fmt)
-                if fingerprint is not None:
+                if prep.responses is not None:
+                    choice, usage = await collect_choice(lease, metrics, prep, fmt, 0)
+                    body = json_response(prep.responses, prep.alias, choice["message"],
+                                         choice["finish_reason"], usage)
+                else:
+                    body = await run_json(lease, metrics, prep, fmt)
+                if fingerprint is not None and prep.responses is None:
                     body["system_fingerprint"] = fingerprint
             except Exception as exc:  # an ErrorEvent (500/503) or a bug
                 await self._send_error(send, to_api_error(exc))

@@ -39,12 +39,15 @@ from calserve.api.schemas import (
 )
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
 from calserve.api.reasoning import Answer, Reasoning
+from calserve.api.responses import ResponseEcho, ResponsesBody, chat_body, renamed
 from calserve.engine.grammar import Grammar, compile_response_format
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
-           "prepare_chat", "prepare_body", "choice_seed"]
+           "prepare_chat", "prepare_responses", "prepare_body", "choice_seed", "Kind"]
+
+Kind = Literal["completion", "chat", "responses"]
 
 MAX_STOP_STRINGS = 16
 
@@ -64,6 +67,8 @@ class Prepared:
     more_prompts: tuple[tuple[GenerateRequest, str], ...] = ()
     # chat with tools or a thinking model: how the answer is shaped (tool calls, reasoning)
     answer: Answer | None = None
+    # /v1/responses: the chat request it means answers as a Responses object (api/responses.py)
+    responses: ResponseEcho | None = None
 
     @property
     def choices(self) -> int:
@@ -436,14 +441,27 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
     return Prepared("chat", info.alias, req, stream, usage, "", k, n, answer=answer)
 
 
-def _prepare(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,
-             tenant: str, max_n: int, max_prompts: int) -> Prepared:
+def prepare_responses(engine: ModelsLike, body: ResponsesBody, tenant: str) -> Prepared:
+    """The chat request a Responses body means, prepared as one; errors name the Responses
+    field (``api/responses.py``)."""
+    chat, echo = chat_body(body)
+    try:
+        prep = prepare_chat(engine, chat, tenant)
+    except E.CalserveError as exc:
+        raise renamed(exc, echo.sources) from None
+    return dataclasses.replace(prep, responses=echo)
+
+
+def _prepare(kind: Kind, engine: ModelsLike, data: bytes, tenant: str, max_n: int,
+             max_prompts: int) -> Prepared:
     if kind == "completion":
         return prepare_completion(engine, decode(CompletionBody, data), tenant, max_n, max_prompts)
+    if kind == "responses":
+        return prepare_responses(engine, decode(ResponsesBody, data), tenant)
     return prepare_chat(engine, decode(ChatBody, data), tenant, max_n)
 
 
-async def prepare_body(kind: Literal["completion", "chat"], engine: ModelsLike, data: bytes,
+async def prepare_body(kind: Kind, engine: ModelsLike, data: bytes,
                        tenant: str, max_n: int = 1, max_prompts: int = 1) -> Prepared:
     """Decode and prepare a generation body (400/404 raise here): on the trio thread when it is
     small (:data:`~calserve.api.tokenizing.INLINE_BODY_BYTES`) and asks for no constrained

@@ -1,7 +1,7 @@
 """The quart routes: models, tokenize/detokenize, health/ready, metrics (and the JSON responses).
 
-The generation routes (``POST /v1/completions``, ``POST /v1/chat/completions``) are served by
-:mod:`calserve.api.asgi` in front of quart; quart knows their paths only so that other methods on
+The generation routes (``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST
+/v1/responses``) are served by :mod:`calserve.api.asgi` in front of quart; quart knows their paths only so that other methods on
 them are answered like on any route (405 with ``Allow``, automatic OPTIONS).
 
 ``/tokenize`` and ``/detokenize`` do work proportional to their body: a big body is decoded,

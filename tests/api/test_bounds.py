@@ -316,3 +316,62 @@ async def test_tool_fields_at_and_past_their_bounds() -> None:
                                                                "items", "nests")), body
         assert h.real_engine.ready()
         assert await greedy_text(h) == before
+
+
+R = "/v1/responses"
+# /v1/responses' own fields (api/responses.py), each alone: 200 or a 400 naming the field.
+RESPONSES_FIELDS: dict[str, list[Any]] = {
+    "input": ["hi", "", [], [{"role": "user", "content": "hi"}], [{}], [None], "x" * 10**5,
+              [{"role": "user", "content": [{"type": "input_text", "text": 2**63}]}], 2**63,
+              [{"role": "user", "content": [{"type": "input_text", "text": "a"}] * 10**4}],
+              [{"type": "function_call_output", "call_id": "c", "output": "x" * 10**5}]],
+    "instructions": [None, "", "be brief", "x" * 10**5, 2**63, []],
+    "max_output_tokens": INT_EXTREMES,
+    "temperature": FLOAT_EXTREMES,
+    "top_p": FLOAT_EXTREMES,
+    "seed": INT_EXTREMES,
+    "metadata": [{}, {"k": "v"}, {f"k{i}": "v" for i in range(16)},
+                 {f"k{i}": "v" for i in range(17)}, {"k": 1}, [], "x"],
+    "text": [{"format": {"type": "text"}}, {"format": {"type": "xml"}}, {"format": None}, {},
+             [], "x", {"format": "x"}, {"format": {"type": "json_schema", "schema": 2**63}}],
+    "tools": [[{"type": "function", "name": "f"}], [{"type": "web_search"}], [{}], "x", [None],
+              [{"type": "function", "name": "x" * 65}]],
+    "tool_choice": ["none", "auto", "x", {}, {"type": "function"}, 2**63, []],
+    "parallel_tool_calls": [True, False, 2**63, "x"],
+    "previous_response_id": [None, "r", 2**63],
+    "include": [None, [], ["x"], "x"],
+    "truncation": [None, "disabled", "auto", "x", 2**63],
+    "background": [None, False, True, "x"],
+    "store": [None, True, False, "x"],
+    "user": ["u", "x" * 1025, 2**63],
+}
+
+
+async def test_responses_fields_at_and_past_their_bounds() -> None:
+    async with real_app(make_config()) as h:
+        before = await greedy_text(h)
+        for field, values in RESPONSES_FIELDS.items():
+            seen = set()
+            for v in values:
+                doc: dict[str, Any] = {"input": "hi", "max_output_tokens": 3, field: v}
+                if field == "tools":
+                    doc["tool_choice"] = "none"  # validated all the same, then left out
+                for stream in (False, True):
+                    with trio.fail_after(20):
+                        status, raw = await stream_post(h.client, R, {**doc, "stream": stream})
+                    assert status < 500, (doc, raw[:300])
+                    seen.add(status)
+                    if status >= 400:
+                        err = msgspec.json.decode(raw)["error"]
+                        # a prompt too long for the context is the conversation's: `input`
+                        named = err["param"].startswith(field) or (
+                            field == "instructions" and err["param"] == "input"
+                            and err["code"] == "context_length_exceeded")
+                        assert status == 400 and named, (doc, err)
+                    elif stream:
+                        last = raw.rstrip().rsplit(b"\n\n", 1)[-1]
+                        assert last.startswith((b"event: response.completed",
+                                                b"event: response.incomplete")), (doc, last)
+            assert seen == {200, 400}, (field, seen)
+        assert h.real_engine.ready()
+        assert await greedy_text(h) == before

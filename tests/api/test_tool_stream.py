@@ -69,13 +69,18 @@ def stream(pieces: list[str], finish: FinishReason = FinishReason.STOP, last: bo
     enc = ToolStreamEncoder(ChunkEncoder(chat=True, rid="chatcmpl-1", created=1, model="m",
                                          include_usage=usage), Answer(calling()),
                             include_usage=usage, logprobs=None, last=last)
-    out = enc.opening()
+    return feed(enc, pieces, finish), enc
+
+
+def feed(enc: Any, pieces: list[str], finish: FinishReason) -> bytes:
+    """The whole stream of ``enc`` (an SSE encoder) for an answer in ``pieces`` then ``finish``."""
+    out: bytes = enc.opening()
     for p in pieces:
         out += enc.encode([TokenEvent((1,), p)])
         assert not enc.finished
     out += enc.encode([FinishEvent(finish, Usage(3, len(pieces)))])
     assert enc.finished
-    return out, enc
+    return out
 
 
 def deltas(raw: bytes) -> list[tuple[dict[str, Any], str | None]]:

@@ -1,0 +1,224 @@
+"""The SSE stream of a ``POST /v1/responses`` answer (``api/responses.py``), as the tokens come.
+
+OpenAI's event sequence, each event ``event: <type>`` + ``data: {...}`` with a ``sequence_number``:
+``response.created`` and ``response.in_progress`` first; a thinking model's reasoning as a
+``reasoning`` item (``response.output_item.added``, ``response.reasoning_text.delta``...,
+``response.reasoning_text.done``, ``response.output_item.done``); the text as a ``message`` item
+(``output_item.added``, ``content_part.added``, ``response.output_text.delta``...,
+``output_text.done``, ``content_part.done``, ``output_item.done``); tool calls, once the answer is
+complete (a call is only known whole, as on chat), each a ``function_call`` item with one
+``response.function_call_arguments.delta`` and its ``.done``; then ``response.completed`` (or
+``response.incomplete``: cut at ``max_output_tokens``) holding the whole response, whose items are
+the streamed ones (same ids, same text). An error ends the stream with ``response.failed`` (the
+response with its ``error``). No ``[DONE]``: the terminal response event is the end.
+
+The text and reasoning are split as they grow by the answer's own stream
+(:class:`~calserve.api.reasoning.AnswerText`: tools in the model's syntax hold back what may begin
+a call), so the deltas add up to the unstreamed response of the same answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, final
+
+from calserve.api.errors import ApiError, error_event_to_api, from_exception
+from calserve.api.reasoning import Answer, AnswerText
+from calserve.api.render import encode, finish_reason, new_id, now_s
+from calserve.api.responses import (
+    ResponseEcho, call_item, item_status, reasoning_item, response_object, text_item, text_part,
+)
+from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
+
+__all__ = ["ResponsesStreamEncoder"]
+
+
+@final
+class ResponsesStreamEncoder:
+    """:class:`~calserve.api.stream_encoder.SseEncoder`'s interface for a Responses answer."""
+
+    __slots__ = ("_model", "_answer", "_echo", "_rid", "_created", "_seq", "_text", "_all", "_items",
+                 "_open", "_open_text", "tokens", "terminal", "finished")
+
+    def __init__(self, model: str, answer: Answer | None, echo: ResponseEcho) -> None:
+        """``answer``: how the chat answer is shaped (tools, reasoning; None: plain text)."""
+        self._model = model
+        self._answer = answer
+        self._echo = echo
+        self._rid = new_id("resp")
+        self._created = now_s()
+        self._seq = 0
+        self._text: AnswerText | None = None if answer is None else answer.stream()
+        self._all: list[str] = []  # every text of the answer
+        self._items: list[dict[str, Any]] = []  # output items so far (done ones completed)
+        self._open: dict[str, Any] | None = None  # the item being streamed (reasoning or message)
+        self._open_text: list[str] = []  # its text so far
+        self.tokens = 0
+        self.terminal: FinishEvent | ErrorEvent | None = None
+        self.finished = False
+
+    # ------------------------------------------------------------------------------ events
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + encode(body) + b"\n\n"
+
+    def _response(self, status: str, usage: Usage | None = None,
+                  error: dict[str, Any] | None = None) -> dict[str, Any]:
+        return response_object(self._echo, self._rid, self._created, self._model, status,
+                               self._items, usage, error)
+
+    def opening(self) -> bytes:
+        return (self._event("response.created", response=self._response("in_progress"))
+                + self._event("response.in_progress", response=self._response("in_progress")))
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return b""  # usage travels in the terminal response event
+
+    def failure(self, exc: BaseException) -> bytes:
+        return self._failed(from_exception(exc))
+
+    def _failed(self, err: ApiError) -> bytes:
+        out = self._close("incomplete")
+        error = {"code": err.code or err.type, "message": err.message}
+        return out + self._event("response.failed", response=self._response("failed", None, error))
+
+    # ------------------------------------------------------------------------------ items
+    def _begin(self, kind: str) -> bytes:
+        """Open a reasoning or message item (closing the other)."""
+        out = b""
+        if self._open is not None:
+            if self._open["type"] == kind:
+                return out
+            out = self._close("completed")
+        idx = len(self._items)
+        if kind == "reasoning":
+            item = reasoning_item(new_id("rs"), "", "in_progress")
+            self._items.append(item)
+            self._open = item
+            return out + self._event("response.output_item.added", output_index=idx, item=item)
+        item = text_item(new_id("msg"), "", "in_progress")
+        self._items.append(item)
+        self._open = item
+        return (out + self._event("response.output_item.added", output_index=idx, item=item)
+                + self._event("response.content_part.added", item_id=item["id"],
+                              output_index=idx, content_index=0, part=text_part("")))
+
+    def _delta(self, kind: str, text: str) -> bytes:
+        out = self._begin(kind)
+        item = self._open
+        assert item is not None
+        self._open_text.append(text)
+        ev = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
+        return out + self._event(ev, item_id=item["id"], output_index=len(self._items) - 1,
+                                 content_index=0, delta=text, **extra)
+
+    def _close(self, status: str) -> bytes:
+        """Finish the open item (its whole text in its done events)."""
+        item = self._open
+        if item is None:
+            return b""
+        self._open = None
+        text = "".join(self._open_text)
+        self._open_text = []
+        idx = len(self._items) - 1
+        if item["type"] == "reasoning":
+            done = reasoning_item(item["id"], text, status)
+            self._items[idx] = done
+            return (self._event("response.reasoning_text.done", item_id=item["id"],
+                                output_index=idx, content_index=0, text=text)
+                    + self._event("response.output_item.done", output_index=idx, item=done))
+        done = text_item(item["id"], text, status)
+        self._items[idx] = done
+        return (self._event("response.output_text.done", item_id=item["id"], output_index=idx,
+                            content_index=0, text=text, logprobs=[])
+                + self._event("response.content_part.done", item_id=item["id"],
+                              output_index=idx, content_index=0, part=text_part(text))
+                + self._event("response.output_item.done", output_index=idx, item=done))
+
+    def _feed(self, text: str) -> bytes:
+        if self._text is None:
+            return self._delta("message", text) if text else b""
+        reasoning, content = self._text.feed(text)
+        out = self._delta("reasoning", reasoning) if reasoning else b""
+        return out + (self._delta("message", content) if content else b"")
+
+    # ------------------------------------------------------------------------------ the stream
+    def encode(self, batch: Sequence[Event]) -> bytes:
+        if not batch:  # the events ended without a terminal event: an engine bug
+            self.tokens = 0
+            self.finished = True
+            return self._failed(ApiError(500, "the engine ended the request without a terminal"
+                                         " event", type="server_error", code="internal_error"))
+        n_tokens = 0
+        parts: list[str] = []
+        terminal: FinishEvent | ErrorEvent | None = None
+        for ev in batch:
+            if isinstance(ev, TokenEvent):
+                n_tokens += len(ev.token_ids)
+                parts.append(ev.text)
+                continue
+            terminal = ev
+            break
+        self.tokens = n_tokens
+        text = "".join(parts)
+        self._all.append(text)
+        out = self._feed(text) if text else b""
+        if terminal is None:
+            return out
+        self.terminal = terminal
+        self.finished = True
+        if isinstance(terminal, ErrorEvent):
+            return out + self._failed(error_event_to_api(terminal))
+        return out + self._finish(terminal)
+
+    def _finish(self, terminal: FinishEvent) -> bytes:
+        self._all.append(terminal.text)
+        full = "".join(self._all)
+        fr = finish_reason(terminal.reason)
+        answer = self._answer
+        if answer is None:
+            msg: dict[str, Any] = {"role": "assistant", "content": full}
+        else:
+            msg, fr = answer.message(full, fr)
+        status = item_status(fr)
+        out = b""
+        # what the stream has not sent of the reasoning and the content (the answer's own
+        # feeder held back what may begin a call, or a tag cut short)
+        thought = msg.get("reasoning_content") or ""
+        sent_thought = self._sent("reasoning")
+        if thought.startswith(sent_thought) and len(thought) > len(sent_thought):
+            out += self._delta("reasoning", thought[len(sent_thought):])
+        calls = msg.get("tool_calls") or []
+        content = msg.get("content") or ""
+        sent = self._sent("message")
+        if content.startswith(sent) and len(content) > len(sent):
+            out += self._delta("message", content[len(sent):])
+        elif not (calls or self._items):
+            out += self._begin("message")  # an empty answer is still one message
+        out += self._close(status)
+        for call in calls:
+            idx = len(self._items)
+            item = call_item(call, new_id("fc"), "in_progress")
+            self._items.append(item)
+            args = call["function"]["arguments"]
+            done = call_item(call, item["id"])
+            self._items[idx] = done
+            out += (self._event("response.output_item.added", output_index=idx, item=item)
+                    + self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=idx, delta=args)
+                    + self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=idx, name=call["function"]["name"],
+                                  arguments=args)
+                    + self._event("response.output_item.done", output_index=idx, item=done))
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return out + self._event(kind, response=self._response(status, terminal.usage))
+
+    def _sent(self, kind: str) -> str:
+        """The text streamed so far in the items of ``kind`` (the open one included)."""
+        done = "".join(c["text"] for i in self._items if i["type"] == kind and i is not self._open
+                       for c in i["content"])
+        open_ = "".join(self._open_text) if self._open is not None and \
+            self._open["type"] == kind else ""
+        return done + open_

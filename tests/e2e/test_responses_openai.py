@@ -1,0 +1,133 @@
+"""``POST /v1/responses`` through the official openai client against a real server (the demo
+package on the software runtime): text, streamed (the raw events and the SDK's own
+``responses.stream`` accumulator) and not, function tools with valid calls, a conversation that
+carries earlier calls and their results as input items, ``text.format`` JSON schemas, and the
+400s naming the Responses field.
+
+The demo model's text is noise: the grammar makes every call and every JSON answer valid."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from .server import ServerProcess
+from .test_tools_openai import BY_NAME, TOOLS
+
+# the Responses API's function tools are flat: {"type": "function", "name", "parameters", ...}
+FLAT: Any = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_text_streamed_and_not(client: openai.OpenAI) -> None:
+    kw: Any = {"model": "qwen3", "input": "Hello", "instructions": "Answer briefly.",
+               "max_output_tokens": 12, "temperature": 0}
+    r = client.responses.create(**kw)
+    assert r.object == "response" and r.status in ("completed", "incomplete")
+    assert r.output_text and r.usage is not None and r.usage.output_tokens <= 12
+    if r.status == "incomplete":
+        assert r.incomplete_details is not None
+        assert r.incomplete_details.reason == "max_output_tokens"
+    events = list(client.responses.create(**kw, stream=True))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == f"response.{r.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == r.output_text and final.usage == r.usage
+    # the SDK's accumulator rebuilds the response from the events and checks their order
+    with client.responses.stream(**kw) as s:
+        last = list(s)[-1]
+    assert last.type == f"response.{r.status}"
+    assert last.response.output_text == r.output_text  # type: ignore[union-attr]
+
+
+def _check_calls(items: Any, only: str | None = None) -> list[Any]:
+    calls = [i for i in items if i.type == "function_call"]
+    assert calls, items
+    for c in calls:
+        assert c.name in BY_NAME and (only is None or c.name == only)
+        jsonschema.validate(json.loads(c.arguments), BY_NAME[c.name])
+        assert c.call_id and c.status == "completed"
+    return calls
+
+
+def test_function_calls_streamed_and_not(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        r = client.responses.create(model="qwen3", input="What is the weather in Paris?",
+                                    tools=FLAT, tool_choice="required", extra_body={"seed": seed},
+                                    parallel_tool_calls=False, max_output_tokens=300)
+        assert r.status == "completed"
+        _check_calls(r.output)
+    kw: Any = {"model": "qwen3", "input": "Add 2 and 3.", "tools": FLAT,
+               "tool_choice": {"type": "function", "name": "add"}, "parallel_tool_calls": False,
+               "max_output_tokens": 300, "extra_body": {"seed": 5}}
+    r = client.responses.create(**kw)
+    (call,) = _check_calls(r.output, "add")
+    events = list(client.responses.create(**kw, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [call.arguments]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [i.arguments for i in _check_calls(final.output)] == [call.arguments]
+
+
+def test_a_conversation_with_a_call_and_its_result(client: openai.OpenAI) -> None:
+    """The earlier call and its output go back as input items; the answer is text."""
+    first = client.responses.create(model="qwen3", input="Weather in Paris?", tools=FLAT,
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=200, temperature=0)
+    (call,) = _check_calls(first.output, "get_weather")
+    r = client.responses.create(
+        model="qwen3", tools=FLAT, tool_choice="none", max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id,
+                "output": '{"temperature": 21}'}])
+    assert r.output_text and not [i for i in r.output if i.type == "function_call"]
+
+
+def test_json_schema_format(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    for seed in range(3):
+        r = client.responses.create(model="qwen3", input="A trip?", extra_body={"seed": seed},
+                                    max_output_tokens=200,
+                                    text={"format": {"type": "json_schema", "name": "trip",
+                                                     "schema": schema, "strict": True}})
+        assert r.status == "completed", r
+        jsonschema.validate(json.loads(r.output_text), schema)
+    fmt: Any = {"format": {"type": "json_schema", "name": "trip", "schema": schema, "strict": True}}
+    kw: Any = {"model": "qwen3", "input": "A trip?", "max_output_tokens": 200, "text": fmt,
+               "extra_body": {"seed": 1}}
+    r = client.responses.create(**kw)
+    assert r.status == "completed", r
+    with client.responses.stream(**kw) as s:
+        final = s.get_final_response()  # the SDK's accumulator: needs response.completed
+    assert final.output_text == r.output_text
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},
+     "text.format"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+])
+def test_refusals_name_the_responses_field(client: openai.OpenAI, kw: dict[str, Any],
+                                           param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model="qwen3", input="Hi", **kw)
+    body: Any = ei.value.body
+    assert body["param"].startswith(param), body
