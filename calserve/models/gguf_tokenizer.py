@@ -14,7 +14,17 @@ order), a type per token (1 normal, 3 control, 4 user-defined, ...), the name of
   only when ``add_eos_token`` is), so ``encode(add_special_tokens=True)`` honours the file;
 - the byte-level decoder.
 
-SentencePiece GGUF tokenizers (``"llama"``) are not supported and say so.
+A SentencePiece tokenizer (``tokenizer.ggml.model == "llama"``: Llama 2, TinyLlama, Mistral, ...)
+is stored as the pieces (``▁`` for a space), a score per piece and the token types (6 for the
+``<0xXX>`` byte pieces); llama.cpp encodes with SentencePiece's BPE: the text, with a space in
+front (``tokenizer.ggml.add_space_prefix``, default true) and every space as ``▁``, starts as one
+symbol per character, and the adjacent pair whose concatenation is the highest-scoring normal piece
+merges first (the leftmost on a tie), until none does; a symbol that is no piece becomes its
+UTF-8 bytes' ``<0xXX>`` pieces. The HF equivalent (what ``transformers`` builds for a Llama
+SentencePiece model): a BPE model with byte fallback whose merges are every split of a normal
+piece into two normal pieces, ranked by the piece's score, behind a normalizer that prepends ``▁``
+and replaces spaces, and a decoder that undoes both (``tests/models/test_gguf_spm.py`` checks it
+against the ``sentencepiece`` library on a model it trained).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from calserve.errors import ValidationError
 
@@ -69,7 +79,7 @@ PRE_TOKENIZERS: Mapping[str, tuple[str, ...]] = {
     "qwen2": (_QWEN2,),
 }
 
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,20 +108,44 @@ def _opt_int(meta: Mapping[str, Any], key: str, n: int) -> int | None:
     return i
 
 
-def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "gguf") -> GGUFTokenizer:
-    """Build the tokenizer from the GGUF key/values ``meta`` (decoded Python values)."""
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValidationError(
-            f"{source}: tokenizer.ggml.model is {kind!r}; only byte-level BPE ('gpt2') is supported"
-        )
-    tokens = [str(t) for t in meta.get("tokenizer.ggml.tokens") or []]
-    if not tokens:
-        raise ValidationError(f"{source}: tokenizer.ggml.tokens is missing or empty")
-    n = len(tokens)
-    types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [1] * n]
-    if len(types) != n:
-        raise ValidationError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries, not {n}")
+def _spm(meta: Mapping[str, Any], tokens: list[str], types: list[int],
+         source: str) -> tokenizers.Tokenizer:
+    """The SentencePiece (BPE) tokenizer of a ``"llama"`` GGUF vocabulary (module docstring)."""
+    scores = [float(s) for s in meta.get("tokenizer.ggml.scores") or []]
+    if len(scores) != len(tokens):
+        raise ValidationError(f"{source}: tokenizer.ggml.scores has {len(scores)} entries, not"
+                              f" {len(tokens)}")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = {t for t, k in zip(tokens, types) if k == _NORMAL}
+    ranked: list[tuple[float, int, int, int]] = []  # (-score, piece, left id, right id)
+    for i, piece in enumerate(tokens):
+        if types[i] != _NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[i], i, vocab[left], vocab[right]))
+    ranked.sort()
+    merges = [(tokens[a], tokens[b]) for _, _, a, b in ranked]
+    unk = next((t for t, k in zip(tokens, types) if k == _UNKNOWN), None)
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk,
+                                          byte_fallback=True, fuse_unk=True))
+    steps: list[normalizers.Normalizer] = []
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    if prefix:
+        steps.append(normalizers.Prepend("\u2581"))
+    steps.append(normalizers.Replace(" ", "\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    undo: list[decoders.Decoder] = [decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse()]
+    if prefix:
+        undo.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(undo)
+    return tok
+
+
+def _byte_level(meta: Mapping[str, Any], tokens: list[str], source: str) -> tokenizers.Tokenizer:
+    """The byte-level BPE tokenizer of a ``"gpt2"`` GGUF vocabulary (module docstring)."""
     merges: list[tuple[str, str]] = []
     for i, m in enumerate(meta.get("tokenizer.ggml.merges") or []):
         a, sep, b = str(m).partition(" ")
@@ -124,11 +158,30 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "gguf") -> GG
             f"{source}: tokenizer.ggml.pre {pre!r} is not supported (known: {sorted(PRE_TOKENIZERS)})"
         )
     vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != n:
-        raise ValidationError(f"{source}: tokenizer.ggml.tokens has duplicate tokens")
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = _split(*PRE_TOKENIZERS[pre])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "gguf") -> GGUFTokenizer:
+    """Build the tokenizer from the GGUF key/values ``meta`` (decoded Python values)."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise ValidationError(
+            f"{source}: tokenizer.ggml.model is {kind!r}; supported: byte-level BPE ('gpt2') and"
+            " SentencePiece BPE ('llama')"
+        )
+    tokens = [str(t) for t in meta.get("tokenizer.ggml.tokens") or []]
+    if not tokens:
+        raise ValidationError(f"{source}: tokenizer.ggml.tokens is missing or empty")
+    n = len(tokens)
+    types = [int(t) for t in meta.get("tokenizer.ggml.token_type") or [1] * n]
+    if len(types) != n:
+        raise ValidationError(f"{source}: tokenizer.ggml.token_type has {len(types)} entries, not {n}")
+    if len(set(tokens)) != n:
+        raise ValidationError(f"{source}: tokenizer.ggml.tokens has duplicate tokens")
+    tok = _spm(meta, tokens, types, source) if kind == "llama" else _byte_level(meta, tokens, source)
     added = [
         AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
         for i in range(n)

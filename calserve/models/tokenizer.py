@@ -19,8 +19,11 @@ characters are content is known by rendering the template once more with a marke
 content; a template that does not copy such a content verbatim (or trimmed, as Llama 3's does) cannot
 be told apart from its own text, and the request is refused (400 naming that content). Contents
 without a special-token string, nearly all, are tokenized with the rendering as one text (the
-same ids as before, no second rendering). ``/v1/completions``' prompt is not a conversation: its
-special-token strings stay special (clients write their own formats with them).
+same ids as before, no second rendering); with such a content, the text between two of the
+template's special tokens is tokenized as one (the contents in it literally), so the ids are the
+whole rendering's but for those strings (a SentencePiece space prefix or a BPE merge across the
+edge of a content stays as it would be). ``/v1/completions``' prompt is not a conversation: its special-token strings stay special
+(clients write their own formats with them).
 """
 
 from __future__ import annotations
@@ -222,11 +225,33 @@ class Tokenizer:
             lit = tokenizers.Tokenizer.from_str(self._tok.to_str())
             lit.encode_special_tokens = True  # special-token strings encode as ordinary text
             self._literal = lit
+        assert self._special_re is not None  # a content holds a special-token string
+        split = re.compile(f"({self._special_re.pattern})").split
+        # The text between two of the template's special tokens is tokenized as one text, the
+        # contents in it literally: the same ids as the whole rendering would get, but for the
+        # contents' special-token strings.
         ids: list[int] = []
-        for k, p in enumerate(parts):
-            text, enc = (p, self._tok) if k % 2 == 0 else (copied[int(p)], lit)
+        run: list[str] = []
+
+        def flush() -> None:
+            text = "".join(run)
             if text:
-                ids += enc.encode(text, add_special_tokens=False).ids
+                ids.extend(lit.encode(text, add_special_tokens=False).ids)
+            run.clear()
+
+        for k, p in enumerate(parts):
+            if k % 2 == 1:
+                run.append(copied[int(p)])
+                continue
+            for j, piece in enumerate(split(p)):
+                if j % 2 == 0:
+                    run.append(piece)
+                    continue
+                flush()
+                special = self._tok.token_to_id(piece)
+                assert special is not None
+                ids.append(special)
+        flush()
         return ids
 
 
