@@ -5,13 +5,14 @@ there is no KV fork on this runtime, spec §9.3; choice i > 0 uses a seed derive
 completion's ``prompt`` as a list of prompts (strings or token-id lists, up to
 ``server.max_prompts``: each prompt its own request, n choices each),
 ``presence_penalty``/``frequency_penalty``/``repetition_penalty``/``logit_bias``/``min_p``/``top_k``
-(the batched sampler's processors, ``engine/logits.py``) and ``response_format`` ``json_object`` /
-``json_schema`` (constrained decoding, ``engine/grammar.py``), and on chat ``tools`` /
+(the batched sampler's processors, ``engine/logits.py``), ``response_format`` ``json_object`` /
+``json_schema`` and vLLM's / llama.cpp's structured outputs (constrained decoding,
+``api/structured.py``, ``engine/grammar.py``), and on chat ``tools`` /
 ``tool_choice`` / ``parallel_tool_calls`` and tool messages (``api/tools.py``; the prompt:
 ``api/chat_prompt.py``). Rejected because
 they would change results: ``best_of``>1 (no fork), ``suffix``, ``echo`` with ``logprobs``, the
-legacy ``functions``/``function_call``, ``tools`` on completions or with a ``response_format``,
-non-text content parts, and ``min_tokens``/``ignore_eos`` with a ``response_format`` or ``tools``
+legacy ``functions``/``function_call``, ``tools`` on completions or with another constraint,
+non-text content parts, and ``min_tokens``/``ignore_eos`` with a constraint or ``tools``
 (they sample past where the grammar ends). ``echo`` alone is supported (the prompt text is
 prepended).
 
@@ -40,7 +41,8 @@ from calserve.api.schemas import (
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
 from calserve.api.reasoning import Answer, Reasoning
 from calserve.api.responses import ResponseEcho, ResponsesBody, chat_body, renamed
-from calserve.engine.grammar import Grammar, compile_response_format
+from calserve.api.structured import answer_grammar, constraint_of
+from calserve.engine.grammar import Grammar
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 
@@ -50,6 +52,9 @@ __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_comp
 Kind = Literal["completion", "chat", "responses"]
 
 MAX_STOP_STRINGS = 16
+# A body holding one of these may ask for a grammar (compiling one can take milliseconds: it is
+# prepared in the worker thread)
+_GRAMMAR_MARKS = (b"json_", b'"tools"', b"guided_", b"structured_outputs", b'"grammar"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,15 +257,8 @@ def _sampling(
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0  # greedy: dividing by a subnormal temperature overflows
-    if grammar is None and body.response_format is not None:
-        grammar = compile_response_format(body.response_format, tok, vocab or 0)
-        if grammar is not None and min_tokens:
-            raise E.UnsupportedParameter(
-                "`min_tokens` is not supported with a `response_format` (it would sample past"
-                " the end of the answer)", param="min_tokens")
-        if grammar is not None and body.ignore_eos:
-            raise E.UnsupportedParameter(
-                "`ignore_eos` is not supported with a `response_format`", param="ignore_eos")
+    if grammar is None:  # response_format, or vLLM's / llama.cpp's structured outputs
+        grammar = answer_grammar(body, tok, vocab or 0)
     return SamplingParams(
         temperature=temperature,
         top_p=1.0 if body.top_p is None else float(body.top_p),
@@ -416,11 +414,11 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
     reasoning = Reasoning.of(prompt, getattr(tok, "reasoning_tags", False), body.reasoning_format)
     grammar = None
     if tools is not None:
-        rf = body.response_format
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise E.UnsupportedParameter("`response_format` cannot be combined with `tools` (the"
+        other = constraint_of(body)
+        if other is not None:
+            raise E.UnsupportedParameter(f"`{other[0]}` cannot be combined with `tools` (the"
                                          " answer's format is the tool-call format)",
-                                         param="response_format")
+                                         param=other[0])
         for name in ("min_tokens", "ignore_eos"):  # refused before the grammar is compiled
             if getattr(body, name):
                 raise E.UnsupportedParameter(f"`{name}` is not supported with `tools` (it would"
@@ -467,7 +465,7 @@ async def prepare_body(kind: Kind, engine: ModelsLike, data: bytes,
     small (:data:`~calserve.api.tokenizing.INLINE_BODY_BYTES`) and asks for no constrained
     decoding (``response_format`` or ``tools``: compiling a grammar can take milliseconds), else in the prompt worker thread over a
     :class:`ModelView` of the engine."""
-    if len(data) <= INLINE_BODY_BYTES and b"json_" not in data and b'"tools"' not in data:
+    if len(data) <= INLINE_BODY_BYTES and not any(m in data for m in _GRAMMAR_MARKS):
         return _prepare(kind, engine, data, tenant, max_n, max_prompts)
     view = ModelView.of(engine)
     return await run_in_worker(lambda: _prepare(kind, view, data, tenant, max_n, max_prompts))

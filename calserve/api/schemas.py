@@ -53,6 +53,10 @@ MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI's own cap is lower)
 RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=10.0)]  # below: logits overflow
 StopTokenIds = Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
 User = Annotated[str, msgspec.Meta(max_length=MAX_USER_CHARS)]
+MAX_REGEX_CHARS = 4096  # a guided regex (its automaton is bounded again when compiled)
+MAX_GRAMMAR_CHARS = 65536  # a Lark/GBNF grammar (likewise)
+Regex = Annotated[str, msgspec.Meta(max_length=MAX_REGEX_CHARS)]
+GrammarText = Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -82,6 +86,16 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None  # vLLM extension
     min_p: MinP | None = None  # vLLM extension
     response_format: Any = None  # text | json_object | json_schema (engine/grammar.py)
+    # vLLM's and llama.cpp's structured outputs (api/structured.py: at most one constraint)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Regex | None = None
+    guided_choice: Annotated[list[Any], msgspec.Meta(max_length=256)] | None = None
+    guided_grammar: GrammarText | None = None
+    guided_decoding_backend: str | None = None  # accepted, ignored (one backend: llguidance)
+    guided_whitespace_pattern: str | None = None  # accepted, ignored (no free whitespace)
+    json_schema: Any = None  # llama.cpp
+    grammar: GrammarText | None = None  # llama.cpp (GBNF; Lark too)
     # Chat only: tool calling (api/tools.py checks them); the legacy ``functions`` /
     # ``function_call`` are refused (convert.py)
     tools: Any = None

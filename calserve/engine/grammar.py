@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -49,7 +50,7 @@ import numpy.typing as npt
 from calserve.errors import RequestError
 
 __all__ = ["Grammar", "GrammarState", "compile_response_format", "compile_json_schema",
-           "compile_lark", "fill_masks", "grammar_tokenizer", "GRAMMAR_CACHE",
+           "compile_lark", "compile_regex", "compile_grammar_text", "fill_masks", "grammar_tokenizer", "GRAMMAR_CACHE",
            "check_schema_bounds", "LIMITS", "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_NODES",
            "MAX_SCHEMA_PROPERTIES", "MAX_SCHEMA_LIST_ITEMS", "MAX_SCHEMA_COMBINATOR_NESTING"]
 
@@ -70,6 +71,9 @@ _COMBINATORS: Final = frozenset(("anyOf", "oneOf", "allOf"))
 LIMITS: Final = llguidance.LLParserLimits(
     max_grammar_size=50_000, max_lexer_states=50_000, initial_lexer_fuel=1_000_000,
     step_lexer_fuel=50_000, step_max_items=20_000, max_items_in_row=1_000)
+
+_BRACES: Final = re.compile(r"\{\s*(\d{0,9})\s*(?:,\s*(\d{0,9})\s*)?\}")
+_LARK_TIMES: Final = re.compile(r"~\s*(\d{1,9})(?:\s*\.\.\s*(\d{1,9}))?")
 
 _lock = threading.Lock()
 # tokenizer object -> {vocab size: its LLTokenizer} (building one reads the whole vocabulary: once)
@@ -272,6 +276,105 @@ def compile_lark(lark: str, schema: Any, tok: Any, vocab: int, kind: str, param:
                      lambda: llguidance.LLMatcher.grammar_from_lark(lark))
 
 
+#: The largest product of counted repetitions nested in a regex or grammar text (``a{30}{30}`` is
+#: 900): llguidance's lexer grows with it — a mask step of ``a{5000}`` took 1.5 ms, the first mask
+#: of ``a{1000}{1000}`` 1.2 s (and the lane then failed) — before any limit of its own applies.
+MAX_REPETITION: Final = 1000
+
+
+def _count(text: str, i: int, lark: bool) -> tuple[int, int] | None:
+    """The repetition count (its largest) of the quantifier at ``text[i]`` and where it ends."""
+    m = (_LARK_TIMES if lark and text[i] == "~" else _BRACES).match(text, i)
+    counts = [int(g) for g in m.groups() if g] if m is not None else []
+    return (max(counts), m.end()) if m is not None and counts else None
+
+
+def nested_repetition(text: str, grammar: bool = False) -> int:
+    """The largest product of counted repetitions nested in ``text``: a regex, or (``grammar``) a
+    Lark / GBNF grammar (``{m}``, ``{m,n}``, ``{m,}``, Lark's ``~ m`` and ``~ m..n``). Groups are
+    parentheses (and a Lark ``/regex/``); character classes, string literals and escapes are
+    atoms. Repetitions across rule references are not multiplied."""
+    levels = [[1, 1]]  # per open group: [largest product inside, product of the last atom]
+    i, n = 0, len(text)
+    in_regex = False
+    while i < n:
+        c = text[i]
+        cur = levels[-1]
+        if c == "\\":
+            cur[1] = 1
+            i += 2
+            continue
+        if c == "[":
+            j = i + 1 + (text.startswith("^", i + 1))
+            j += text.startswith("]", j)
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            cur[1] = 1
+            i = j + 1
+            continue
+        if grammar and not in_regex and c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            cur[1] = 1
+            i = j + 1
+            continue
+        opens = c == "(" or (grammar and c == "/" and not in_regex)
+        closes = c == ")" or (grammar and c == "/" and in_regex)
+        if opens or closes:
+            if c == "/":
+                in_regex = opens
+            if opens:
+                levels.append([1, 1])
+            elif len(levels) > 1:
+                inner = levels.pop()[0]
+                levels[-1][1] = inner
+                levels[-1][0] = max(levels[-1][0], inner)
+            i += 1
+            continue
+        q = _count(text, i, grammar) if c in "{~" else None
+        if q is not None:
+            cur[1] = min(cur[1] * q[0], 10**12)
+            cur[0] = max(cur[0], cur[1])
+            i = q[1]
+            continue
+        if not c.isspace():
+            cur[1] = 1
+        i += 1
+    while len(levels) > 1:  # unbalanced: what is open counts as closed
+        inner = levels.pop()[0]
+        levels[-1][0] = max(levels[-1][0], inner)
+    return levels[0][0]
+
+
+def _check_repetition(text: str, grammar: bool, param: str) -> None:
+    if nested_repetition(text, grammar) > MAX_REPETITION:
+        raise _bad(f"`{param}` repeats too much: counted repetitions nested to more than"
+                   f" {MAX_REPETITION} in all", param)
+
+
+def compile_regex(regex: str, tok: Any, vocab: int, param: str) -> Grammar:
+    """The grammar of text that matches ``regex`` in full (vLLM's ``guided_regex``), compiled and
+    checked under :data:`LIMITS` (a regex whose automaton is too big is a 400 naming ``param``)."""
+    _check_repetition(regex, False, param)
+    return _compiled(tok, vocab, "regex", regex, None, param,
+                     lambda: llguidance.LLMatcher.grammar_from_regex(regex))
+
+
+def compile_grammar_text(grammar: str, tok: Any, vocab: int, param: str) -> Grammar:
+    """The grammar of a Lark (llguidance's dialect) or GBNF (llama.cpp's: ``root ::= ...``) text,
+    told apart as llguidance tells them apart, compiled and checked under :data:`LIMITS`."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    _check_repetition(grammar, True, param)
+    try:
+        lark = any_to_lark(grammar)
+    except Exception as e:  # GbnfToLarkError and the parser's own errors: a 400, never a 500
+        raise _bad(f"`{param}` is not a valid grammar: {str(e)[:500]}", param) from None
+    return _compiled(tok, vocab, "grammar", lark, None, param,
+                     lambda: llguidance.LLMatcher.grammar_from_lark(lark))
+
+
 def _compiled(tok: Any, vocab: int, kind: str, text: str, schema: Any, param: str,
               build: Callable[[], str]) -> Grammar:
     """The :class:`Grammar` ``build()`` gives (llguidance's grammar text), validated under
@@ -284,16 +387,17 @@ def _compiled(tok: Any, vocab: int, kind: str, text: str, schema: Any, param: st
         if hit is not None:
             cache[key] = hit  # the most recent last
             return hit
+    what = "schema" if schema is not None or kind.startswith("json") else kind
     try:
         grammar = build()
     except Exception as e:  # ValueError/TypeError for a malformed schema; never a 500
-        raise _bad(f"`{param}` has an invalid schema: {str(e)[:500]}", param) from None
+        raise _bad(f"`{param}` has an invalid {what}: {str(e)[:500]}", param) from None
     is_err, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll, limits=LIMITS)
     if is_err:
-        raise _bad(f"`{param}` schema cannot be enforced: {' '.join(msgs)[:500]}", param)
+        raise _bad(f"`{param}` {what} cannot be enforced: {' '.join(msgs)[:500]}", param)
     m = llguidance.LLMatcher(ll, grammar, log_level=0, limits=LIMITS)
     if m.is_error():
-        raise _bad(f"`{param}` schema cannot be enforced: {m.get_error()[:500]}", param)
+        raise _bad(f"`{param}` {what} cannot be enforced: {m.get_error()[:500]}", param)
     out = Grammar(kind, schema, m)
     with _lock:
         cache = _COMPILED.setdefault(tok, {})

@@ -375,3 +375,43 @@ async def test_responses_fields_at_and_past_their_bounds() -> None:
             assert seen == {200, 400}, (field, seen)
         assert h.real_engine.ready()
         assert await greedy_text(h) == before
+
+
+# vLLM's and llama.cpp's structured outputs (api/structured.py), on both routes: 200 when unset,
+# else a 400 naming the field (this test model has no grammar tokenizer: a well-formed constraint
+# is refused naming it too, after its own checks).
+STRUCTURED_FIELDS: dict[str, list[Any]] = {
+    "guided_regex": [None, "a+", "x" * 4097, "a{1000}{1000}", 2**63, [], "(unclosed"],
+    "guided_choice": [None, ["a"], [], [""], ["x" * 1025], [str(i) for i in range(257)], "a",
+                      [2**63], [None]],
+    "guided_grammar": [None, 'root ::= "a"', "x" * 65537, "root ::= ((", 2**63],
+    "guided_json": [None, {"type": "object"}, "{not json", 2**63, [], _nested(16)],
+    "guided_decoding_backend": [None, "xgrammar", 2**63],
+    "structured_outputs": [None, {}, {"regex": "a"}, {"choice": ["a"], "regex": "b"},
+                           {"structural_tag": {}}, {"json_object": 2}, {"json_object": False},
+                           {"grammar": ""}, [], "x", 2**63],
+    "grammar": [None, 'root ::= "a"', "", "x" * 65537, 2**63],
+    "json_schema": [None, {"type": "object"}, 3, "x", _nested(16)],
+}
+
+
+async def test_structured_fields_at_and_past_their_bounds() -> None:
+    async with real_app(make_config()) as h:
+        before = await greedy_text(h)
+        for field, values in STRUCTURED_FIELDS.items():
+            seen = set()
+            for v in values:
+                for path, doc in ((C, {"prompt": "hi"}),
+                                  (CH, {"messages": [{"role": "user", "content": "hi"}]})):
+                    for stream in (False, True):
+                        req = {**doc, "max_tokens": 3, field: v, "stream": stream}
+                        status = await expect_bounded(h, path, req, None)
+                        seen.add(status)
+                        if status == 400:  # named as sent (`structured_outputs.regex`, ...)
+                            with trio.fail_after(20):
+                                _, raw = await stream_post(h.client, path, req)
+                            param = msgspec.json.decode(raw)["error"]["param"]
+                            assert param.startswith(field), (req, param)
+            assert seen == {200, 400}, (field, seen)
+        assert h.real_engine.ready()
+        assert await greedy_text(h) == before
