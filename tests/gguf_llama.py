@@ -1,4 +1,4 @@
-"""A Llama (or Qwen2) forward pass in numpy straight from a GGUF file, in llama.cpp's own layout —
+"""A Llama (or Qwen2, Phi-3) forward pass in numpy straight from a GGUF file, in llama.cpp's own layout —
 the test's independent check of the importer and the kernels.
 
 Shares no code with ``calserve.models.gguf_import`` or ``calserve.runtime.reference``: the tensors
@@ -6,8 +6,9 @@ are dequantized here from their raw blocks (Q4_1, Q8_0, F32: what SmolLM2's file
 rows stay as llama.cpp stores them (a Llama's permuted), and RoPE is llama.cpp's mode for the
 architecture: "normal" for ``llama``, which rotates the adjacent pairs (2i, 2i+1) of each head;
 "neox" for ``qwen2``, which rotates the pairs (i, i + d/2) and adds the q/k/v biases
-(``attn_q.bias`` ...) before it. Only the ``gguf`` package's file reader is used, for the metadata
-and the raw bytes.
+(``attn_q.bias`` ...) before it; ``phi3`` is neox too, its q/k/v one fused ``attn_qkv`` matrix and
+its gate/up one ``ffn_up`` of twice the rows (the gate first). Only the ``gguf`` package's file
+reader is used, for the metadata and the raw bytes.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class GGUFLlama:
             return r.fields[k].contents()
 
         a = self.arch = str(meta("general.architecture"))
-        assert a in ("llama", "qwen2"), a
+        assert a in ("llama", "qwen2", "phi3"), a
         self.n_layer = int(meta(f"{a}.block_count"))
         self.n_head = int(meta(f"{a}.attention.head_count"))
         self.n_kv = int(meta(f"{a}.attention.head_count_kv"))
@@ -78,7 +79,7 @@ class GGUFLlama:
         d = self.head_dim
         ang = pos * self.base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
         c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-        first, second = (slice(0, d // 2), slice(d // 2, d)) if self.arch == "qwen2" else \
+        first, second = (slice(0, d // 2), slice(d // 2, d)) if self.arch != "llama" else \
             (slice(0, d, 2), slice(1, d, 2))
         a, b = x[:, first], x[:, second]
         out = np.empty_like(x)
@@ -99,9 +100,14 @@ class GGUFLlama:
         for i in range(self.n_layer):
             p = f"blk.{i}."
             h = self._norm(x, t[p + "attn_norm.weight"])
-            q = self._rope(self._proj(p, "attn_q", h).reshape(H, D), pos)
-            k = self._rope(self._proj(p, "attn_k", h).reshape(KV, D), pos)
-            v = self._proj(p, "attn_v", h).reshape(KV, D)
+            if p + "attn_qkv.weight" in t:  # phi3
+                qkv = t[p + "attn_qkv.weight"] @ h
+                q_, k_, v_ = qkv[:H * D], qkv[H * D:(H + KV) * D], qkv[(H + KV) * D:]
+            else:
+                q_, k_, v_ = (self._proj(p, n, h) for n in ("attn_q", "attn_k", "attn_v"))
+            q = self._rope(q_.reshape(H, D), pos)
+            k = self._rope(k_.reshape(KV, D), pos)
+            v = v_.reshape(KV, D)
             self.k[i].append(k)
             self.v[i].append(v)
             K, V = np.stack(self.k[i]), np.stack(self.v[i])  # [S, KV, D]
@@ -113,8 +119,11 @@ class GGUFLlama:
                 att[hh] = (w / w.sum()) @ V[:, kv, :]
             x = x + t[p + "attn_output.weight"] @ att.reshape(-1)
             h = self._norm(x, t[p + "ffn_norm.weight"])
-            g = t[p + "ffn_gate.weight"] @ h
-            x = x + t[p + "ffn_down.weight"] @ (g / (1 + np.exp(-g)) * (t[p + "ffn_up.weight"] @ h))
+            if p + "ffn_gate.weight" in t:
+                g, u = t[p + "ffn_gate.weight"] @ h, t[p + "ffn_up.weight"] @ h
+            else:  # phi3: [gate; up] in one matrix
+                g, u = np.split(t[p + "ffn_up.weight"] @ h, 2)
+            x = x + t[p + "ffn_down.weight"] @ (g / (1 + np.exp(-g)) * u)
         return np.asarray(self.out @ self._norm(x, t["output_norm.weight"]), dtype=np.float32)
 
     def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float], list[float]]:

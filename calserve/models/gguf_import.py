@@ -1,6 +1,8 @@
 """``calserve pack --from-gguf FILE``: a GGUF checkpoint (llama.cpp's format) as a signed package.
 
-Read with the ``gguf`` package. Supported: ``general.architecture`` ``llama``, ``qwen2`` and ``qwen3``; tensor
+Read with the ``gguf`` package. Supported: ``general.architecture`` ``llama``, ``qwen2``, ``qwen3``
+and ``phi3`` (Phi-3: a Llama whose q/k/v and gate/up projections are stored fused, ``attn_qkv`` and
+a double-height ``ffn_up``: split on import; neox RoPE, not permuted); tensor
 types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, all dequantized to float32 (stored as F32
 by default, BF16 on request — the runtime computes in float32 either way).
 
@@ -13,8 +15,13 @@ runtime's rotate-half RoPE (the same as Qwen3's) computes what the original mode
 and Qwen2 GGUFs use rotate-half in llama.cpp too ("neox" mode) and are not permuted; Qwen2's q/k/v
 projection biases (``blk.N.attn_q.bias`` ...) are read as ``self_attn.q_proj.bias`` ...
 
-Refused, naming the key: other architectures, RoPE scaling, partial rotary dimensions, biases other
-than Qwen2's q/k/v ones, tensor types outside the list.
+A model with sliding-window attention (``{arch}.attention.sliding_window``, Phi-3's 2,047) is
+packed for contexts up to its window, where full attention computes exactly what it computes
+(``max_position_embeddings`` = the window).
+
+Refused, naming the key: other architectures, RoPE scaling (also Phi-3's ``rope_factors_*``
+tensors), partial rotary dimensions, biases other than Qwen2's q/k/v ones, tensor types outside the
+list.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ __all__ = [
 ]
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-_ARCH = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
+_ARCH = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": LLAMA}
 _LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -135,7 +142,8 @@ def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, s
         )
     a = arch
     scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none") or "rope_freqs.weight" in tensors:
+    if scaling not in (None, "none") or "rope_freqs.weight" in tensors or any(
+            n.startswith("rope_factors") for n in tensors):
         raise ValidationError(f"{source}: {a}.rope.scaling.type {scaling!r}: RoPE scaling is not supported")
     heads = int(_need(meta, f"{a}.attention.head_count", source))
     hidden = int(_need(meta, f"{a}.embedding_length", source))
@@ -159,11 +167,46 @@ def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, s
             rms_norm_eps=float(f"{eps:.7g}"),  # stored as float32: 1e-5 reads 9.99999974738e-06
             rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0),
             tie_word_embeddings="output.weight" not in tensors,
-            max_position_embeddings=int(meta.get(f"{a}.context_length") or 2048),
+            max_position_embeddings=_context(meta, a),
             architecture=_ARCH[arch],
         )
     except ValueError as e:
         raise ValidationError(f"{source}: {e}") from None
+
+
+def _context(meta: Mapping[str, Any], a: str) -> int:
+    """The context the package may serve: the model's, or its attention window when smaller (up
+    to it, sliding-window attention is full attention)."""
+    ctx = int(meta.get(f"{a}.context_length") or 2048)
+    window = meta.get(f"{a}.attention.sliding_window")
+    return min(ctx, int(window)) if window else ctx
+
+
+def _split_fused(gname: str, w: np.ndarray, cfg: ModelConfig, gated: bool,
+                 source: str) -> list[tuple[str, np.ndarray]]:
+    """HF-named tensors of the GGUF tensor ``gname`` (Phi-3's fused ones split: ``attn_qkv`` into
+    q, k, v; an ``ffn_up`` of twice the FFN rows, when the block has no ``ffn_gate``, into gate
+    then up)."""
+    m = _BLK.fullmatch(gname)
+    if m is not None and m.group(3) == "weight":
+        p = f"model.layers.{m.group(1)}."
+        d = cfg.head_dim
+        if m.group(2) == "attn_qkv":
+            q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+            if w.shape[0] != q + 2 * kv:
+                raise ValidationError(f"{source}: {gname} has {w.shape[0]} rows, not q + k + v ="
+                                      f" {q + 2 * kv}")
+            parts = np.split(w, [q, q + kv])
+            return [(p + f"self_attn.{x}_proj.weight", np.ascontiguousarray(a))
+                    for x, a in zip("qkv", parts)]
+        if m.group(2) == "ffn_up" and not gated:
+            if w.shape[0] != 2 * cfg.intermediate_size:
+                raise ValidationError(f"{source}: {gname} has {w.shape[0]} rows, not gate + up ="
+                                      f" {2 * cfg.intermediate_size}")
+            gate, up = np.split(w, 2)
+            return [(p + "mlp.gate_proj.weight", np.ascontiguousarray(gate)),
+                    (p + "mlp.up_proj.weight", np.ascontiguousarray(up))]
+    return [(_hf_name(gname, source), w)]
 
 
 def _hf_name(gguf_name: str, source: str) -> str:
@@ -227,14 +270,15 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     cfg = _config(meta, by_name, len(tok.tokens), src)
     weights: dict[str, np.ndarray] = {}
     types: dict[str, str] = {}
+    permuted = meta.get("general.architecture") == "llama"  # llama.cpp's interleaved RoPE rows
     for gname, t in by_name.items():
-        name = _hf_name(gname, src)
-        w = _dequantize(t, src)
-        if cfg.architecture == LLAMA and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
-            w = unpermute_rope_rows(w, heads)
-        weights[name] = w
-        types[name] = t.tensor_type.name
+        gated = _BLK.sub(r"blk.\1.ffn_gate.weight", gname) in by_name
+        for name, w in _split_fused(gname, _dequantize(t, src), cfg, gated, src):
+            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                w = unpermute_rope_rows(w, heads)
+            weights[name] = w
+            types[name] = t.tensor_type.name
     want = weight_shapes(cfg)
     for name, shape in want.items():
         if name not in weights:

@@ -112,6 +112,16 @@ def write_gguf(path: Path, cfg: ModelConfig, w: dict[str, np.ndarray], *, arch: 
     wr.add_bool("tokenizer.ggml.add_bos_token", False)
     wr.add_string("tokenizer.chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     held: dict[str, np.ndarray] = {}
+    if arch == "phi3":  # Phi-3's fused tensors, as its converter writes them (F32 only here)
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            q, k, v = (w[p + f"self_attn.{x}_proj.weight"] for x in "qkv")
+            gate, up = w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]
+            wr.add_tensor(f"blk.{i}.attn_qkv.weight", np.ascontiguousarray(np.concatenate([q, k, v])))
+            wr.add_tensor(f"blk.{i}.ffn_up.weight", np.ascontiguousarray(np.concatenate([gate, up])))
+            held.update({p + f"self_attn.{x}_proj.weight": a for x, a in zip("qkv", (q, k, v))})
+            held.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
+        w = {n: a for n, a in w.items() if n not in held}
     for name, a in w.items():
         heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
         perm = next((h for k, h in heads.items() if k in name), None) if arch == "llama" else None
@@ -165,18 +175,20 @@ def test_every_supported_type_dequantizes_and_qk_rows_come_back(tmp_path: Path) 
             assert err < tol, (name, kind, err)
 
 
-_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "LlamaForCausalLM"}
 
 
 @pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("llama", False), ("qwen2", True),
-                                            ("qwen2", False)])
+                                            ("qwen2", False), ("phi3", False)])
 def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path, arch: str,
                                                                   tied: bool) -> None:
-    """A Llama (Q/K permuted in the file, llama.cpp's normal RoPE) and a Qwen2 (not permuted, neox
-    RoPE, q/k/v biases) packed from GGUF compute what tests/gguf_llama.py computes from the file."""
+    """A Llama (Q/K permuted in the file, llama.cpp's normal RoPE), a Qwen2 (not permuted, neox
+    RoPE, q/k/v biases) and a Phi-3 (fused q/k/v and gate/up, neox RoPE, a sliding window) packed
+    from GGUF compute what tests/gguf_llama.py computes from the file."""
     cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": tied, "architecture": _HF_ARCH[arch]})
     w = random_weights(cfg, seed=5)
-    write_gguf(tmp_path / "t.gguf", cfg, w, arch=arch, meta={"pre": "qwen2"} if arch == "qwen2" else None,
+    meta = {"qwen2": {"pre": "qwen2"}, "phi3": {"phi3.attention.sliding_window": 100}}.get(arch)
+    write_gguf(tmp_path / "t.gguf", cfg, w, arch=arch, meta=meta,
                types={"model.layers.1.self_attn.q_proj.weight": "Q4_1",
                       "model.layers.1.self_attn.k_proj.weight": "Q8_0"})
     key = tmp_path / "key"
@@ -186,6 +198,9 @@ def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path
                       allow_outside_root=True)
     assert vp.manifest.model.architecture == _HF_ARCH[arch]
     assert vp.manifest.model.tie_word_embeddings is tied
+    # served up to the attention window (where sliding-window attention is full attention)
+    assert vp.manifest.model.max_position_embeddings == (100 if arch == "phi3" else 256)
+    assert all(p.max_seq <= vp.manifest.model.max_position_embeddings for p in vp.manifest.profiles)
     assert vp.manifest.chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     ref = GGUFLlama(tmp_path / "t.gguf")
     prompt = [5, 17, 99, 3, 250]
