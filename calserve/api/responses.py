@@ -167,8 +167,11 @@ def _messages(b: ResponsesBody) -> tuple[list[ChatMessage], list[str]]:
     for i, item in enumerate(b.input):
         where = f"input[{i}]"
         kind = item.get("type") or ("message" if "role" in item else None)
+        if not isinstance(kind, str) and kind is not None:
+            raise E.RequestError(f"`{where}.type` must be a string", param=f"{where}.type")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            given = item.get("role")
+            role = _ROLES.get(given) if isinstance(given, str) else None
             if role is None:
                 raise E.RequestError(f"`{where}.role` must be one of {sorted(_ROLES)}",
                                      param=f"{where}.role")
