@@ -147,7 +147,10 @@ def render_chat(tok: TokenizerLike, messages: list[dict[str, Any]], add_generati
     if isinstance(rendered, str):
         check_text_fits(tok, max_seq, len(rendered), "messages", "the rendered conversation")
         # message contents are text, never control tokens (Tokenizer.encode_chat)
-        literal = (tok.encode_chat(messages, rendered, add_generation_prompt, tools, variables)
-                   if isinstance(tok, Tokenizer) else None)
-        return rendered, tuple(literal) if literal is not None else encode_text(tok, rendered)
+        if not isinstance(tok, Tokenizer):
+            return rendered, encode_text(tok, rendered)
+        literal = tok.encode_chat(messages, rendered, add_generation_prompt, tools, variables)
+        if literal is None:
+            return rendered, encode_text(tok, rendered, prompt=True)
+        return rendered, tuple(tok.with_bos(literal))
     return None, tuple(int(t) for t in rendered)

@@ -386,7 +386,7 @@ def _prompt_ids(tok: TokenizerLike, info: ModelInfo, prompt: str | list[Any], pa
         if prompt == "":
             raise E.RequestError(f"`{param}` must not be empty", param=param)
         check_text_fits(tok, info.max_seq, len(prompt), param)
-        ids = encode_text(tok, prompt)
+        ids = encode_text(tok, prompt, prompt=True)
         text = prompt
     else:
         if not prompt:

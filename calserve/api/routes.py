@@ -144,7 +144,9 @@ def register_routes(app: QuartTrio, state: ApiState) -> None:  # noqa: C901 - a 
             text = b.prompt if b.prompt is not None else b.content
             assert text is not None
             check_text_fits(tok, info.max_seq, len(text), given[0], "the text")
-            ids = encode_text(tok, text)
+            # as a completion's prompt (BOS when the model expects it) unless add_special_tokens
+            # is false (vLLM's field)
+            ids = encode_text(tok, text, prompt=b.add_special_tokens is not False)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": info.max_seq,
                                "tokens": list(ids)}
         if b.with_pieces:

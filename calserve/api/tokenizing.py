@@ -70,11 +70,13 @@ async def run_in_worker(fn: Callable[[], T]) -> T:
     return out
 
 
-def encode_text(tok: TokenizerLike, text: str) -> tuple[int, ...]:
+def encode_text(tok: TokenizerLike, text: str, prompt: bool = False) -> tuple[int, ...]:
     """``tok.encode(text)`` as a tuple of ints. For the package tokenizer the HF batch call, which
-    releases the GIL while it runs (same ids: ``Tokenizer.encode`` adds no special tokens)."""
+    releases the GIL while it runs (same ids: ``Tokenizer.encode`` adds no special tokens), and
+    for a whole ``prompt`` BOS first when the model expects it (``Tokenizer.with_bos``)."""
     if isinstance(tok, Tokenizer):
-        return tuple(tok.backend.encode_batch([text], add_special_tokens=False)[0].ids)
+        ids = tok.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return tuple(tok.with_bos(ids) if prompt else ids)
     return tuple(int(t) for t in tok.encode(text))
 
 

@@ -94,6 +94,7 @@ class VerifiedPackage:
             self.manifest.chat_template,
             st.pad_token_id,
             st.bos_token_id,
+            st.add_bos_token,
         )
 
     def golden(self) -> Golden:

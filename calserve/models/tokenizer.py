@@ -97,11 +97,14 @@ class Tokenizer:
         chat_template: str | None = None,
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
+        add_bos_token: bool = False,
     ) -> None:
         self._tok = tok
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
+        # the model expects BOS first (Llama 2/3, Mistral, Phi-3; not SmolLM2, Qwen): with_bos
+        self.add_bos_token = add_bos_token and bos_token_id is not None
         self.chat_template = chat_template or CHATML
         self._jinja: ChatTemplate | None = None
         if not is_chatml(chat_template):
@@ -141,13 +144,14 @@ class Tokenizer:
         chat_template: str | None = None,
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
+        add_bos_token: bool = False,
     ) -> Tokenizer:
         p = Path(path)
         try:
             tok = tokenizers.Tokenizer.from_file(str(p))
         except Exception as e:  # tokenizers raises a bare Exception on parse errors
             raise ValidationError(f"{p.name}: not a valid HF tokenizers file: {e}") from None
-        return cls(tok, eos_token_ids, chat_template, pad_token_id, bos_token_id)
+        return cls(tok, eos_token_ids, chat_template, pad_token_id, bos_token_id, add_bos_token)
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -156,6 +160,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in ``text`` map to their ids (ChatML needs it)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def with_bos(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` of a whole prompt (a completion's text, a rendered conversation) as the model
+        expects them: BOS first exactly once when ``add_bos_token`` (a template that writes its
+        own ``{{ bos_token }}`` gets no second one, as llama.cpp's server does it)."""
+        bos = self.bos_token_id
+        if not self.add_bos_token or bos is None or (ids and ids[0] == bos):
+            return list(ids)
+        return [bos, *ids]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -38,9 +38,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     seen: list[str] = []
     real = tokenizing.encode_text
 
-    def spy(tok: Any, text: str) -> tuple[int, ...]:
+    def spy(tok: Any, text: str, prompt: bool = False) -> tuple[int, ...]:
         seen.append(threading.current_thread().name)
-        return real(tok, text)
+        return real(tok, text, prompt)
 
     monkeypatch.setattr(convert, "encode_text", spy)
     from calserve.api import chat_prompt, routes
