@@ -38,7 +38,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from calserve.errors import ValidationError
 
-__all__ = ["GGUFTokenizer", "PRE_TOKENIZERS", "tokenizer_from_metadata"]
+__all__ = ["GGUFTokenizer", "PRE_TOKENIZERS", "END_OF_GENERATION", "tokenizer_from_metadata"]
 
 # llama.cpp's regexes (llama-vocab.cpp) for the pre-tokenizer names a GGUF file carries.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -80,6 +80,11 @@ PRE_TOKENIZERS: Mapping[str, tuple[str, ...]] = {
 }
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
+#: Token texts llama.cpp treats as end of generation whatever the file's EOS id (llama-vocab.cpp).
+END_OF_GENERATION = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+    "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "<end_of_utterance>"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +93,8 @@ class GGUFTokenizer:
 
     tokenizer_json: str
     bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]  # eos, then end-of-turn / end-of-message ids when named
+    # eos, then end-of-turn / end-of-message ids when named, then END_OF_GENERATION tokens
+    eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     add_bos_token: bool
     chat_template: str | None
@@ -207,6 +213,11 @@ def tokenizer_from_metadata(meta: Mapping[str, Any], source: str = "gguf") -> GG
         extra = _opt_int(meta, key, n)
         if extra is not None and extra not in eos_ids:
             eos_ids.append(extra)
+    # the end-of-generation tokens llama.cpp recognises by their text (a Llama 3 GGUF whose EOS is
+    # <|end_of_text|> still ends a chat turn at <|eot_id|>; Phi-3's turns end at <|end|>)
+    for i, t in enumerate(tokens):
+        if t in END_OF_GENERATION and i not in eos_ids:
+            eos_ids.append(i)
     tmpl = meta.get("tokenizer.chat_template")
     return GGUFTokenizer(
         tokenizer_json=str(tok.to_str()),

@@ -72,7 +72,9 @@ def test_package_carries_the_gguf_chat_template_and_special_tokens(smollm2: Any)
     assert manifest["chat_template"] == r.fields["tokenizer.chat_template"].contents()
     st = manifest["special_tokens"]
     assert (st["bos_token"], st["eos_token"], st["add_bos_token"]) == ("<|im_start|>", "<|im_end|>", False)
-    assert st["eos_token_ids"] == [tok.token_to_id("<|im_end|>")] == [2]
+    # the file's EOS, then <|endoftext|>: an end of generation by its text, as llama.cpp has it
+    assert st["eos_token_ids"] == [tok.token_to_id("<|im_end|>"),
+                                   tok.token_to_id("<|endoftext|>")] == [2, 0]
     assert manifest["model"]["architecture"] == "LlamaForCausalLM"
     assert manifest["model"]["rope_theta"] == 100000.0 and manifest["model"]["tie_word_embeddings"]
 

@@ -221,3 +221,15 @@ def test_streamed_text_is_the_decoded_text(sp: spm.SentencePieceProcessor, text:
     pieces = [d.push_one(i) for i in ids] + [d.flush()]
     assert "".join(pieces) == tok.decode(ids) == sp.decode(ids)
     assert all("\ufffd" not in p for p in pieces[:-1])
+
+
+def test_end_of_generation_tokens_by_their_text(sp: spm.SentencePieceProcessor) -> None:
+    """A Llama 3 GGUF whose EOS is <|end_of_text|> still ends a chat turn at <|eot_id|>: llama.cpp
+    takes the tokens of END_OF_GENERATION as ends whatever the file's EOS id."""
+    meta = metadata(sp)
+    toks = list(meta["tokenizer.ggml.tokens"])
+    toks[-1], toks[-2] = "<|eot_id|>", "<|end_of_text|>"
+    meta["tokenizer.ggml.tokens"] = toks
+    meta["tokenizer.ggml.eos_token_id"] = len(toks) - 2
+    g = tokenizer_from_metadata(meta)
+    assert g.eos_token_ids == (len(toks) - 2, len(toks) - 1)

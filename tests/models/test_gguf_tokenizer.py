@@ -65,7 +65,8 @@ def test_add_bos_false_pre_smollm_and_specials(meta: dict[str, Any], gt: GGUFTok
     assert meta["tokenizer.ggml.add_bos_token"] is False and meta["tokenizer.ggml.pre"] == "smollm"
     assert not gt.add_bos_token
     assert tok.encode("Hello", add_special_tokens=True) == tok.encode("Hello")  # no BOS
-    assert gt.bos_token_id == 1 and gt.eos_token_ids == (2,) and gt.token(2) == "<|im_end|>"
+    assert gt.bos_token_id == 1 and gt.eos_token_ids == (2, 0) and gt.token(2) == "<|im_end|>"
+    assert gt.token(0) == "<|endoftext|>"  # an end of generation by its text (llama.cpp's list)
     # smollm: every digit is its own pre-token (then GPT-2's regex)
     assert [tok.id_to_token(i) for i in tok.encode("12345")] == list("12345")
     ids = tok.encode("<|im_start|>user\nHi<|im_end|>")
