@@ -292,8 +292,9 @@ def _count(text: str, i: int, lark: bool) -> tuple[int, int] | None:
 def nested_repetition(text: str, grammar: bool = False) -> int:
     """The largest product of counted repetitions nested in ``text``: a regex, or (``grammar``) a
     Lark / GBNF grammar (``{m}``, ``{m,n}``, ``{m,}``, Lark's ``~ m`` and ``~ m..n``). Groups are
-    parentheses (and a Lark ``/regex/``); character classes, string literals and escapes are
-    atoms. Repetitions across rule references are not multiplied."""
+    parentheses (in a grammar also a Lark ``/regex/`` and ``[optional]``); character classes (of
+    a regex), string literals and escapes are atoms. Repetitions across rule references are not
+    multiplied."""
     levels = [[1, 1]]  # per open group: [largest product inside, product of the last atom]
     i, n = 0, len(text)
     in_regex = False
@@ -304,7 +305,7 @@ def nested_repetition(text: str, grammar: bool = False) -> int:
             cur[1] = 1
             i += 2
             continue
-        if c == "[":
+        if c == "[" and (in_regex or not grammar):  # a character class
             j = i + 1 + (text.startswith("^", i + 1))
             j += text.startswith("]", j)
             while j < n and text[j] != "]":
@@ -319,8 +320,10 @@ def nested_repetition(text: str, grammar: bool = False) -> int:
             cur[1] = 1
             i = j + 1
             continue
-        opens = c == "(" or (grammar and c == "/" and not in_regex)
-        closes = c == ")" or (grammar and c == "/" and in_regex)
+        # groups: parentheses; in a grammar also a Lark /regex/ and a Lark [optional] (taken as
+        # a group in GBNF too, where it is a character class: its braces count all the same)
+        opens = c == "(" or (grammar and not in_regex and c in "/[")
+        closes = c == ")" or (grammar and (c == "/" if in_regex else c == "]"))
         if opens or closes:
             if c == "/":
                 in_regex = opens

@@ -54,6 +54,8 @@ def test_which_field_constrains_the_answer() -> None:
     ('root ::= "(" num ("," num){0,3} ")"\nnum ::= [0-9]{1,3}', True, 3),
     ("start: /a{5000}/", True, 5000), ('root ::= "a"{5000}', True, 5000),
     ('start: ("a" ~ 3..40) ~ 50', True, 2000), ('start: "{99999}"', True, 1),
+    ('start: "x" ["a"{5000}]', True, 5000), ("root ::= [0-9]{1,3} [a-z]{2}", True, 3),
+    ("start: /[a-z]{40}/ ~ 30", True, 1200),
 ])
 def test_nested_repetition(text: str, grammar: bool, want: int) -> None:
     assert nested_repetition(text, grammar) == want
@@ -95,14 +97,15 @@ class Node:
 
 
 ATOMS = st.sampled_from(["a", "[a-z]", "\\(", "[{}]", "\\d", "[]x]"])
-nodes = st.recursive(
-    ATOMS.map(lambda t: Node("atom", [], text=t)),
-    lambda kids: st.one_of(
-        st.lists(kids, min_size=1, max_size=3).map(lambda ks: Node("seq", ks)),
-        st.lists(kids, min_size=2, max_size=3).map(lambda ks: Node("alt", ks)),
-        st.tuples(kids, st.integers(0, 40), st.one_of(st.none(), st.integers(0, 40))).map(
-            lambda t: Node("rep", [t[0]], (t[1], t[2])))),
-    max_leaves=8)
+def _groups(kids: st.SearchStrategy[Node]) -> st.SearchStrategy[Node]:
+    seq = st.builds(lambda ks: Node("seq", ks), st.lists(kids, min_size=1, max_size=3))
+    alt = st.builds(lambda ks: Node("alt", ks), st.lists(kids, min_size=2, max_size=3))
+    rep = st.builds(lambda k, lo, hi: Node("rep", [k], (lo, hi)), kids, st.integers(0, 40),
+                    st.one_of(st.none(), st.integers(0, 40)))
+    return st.one_of(seq, alt, rep)
+
+
+nodes = st.recursive(st.builds(lambda t: Node("atom", [], text=t), ATOMS), _groups, max_leaves=8)
 
 
 @settings(max_examples=300, deadline=None)
