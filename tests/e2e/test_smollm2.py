@@ -108,6 +108,11 @@ def test_capital_of_france_is_paris_streamed_and_not(client: openai.OpenAI, smol
                                             max_tokens=24, temperature=0, stream=True)
     streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert streamed == text
+    # the Responses API (the README's example) asks the same question of the same template
+    resp = client.responses.create(model="smollm2", instructions=SYSTEM,
+                                   input=QUESTION[1]["content"], max_output_tokens=24,
+                                   temperature=0)
+    assert resp.output_text == text and resp.status == "completed"
 
 
 def test_greedy_tokens_and_logprobs_equal_an_independent_numpy_forward(
