@@ -38,7 +38,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from calserve.errors import ValidationError
 
-__all__ = ["GGUFTokenizer", "PRE_TOKENIZERS", "END_OF_GENERATION", "tokenizer_from_metadata"]
+__all__ = ["GGUFTokenizer", "PRE_TOKENIZERS", "END_OF_GENERATION", "pre_tokenizer",
+           "tokenizer_from_metadata"]
 
 # llama.cpp's regexes (llama-vocab.cpp) for the pre-tokenizer names a GGUF file carries.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -49,6 +50,20 @@ _LLAMA3 = (
 _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_GPT4O = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
@@ -65,7 +80,8 @@ def _split(*patterns: str) -> pre_tokenizers.PreTokenizer:
 # name -> the regexes llama.cpp applies, in order (``smollm`` is starcoder's: every digit alone, then
 # GPT-2's regex).
 PRE_TOKENIZERS: Mapping[str, tuple[str, ...]] = {
-    "default": (_GPT2,),
+    # llama.cpp's regexes when the name is "default" (or missing)
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
     "gpt2": (_GPT2,),
     "gpt-2": (_GPT2,),
     "mpt": (_GPT2,),
@@ -76,8 +92,32 @@ PRE_TOKENIZERS: Mapping[str, tuple[str, ...]] = {
     "codeshell": (r"\p{N}", _GPT2),
     "llama-bpe": (_LLAMA3,),
     "llama3": (_LLAMA3,),
+    "llama-v3": (_LLAMA3,),
+    "falcon3": (_LLAMA3,),
+    "pixtral": (_LLAMA3,),
+    "smaug-bpe": (_LLAMA3,),
+    "dbrx": (_LLAMA3,),
     "qwen2": (_QWEN2,),
+    "deepseek-r1-qwen": (_QWEN2,),  # DeepSeek-R1's Qwen distillations
+    "stablelm2": (_QWEN2,),
+    "megrez": (_QWEN2,),
+    "qwen35": (_QWEN35,),
+    "phi-2": (_GPT2,),
+    "command-r": (r"\p{N}", _GPT2),
+    "exaone": (r"\p{N}", _GPT2),
+    "minerva-7b": (r"\p{N}", _GPT2),
+    "gpt-4o": (_GPT4O,),  # Phi-4
+    "llama4": (_GPT4O,),
+    "tekken": (_TEKKEN,),  # Mistral Nemo, Small 3
 }
+# names under which llama.cpp takes a word that is a token whole before any merge (HF's BPE
+# ``ignore_merges``, as Llama 3's tokenizer.json says)
+_IGNORE_MERGES = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"))
+
+def pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of ``tokenizer.ggml.pre`` ``name`` (a key of :data:`PRE_TOKENIZERS`)."""
+    return _split(*PRE_TOKENIZERS[name])
+
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 1, 2, 3, 4, 6
 #: Token texts llama.cpp treats as end of generation whatever the file's EOS id (llama-vocab.cpp).
@@ -164,8 +204,9 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str], source: str) -> toke
             f"{source}: tokenizer.ggml.pre {pre!r} is not supported (known: {sorted(PRE_TOKENIZERS)})"
         )
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = _split(*PRE_TOKENIZERS[pre])
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                          ignore_merges=pre in _IGNORE_MERGES))
+    tok.pre_tokenizer = pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
 
