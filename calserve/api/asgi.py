@@ -206,7 +206,8 @@ class FastRoutes:
             if prep.stream:
                 enc: SseEncoder
                 if prep.responses is not None:
-                    enc = ResponsesStreamEncoder(prep.alias, prep.answer, prep.responses)
+                    enc = ResponsesStreamEncoder(prep.alias, prep.answer, prep.responses,
+                                                 fmt if prep.logprobs is not None else None)
                 elif prep.answer is None:
                     enc = StreamEncoder.for_request(prep, fmt, fingerprint)
                 else:
@@ -224,8 +225,10 @@ class FastRoutes:
             try:
                 if prep.responses is not None:
                     choice, usage = await collect_choice(lease, metrics, prep, fmt, 0)
+                    lps = choice["logprobs"]["content"] if (
+                        choice["logprobs"] and prep.answer is None) else None
                     body = json_response(prep.responses, prep.alias, choice["message"],
-                                         choice["finish_reason"], usage)
+                                         choice["finish_reason"], usage, lps)
                 else:
                     body = await run_json(lease, metrics, prep, fmt)
                 if fingerprint is not None and prep.responses is None:

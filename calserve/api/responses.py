@@ -20,11 +20,16 @@ decoding, a thinking model's reasoning); only the request's and the answer's sha
   with one ``output_text`` part, ``function_call`` items; ``status`` ``completed``, or
   ``incomplete`` with ``incomplete_details.reason: "max_output_tokens"``; usage as
   ``input_tokens``/``output_tokens``. Streamed: ``api/responses_stream.py``.
+- ``include: ["message.output_text.logprobs"]`` (+ ``top_logprobs`` 0–20): each token's logprob
+  (and its ``top_logprobs`` alternatives) on the ``output_text`` part and on each streamed delta,
+  for a plain text answer (an answer shaped by tools or a thinking model's reasoning carries
+  none: its tokens are not all the text's).
 
 Nothing is stored: ``store`` is accepted and ignored (there is no ``GET /v1/responses/{id}``),
 and what needs a stored response or a hosted tool is a 400 naming the field
 (``previous_response_id``, ``conversation``, ``background``, ``prompt``, built-in tools such as
-``web_search``, ``item_reference`` items, non-text input parts, ``include``, ``top_logprobs``,
+``web_search``, ``item_reference`` items, non-text input parts, ``include`` values other than
+``message.output_text.logprobs``,
 ``truncation: "auto"``, ``max_tool_calls``). Errors found while preparing the chat request name
 the Responses field (``max_output_tokens``, ``text.format``, ``tools[1].parameters``,
 ``input[3]``).
@@ -47,6 +52,7 @@ __all__ = ["ResponsesBody", "ResponseEcho", "chat_body", "output_items", "respon
            "usage_object", "responses_param"]
 
 MAX_METADATA = 16  # OpenAI's bound on ``metadata`` pairs
+LOGPROBS: Final = "message.output_text.logprobs"
 
 
 class ResponsesBody(msgspec.Struct, kw_only=True):
@@ -73,8 +79,8 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
     conversation: Any = None
     background: bool | None = None
     prompt: Any = None
-    include: list[str] | None = None
-    top_logprobs: int | None = None
+    include: Annotated[list[str], msgspec.Meta(max_length=16)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     truncation: str | None = None
     max_tool_calls: int | None = None
 
@@ -94,6 +100,7 @@ class ResponseEcho:
     metadata: dict[str, str]
     user: str | None
     sources: tuple[str, ...]  # chat message k came from this Responses field (``input[3]``)
+    top_logprobs: int | None = None  # logprobs asked for (``include``): the alternatives' count
 
 
 def _unsupported(param: str, why: str) -> E.UnsupportedParameter:
@@ -110,10 +117,9 @@ def _refuse_unserved(b: ResponsesBody) -> None:
         raise _unsupported("background", "responses run in the foreground")
     if b.prompt is not None:
         raise _unsupported("prompt", "no stored prompt templates; send `instructions` and `input`")
-    if b.include:
-        raise _unsupported("include", "no extra output data (logprobs, encrypted reasoning, ...)")
-    if b.top_logprobs is not None:
-        raise _unsupported("top_logprobs", "logprobs are served on /v1/chat/completions")
+    for i, what in enumerate(b.include or ()):
+        if what != LOGPROBS:
+            raise _unsupported(f"include[{i}]", f"{what!r} (served: {LOGPROBS!r})")
     if b.truncation not in (None, "disabled"):
         raise _unsupported("truncation", "the conversation is never cut to fit: a prompt longer"
                            " than the context is a 400")
@@ -242,8 +248,10 @@ def chat_body(b: ResponsesBody) -> tuple[ChatBody, ResponseEcho]:
     """The chat request ``b`` means, and what its response repeats (module docstring)."""
     _refuse_unserved(b)
     msgs, src = _messages(b)
+    logprobs = LOGPROBS in (b.include or ())
     chat = ChatBody(
         messages=msgs, model=b.model, max_completion_tokens=b.max_output_tokens,
+        logprobs=logprobs or None, top_logprobs=b.top_logprobs if logprobs else None,
         temperature=b.temperature, top_p=b.top_p, seed=b.seed, stream=b.stream,
         tools=_tools(b.tools), tool_choice=_tool_choice(b.tool_choice),
         parallel_tool_calls=b.parallel_tool_calls, response_format=_format(b.text), user=b.user)
@@ -254,7 +262,8 @@ def chat_body(b: ResponsesBody) -> tuple[ChatBody, ResponseEcho]:
         tool_choice="auto" if b.tool_choice is None else b.tool_choice,
         parallel_tool_calls=b.parallel_tool_calls is not False,
         text={"format": (b.text or {}).get("format") or {"type": "text"}},
-        metadata=dict(b.metadata or {}), user=b.user, sources=tuple(src))
+        metadata=dict(b.metadata or {}), user=b.user, sources=tuple(src),
+        top_logprobs=(b.top_logprobs or 0) if logprobs else None)
     return chat, echo
 
 
@@ -303,13 +312,14 @@ def usage_object(u: Usage) -> dict[str, Any]:
             "total_tokens": u.total_tokens}
 
 
-def text_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def text_item(item_id: str, text: str, status: str, logprobs: list[Any] | None = None
+              ) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [] if status == "in_progress" else [text_part(text)]}
+            "content": [] if status == "in_progress" else [text_part(text, logprobs)]}
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -328,11 +338,12 @@ def item_status(finish: str) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
-def output_items(message: dict[str, Any], finish: str) -> list[dict[str, Any]]:
+def output_items(message: dict[str, Any], finish: str, logprobs: list[Any] | None = None
+                 ) -> list[dict[str, Any]]:
     """The output items of a chat answer's ``message`` (module docstring): its reasoning, its
     text (an empty one only when there is nothing else), its calls. An item followed by another
     is complete; the last text or reasoning item has the response's status (``incomplete``: cut
-    at ``max_output_tokens``)."""
+    at ``max_output_tokens``). ``logprobs``: the text's tokens' (a plain answer's)."""
     status = item_status(finish)
     thought = message.get("reasoning_content")
     calls = message.get("tool_calls") or []
@@ -343,7 +354,8 @@ def output_items(message: dict[str, Any], finish: str) -> list[dict[str, Any]]:
         out.append(reasoning_item(new_id("rs"), thought, status if not (text or calls)
                                   else "completed"))
     if text:
-        out.append(text_item(new_id("msg"), content or "", status if not calls else "completed"))
+        out.append(text_item(new_id("msg"), content or "", status if not calls else "completed",
+                             logprobs))
     out.extend(call_item(c, new_id("fc")) for c in calls)
     return out
 
@@ -367,7 +379,7 @@ def response_object(echo: ResponseEcho, rid: str, created: int, model: str, stat
 
 
 def json_response(echo: ResponseEcho, model: str, message: dict[str, Any], finish: str,
-                  usage: Usage) -> dict[str, Any]:
-    """The whole (unstreamed) response of a chat answer."""
+                  usage: Usage, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """The whole (unstreamed) response of a chat answer (``logprobs``: a plain answer's)."""
     return response_object(echo, new_id("resp"), now_s(), model, item_status(finish),
-                           output_items(message, finish), usage)
+                           output_items(message, finish, logprobs), usage)

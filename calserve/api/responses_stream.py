@@ -24,7 +24,7 @@ from typing import Any, final
 
 from calserve.api.errors import ApiError, error_event_to_api, from_exception
 from calserve.api.reasoning import Answer, AnswerText
-from calserve.api.render import encode, finish_reason, new_id, now_s
+from calserve.api.render import LogprobFormatter, encode, finish_reason, new_id, now_s
 from calserve.api.responses import (
     ResponseEcho, call_item, item_status, reasoning_item, response_object, text_item, text_part,
 )
@@ -38,10 +38,13 @@ class ResponsesStreamEncoder:
     """:class:`~calserve.api.stream_encoder.SseEncoder`'s interface for a Responses answer."""
 
     __slots__ = ("_model", "_answer", "_echo", "_rid", "_created", "_seq", "_text", "_all", "_items",
-                 "_open", "_open_text", "tokens", "terminal", "finished")
+                 "_open", "_open_text", "_fmt", "_lps", "_lps_sent", "tokens", "terminal",
+                 "finished")
 
-    def __init__(self, model: str, answer: Answer | None, echo: ResponseEcho) -> None:
-        """``answer``: how the chat answer is shaped (tools, reasoning; None: plain text)."""
+    def __init__(self, model: str, answer: Answer | None, echo: ResponseEcho,
+                 logprobs: LogprobFormatter | None = None) -> None:
+        """``answer``: how the chat answer is shaped (tools, reasoning; None: plain text);
+        ``logprobs``: the request asked for them (a plain answer's go with its deltas)."""
         self._model = model
         self._answer = answer
         self._echo = echo
@@ -53,6 +56,9 @@ class ResponsesStreamEncoder:
         self._items: list[dict[str, Any]] = []  # output items so far (done ones completed)
         self._open: dict[str, Any] | None = None  # the item being streamed (reasoning or message)
         self._open_text: list[str] = []  # its text so far
+        self._fmt = logprobs if answer is None else None
+        self._lps: list[Any] = []  # logprobs not sent yet (their tokens' text may be held)
+        self._lps_sent: list[Any] = []  # every logprob sent with a delta
         self.tokens = 0
         self.terminal: FinishEvent | ErrorEvent | None = None
         self.finished = False
@@ -110,7 +116,10 @@ class ResponsesStreamEncoder:
         assert item is not None
         self._open_text.append(text)
         ev = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra: dict[str, Any] = {} if kind == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {}
+        if kind != "reasoning":
+            extra["logprobs"], self._lps = self._lps, []
+            self._lps_sent.extend(extra["logprobs"])
         return out + self._event(ev, item_id=item["id"], output_index=len(self._items) - 1,
                                  content_index=0, delta=text, **extra)
 
@@ -129,12 +138,13 @@ class ResponsesStreamEncoder:
             return (self._event("response.reasoning_text.done", item_id=item["id"],
                                 output_index=idx, content_index=0, text=text)
                     + self._event("response.output_item.done", output_index=idx, item=done))
-        done = text_item(item["id"], text, status)
+        done = text_item(item["id"], text, status, self._lps_sent)
         self._items[idx] = done
         return (self._event("response.output_text.done", item_id=item["id"], output_index=idx,
-                            content_index=0, text=text, logprobs=[])
+                            content_index=0, text=text, logprobs=self._lps_sent)
                 + self._event("response.content_part.done", item_id=item["id"],
-                              output_index=idx, content_index=0, part=text_part(text))
+                              output_index=idx, content_index=0,
+                              part=text_part(text, self._lps_sent))
                 + self._event("response.output_item.done", output_index=idx, item=done))
 
     def _feed(self, text: str) -> bytes:
@@ -154,10 +164,13 @@ class ResponsesStreamEncoder:
         n_tokens = 0
         parts: list[str] = []
         terminal: FinishEvent | ErrorEvent | None = None
+        fmt = self._fmt
         for ev in batch:
             if isinstance(ev, TokenEvent):
                 n_tokens += len(ev.token_ids)
                 parts.append(ev.text)
+                if fmt is not None and ev.logprobs:
+                    self._lps.extend(fmt.chat(ev.logprobs))
                 continue
             terminal = ev
             break
@@ -197,6 +210,8 @@ class ResponsesStreamEncoder:
             out += self._delta("message", content[len(sent):])
         elif not (calls or self._items):
             out += self._begin("message")  # an empty answer is still one message
+        if self._lps:  # tokens whose text never came (a stop string's): their logprobs all the same
+            out += self._delta("message", "")
         out += self._close(status)
         for call in calls:
             idx = len(self._items)

@@ -85,9 +85,8 @@ def test_the_other_fields_become_the_chat_fields() -> None:
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"truncation": "auto"}, "truncation"),
-    ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_tool_calls": 2}, "max_tool_calls"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
@@ -235,6 +234,20 @@ async def test_responses_through_the_api() -> None:
         streamed = check_events(events(raw))
         assert strip_ids(streamed["output"]) == strip_ids(resp["output"])
         assert streamed["usage"] == resp["usage"]
+        # logprobs (include): on the text part and on each delta, the same either way
+        lp_doc = {**doc, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+        status, resp, _ = await h.post("/v1/responses", lp_doc)
+        assert status == 200, resp
+        lps = resp["output"][0]["content"][0]["logprobs"]
+        assert len(lps) == 6 and all(len(x["top_logprobs"]) == 2 for x in lps), lps
+        assert "".join(x["token"] for x in lps) == resp["output"][0]["content"][0]["text"]
+        status, raw, _ = await h.post("/v1/responses", {**lp_doc, "stream": True})
+        evs = events(raw)
+        streamed = check_events(evs)
+        deltas = [x for e in evs if e["type"] == "response.output_text.delta" for x in e["logprobs"]]
+        assert deltas == lps == streamed["output"][0]["content"][0]["logprobs"]
+        status, err, _ = await h.post("/v1/responses", {**doc, "include": ["file_search_call.results"]})
+        assert status == 400 and err["error"]["param"] == "include[0]", err
         status, err, _ = await h.post("/v1/responses", {**doc, "max_output_tokens": 100000})
         assert status == 400 and err["error"]["param"] == "max_output_tokens", err
         bad_tool = {"type": "function", "name": "not a name!", "parameters": {}}

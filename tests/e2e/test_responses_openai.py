@@ -50,6 +50,11 @@ def test_text_streamed_and_not(client: openai.OpenAI) -> None:
         last = list(s)[-1]
     assert last.type == f"response.{r.status}"
     assert last.response.output_text == r.output_text  # type: ignore[union-attr]
+    # logprobs, as the SDK types them
+    lp = client.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=3)
+    part: Any = lp.output[0].content[0]  # type: ignore[union-attr]
+    assert part.text == r.output_text and len(part.logprobs) == r.usage.output_tokens
+    assert all(len(x.top_logprobs) == 3 and x.logprob <= 0 for x in part.logprobs)
 
 
 def _check_calls(items: Any, only: str | None = None) -> list[Any]:
