@@ -21,6 +21,7 @@ from .fake_engine import FakeEngine, fake_factory
     ("/v1/completions", {"prompt": "x", "max_tokens": 400, "stream": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "max_tokens": 400, "stream": True}),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 400, "stream": True}),
 ])
 async def test_disconnect_before_the_body_starts_cancels(autojump_clock: Any, path: str,
                                                          body: dict[str, Any]) -> None:

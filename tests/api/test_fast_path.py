@@ -186,15 +186,17 @@ async def test_client_leaving_during_the_body_gets_nothing_submitted(
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", [C, "/v1/responses"])
 async def test_disconnect_cancels_json_and_stream_at_once(harness_factory: Any,
                                                           autojump_clock: Any,
-                                                          stream: bool) -> None:
+                                                          stream: bool, path: str) -> None:
+    body = ({"prompt": "x", "max_tokens": 400} if path == C
+            else {"input": "x", "max_output_tokens": 400})
     async with harness_factory(token_delay=1.0) as h:
-        conn = h.client.request(path=C, method="POST",
+        conn = h.client.request(path=path, method="POST",
                                 headers={"content-type": "application/json"})
         async with conn as c:
-            await c.send(msgspec.json.encode({"prompt": "x", "max_tokens": 400,
-                                              "stream": stream}))
+            await c.send(msgspec.json.encode({**body, "stream": stream}))
             await c.send_complete()
             await trio.sleep(3.5)  # a few tokens in
             assert len(h.engine.active) == 1
