@@ -8,7 +8,8 @@ architecture: "normal" for ``llama``, which rotates the adjacent pairs (2i, 2i+1
 "neox" for ``qwen2``, which rotates the pairs (i, i + d/2) and adds the q/k/v biases
 (``attn_q.bias`` ...) before it; ``phi3`` is neox too, its q/k/v one fused ``attn_qkv`` matrix and
 its gate/up one ``ffn_up`` of twice the rows (the gate first). Only the ``gguf`` package's file
-reader is used, for the metadata and the raw bytes.
+reader is used, for the metadata and the raw bytes. A ``rope_freqs.weight`` tensor (Llama 3.1+)
+divides each RoPE frequency, as llama.cpp's ``freq_factors``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class GGUFLlama:
         angle pos * base^(-2i/d) for pair i."""
         d = self.head_dim
         ang = pos * self.base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+        if "rope_freqs.weight" in self.t:  # Llama 3.1+: llama.cpp divides each frequency
+            ang = ang / self.t["rope_freqs.weight"].astype(np.float64)
         c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
         first, second = (slice(0, d // 2), slice(d // 2, d)) if self.arch != "llama" else \
             (slice(0, d, 2), slice(1, d, 2))

@@ -19,7 +19,10 @@ A model with sliding-window attention (``{arch}.attention.sliding_window``, Phi-
 packed for contexts up to its window, where full attention computes exactly what it computes
 (``max_position_embeddings`` = the window).
 
-Refused, naming the key: other architectures, RoPE scaling (also Phi-3's ``rope_factors_*``
+Llama 3.1+'s "llama3" RoPE scaling comes as a ``rope_freqs.weight`` tensor (a divisor per RoPE
+frequency): kept as ``model.rope_freqs.weight``, which the runtime applies.
+
+Refused, naming the key: other architectures, other RoPE scaling (also Phi-3's ``rope_factors_*``
 tensors), partial rotary dimensions, biases other than Qwen2's q/k/v ones, tensor types outside the
 list.
 """
@@ -38,7 +41,7 @@ from calserve.errors import ValidationError
 from calserve.models.gguf_tokenizer import GGUFTokenizer, tokenizer_from_metadata
 from calserve.models.manifest import SpecialTokens
 from calserve.models.pack import DEFAULT_PROFILES, build_package
-from calserve.runtime.reference import LLAMA, QWEN2, QWEN3, ModelConfig, weight_shapes
+from calserve.runtime.reference import LLAMA, QWEN2, QWEN3, ROPE_FREQS, ModelConfig, weight_shapes
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -68,6 +71,7 @@ _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "rope_freqs.weight": ROPE_FREQS,
 }
 _BLK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 
@@ -142,8 +146,7 @@ def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, s
         )
     a = arch
     scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none") or "rope_freqs.weight" in tensors or any(
-            n.startswith("rope_factors") for n in tensors):
+    if scaling not in (None, "none") or any(n.startswith("rope_factors") for n in tensors):
         raise ValidationError(f"{source}: {a}.rope.scaling.type {scaling!r}: RoPE scaling is not supported")
     heads = int(_need(meta, f"{a}.attention.head_count", source))
     hidden = int(_need(meta, f"{a}.embedding_length", source))
@@ -169,6 +172,7 @@ def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, s
             tie_word_embeddings="output.weight" not in tensors,
             max_position_embeddings=_context(meta, a),
             architecture=_ARCH[arch],
+            rope_freqs="rope_freqs.weight" in tensors,  # Llama 3.1+'s "llama3" RoPE scaling
         )
     except ValueError as e:
         raise ValidationError(f"{source}: {e}") from None

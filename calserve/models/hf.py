@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -18,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from calserve.errors import ValidationError
-from calserve.runtime.reference import ARCHITECTURES, ModelConfig, bf16_round, weight_shapes
+from calserve.runtime.reference import (
+    ARCHITECTURES, ROPE_FREQS, ModelConfig, bf16_round, weight_shapes,
+)
 
 __all__ = [
     "read_safetensors_header",
@@ -104,7 +107,9 @@ def load_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
 def write_safetensors(
     path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray], dtype: str = "BF16"
 ) -> None:
-    """Write ``tensors`` (float arrays) as ``dtype`` (BF16 rounds to nearest even, F16, F32)."""
+    """Write ``tensors`` (float arrays) as ``dtype`` (BF16 rounds to nearest even, F16, F32);
+    RoPE's frequency divisors (:data:`ROPE_FREQS`) stay F32 whatever ``dtype`` says (a rounded
+    divisor would turn every angle at long positions)."""
     if dtype not in _ITEMSIZE:
         raise ValueError(f"dtype must be one of {sorted(_ITEMSIZE)}, not {dtype!r}")
     blobs: list[bytes] = []
@@ -112,14 +117,15 @@ def write_safetensors(
     off = 0
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name], dtype=np.float32)
-        if dtype == "BF16":
+        kind = "F32" if name == ROPE_FREQS else dtype
+        if kind == "BF16":
             raw = (bf16_round(a).view(np.uint32) >> 16).astype("<u2").tobytes()
-        elif dtype == "F16":
+        elif kind == "F16":
             with np.errstate(over="ignore"):  # beyond the F16 range is inf, as torch writes it
                 raw = a.astype("<f2").tobytes()
         else:
             raw = a.astype("<f4").tobytes()
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
+        header[name] = {"dtype": kind, "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
         blobs.append(raw)
         off += len(raw)
     hb = json.dumps(header, separators=(",", ":")).encode()
@@ -162,6 +168,35 @@ def _ids(v: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in v)
 
 
+def llama3_rope_divisors(scaling: dict[str, Any], cfg: dict[str, Any], where: Any) -> np.ndarray:
+    """Llama 3.1+'s "llama3" RoPE scaling as one divisor per frequency (what llama.cpp's converter
+    stores as ``rope_freqs.weight``): 1 for the high frequencies (wavelength below
+    ``original_max_position_embeddings / high_freq_factor``), ``factor`` for the low ones (above
+    ``... / low_freq_factor``), and between them the inverse of the smooth mix."""
+    try:
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        heads = int(cfg["num_attention_heads"])
+        dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        base = float(cfg.get("rope_theta", 10000.0))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValidationError(f"{where}: rope_scaling: {e}") from None
+    if not (factor > 0 and high > low > 0 and old_ctx > 0):
+        raise ValidationError(f"{where}: rope_scaling: factor, low/high_freq_factor out of range")
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)  # 2 pi / inv_freq
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
 def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
     """Read ``config.json``, the safetensors shard(s) (``model.safetensors.index.json`` when
     sharded), ``tokenizer.json`` and, when present, ``generation_config.json`` (EOS/pad/bos ids win)
@@ -176,13 +211,21 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
     for k in ("attention_bias", "mlp_bias"):
         if cfg_d.get(k):
             raise ValidationError(f"{d / 'config.json'}: {k} is true; biases are not supported")
-    if cfg_d.get("rope_scaling"):
-        raise ValidationError(f"{d / 'config.json'}: rope_scaling is not supported")
+    scaling = cfg_d.get("rope_scaling")
+    divisors = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind != "llama3":
+            raise ValidationError(f"{d / 'config.json'}: rope_scaling {kind!r} is not supported"
+                                  " (only Llama 3.1+'s \"llama3\")")
+        divisors = llama3_rope_divisors(scaling, cfg_d, d / "config.json")
     if cfg_d.get("use_sliding_window"):  # Qwen2's option (off in the released checkpoints)
         raise ValidationError(f"{d / 'config.json'}: use_sliding_window is true; sliding-window "
                               "attention is not supported")
     try:
         config = ModelConfig.from_hf(cfg_d)
+        if divisors is not None:
+            config = dataclasses.replace(config, rope_freqs=True)
     except (KeyError, ValueError, TypeError) as e:
         raise ValidationError(f"{d / 'config.json'}: {e}") from None
     index = d / "model.safetensors.index.json"
@@ -205,6 +248,8 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
             weights[k] = v
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if divisors is not None:
+        weights[ROPE_FREQS] = divisors
     want = weight_shapes(config)
     extra, missing = sorted(set(weights) - set(want)), sorted(set(want) - set(weights))
     if extra or missing:

@@ -15,12 +15,13 @@ The manifest says what the compiler produced (spec §2 ``BatchProfile``, §7.3 i
 
 from __future__ import annotations
 
+import math
 from typing import Final, Literal
 
 import msgspec
 
 from calserve.errors import ValidationError
-from calserve.runtime.reference import ModelConfig
+from calserve.runtime.reference import ROPE_FREQS, ModelConfig, weight_shapes
 from calserve.runtime.types import ProfileSpec, Timing
 
 __all__ = [
@@ -74,6 +75,7 @@ class ArchitectureManifest(_Strict, kw_only=True):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = True
+    rope_freqs: bool = False  # Llama 3.1+: a model.rope_freqs.weight tensor divides RoPE's frequencies
     max_position_embeddings: int = 40960
 
 
@@ -202,6 +204,7 @@ class Manifest(_Strict, kw_only=True):
             tie_word_embeddings=m.tie_word_embeddings,
             max_position_embeddings=m.max_position_embeddings,
             architecture=m.architecture,
+            rope_freqs=m.rope_freqs,
         )
 
     @property
@@ -261,3 +264,13 @@ def decode_golden(raw: bytes, source: str = "golden.json") -> Golden:
         return msgspec.json.decode(raw, type=Golden)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ValidationError(f"{source}: {e}") from None
+
+
+_DTYPE_BYTES: Final = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+def parameter_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """Bytes of a package's stored tensors: every one in ``dtype`` but RoPE's frequency divisors
+    (``model.rope_freqs.weight``), which are always F32."""
+    return sum(math.prod(s) * (4 if n == ROPE_FREQS else _DTYPE_BYTES[dtype])
+               for n, s in weight_shapes(cfg).items())

@@ -36,6 +36,7 @@ from calserve.models.manifest import (
     TimingManifest,
     architecture_from_config,
     encode_manifest,
+    parameter_bytes,
 )
 from calserve.models.signing import sign_package
 from calserve.models.timing import timing_profile
@@ -63,7 +64,6 @@ GOLDEN_PROMPTS: tuple[str, ...] = (
     "1, 2, 3, 4,",
 )
 GOLDEN_STEPS = 12
-_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 _KV_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -196,7 +196,7 @@ def build_package(
         profs = make_profiles(
             config, profiles, max_seq=max_seq, max_sequences=max_sequences, kv_dtype=kv_dtype
         )
-        params = config.parameter_count() * _DTYPE_BYTES[weights_dtype]
+        params = parameter_bytes(config, weights_dtype)
         manifest = Manifest(
             format=FORMAT,
             name=name,

@@ -17,8 +17,8 @@ from typing import Any
 
 from calserve.config import CalserveConfig
 from calserve.errors import ConfigError, ValidationError
-from calserve.models.manifest import Manifest, ProfileManifest
-from calserve.runtime.reference import ModelConfig, weight_shapes
+from calserve.models.manifest import Manifest, ProfileManifest, parameter_bytes
+from calserve.runtime.reference import ROPE_FREQS, ModelConfig, weight_shapes
 from calserve.runtime.types import RuntimeCapabilities
 
 __all__ = [
@@ -172,10 +172,14 @@ def validate_tensors(manifest: Manifest, tensors: TensorInfo, source: str = "mod
             raise _bad(source, f"tensor {name} has shape {list(got)}, architecture needs {list(shape)}")
         if dt not in _DTYPE_BYTES:
             raise _bad(source, f"tensor {name} has unsupported dtype {dt}")
+        if name == ROPE_FREQS:  # always F32 (pack.py: a rounded divisor turns long-range angles)
+            if dt != "F32":
+                raise _bad(source, f"tensor {name} must be stored F32, not {dt}")
+            continue
         dtypes.add(dt)
     if len(dtypes) != 1:
         raise _bad(source, f"mixed tensor dtypes {sorted(dtypes)}")
-    pb = cfg.parameter_count() * _DTYPE_BYTES[dtypes.pop()]
+    pb = parameter_bytes(cfg, dtypes.pop())
     if manifest.capacity.parameter_bytes != pb:
         raise ValidationError(
             f"manifest.json: capacity.parameter_bytes {manifest.capacity.parameter_bytes} != {pb}"

@@ -22,7 +22,8 @@ per-head q/k RMSNorm — ``ModelConfig.qk_norm`` — with its own RoPE base and 
     logits = rmsnorm(x, norm) @ lm_head.T      (lm_head = embed when tie_word_embeddings)
 
 RoPE uses the "neox" layout (rotate_half over the two halves of head_dim), which is Hugging Face's for
-every family (a GGUF Llama's Q/K rows are un-permuted into it on import). All math is float32.
+every family; with ``ModelConfig.rope_freqs`` (Llama 3.1+'s "llama3" scaling) frequency i is divided by
+``model.rope_freqs.weight[i]`` (a GGUF Llama's Q/K rows are un-permuted into it on import). All math is float32.
 Weight names and shapes are Hugging Face's; see :func:`weight_shapes`.
 """
 
@@ -48,6 +49,7 @@ __all__ = [
 QWEN3 = "Qwen3ForCausalLM"
 LLAMA = "LlamaForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
+ROPE_FREQS = "model.rope_freqs.weight"  # calrt.h's CALRT_ROPE_FREQS_TENSOR
 ARCHITECTURES: tuple[str, ...] = (QWEN3, LLAMA, QWEN2)
 
 
@@ -67,6 +69,8 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 40960
     architecture: str = QWEN3
+    # Llama 3.1+: RoPE frequency i divided by the tensor ``model.rope_freqs.weight`` [head_dim / 2]
+    rope_freqs: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -154,6 +158,8 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    if cfg.rope_freqs:
+        shapes[ROPE_FREQS] = (d // 2,)
     return shapes
 
 
@@ -166,6 +172,8 @@ def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.08) -> dict
             w = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name.endswith(".bias"):  # Qwen2's q/k/v biases: large enough to matter
             w = 0.5 * rng.standard_normal(shape)
+        elif name == ROPE_FREQS:  # divisors from 1 (high frequencies) to 32, as Llama 3.1's
+            w = np.geomspace(1.0, 32.0, shape[0]) * (1 + 0.1 * rng.random(shape))
         else:
             fan_in = shape[-1]
             w = rng.standard_normal(shape) * (scale if len(shape) == 1 else 1.0 / np.sqrt(fan_in))
@@ -194,10 +202,13 @@ def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
-def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """x: [T, heads, d]; positions: [T]. Neox layout."""
+def _rope(x: np.ndarray, positions: np.ndarray, theta: float,
+          divisors: np.ndarray | None = None) -> np.ndarray:
+    """x: [T, heads, d]; positions: [T]. Neox layout; ``divisors`` of each frequency (or None)."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if divisors is not None:
+        inv_freq = inv_freq / divisors.astype(np.float64)
     freqs = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, d/2]
     cos = np.cos(freqs).astype(np.float32)[:, None, :]
     sin = np.sin(freqs).astype(np.float32)[:, None, :]
@@ -265,8 +276,8 @@ class ReferenceModel:
             if cfg.qk_norm:
                 q = _rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
                 k = _rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-            q = _rope(q, pos, cfg.rope_theta)
-            k = _rope(k, pos, cfg.rope_theta)
+            q = _rope(q, pos, cfg.rope_theta, w.get(ROPE_FREQS))
+            k = _rope(k, pos, cfg.rope_theta, w.get(ROPE_FREQS))
             if self.kv_dtype == "bf16":
                 k, v = bf16_round(k), bf16_round(v)
             self.k_cache[i] = np.concatenate([self.k_cache[i], k.astype(np.float32)])

@@ -54,6 +54,8 @@ def _gguf_name(hf: str) -> str:
         return "output_norm.weight"
     if hf == "lm_head.weight":
         return "output.weight"
+    if hf == "model.rope_freqs.weight":
+        return "rope_freqs.weight"
     _, _, i, rest = hf.split(".", 3)
     stem, _, kind = rest.rpartition(".")  # kind: weight, or bias (Qwen2's q/k/v)
     return f"blk.{i}.{_LAYER[stem]}.{kind}"
@@ -179,13 +181,17 @@ _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "L
 
 
 @pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("llama", False), ("qwen2", True),
-                                            ("qwen2", False), ("phi3", False)])
+                                            ("qwen2", False), ("phi3", False), ("llama31", True)])
 def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path, arch: str,
                                                                   tied: bool) -> None:
     """A Llama (Q/K permuted in the file, llama.cpp's normal RoPE), a Qwen2 (not permuted, neox
-    RoPE, q/k/v biases) and a Phi-3 (fused q/k/v and gate/up, neox RoPE, a sliding window) packed
-    from GGUF compute what tests/gguf_llama.py computes from the file."""
-    cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": tied, "architecture": _HF_ARCH[arch]})
+    RoPE, q/k/v biases), a Phi-3 (fused q/k/v and gate/up, neox RoPE, a sliding window) and a
+    Llama 3.1 (its rope_freqs divisors) packed from GGUF compute what tests/gguf_llama.py computes
+    from the file."""
+    llama31 = arch == "llama31"
+    arch = "llama" if llama31 else arch
+    cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": tied, "architecture": _HF_ARCH[arch],
+                         "rope_freqs": llama31})
     w = random_weights(cfg, seed=5)
     meta = {"qwen2": {"pre": "qwen2"}, "phi3": {"phi3.attention.sliding_window": 100}}.get(arch)
     write_gguf(tmp_path / "t.gguf", cfg, w, arch=arch, meta=meta,
@@ -197,6 +203,7 @@ def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path
     vp = open_package(pkg, TrustStore((load_verify_key(str(key) + ".pub"),)), tmp_path,
                       allow_outside_root=True)
     assert vp.manifest.model.architecture == _HF_ARCH[arch]
+    assert vp.manifest.model.rope_freqs is llama31
     assert vp.manifest.model.tie_word_embeddings is tied
     # served up to the attention window (where sliding-window attention is full attention)
     assert vp.manifest.model.max_position_embeddings == (100 if arch == "phi3" else 256)

@@ -224,3 +224,63 @@ def test_safetensors_header_lies_refused(tmp_path: Path) -> None:
     p.write_bytes(struct.pack("<Q", len(hb)) + hb + b"\0")
     with pytest.raises(ValidationError, match="dtype I8"):
         load_safetensors(p)
+
+
+def test_hf_llama31_rope_scaling_is_its_divisors(hf_dir: Path, tmp_path: Path) -> None:
+    """Llama 3.1+'s ``rope_scaling: {"rope_type": "llama3"}``: the package carries a divisor per RoPE
+    frequency (F32 even in a BF16 package), equal to the ratio of the frequencies Hugging Face's
+    ``_compute_llama3_parameters`` gives (written out here in its own form); golden tokens equal
+    the reference's and the runtime's; other scaling types stay refused."""
+    import math
+    import shutil
+
+    from calserve.models.devicecheck import golden_run
+    from calserve.runtime import Device
+    from calserve.runtime.reference import ROPE_FREQS
+
+    d = tmp_path / "llama31"
+    shutil.copytree(hf_dir, d)
+    for f in d.glob("model*.safetensors*"):
+        f.unlink()
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg = {**json.loads((hf_dir / "config.json").read_text()), "architectures": ["LlamaForCausalLM"],
+           "rope_theta": 500000.0, "rope_scaling": scaling}
+    (d / "config.json").write_text(json.dumps(cfg))
+    mc = ModelConfig.from_hf(cfg)
+    w = random_weights(mc, seed=4)
+    _raw_bf16_safetensors(d / "model.safetensors", w)
+    ck = load_hf_checkpoint(d)
+    assert ck.config.rope_freqs
+    # HF: inv_freq scaled per band, smooth between (transformers' modeling_rope_utils)
+    dim, base = mc.head_dim, 500000.0
+    inv = [1.0 / base ** (i / dim) for i in range(0, dim, 2)]
+    low_wl, high_wl = 64 / 1.0, 64 / 4.0
+    scaled = []
+    for f in inv:
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            scaled.append(f)
+        elif wl > low_wl:
+            scaled.append(f / 8.0)
+        else:
+            s = (64 / wl - 1.0) / (4.0 - 1.0)
+            scaled.append((1 - s) * f / 8.0 + s * f)
+    want = np.array([a / b for a, b in zip(inv, scaled)], dtype=np.float32)
+    assert np.allclose(ck.weights[ROPE_FREQS], want, rtol=1e-6)
+    assert 1.0 in ck.weights[ROPE_FREQS] and 8.0 in ck.weights[ROPE_FREQS]  # both bands occur
+    priv, pub = generate_keypair(tmp_path / "key")
+    out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1, 4], "none", max_seq=128)
+    vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
+    assert vp.manifest.model.rope_freqs
+    np.testing.assert_array_equal(vp.weights()[ROPE_FREQS], ck.weights[ROPE_FREQS])  # F32 kept
+    for case in vp.golden().cases:
+        for toks in case.expected.values():
+            assert toks == greedy_generate(ck.config, ck.weights, case.prompt, len(toks))
+    with Device.open(profile="sim-next") as dev:
+        for b in (1, 4):
+            ok, detail = golden_run(dev, vp, b)
+            assert ok, f"B{b}: {detail}"
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"type": "yarn", "factor": 2}}))
+    with pytest.raises(ValidationError, match="rope_scaling 'yarn'"):
+        load_hf_checkpoint(d)

@@ -35,6 +35,8 @@ SMALL_LLAMA = ModelConfig(
     architecture="LlamaForCausalLM",
 )
 
+# Llama 3.1+ at the same size: RoPE frequencies divided (model.rope_freqs.weight).
+SMALL_LLAMA31 = ModelConfig(**{**SMALL_LLAMA.to_dict(), "rope_freqs": True})
 # Qwen2 at the same size: Llama plus the q/k/v projection biases.
 SMALL_QWEN2 = ModelConfig(**{**SMALL_LLAMA.to_dict(), "architecture": "Qwen2ForCausalLM",
                              "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6})

@@ -11,7 +11,7 @@ from calserve.runtime.reference import greedy_generate
 
 from calserve.runtime.reference import ModelConfig, random_weights
 
-from .conftest import SMALL, SMALL_LLAMA, SMALL_QWEN2
+from .conftest import SMALL, SMALL_LLAMA, SMALL_LLAMA31, SMALL_QWEN2
 
 
 def _prefill(cb: Calbin, seq: int, prompt: list[int]) -> int:
@@ -41,7 +41,8 @@ def test_batch_lanes_bitwise_equal_b1(next_device: Device, small_weights: dict, 
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("cfg", [SMALL_LLAMA, SMALL_QWEN2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("cfg", [SMALL_LLAMA, SMALL_QWEN2, SMALL_LLAMA31],
+                         ids=["llama", "qwen2", "llama31"])
 def test_llama_batch_lanes_bitwise_equal_b1(next_device: Device, kv_dtype: str, cfg: ModelConfig) -> None:
     """The Llama path (no q/k norm, its RoPE base) and Qwen2's (its q/k/v biases) keep the same B1
     vs B16 bitwise invariance."""

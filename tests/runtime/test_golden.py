@@ -35,6 +35,11 @@ CONFIGS = {
         107, 56, 96, 2, 7, 1, 64, tie_word_embeddings=True, rope_theta=1000000.0,
         architecture="Qwen2ForCausalLM",
     ),
+    # Llama 3.1+ (its "llama3" RoPE scaling: each frequency divided), head_dim 64, GQA 4:1
+    "llama31-rope-freqs": ModelConfig(
+        109, 64, 96, 2, 8, 2, 64, tie_word_embeddings=True, rope_theta=500000.0,
+        rms_norm_eps=1e-5, architecture="LlamaForCausalLM", rope_freqs=True,
+    ),
     # Qwen2, untied head, head_dim 12
     "qwen2-untied": ModelConfig(
         97, 48, 64, 2, 4, 2, 12, tie_word_embeddings=False, architecture="Qwen2ForCausalLM",

@@ -180,6 +180,10 @@ typedef struct calrt_model_desc { /* Qwen3 / Llama / Qwen2 decoder (Hugging Face
   int32_t arch;                /* calrt_arch; 0 (Qwen3) when left zero */
 } calrt_model_desc;
 
+/* An optional tensor of any family: [head_dim / 2] float32 divisors of the RoPE frequencies
+ * (Llama 3.1+'s "llama3" scaling: frequency i is rope_theta^(-2i/head_dim) / divisor[i]). */
+#define CALRT_ROPE_FREQS_TENSOR "model.rope_freqs.weight"
+
 typedef struct calrt_tensor {
   const char *name;  /* HF name, e.g. "model.layers.0.self_attn.q_proj.weight" */
   const float *data; /* float32, C-contiguous; NOT copied: must outlive the calbin */

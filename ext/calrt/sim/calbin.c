@@ -138,9 +138,19 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
   } else if (!tensors) {
     st = sim_err(CALRT_E_INVALID_ARGUMENT, "tensors: weights are required (device is not null-compute)");
   } else {
-    /* Every expected tensor exactly once with the expected shape; nothing extra. */
-    if ((int32_t)n_tensors != n_exp)
-      st = sim_err(CALRT_E_INVALID_ARGUMENT, "tensors: expected %d tensors, got %zu", n_exp, n_tensors);
+    /* The optional RoPE frequency divisors (calrt.h: ROPE_FREQS_TENSOR), then every expected
+     * tensor exactly once with the expected shape; nothing extra. */
+    int32_t n_opt = 0;
+    for (size_t j = 0; st == CALRT_OK && j < n_tensors; j++) {
+      if (!tensors[j].name || strcmp(tensors[j].name, CALRT_ROPE_FREQS_TENSOR) != 0) continue;
+      if (n_opt++ || !tensors[j].data || tensors[j].ndim != 1 || tensors[j].shape[0] != m->head_dim / 2)
+        st = sim_err(CALRT_E_INVALID_ARGUMENT, "tensors: '%s' must be given once, shape [%d]",
+                     CALRT_ROPE_FREQS_TENSOR, m->head_dim / 2);
+      else
+        cb->rope_freqs = tensors[j].data;
+    }
+    if (st == CALRT_OK && (int32_t)n_tensors != n_exp + n_opt)
+      st = sim_err(CALRT_E_INVALID_ARGUMENT, "tensors: expected %d tensors, got %zu", n_exp + n_opt, n_tensors);
     for (int32_t i = 0; st == CALRT_OK && i < n_exp; i++) {
       const calrt_tensor_info *ti = &cb->tinfo[i];
       const calrt_tensor *found = NULL;

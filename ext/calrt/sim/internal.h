@@ -153,6 +153,7 @@ struct calrt_calbin {
   int32_t n_tensors;
   calrt_tensor_info *tinfo;
   const float *embed, *final_norm, *lm_head;
+  const float *rope_freqs; /* [head_dim / 2] RoPE frequency divisors (Llama 3.1+), or NULL */
   sim_layer *layers;
   int has_weights;
   int configured, needs_reconfigure;

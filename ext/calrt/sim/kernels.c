@@ -617,6 +617,7 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     memcpy(x + (size_t)r * h, cb->embed + (size_t)rows[r].token * h, sizeof(float) * h);
     for (int i = 0; i < D / 2; i++) {
       double inv = 1.0 / pow(m->rope_theta, (double)(2 * i) / (double)D);
+      if (cb->rope_freqs) inv /= (double)cb->rope_freqs[i];
       double f = (double)rows[r].pos * inv;
       cs[(size_t)r * (D / 2) + i] = (float)cos(f);
       sn[(size_t)r * (D / 2) + i] = (float)sin(f);

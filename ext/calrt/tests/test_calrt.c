@@ -250,12 +250,25 @@ static void test_boards(void) {
   CHECK(calrt_device_close(dev) == CALRT_OK);
 }
 
-/* Llama (and Qwen2, its q/k/v biases) through the worker-thread pool: a 40-token prefill and 4 decode
- * steps give bitwise the same logits with 1 and 3 kernel threads (CALRT_SIM_THREADS, read when an
- * engine starts computing), and at B1 and in lane 2 of a B4 job. */
+/* Llama (with Llama 3.1's RoPE frequency divisors) and Qwen2 (its q/k/v biases) through the
+ * worker-thread pool: a 40-token prefill and 4 decode steps give bitwise the same logits with 1
+ * and 3 kernel threads (CALRT_SIM_THREADS, read when an engine starts computing), and at B1 and in
+ * lane 2 of a B4 job. */
 static void test_llama_threads(int arch) {
   test_model tm;
   make_llama(&tm, 0, arch);
+  if (arch == CALRT_ARCH_LLAMA) { /* a divisors tensor of the wrong length is refused, naming it */
+    add(&tm, CALRT_ROPE_FREQS_TENSOR, tm.m.head_dim, 0, 2.0f);
+    calrt_device *d0;
+    calrt_open_params op0 = {.profile = "sim-next", .dram_bytes = 256u << 20};
+    CHECK(calrt_device_open(&op0, &d0) == CALRT_OK);
+    calrt_profile p0 = {1, 64, 2, CALRT_KV_FP32, 1, 0};
+    calrt_timing t00 = {0};
+    calrt_calbin *bad;
+    CHECK(calrt_calbin_create(d0, 0, &tm.m, tm.t, (size_t)tm.n, &p0, &t00, &bad) == CALRT_E_INVALID_ARGUMENT);
+    CHECK(calrt_device_close(d0) == CALRT_OK);
+    tm.t[tm.n - 1].shape[0] = tm.m.head_dim / 2; /* the right length: used from here on */
+  }
   const int V = tm.m.vocab_size, STEPS = 4, P = 40;
   float *out[2][2]; /* [threads 1/3][B1/B4] */
   int32_t prompt[40];
