@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,13 +96,29 @@ def test_hf_llama_checkpoint_is_the_llama_family(hf_dir: Path, tmp_path: Path) -
             load_hf_checkpoint(d)
 
 
+def _pack_and_check_golden(d: Path, ck: Any, tmp_path: Path) -> Any:
+    """Pack the checkpoint ``d`` (B1, B4); its golden tokens equal the reference's and the
+    software runtime's at both profiles. Returns the opened package."""
+    from calserve.models.devicecheck import golden_run
+    from calserve.runtime import Device
+
+    priv, pub = generate_keypair(tmp_path / "key")
+    out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1, 4], "none", max_seq=128)
+    vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
+    for case in vp.golden().cases:
+        for toks in case.expected.values():
+            assert toks == greedy_generate(ck.config, ck.weights, case.prompt, len(toks))
+    with Device.open(profile="sim-next") as dev:
+        for b in (1, 4):
+            ok, detail = golden_run(dev, vp, b)
+            assert ok, f"B{b}: {detail}"
+    return vp
+
+
 def test_hf_qwen2_checkpoint_packs_with_its_biases(hf_dir: Path, tmp_path: Path) -> None:
     """An HF ``Qwen2ForCausalLM`` (Qwen2/2.5: Llama plus q/k/v projection biases) packs; its golden
     tokens equal the reference's and the software runtime's at B1 and B4; a checkpoint without its
     biases, and one with sliding-window attention on, are refused by name."""
-    from calserve.models.devicecheck import golden_run
-    from calserve.runtime import Device
-
     d = tmp_path / "qwen2"
     d.mkdir()
     for f in ("tokenizer.json", "generation_config.json", "tokenizer_config.json"):
@@ -115,17 +132,8 @@ def test_hf_qwen2_checkpoint_packs_with_its_biases(hf_dir: Path, tmp_path: Path)
     _raw_bf16_safetensors(d / "model.safetensors", w)
     ck = load_hf_checkpoint(d)
     assert ck.config.architecture == "Qwen2ForCausalLM" and ck.config.head_dim == 12
-    priv, pub = generate_keypair(tmp_path / "key")
-    out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1, 4], "none", max_seq=128)
-    vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
+    vp = _pack_and_check_golden(d, ck, tmp_path)
     assert vp.manifest.model_config() == ck.config
-    for case in vp.golden().cases:
-        for toks in case.expected.values():
-            assert toks == greedy_generate(ck.config, ck.weights, case.prompt, len(toks))
-    with Device.open(profile="sim-next") as dev:
-        for b in (1, 4):
-            ok, detail = golden_run(dev, vp, b)
-            assert ok, f"B{b}: {detail}"
     (d / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
     with pytest.raises(ValidationError, match="use_sliding_window"):
         load_hf_checkpoint(d)
@@ -234,8 +242,6 @@ def test_hf_llama31_rope_scaling_is_its_divisors(hf_dir: Path, tmp_path: Path) -
     import math
     import shutil
 
-    from calserve.models.devicecheck import golden_run
-    from calserve.runtime import Device
     from calserve.runtime.reference import ROPE_FREQS
 
     d = tmp_path / "llama31"
@@ -269,18 +275,9 @@ def test_hf_llama31_rope_scaling_is_its_divisors(hf_dir: Path, tmp_path: Path) -
     want = np.array([a / b for a, b in zip(inv, scaled)], dtype=np.float32)
     assert np.allclose(ck.weights[ROPE_FREQS], want, rtol=1e-6)
     assert 1.0 in ck.weights[ROPE_FREQS] and 8.0 in ck.weights[ROPE_FREQS]  # both bands occur
-    priv, pub = generate_keypair(tmp_path / "key")
-    out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1, 4], "none", max_seq=128)
-    vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
+    vp = _pack_and_check_golden(d, ck, tmp_path)
     assert vp.manifest.model.rope_freqs
     np.testing.assert_array_equal(vp.weights()[ROPE_FREQS], ck.weights[ROPE_FREQS])  # F32 kept
-    for case in vp.golden().cases:
-        for toks in case.expected.values():
-            assert toks == greedy_generate(ck.config, ck.weights, case.prompt, len(toks))
-    with Device.open(profile="sim-next") as dev:
-        for b in (1, 4):
-            ok, detail = golden_run(dev, vp, b)
-            assert ok, f"B{b}: {detail}"
     (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"type": "yarn", "factor": 2}}))
     with pytest.raises(ValidationError, match="rope_scaling 'yarn'"):
         load_hf_checkpoint(d)
