@@ -28,7 +28,8 @@ from calserve.api.render import LogprobFormatter, encode, finish_reason, new_id,
 from calserve.api.responses import (
     ResponseEcho, call_item, item_status, reasoning_item, response_object, text_item, text_part,
 )
-from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
+from calserve.api.tool_stream import token_texts
+from calserve.engine.types import ErrorEvent, Event, FinishEvent, Usage
 
 __all__ = ["ResponsesStreamEncoder"]
 
@@ -161,19 +162,7 @@ class ResponsesStreamEncoder:
             self.finished = True
             return self._failed(ApiError(500, "the engine ended the request without a terminal"
                                          " event", type="server_error", code="internal_error"))
-        n_tokens = 0
-        parts: list[str] = []
-        terminal: FinishEvent | ErrorEvent | None = None
-        fmt = self._fmt
-        for ev in batch:
-            if isinstance(ev, TokenEvent):
-                n_tokens += len(ev.token_ids)
-                parts.append(ev.text)
-                if fmt is not None and ev.logprobs:
-                    self._lps.extend(fmt.chat(ev.logprobs))
-                continue
-            terminal = ev
-            break
+        n_tokens, parts, terminal = token_texts(batch, self._fmt, self._lps)
         self.tokens = n_tokens
         text = "".join(parts)
         self._all.append(text)

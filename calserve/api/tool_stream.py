@@ -26,7 +26,7 @@ from calserve.api.stream_encoder import NO_TERMINAL, failure_chunk, stream_error
 from calserve.api.reasoning import Answer
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
-__all__ = ["ToolStreamEncoder"]
+__all__ = ["ToolStreamEncoder", "token_texts"]
 
 @final
 class ToolStreamEncoder:
@@ -80,23 +80,14 @@ class ToolStreamEncoder:
             self.tokens = 0
             self.finished = True
             return NO_TERMINAL
-        fmt = self._fmt
-        n_tokens = 0
         reasoning: list[str] = []
         added: list[str] = []
-        terminal: FinishEvent | ErrorEvent | None = None
-        for ev in batch:
-            if isinstance(ev, TokenEvent):
-                n_tokens += len(ev.token_ids)
-                self._all.append(ev.text)
-                r, c = self._text.feed(ev.text)
-                reasoning.append(r)
-                added.append(c)
-                if fmt is not None and ev.logprobs:
-                    self._lps.extend(fmt.chat(ev.logprobs))
-                continue
-            terminal = ev
-            break
+        n_tokens, texts, terminal = token_texts(batch, self._fmt, self._lps)
+        for text in texts:
+            self._all.append(text)
+            r, c = self._text.feed(text)
+            reasoning.append(r)
+            added.append(c)
         self.tokens = n_tokens
         out = b""
         text, thought = "".join(added), "".join(reasoning)
@@ -137,6 +128,23 @@ class ToolStreamEncoder:
         if self._usage:
             out += chunks.usage(terminal.usage)
         return out + DONE
+
+
+def token_texts(batch: Sequence[Event], fmt: LogprobFormatter | None, lps: list[Any]
+                ) -> tuple[int, list[str], FinishEvent | ErrorEvent | None]:
+    """A batch of engine events: its token count, each token event's text (the logprobs of each,
+    formatted for chat, appended to ``lps`` when ``fmt``), and its terminal event (None: none;
+    events after it are ignored)."""
+    n_tokens = 0
+    texts: list[str] = []
+    for ev in batch:
+        if not isinstance(ev, TokenEvent):
+            return n_tokens, texts, ev
+        n_tokens += len(ev.token_ids)
+        texts.append(ev.text)
+        if fmt is not None and ev.logprobs:
+            lps.extend(fmt.chat(ev.logprobs))
+    return n_tokens, texts, None
 
 
 def _rest(full: str, sent: list[str]) -> str:
