@@ -9,6 +9,7 @@ extremes); then defence in depth: a sampler that raises for one lane fails that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -26,6 +27,7 @@ from .sse_util import parse_sse, stream_post
 
 C = "/v1/completions"
 CH = "/v1/chat/completions"
+R = "/v1/responses"
 
 INT_EXTREMES = [-(2**70), -(2**64), -(2**63) - 1, -(2**63), -(2**31) - 1, -(2**31), -2, -1, 0, 1,
                 127, 128, 129, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 2**70]
@@ -103,8 +105,11 @@ async def greedy_text(h: RealHarness) -> str:
     return str(body["choices"][0]["text"])
 
 
-async def expect_bounded(h: RealHarness, path: str, doc: dict[str, Any], field: str | None) -> int:
-    """POST ``doc``: 200 (a complete answer) or 4xx naming ``field`` (when given)."""
+async def expect_bounded(h: RealHarness, path: str, doc: dict[str, Any], field: str | None,
+                         named: Callable[[dict[str, Any]], bool] | None = None) -> int:
+    """POST ``doc``: 200 (a complete answer) or 4xx naming ``field`` (when given): its ``param``
+    up to a ``[`` is ``field``, or ``named(error)`` says so. A stream ends as its route ends one
+    (``[DONE]``; a Responses stream with its completed or incomplete response)."""
     with trio.fail_after(20):
         status, raw = await stream_post(h.client, path, doc)
     assert status < 500, (doc, raw[:300])
@@ -112,7 +117,13 @@ async def expect_bounded(h: RealHarness, path: str, doc: dict[str, Any], field: 
         err = msgspec.json.decode(raw)["error"]
         assert set(err) == {"message", "type", "param", "code"}
         if field is not None and status == 400:
-            assert err["param"] is not None and err["param"].split("[")[0] == field, (doc, err)
+            ok = named(err) if named is not None else (
+                err["param"] is not None and err["param"].split("[")[0] == field)
+            assert ok, (doc, err)
+    elif doc.get("stream") and path == R:
+        last = raw.rstrip().rsplit(b"\n\n", 1)[-1]
+        assert last.startswith((b"event: response.completed", b"event: response.incomplete")), \
+            (doc, last)
     elif doc.get("stream"):
         assert parse_sse(raw)[-1] == "[DONE]"
     return status
@@ -318,7 +329,6 @@ async def test_tool_fields_at_and_past_their_bounds() -> None:
         assert await greedy_text(h) == before
 
 
-R = "/v1/responses"
 # /v1/responses' own fields (api/responses.py), each alone: 200 or a 400 naming the field.
 RESPONSES_FIELDS: dict[str, list[Any]] = {
     "input": ["hi", "", [], [{"role": "user", "content": "hi"}], [{}], [None], "x" * 10**5,
@@ -355,27 +365,22 @@ async def test_responses_fields_at_and_past_their_bounds() -> None:
     async with real_app(make_config()) as h:
         before = await greedy_text(h)
         for field, values in RESPONSES_FIELDS.items():
+
+            def named(err: dict[str, Any], field: str = field) -> bool:
+                # a prompt too long for the context is the conversation's: `input`
+                return bool(err["param"].startswith(field) or (
+                    field == "instructions" and err["param"] == "input"
+                    and err["code"] == "context_length_exceeded"))
+
             seen = set()
             for v in values:
                 doc: dict[str, Any] = {"input": "hi", "max_output_tokens": 3, field: v}
                 if field == "tools":
                     doc["tool_choice"] = "none"  # validated all the same, then left out
                 for stream in (False, True):
-                    with trio.fail_after(20):
-                        status, raw = await stream_post(h.client, R, {**doc, "stream": stream})
-                    assert status < 500, (doc, raw[:300])
+                    status = await expect_bounded(h, R, {**doc, "stream": stream}, field, named)
+                    assert status in (200, 400), (doc, status)
                     seen.add(status)
-                    if status >= 400:
-                        err = msgspec.json.decode(raw)["error"]
-                        # a prompt too long for the context is the conversation's: `input`
-                        named = err["param"].startswith(field) or (
-                            field == "instructions" and err["param"] == "input"
-                            and err["code"] == "context_length_exceeded")
-                        assert status == 400 and named, (doc, err)
-                    elif stream:
-                        last = raw.rstrip().rsplit(b"\n\n", 1)[-1]
-                        assert last.startswith((b"event: response.completed",
-                                                b"event: response.incomplete")), (doc, last)
             assert seen == {200, 400}, (field, seen)
         assert h.real_engine.ready()
         assert await greedy_text(h) == before
@@ -403,19 +408,18 @@ async def test_structured_fields_at_and_past_their_bounds() -> None:
     async with real_app(make_config()) as h:
         before = await greedy_text(h)
         for field, values in STRUCTURED_FIELDS.items():
+
+            def named(err: dict[str, Any], field: str = field) -> bool:
+                # named as sent (`structured_outputs.regex`, `guided_choice[1]`, ...)
+                return err["param"] is not None and bool(err["param"].startswith(field))
+
             seen = set()
             for v in values:
                 for path, doc in ((C, {"prompt": "hi"}),
                                   (CH, {"messages": [{"role": "user", "content": "hi"}]})):
                     for stream in (False, True):
                         req = {**doc, "max_tokens": 3, field: v, "stream": stream}
-                        status = await expect_bounded(h, path, req, None)
-                        seen.add(status)
-                        if status == 400:  # named as sent (`structured_outputs.regex`, ...)
-                            with trio.fail_after(20):
-                                _, raw = await stream_post(h.client, path, req)
-                            param = msgspec.json.decode(raw)["error"]["param"]
-                            assert param.startswith(field), (req, param)
+                        seen.add(await expect_bounded(h, path, req, field, named))
             assert seen == {200, 400}, (field, seen)
         assert h.real_engine.ready()
         assert await greedy_text(h) == before
