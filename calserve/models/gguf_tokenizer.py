@@ -77,37 +77,21 @@ def _split(*patterns: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(steps)
 
 
-# name -> the regexes llama.cpp applies, in order (``smollm`` is starcoder's: every digit alone, then
-# GPT-2's regex).
+# name -> the regexes llama.cpp applies, in order, grouped as llama-vocab.cpp groups the names
+# (``smollm`` is starcoder's: every digit alone, then GPT-2's regex).
+_DIGITS_GPT2 = (r"\p{N}", _GPT2)
 PRE_TOKENIZERS: Mapping[str, tuple[str, ...]] = {
     # llama.cpp's regexes when the name is "default" (or missing)
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
-    "gpt2": (_GPT2,),
-    "gpt-2": (_GPT2,),
-    "mpt": (_GPT2,),
-    "olmo": (_GPT2,),
-    "smollm": (r"\p{N}", _GPT2),
-    "starcoder": (r"\p{N}", _GPT2),
-    "refact": (r"\p{N}", _GPT2),
-    "codeshell": (r"\p{N}", _GPT2),
-    "llama-bpe": (_LLAMA3,),
-    "llama3": (_LLAMA3,),
-    "llama-v3": (_LLAMA3,),
-    "falcon3": (_LLAMA3,),
-    "pixtral": (_LLAMA3,),
-    "smaug-bpe": (_LLAMA3,),
-    "dbrx": (_LLAMA3,),
-    "qwen2": (_QWEN2,),
-    "deepseek-r1-qwen": (_QWEN2,),  # DeepSeek-R1's Qwen distillations
-    "stablelm2": (_QWEN2,),
-    "megrez": (_QWEN2,),
+    **dict.fromkeys(("gpt2", "gpt-2", "mpt", "olmo", "phi-2"), (_GPT2,)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone",
+                     "minerva-7b"), _DIGITS_GPT2),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "smaug-bpe",
+                     "dbrx"), (_LLAMA3,)),
+    # deepseek-r1-qwen: DeepSeek-R1's Qwen distillations
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), (_QWEN2,)),
     "qwen35": (_QWEN35,),
-    "phi-2": (_GPT2,),
-    "command-r": (r"\p{N}", _GPT2),
-    "exaone": (r"\p{N}", _GPT2),
-    "minerva-7b": (r"\p{N}", _GPT2),
-    "gpt-4o": (_GPT4O,),  # Phi-4
-    "llama4": (_GPT4O,),
+    **dict.fromkeys(("gpt-4o", "llama4"), (_GPT4O,)),  # gpt-4o: Phi-4
     "tekken": (_TEKKEN,),  # Mistral Nemo, Small 3
 }
 # names under which llama.cpp takes a word that is a token whole before any merge (HF's BPE
