@@ -44,6 +44,7 @@ from typing import Any, Final, final
 
 import llguidance
 import llguidance.numpy as llg_np
+from llguidance.gbnf_to_lark import any_to_lark
 import numpy as np
 import numpy.typing as npt
 
@@ -367,8 +368,6 @@ def compile_regex(regex: str, tok: Any, vocab: int, param: str) -> Grammar:
 def compile_grammar_text(grammar: str, tok: Any, vocab: int, param: str) -> Grammar:
     """The grammar of a Lark (llguidance's dialect) or GBNF (llama.cpp's: ``root ::= ...``) text,
     told apart as llguidance tells them apart, compiled and checked under :data:`LIMITS`."""
-    from llguidance.gbnf_to_lark import any_to_lark
-
     _check_repetition(grammar, True, param)
     try:
         lark = any_to_lark(grammar)

@@ -121,7 +121,9 @@ class Tokenizer:
         # A content can hold a special-token string only if it holds one of their first characters
         # (one C-level scan each: the common case needs no regex).
         self._special_first = frozenset(t[0] for t in specials)
-        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        pattern = "|".join(map(re.escape, specials))
+        self._special_re = re.compile(pattern) if specials else None
+        self._special_split = re.compile(f"({pattern})") if specials else None  # keeps them
         self._literal: tokenizers.Tokenizer | None = None  # encode_special_tokens clone, on demand
         # The model's own tool-call syntax (api/tools.py): Hermes tags when its template shows
         # tools that way and the tag is text (the detokenizer would drop a special token), Llama
@@ -238,8 +240,8 @@ class Tokenizer:
             lit = tokenizers.Tokenizer.from_str(self._tok.to_str())
             lit.encode_special_tokens = True  # special-token strings encode as ordinary text
             self._literal = lit
-        assert self._special_re is not None  # a content holds a special-token string
-        split = re.compile(f"({self._special_re.pattern})").split
+        assert self._special_split is not None  # a content holds a special-token string
+        split = self._special_split.split
         # The text between two of the template's special tokens is tokenized as one text, the
         # contents in it literally: the same ids as the whole rendering would get, but for the
         # contents' special-token strings.
