@@ -28,7 +28,7 @@ from calserve.api.render import LogprobFormatter, encode, finish_reason, new_id,
 from calserve.api.responses import (
     ResponseEcho, call_item, item_status, reasoning_item, response_object, text_item, text_part,
 )
-from calserve.api.tool_stream import token_texts
+from calserve.api.tool_stream import token_texts, unsent
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, Usage
 
 __all__ = ["ResponsesStreamEncoder"]
@@ -188,15 +188,13 @@ class ResponsesStreamEncoder:
         out = b""
         # what the stream has not sent of the reasoning and the content (the answer's own
         # feeder held back what may begin a call, or a tag cut short)
-        thought = msg.get("reasoning_content") or ""
-        sent_thought = self._sent("reasoning")
-        if thought.startswith(sent_thought) and len(thought) > len(sent_thought):
-            out += self._delta("reasoning", thought[len(sent_thought):])
+        thought = unsent(msg.get("reasoning_content") or "", [self._sent("reasoning")])
+        if thought:
+            out += self._delta("reasoning", thought)
         calls = msg.get("tool_calls") or []
-        content = msg.get("content") or ""
-        sent = self._sent("message")
-        if content.startswith(sent) and len(content) > len(sent):
-            out += self._delta("message", content[len(sent):])
+        rest = unsent(msg.get("content") or "", [self._sent("message")])
+        if rest:
+            out += self._delta("message", rest)
         elif not (calls or self._items):
             out += self._begin("message")  # an empty answer is still one message
         if self._lps:  # tokens whose text never came (a stop string's): their logprobs all the same

@@ -26,7 +26,7 @@ from calserve.api.stream_encoder import NO_TERMINAL, failure_chunk, stream_error
 from calserve.api.reasoning import Answer
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
-__all__ = ["ToolStreamEncoder", "token_texts"]
+__all__ = ["ToolStreamEncoder", "token_texts", "unsent"]
 
 @final
 class ToolStreamEncoder:
@@ -113,10 +113,10 @@ class ToolStreamEncoder:
         lps = self._lps or None
         out = b""
         calls = msg.get("tool_calls")
-        thought = _rest(msg.get("reasoning_content") or "", self._text.sent_reasoning)
+        thought = unsent(msg.get("reasoning_content") or "", self._text.sent_reasoning)
         if thought:
             out += chunks.delta({"reasoning_content": thought}, None)
-        rest = _rest(msg["content"] or "", self._text.sent)
+        rest = unsent(msg["content"] or "", self._text.sent)
         if rest or (lps and not calls):
             out += chunks.chunk(rest, None if calls else lps, None)
         if calls:
@@ -147,7 +147,7 @@ def token_texts(batch: Sequence[Event], fmt: LogprobFormatter | None, lps: list[
     return n_tokens, texts, None
 
 
-def _rest(full: str, sent: list[str]) -> str:
+def unsent(full: str, sent: list[str]) -> str:
     """What of ``full`` the stream has not sent (``sent`` its start; "" when it is not)."""
     done = "".join(sent)
     return full[len(done):] if full.startswith(done) else ""
