@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Final, final
 
+from calserve.api.tool_scan import CallDelta, CallScanner
 from calserve.api.tools import ResponseText, ToolCalling
 from calserve.api.tools_hermes import HermesText
 from calserve.api.tools_native import held_back
@@ -112,15 +113,21 @@ class AnswerText:
     """What streams of an answer as it grows: reasoning and content (after the tool syntax's own
     feeder, which passes on the text before the calls)."""
 
-    __slots__ = ("_tools", "_split", "sent", "sent_reasoning")
+    __slots__ = ("_tools", "_split", "_scan", "sent", "sent_reasoning", "calls")
 
     def __init__(self, tools: ResponseText | HermesText | LlamaText | None,
-                 reasoning: Reasoning | None
-                 ) -> None:
+                 reasoning: Reasoning | None, scan: CallScanner | None = None) -> None:
         self._tools = tools
         self._split = None if reasoning is None else _Split(reasoning.opened)
+        self._scan = scan
         self.sent: list[str] = []  # content fed out
         self.sent_reasoning: list[str] = []
+        self.calls: list[CallDelta] = []  # what the text fed so far added to the calls, not taken
+
+    def take_calls(self) -> list[CallDelta]:
+        """The calls' deltas since the last take (``api/tool_scan.py``)."""
+        out, self.calls = self.calls, []
+        return out
 
     @property
     def text_mode(self) -> bool:
@@ -128,7 +135,10 @@ class AnswerText:
         return self._tools is None or self._tools.mode == "text"
 
     def feed(self, text: str) -> tuple[str, str]:
-        """The answer's next characters -> ``(reasoning, content)`` they add (either may be "")."""
+        """The answer's next characters -> ``(reasoning, content)`` they add (either may be "");
+        what they add to the calls waits in :attr:`calls`."""
+        if self._scan is not None:
+            self.calls += self._scan.feed(text)
         if self._tools is not None:
             text = self._tools.feed(text)
         if not text:
@@ -169,5 +179,6 @@ class Answer:
         return msg, finish
 
     def stream(self) -> AnswerText:
-        tools = None if self.tools is None else self.tools.text_stream()
-        return AnswerText(tools, self._split)
+        if self.tools is None:
+            return AnswerText(None, self._split)
+        return AnswerText(self.tools.text_stream(), self._split, self.tools.scanner())

@@ -329,9 +329,11 @@ def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 
 def call_item(call: dict[str, Any], item_id: str, status: str = "completed") -> dict[str, Any]:
+    """A ``function_call`` item of an OpenAI ``tool_calls`` entry (``in_progress``: its arguments
+    not yet known; ``incomplete``: cut short, as far as they were written)."""
     fn = call["function"]
     return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": fn["name"],
-            "arguments": fn["arguments"] if status == "completed" else "", "status": status}
+            "arguments": "" if status == "in_progress" else fn["arguments"], "status": status}
 
 
 def item_status(finish: str) -> str:
@@ -356,7 +358,8 @@ def output_items(message: dict[str, Any], finish: str, logprobs: list[Any] | Non
     if text:
         out.append(text_item(new_id("msg"), content or "", status if not calls else "completed",
                              logprobs))
-    out.extend(call_item(c, new_id("fc")) for c in calls)
+    out.extend(call_item(c, new_id("fc"), status if k == len(calls) - 1 else "completed")
+               for k, c in enumerate(calls))
     return out
 
 

@@ -5,9 +5,10 @@ OpenAI's event sequence, each event ``event: <type>`` + ``data: {...}`` with a `
 ``reasoning`` item (``response.output_item.added``, ``response.reasoning_text.delta``...,
 ``response.reasoning_text.done``, ``response.output_item.done``); the text as a ``message`` item
 (``output_item.added``, ``content_part.added``, ``response.output_text.delta``...,
-``output_text.done``, ``content_part.done``, ``output_item.done``); tool calls, once the answer is
-complete (a call is only known whole, as on chat), each a ``function_call`` item with one
-``response.function_call_arguments.delta`` and its ``.done``; then ``response.completed`` (or
+``output_text.done``, ``content_part.done``, ``output_item.done``); tool calls as they are
+written, each a ``function_call`` item (``output_item.added`` once its name is whole, its
+arguments as ``response.function_call_arguments.delta`` events as the model writes them, then
+``.done``), as on chat (``api/tool_scan.py``); then ``response.completed`` (or
 ``response.incomplete``: cut at ``max_output_tokens``) holding the whole response, whose items are
 the streamed ones (same ids, same text). An error ends the stream with ``response.failed`` (the
 response with its ``error``). No ``[DONE]``: the terminal response event is the end.
@@ -29,6 +30,7 @@ from calserve.api.responses import (
     ResponseEcho, call_item, item_status, reasoning_item, response_object, text_item, text_part,
 )
 from calserve.api.tool_stream import token_texts, unsent
+from calserve.api.tools import openai_call
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, Usage
 
 __all__ = ["ResponsesStreamEncoder"]
@@ -39,8 +41,8 @@ class ResponsesStreamEncoder:
     """:class:`~calserve.api.stream_encoder.SseEncoder`'s interface for a Responses answer."""
 
     __slots__ = ("_model", "_answer", "_echo", "_rid", "_created", "_seq", "_text", "_all", "_items",
-                 "_open", "_open_text", "_fmt", "_lps", "_lps_sent", "tokens", "terminal",
-                 "finished")
+                 "_open", "_open_text", "_fmt", "_lps", "_lps_sent", "_call", "_calls", "tokens",
+                 "terminal", "finished")
 
     def __init__(self, model: str, answer: Answer | None, echo: ResponseEcho,
                  logprobs: LogprobFormatter | None = None) -> None:
@@ -60,6 +62,9 @@ class ResponsesStreamEncoder:
         self._fmt = logprobs if answer is None else None
         self._lps: list[Any] = []  # logprobs not sent yet (their tokens' text may be held)
         self._lps_sent: list[Any] = []  # every logprob sent with a delta
+        self._call: tuple[int, dict[str, Any], list[str]] | None = None  # the call item streaming:
+        # (its output index, its OpenAI call, its arguments' text so far)
+        self._calls = 0  # calls streamed (their items begun)
         self.tokens = 0
         self.terminal: FinishEvent | ErrorEvent | None = None
         self.finished = False
@@ -86,7 +91,7 @@ class ResponsesStreamEncoder:
         return self._failed(from_exception(exc))
 
     def _failed(self, err: ApiError) -> bytes:
-        out = self._close("incomplete")
+        out = self._close("incomplete") + self._close_call("incomplete")
         error = {"code": err.code or err.type, "message": err.message}
         return out + self._event("response.failed", response=self._response("failed", None, error))
 
@@ -153,7 +158,45 @@ class ResponsesStreamEncoder:
             return self._delta("message", text) if text else b""
         reasoning, content = self._text.feed(text)
         out = self._delta("reasoning", reasoning) if reasoning else b""
-        return out + (self._delta("message", content) if content else b"")
+        out += self._delta("message", content) if content else b""
+        for k, name, piece in self._text.take_calls():
+            if name is not None:
+                out += self._begin_call(openai_call(name, ""))
+            out += self._call_args(piece)
+        return out
+
+    # ------------------------------------------------------------------------------ calls
+    def _begin_call(self, call: dict[str, Any]) -> bytes:
+        """A ``function_call`` item begins (the item before it is complete)."""
+        out = self._close("completed") + self._close_call("completed")
+        idx = len(self._items)
+        item = call_item(call, new_id("fc"), "in_progress")
+        self._items.append(item)
+        self._call = (idx, call, [])
+        self._calls += 1
+        return out + self._event("response.output_item.added", output_index=idx, item=item)
+
+    def _call_args(self, piece: str) -> bytes:
+        assert self._call is not None
+        idx, call, parts = self._call
+        if not piece:
+            return b""
+        parts.append(piece)
+        return self._event("response.function_call_arguments.delta",
+                           item_id=self._items[idx]["id"], output_index=idx, delta=piece)
+
+    def _close_call(self, status: str) -> bytes:
+        if self._call is None:
+            return b""
+        idx, call, parts = self._call
+        self._call = None
+        args = "".join(parts)
+        done = call_item({**call, "function": {**call["function"], "arguments": args}},
+                         self._items[idx]["id"], status)
+        self._items[idx] = done
+        return (self._event("response.function_call_arguments.done", item_id=done["id"],
+                            output_index=idx, name=done["name"], arguments=args)
+                + self._event("response.output_item.done", output_index=idx, item=done))
 
     # ------------------------------------------------------------------------------ the stream
     def encode(self, batch: Sequence[Event]) -> bytes:
@@ -199,21 +242,18 @@ class ResponsesStreamEncoder:
             out += self._begin("message")  # an empty answer is still one message
         if self._lps:  # tokens whose text never came (a stop string's): their logprobs all the same
             out += self._delta("message", "")
-        out += self._close(status)
-        for call in calls:
-            idx = len(self._items)
-            item = call_item(call, new_id("fc"), "in_progress")
-            self._items.append(item)
+        out += self._close(status if not calls else "completed")
+        # the calls: what the stream has not sent of them (the finish's text, a call begun in it)
+        for k, call in enumerate(calls):
             args = call["function"]["arguments"]
-            done = call_item(call, item["id"])
-            self._items[idx] = done
-            out += (self._event("response.output_item.added", output_index=idx, item=item)
-                    + self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=idx, delta=args)
-                    + self._event("response.function_call_arguments.done", item_id=item["id"],
-                                  output_index=idx, name=call["function"]["name"],
-                                  arguments=args)
-                    + self._event("response.output_item.done", output_index=idx, item=done))
+            if k < self._calls - 1:
+                continue  # complete, its item done when the next call began
+            if k >= self._calls:
+                out += self._begin_call({**call, "function": {**call["function"], "arguments": ""}})
+                out += self._call_args(args)
+            elif self._call is not None:
+                out += self._call_args(unsent(args, self._call[2]))
+            out += self._close_call(status if k == len(calls) - 1 else "completed")
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return out + self._event(kind, response=self._response(status, terminal.usage))
 

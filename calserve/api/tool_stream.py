@@ -6,8 +6,10 @@ In the generic syntax the answer is one JSON object, ``{"response": "..."}`` or
 a direct answer's string is decoded as it grows and streamed as ``content`` deltas (what a client
 sees is the text, never the JSON around it; an escape sequence cut between two tokens waits for
 its end). In the Hermes syntax (``api/tools_hermes.py``) the text before the first
-``<tool_call>`` streams as it comes. Tool calls are sent as one ``tool_calls`` delta when the
-answer is complete (a call is only known once its JSON is). A thinking model's reasoning goes out
+``<tool_call>`` streams as it comes. Tool calls stream as OpenAI streams them
+(``api/tool_scan.py``): a call's first ``tool_calls`` delta, with its id, type and name, once the
+name is whole, then pieces of its ``arguments`` as the model writes them (with the logprobs of
+their tokens). A thinking model's reasoning goes out
 as ``reasoning_content`` deltas before the content (``api/reasoning.py``). Then the
 finish chunk (``tool_calls`` for calls), the usage chunk and ``[DONE]``, or the error event, exactly
 as :class:`~calserve.api.stream_encoder.StreamEncoder` ends a stream. The deltas of a stream add up
@@ -24,6 +26,8 @@ from calserve.api.convert import Prepared
 from calserve.api.render import DONE, LogprobFormatter, finish_reason, new_id, now_s
 from calserve.api.stream_encoder import NO_TERMINAL, failure_chunk, stream_error_chunk
 from calserve.api.reasoning import Answer
+from calserve.api.tool_scan import CallDelta
+from calserve.api.tools import new_call_id
 from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
 
 __all__ = ["ToolStreamEncoder", "token_texts", "unsent"]
@@ -34,7 +38,7 @@ class ToolStreamEncoder:
     or reasoning (module docstring)."""
 
     __slots__ = ("_chunks", "_answer", "_fmt", "_usage", "_last", "_all", "_lps", "_text",
-                 "tokens", "terminal", "finished")
+                 "_ids", "_args", "tokens", "terminal", "finished")
 
     def __init__(self, chunks: ChunkEncoder, answer: Answer, *, include_usage: bool,
                  logprobs: LogprobFormatter | None, last: bool = True) -> None:
@@ -46,6 +50,8 @@ class ToolStreamEncoder:
         self._all: list[str] = []  # every text of the answer
         self._lps: list[Any] = []  # logprobs not sent yet (tool calls: with the calls)
         self._text = self._answer.stream()
+        self._ids: list[str] = []  # the streamed calls' ids
+        self._args: list[list[str]] = []  # their arguments' text streamed
         self.tokens = 0
         self.terminal: FinishEvent | ErrorEvent | None = None
         self.finished = False
@@ -98,6 +104,9 @@ class ToolStreamEncoder:
         elif text or (self._lps and self._text.text_mode):
             out = self._chunks.chunk(text, self._lps or None, None)
             self._lps = []
+        calls = self._text.take_calls()
+        if calls:
+            out += self._calls_delta(calls)
         if terminal is None:
             return out
         self.terminal = terminal
@@ -119,15 +128,50 @@ class ToolStreamEncoder:
         rest = unsent(msg["content"] or "", self._text.sent)
         if rest or (lps and not calls):
             out += chunks.chunk(rest, None if calls else lps, None)
-        if calls:
-            out += chunks.delta({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]},
-                                lps)
+            if not calls:
+                self._lps = []
+        if calls:  # what the stream has not sent of them (text held back, the finish's text)
+            more: list[CallDelta] = []
+            for k, c in enumerate(calls):
+                fn = c["function"]
+                if k >= len(self._ids):
+                    self._ids.append(c["id"])
+                    self._args.append([])
+                    more.append((k, fn["name"], fn["arguments"]))
+                else:
+                    piece = unsent(fn["arguments"], self._args[k])
+                    if piece:
+                        more.append((k, None, piece))
+            if more or self._lps:
+                out += self._calls_delta(more or [(len(calls) - 1, None, "")])
         out += chunks.delta({}, None, fr)
         if not self._last:
             return out
         if self._usage:
             out += chunks.usage(terminal.usage)
         return out + DONE
+
+
+    def _calls_delta(self, calls: list[CallDelta]) -> bytes:
+        """One ``tool_calls`` delta of what ``calls`` add (a call's first with its id, type and
+        name), with the logprobs not sent yet."""
+        merged: dict[int, dict[str, Any]] = {}
+        for k, name, piece in calls:
+            entry = merged.get(k)
+            if entry is None:
+                entry = merged[k] = {"index": k}
+                if name is not None:
+                    if k == len(self._ids):
+                        self._ids.append(new_call_id())
+                        self._args.append([])
+                    entry.update(id=self._ids[k], type="function",
+                                 function={"name": name, "arguments": ""})
+                else:
+                    entry["function"] = {"arguments": ""}
+            entry["function"]["arguments"] += piece
+            self._args[k].append(piece)
+        lps, self._lps = self._lps or None, []
+        return self._chunks.delta({"tool_calls": list(merged.values())}, lps)
 
 
 def token_texts(batch: Sequence[Event], fmt: LogprobFormatter | None, lps: list[Any]

@@ -18,14 +18,17 @@ answered in that syntax instead (``api/tools_hermes.py``, ``syntax="hermes"``), 
 another model's own syntax (Mistral's ``[TOOL_CALLS]``) is not parsed: its calls come in the
 generic format, which it is told.
 
-The response is OpenAI's: calls as ``message.tool_calls`` (ids ``call_<24 hex>``, ``arguments`` a
-JSON string), ``content`` null, ``finish_reason`` ``"tool_calls"``; a ``response`` as ``content``.
-An answer cut short (``max_tokens``, a deadline) is not JSON: a direct answer's text so far is
-returned as ``content``, a call cut short as the JSON generated, with the ``finish_reason``
-(``length``). Object schemas in ``parameters`` that do not say ``additionalProperties`` get
-``false`` (the named arguments only: a small model otherwise adds keys until ``max_tokens``).
-Streamed (``stream: true``), a direct answer's text streams as it comes and calls are sent whole
-once the answer is complete (``api/tool_stream.py``). Earlier turns: an assistant message with
+The response is OpenAI's: calls as ``message.tool_calls`` (ids ``call_<24 hex>``, ``arguments``
+the JSON text the model wrote), ``content`` null, ``finish_reason`` ``"tool_calls"``; a
+``response`` as ``content``. An answer cut short (``max_tokens``, a deadline, a stop string) is
+not JSON: a direct answer's text so far is returned as ``content``; the calls named so far as
+``tool_calls``, the last one's ``arguments`` cut short, as OpenAI returns them; an answer cut
+before a call's name is whole as the JSON generated; with the ``finish_reason`` (``length``).
+Object schemas in ``parameters`` that do not say ``additionalProperties`` get ``false`` (the
+named arguments only: a small model otherwise adds keys until ``max_tokens``). Streamed
+(``stream: true``), a direct answer's text streams as it comes and each call as it is written
+(its name once whole, then its arguments in pieces: ``api/tool_scan.py``, ``api/tool_stream.py``),
+in every syntax. Earlier turns: an assistant message with
 ``tool_calls`` is shown to the model as the JSON it would have written, and a ``tool`` message as
 a user message
 ``{"tool_response": {"tool_call_id": ..., "content": ...}}`` (the results of parallel calls, one
@@ -46,13 +49,14 @@ from collections.abc import Callable
 from typing import Any, Final, final
 
 from calserve import errors as E
-from calserve.api.tools_hermes import HermesText, call_schema, hermes_answer, hermes_grammar
-from calserve.api.tools_llama import LlamaText, llama_answer, llama_call_schema, llama_grammar
+from calserve.api.tool_scan import CallScanner, Framing
+from calserve.api.tools_hermes import HERMES_FRAMING, HermesText, call_schema, hermes_grammar
+from calserve.api.tools_llama import LLAMA_FRAMING, LlamaText, llama_call_schema, llama_grammar
 from calserve.api.tools_native import checked_call_id, earlier_calls
 from calserve.engine.grammar import Grammar, compile_json_schema, compile_lark
 
 __all__ = ["ToolCalling", "ResponseText", "parse_tools", "tool_messages", "MAX_TOOLS",
-           "MAX_DESCRIPTION_CHARS", "RESPONSE_PREFIX", "openai_calls"]
+           "MAX_DESCRIPTION_CHARS", "RESPONSE_PREFIX", "openai_call", "new_call_id"]
 
 MAX_TOOLS: Final = 128
 MAX_DESCRIPTION_CHARS: Final = 4096
@@ -61,6 +65,8 @@ _NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _NO_PARAMETERS: Final[dict[str, Any]] = {"type": "object", "properties": {}}
 #: How a direct answer begins (the grammar writes no whitespace between JSON tokens).
 RESPONSE_PREFIX: Final = '{"response":"'
+#: How the calls are written around their JSON (``api/tool_scan.py``).
+JSON_FRAMING: Final = Framing('{"tool_calls":[', False, '{"name":"', '","arguments":', "}", ",", "]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,44 +162,56 @@ class ToolCalling:
             return HermesText()
         return LlamaText() if self.syntax == "llama3_json" else ResponseText()
 
+    def scanner(self) -> CallScanner:
+        """A scan of this syntax's calls in an answer's text (``api/tool_scan.py``)."""
+        framing = (HERMES_FRAMING if self.syntax == "hermes" else
+                   LLAMA_FRAMING if self.syntax == "llama3_json" else JSON_FRAMING)
+        return CallScanner(framing, frozenset(t["name"] for t in self.tools))
+
     def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
-        """The assistant message and ``finish_reason`` of the generated ``text``."""
+        """The assistant message and ``finish_reason`` of the generated ``text``: its calls as
+        far as they were written (the last one's arguments cut short when the answer was;
+        ``finish_reason`` ``tool_calls`` when every call is whole), the text before them (Hermes)
+        as ``content``; an answer without a call is text (a direct answer's ``response``)."""
+        scan = self.scanner()
+        scan.feed(text)
+        if scan.calls:
+            content = None
+            if self.syntax == "hermes" and scan.start:
+                content = text[:scan.start].rstrip() or None
+            whole = scan.closed() and all(_parses(c.arguments) for c in scan.calls)
+            return ({"role": "assistant", "content": content,
+                     "tool_calls": [openai_call(c.name, c.arguments) for c in scan.calls]},
+                    "tool_calls" if whole and finish == "stop" else finish)
         if self.syntax != "json":
-            content, calls = (hermes_answer(self, text) if self.syntax == "hermes"
-                              else llama_answer(self, text))
-            if calls is None:
-                return {"role": "assistant", "content": content}, finish
-            return ({"role": "assistant", "content": content, "tool_calls": openai_calls(calls)},
-                    "tool_calls" if finish == "stop" else finish)
+            return {"role": "assistant", "content": text}, finish
         try:
             answer = json.loads(text)
         except ValueError:  # cut short: not JSON (yet); a direct answer's text so far
             partial = _partial_response(text)
             return {"role": "assistant", "content": text if partial is None else partial}, finish
-        if isinstance(answer, dict) and _calls_ok(answer.get("tool_calls")):
-            return ({"role": "assistant", "content": None,
-                     "tool_calls": openai_calls(answer["tool_calls"])},
-                    "tool_calls" if finish == "stop" else finish)
         if isinstance(answer, dict) and isinstance(answer.get("response"), str):
             return {"role": "assistant", "content": answer["response"]}, finish
         return {"role": "assistant", "content": text}, finish
 
 
-def openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``[{"name", "arguments"}]`` as OpenAI's ``tool_calls`` (``call_<24 hex>`` ids, the
-    arguments as JSON text)."""
-    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-             "function": {"name": c["name"],
-                          "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-            for c in calls]
+def new_call_id() -> str:
+    """An OpenAI tool call id: ``call_<24 hex>``."""
+    return f"call_{secrets.token_hex(12)}"
 
 
-def _calls_ok(calls: Any) -> bool:
-    """``calls`` has the shape the grammar holds a finished answer to (a list of calls, each a
-    tool's name and its arguments); anything else is shown as the text it is."""
-    return isinstance(calls, list) and bool(calls) and all(
-        isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c
-        for c in calls)
+def openai_call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    """One call as OpenAI's ``tool_calls`` hold it (``arguments``: the JSON text generated)."""
+    return {"id": call_id or new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _map_schema(schema: Any, fix: Callable[[dict[str, Any], dict[str, Any]], None],

@@ -24,9 +24,10 @@ does not make ``<tool_call>`` a special token, which the detokenizer would drop:
 The calls' JSON is written as these models were trained to write it (``", "`` and ``": "``
 between items, ``name`` first). The response is the OpenAI message of ``api/tools.py``: the text
 before the first call (trailing whitespace dropped) as ``content`` (null when empty), the calls as
-``tool_calls``; an answer whose calls do not parse (cut short by ``max_tokens``) is all text.
-Streamed, the text before the tag streams as it comes, holding back only what could be the start
-of the tag (and whitespace before it).
+``tool_calls`` (cut short by ``max_tokens``: as far as they were written); an answer in which no
+call of a request's tool begins is all text. Streamed, the text before the tag streams as it
+comes, holding back only what could be the start of the tag (and whitespace before it), and the
+calls as they are written (``api/tool_scan.py`` with :data:`HERMES_FRAMING`).
 """
 
 from __future__ import annotations
@@ -34,14 +35,18 @@ from __future__ import annotations
 import json
 from typing import Any, Final, final
 
+from calserve.api.tool_scan import Framing
 from calserve.api.tools_native import JSON_STYLE, ToolCalling, held_back
 
-__all__ = ["TRIGGER", "hermes_grammar", "hermes_answer", "HermesText", "call_schema"]
+__all__ = ["TRIGGER", "HERMES_FRAMING", "hermes_grammar", "HermesText", "call_schema"]
 
 TRIGGER: Final = "<tool_call>"
 _OPEN: Final = TRIGGER + "\n"
 _CLOSE: Final = "\n</tool_call>"
 _NEXT: Final = "\n" + _OPEN  # between two calls
+#: How the calls are written around their JSON (``api/tool_scan.py``).
+HERMES_FRAMING: Final = Framing(_OPEN, True, '{"name": "', '", "arguments": ', "}" + _CLOSE, _NEXT,
+                                None)
 
 
 def call_schema(tc: ToolCalling) -> dict[str, Any]:
@@ -73,45 +78,6 @@ def hermes_grammar(tc: ToolCalling, think: str | None = None) -> str:
             "thought: think_body WS?\n"
             f'think_body[lazy]: {head}/(.|\\n)*/ "</think>"\n'
             "WS: /[ \\t\\r\\n]+/\n")
-
-
-def _parse_calls(tc: ToolCalling, text: str) -> list[dict[str, Any]] | None:
-    """The calls of ``text`` (from its first tag to its end: calls and the newlines between them,
-    as the grammar writes them), or None when that is not what it holds."""
-    names = {t["name"] for t in tc.tools}
-    calls: list[dict[str, Any]] = []
-    pos = 0
-    while True:
-        if not text.startswith(_OPEN, pos):
-            return None
-        end = text.find(_CLOSE, pos + len(_OPEN))  # JSON text holds no raw newline
-        if end < 0:
-            return None
-        try:
-            call = json.loads(text[pos + len(_OPEN):end])
-        except ValueError:
-            return None
-        if not (isinstance(call, dict) and call.get("name") in names
-                and isinstance(call.get("arguments"), dict)):
-            return None
-        calls.append(call)
-        pos = end + len(_CLOSE)
-        if pos == len(text):
-            return calls if len(calls) <= tc.max_calls else None
-        if not text.startswith("\n", pos):
-            return None
-        pos += 1
-
-
-def hermes_answer(tc: ToolCalling, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-    """``(content, calls)`` of the generated ``text``: the text before the first tag (trailing
-    whitespace dropped; None when empty) and the calls, or ``(text, None)`` when it holds no
-    calls that parse."""
-    i = text.find(TRIGGER)
-    calls = None if i < 0 else _parse_calls(tc, text[i:])
-    if calls is None:
-        return text, None
-    return text[:i].rstrip() or None, calls
 
 
 @final

@@ -14,7 +14,7 @@ llama.cpp's server serve it:
   arguments, validated>}``; with ``"required"`` or a named tool, the call.
 
 The response is the OpenAI message of ``api/tools.py``; streamed, text streams as it comes and a
-call (an answer whose first character is ``{``) comes whole at the end.
+call (an answer whose first character is ``{``) as it is written (``api/tool_scan.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ from __future__ import annotations
 import json
 from typing import Any, Final, final
 
+from calserve.api.tool_scan import Framing
 from calserve.api.tools_native import JSON_STYLE, ToolCalling
 
-__all__ = ["llama_grammar", "llama_answer", "llama_call_schema", "LlamaText"]
+__all__ = ["LLAMA_FRAMING", "llama_grammar", "llama_call_schema", "LlamaText"]
 
 _ARGS: Final = "parameters"  # the arguments' key in Llama's syntax
+#: How the call is written around its JSON (``api/tool_scan.py``): the answer is the call.
+LLAMA_FRAMING: Final = Framing("", False, '{"name": "', f'", "{_ARGS}": ', "}", None, "")
 
 
 def llama_call_schema(tc: ToolCalling) -> dict[str, Any]:
@@ -45,22 +48,6 @@ def llama_grammar(tc: ToolCalling) -> str:
     if tc.mode == "auto":
         return "%llguidance {}\nstart: TEXT? | call\nTEXT: /[^{](.|\\n)*/\n" + call
     return "%llguidance {}\nstart: call\n" + call
-
-
-def llama_answer(tc: ToolCalling, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-    """``(content, calls)`` of the generated ``text``: ``(None, [the call])`` when it is one
-    call of the request's tools, else ``(text, None)``."""
-    if not text.startswith("{"):
-        return text, None
-    try:
-        call = json.loads(text)
-    except ValueError:
-        return text, None
-    names = {t["name"] for t in tc.tools}
-    if not (isinstance(call, dict) and call.get("name") in names
-            and isinstance(call.get(_ARGS), dict)):
-        return text, None
-    return None, [{"name": call["name"], "arguments": call[_ARGS]}]
 
 
 @final

@@ -17,7 +17,7 @@ from calserve.engine.types import FinishReason
 from .conftest import make_config
 from .real_engine import api_source, real_app
 from .test_chat_template_api import real_tokenizer
-from .test_tool_stream import cut, deltas
+from .test_tool_stream import accumulate, cut, deltas, wanted
 from .test_tools_hermes import PARIS, QWEN25, TOOLS, stream
 
 # A template that thinks (the shape Qwen3's has): earlier answers lose their thinking, and
@@ -80,7 +80,7 @@ def test_streamed_deltas_add_up_to_the_message(pieces: list[str], opened: bool, 
                                                calls: str, points: list[int], short: int) -> None:
     """Any text (tags whole or split), opened by the prompt or not, maybe with Hermes calls after
     it, split anywhere and maybe cut short: the reasoning deltas are the message's
-    ``reasoning_content``, the content deltas its ``content``."""
+    ``reasoning_content``, the content deltas its ``content``, the calls' deltas its calls."""
     tools = parse_tools(TOOLS, None, None, "hermes") if calls else None
     answer = Answer(tools, Reasoning(opened))
     text = ("<think>\n" if lead else "") + "".join(pieces) + calls
@@ -93,8 +93,7 @@ def test_streamed_deltas_add_up_to_the_message(pieces: list[str], opened: bool, 
     assert "".join(d.get("reasoning_content", "") for d, _ in ds) == (
         want.get("reasoning_content") or "")
     assert "".join(d.get("content", "") for d, _ in ds[1:]) == (want["content"] or "")
-    sent = [d["tool_calls"] for d, _ in ds if "tool_calls" in d]
-    assert len(sent) == (1 if want.get("tool_calls") else 0)
+    assert [(c["name"], c["arguments"]) for c in accumulate(ds)] == wanted(want)
 
 
 async def test_reasoning_through_the_api() -> None:

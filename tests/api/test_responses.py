@@ -21,7 +21,7 @@ from calserve.api.responses import (
 )
 from calserve.api.responses_stream import ResponsesStreamEncoder
 from calserve.api.tools import parse_tools
-from calserve.engine.types import ErrorEvent, FinishReason, TokenEvent, Usage
+from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, TokenEvent, Usage
 
 from .conftest import make_config
 from .real_engine import api_source, real_app
@@ -146,10 +146,11 @@ def check_events(evs: list[dict[str, Any]]) -> dict[str, Any]:
     assert resp["status"] == final["type"].removeprefix("response.")
     items: dict[int, dict[str, Any]] = {}
     texts: dict[int, str] = {}
+    done: set[int] = set()
     for e in evs[2:-1]:
         t = e["type"]
         if t == "response.output_item.added":
-            assert e["output_index"] == len(items)
+            assert e["output_index"] == len(items) and done == set(items)  # one item at a time
             items[e["output_index"]] = e["item"]
             texts[e["output_index"]] = ""
         elif t in ("response.output_text.delta", "response.reasoning_text.delta",
@@ -158,8 +159,9 @@ def check_events(evs: list[dict[str, Any]]) -> dict[str, Any]:
             texts[e["output_index"]] += e["delta"]
         elif t == "response.output_item.done":
             i = e["output_index"]
-            assert e["item"]["id"] == items[i]["id"]
+            assert e["item"]["id"] == items[i]["id"] and i not in done
             items[i] = e["item"]
+            done.add(i)
     assert [i["id"] for i in resp["output"]] == [items[k]["id"] for k in sorted(items)]
     assert resp["output"] == [items[k] for k in sorted(items)]
     for k, item in items.items():  # the deltas add up to each item's final text
@@ -168,6 +170,29 @@ def check_events(evs: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             assert texts[k] == "".join(c["text"] for c in item["content"])
     return resp
+
+
+def test_a_call_streams_as_it_is_written() -> None:
+    """A call's item begins once its name is whole and its arguments stream as they come, each
+    call's item done before the next begins; the response holds the streamed items."""
+    tools = parse_tools(TOOLS, None, None, "hermes")
+    two = "Sure.\n" + PARIS + "\n" + PARIS
+    at = [two.index("Paris"), two.index("Paris") + 3, two.rindex("Paris") + 2]
+    enc = ResponsesStreamEncoder("m", Answer(tools), chat_body(body())[1])
+    out = enc.opening()
+    kinds = []
+    for piece in cut(two, at):
+        raw = enc.encode([TokenEvent((1,), piece)])
+        kinds.append([e["type"] for e in events(raw)] if raw else [])
+        out += raw
+    assert "response.function_call_arguments.delta" in kinds[0]  # '{"city": "' so far
+    assert kinds[1] == ["response.function_call_arguments.delta"]  # "Par"
+    assert "response.function_call_arguments.done" in kinds[2]  # the first call, done
+    resp = check_events(events(out + enc.encode([FinishEvent(FinishReason.STOP, Usage(3, 4))])))
+    assert [(i["type"], i.get("arguments")) for i in resp["output"]] == [
+        ("message", None), ("function_call", '{"city": "Paris"}'),
+        ("function_call", '{"city": "Paris"}')]
+    assert resp["status"] == "completed"
 
 
 def strip_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:

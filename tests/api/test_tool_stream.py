@@ -105,22 +105,90 @@ def test_streamed_deltas_add_up_to_the_message(text: str, points: list[int], cut
     assert all("tool_calls" not in d for d, _ in ds)
 
 
-def test_calls_come_whole_with_the_finish() -> None:
-    answer = '{"tool_calls":[{"name":"now","arguments":{}},{"name":"add","arguments":{"a":2}}]}'
-    pieces = cut(answer, [3, 10, 30, 50])
-    raw, enc = stream(pieces)
-    ev = events(raw)
-    ds = deltas(raw)
-    assert ds[0][0]["role"] == "assistant"
-    calls = [d for d, _ in ds if "tool_calls" in d]
-    assert len(calls) == 1 and ds[-1] == ({}, "tool_calls")
-    got = calls[0]["tool_calls"]
-    assert [(c["index"], c["type"], c["function"]["name"], json.loads(c["function"]["arguments"]))
-            for c in got] == [(0, "function", "now", {}), (1, "function", "add", {"a": 2})]
-    assert all(c["id"].startswith("call_") for c in got)
-    assert ev[-1]["choices"] == [] and ev[-1]["usage"]["total_tokens"] == 3 + len(pieces)
+def accumulate(ds: list[tuple[dict[str, Any], str | None]]) -> list[dict[str, Any]]:
+    """The calls a client puts together from ``tool_calls`` deltas (as the openai library does):
+    a call's first delta has its id, type and name, the next ones add to its arguments only."""
+    calls: list[dict[str, Any]] = []
+    for d, _ in ds:
+        for c in d.get("tool_calls", []):
+            k = c["index"]
+            if k == len(calls):
+                assert c["id"].startswith("call_") and c["type"] == "function", c
+                calls.append({"id": c["id"], "name": c["function"]["name"],
+                              "arguments": c["function"]["arguments"]})
+            else:
+                assert k == len(calls) - 1 and set(c) == {"index", "function"}, c
+                assert set(c["function"]) == {"arguments"}, c
+                calls[k]["arguments"] += c["function"]["arguments"]
+    return calls
+
+
+def wanted(msg: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
+
+
+def test_calls_stream_as_they_are_written() -> None:
+    """A call's name comes once it is whole, its arguments' text piece by piece as the model
+    writes it, before the answer ends; together they are the unstreamed message's calls."""
+    answer = '{"tool_calls":[{"name":"now","arguments":{}},{"name":"add","arguments":{"a":21}}]}'
+    at = answer.index('"a":2') + 5  # inside the second call's arguments
+    named = answer.index("{}")  # the first call's name and its arguments' key whole
+    pieces = [answer[:10], answer[10:named], answer[named:at], answer[at:]]
+    enc = ToolStreamEncoder(ChunkEncoder(chat=True, rid="chatcmpl-1", created=1, model="m",
+                                         include_usage=True), Answer(calling()),
+                            include_usage=True, logprobs=None)
+    out = enc.opening()
+    so_far = []
+    for p in pieces:
+        out += enc.encode([TokenEvent((1,), p)])
+        so_far.append([(c["name"], c["arguments"]) for c in accumulate(deltas(out))])
+    assert so_far[0] == []  # not even the first call's name yet
+    assert so_far[1] == [("now", "")]  # the name as soon as it is whole
+    assert so_far[2] == [("now", "{}"), ("add", '{"a":2')]  # the arguments as they come
+    assert so_far[3] == [("now", "{}"), ("add", '{"a":21}')]
+    out += enc.encode([FinishEvent(FinishReason.STOP, Usage(3, 4))])
+    ds = deltas(out)
+    got = accumulate(ds)
+    assert [(c["name"], c["arguments"]) for c in got] == [("now", "{}"), ("add", '{"a":21}')]
+    assert ds[-1] == ({}, "tool_calls")
+    want, fr = calling().message(answer, "stop")
+    assert fr == "tool_calls" and wanted(want) == [("now", "{}"), ("add", '{"a":21}')]
+    assert want["content"] is None and all("content" not in d or d["content"] == ""
+                                           for d, _ in ds)
+    ev = events(out)
+    assert ev[-1]["choices"] == [] and ev[-1]["usage"]["total_tokens"] == 3 + 4
     assert all(e.get("usage", "absent") is None for e in ev[:-1])
     assert isinstance(enc.terminal, FinishEvent)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["now", "add"]),
+                          st.dictionaries(st.sampled_from(["a", "b\"}", "{c"]),
+                                          st.recursive(st.none() | st.booleans() | st.integers()
+                                                       | st.text(max_size=6),
+                                                       lambda v: st.lists(v, max_size=3),
+                                                       max_leaves=6), max_size=3)),
+                min_size=1, max_size=3),
+       st.lists(st.integers(0, 300), max_size=10), st.integers(0, 30))
+def test_streamed_calls_add_up_to_the_message_whatever_the_pieces(
+        calls: list[tuple[str, dict[str, Any]]], points: list[int], short: int) -> None:
+    answer = json.dumps({"tool_calls": [{"name": n, "arguments": a} for n, a in calls]},
+                        ensure_ascii=False, separators=(",", ":"))
+    finish = FinishReason.STOP
+    if short:
+        answer, finish = answer[:-short], FinishReason.LENGTH
+    raw, _ = stream(cut(answer, points), finish)
+    ds = deltas(raw)
+    want, fr = calling().message(answer, "length" if short else "stop")
+    assert ds[-1] == ({}, fr)
+    got = accumulate(ds)
+    assert [(c["name"], c["arguments"]) for c in got] == wanted(want)
+    content = "".join(d.get("content", "") for d, _ in ds[1:])
+    assert content == (want["content"] or "")
+    if not short:  # whole: every call, its arguments as written
+        assert fr == "tool_calls" and [(n, json.loads(a)) for n, a in wanted(want)] == calls
+    elif want.get("tool_calls"):  # cut short: the calls so far, the last one's arguments cut
+        assert fr == "length" and answer.startswith('{"tool_calls":[')
 
 
 def test_one_choice_of_several_and_the_error_ends() -> None:

@@ -128,25 +128,35 @@ def test_answers_become_openai_messages() -> None:
     assert t is not None
     calls = {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Zürich"}},
                             {"name": "now", "arguments": {}}]}
-    msg, fr = t.message(json.dumps(calls), "stop")
+    text = json.dumps(calls, ensure_ascii=False, separators=(",", ":"))  # as the grammar writes
+    msg, fr = t.message(text, "stop")
     assert fr == "tool_calls" and msg["content"] is None
     got = msg["tool_calls"]
     assert [c["type"] for c in got] == ["function"] * 2
     assert len({c["id"] for c in got}) == 2 and all(c["id"].startswith("call_") for c in got)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == [
         ("get_weather", {"city": "Zürich"}), ("now", {})]
-    assert "Zürich" in got[0]["function"]["arguments"]  # not escaped
+    # the arguments' text as the model wrote it
+    assert [c["function"]["arguments"] for c in got] == ['{"city":"Zürich"}', "{}"]
     assert t.message('{"response":"Hello \\"you\\""}', "stop") == (
         {"role": "assistant", "content": 'Hello "you"'}, "stop")
-    # cut short: the direct answer's text so far; a call as generated
+    # cut short: the direct answer's text so far; a call not named yet as generated; the calls
+    # named so far, the last one's arguments cut short (as OpenAI returns them)
     assert t.message('{"response":"Hel', "length") == ({"role": "assistant", "content": "Hel"},
                                                         "length")
     assert t.message('{"response":"a\\u00', "length")[0]["content"] == "a"
     assert t.message('{"response":"a\\', "length")[0]["content"] == "a"
     cut = '{"tool_calls":[{"name":"now","argu'
     assert t.message(cut, "length") == ({"role": "assistant", "content": cut}, "length")
-    # a complete call that ended otherwise keeps its finish reason
-    assert t.message(json.dumps(calls), "length")[1] == "length"
+    msg, fr = t.message(text[:text.index("Zü") + 1], "length")
+    assert fr == "length" and msg["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("get_weather", '{"city":"Z')]
+    # complete calls that ended otherwise (a stop string, max_tokens on the closing bracket)
+    # keep their finish reason
+    assert t.message(text, "length")[1] == "length"
+    msg, fr = t.message(text[:-1], "stop")
+    assert fr == "stop" and len(msg["tool_calls"]) == 2
 
 
 @settings(max_examples=60, deadline=None)

@@ -26,7 +26,7 @@ from calserve.engine.types import FinishEvent, FinishReason, TokenEvent, Usage
 from calserve.models.demo import demo_tokenizer_json
 from calserve.models.tokenizer import Tokenizer
 
-from .test_tool_stream import cut, deltas
+from .test_tool_stream import accumulate, cut, deltas, wanted
 
 TEMPLATES = Path(__file__).parents[1] / "models" / "chat_templates"
 QWEN25 = (TEMPLATES / "qwen2_5.jinja").read_text()
@@ -139,10 +139,20 @@ def test_the_answer_becomes_openai_s_message() -> None:
     assert msg["content"] is None and fr == "tool_calls"
     assert tc.message("Just text.", "stop") == ({"role": "assistant", "content": "Just text."},
                                                 "stop")
-    for text in ("Look: " + PARIS[:-5], PARIS + "x", call("other", {}),
-                 '<tool_call>\n["get_weather"]\n</tool_call>', PARIS + "\n"):
-        msg, fr = tc.message(text, "length")  # calls that do not parse: the text as it is
+    for text in (call("other", {}), '<tool_call>\n["get_weather"]\n</tool_call>',
+                 "<tool_call>\n{\"name\": \"now\"}"):
+        msg, fr = tc.message(text, "length")  # no call of a tool begins: the text as it is
         assert msg == {"role": "assistant", "content": text} and fr == "length"
+    # cut short (or broken after a call): the calls named so far, the text before them
+    paris = [("get_weather", '{"city": "Paris"}')]
+    for text, content, calls in (("Look: " + PARIS[:-5], "Look:", paris),
+                                 (PARIS + "x", None, paris), (PARIS + "\n", None, paris),
+                                 ("Look: " + PARIS[:-20], "Look:", [("get_weather", '{"city": "P')]),
+                                 (PARIS[:PARIS.index('{"city')], None, [("get_weather", "")])):
+        msg, fr = tc.message(text, "stop")
+        assert fr == "stop" and msg["content"] == content, text
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in msg["tool_calls"]] == calls
 
 
 PIECES = st.sampled_from(["Hi", " ", "\n", "<", "<tool", "_call", ">", "tool_call>", "a<b",
@@ -169,7 +179,7 @@ def test_streamed_deltas_add_up_to_the_message(head: list[str], calls: str, poin
                                                short: int) -> None:
     """Text (with tag-like pieces) then maybe calls, split anywhere and maybe cut short
     (``max_tokens``): the content deltas are the message's content, nothing of a tag is streamed
-    before the answer ends, the calls come whole at the end."""
+    as content, the calls' deltas add up to the message's calls."""
     tc = calling()
     answer = "".join(head) + calls
     finish = FinishReason.STOP
@@ -179,12 +189,7 @@ def test_streamed_deltas_add_up_to_the_message(head: list[str], calls: str, poin
     want, fr = tc.message(answer, "length" if finish is FinishReason.LENGTH else "stop")
     content = "".join(d.get("content", "") for d, _ in ds[1:])
     assert content == (want["content"] or "") and ds[-1] == ({}, fr)
-    sent = [d for d, _ in ds if "tool_calls" in d]
-    if want.get("tool_calls"):
-        assert len(sent) == 1 and [c["function"] for c in sent[0]["tool_calls"]] == [
-            c["function"] for c in want["tool_calls"]]
-    else:
-        assert not sent
+    assert [(c["name"], c["arguments"]) for c in accumulate(ds)] == wanted(want)
     if TRIGGER in answer and want.get("tool_calls"):
         assert TRIGGER not in content
 
@@ -297,11 +302,15 @@ def test_llama_s_syntax_grammar_and_message() -> None:
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in msg["tool_calls"]] == [("get_weather", {"city": "Paris"})]
     assert auto.message("It is sunny.", "stop")[0] == {"role": "assistant", "content": "It is sunny."}
-    assert auto.message(LLAMA_CALL[:-4], "length")[0]["content"] == LLAMA_CALL[:-4]
-    for pieces in ([LLAMA_CALL[:5], LLAMA_CALL[5:]], ["It is ", "sunny ", "{x}."]):
+    msg, fr = auto.message(LLAMA_CALL[:-4], "length")  # cut short: the arguments so far
+    assert fr == "length" and wanted(msg) == [("get_weather", '{"city": "Pari')]
+    assert auto.message(LLAMA_CALL + " ", "stop")[1] == "tool_calls"  # (nothing more is read)
+    for pieces in ([LLAMA_CALL[:5], LLAMA_CALL[5:]], ["It is ", "sunny ", "{x}."],
+                   [LLAMA_CALL[:38], LLAMA_CALL[38:45], LLAMA_CALL[45:]]):
         ds = deltas(stream(pieces, auto))
         want, fr = auto.message("".join(pieces), "stop")
         assert "".join(d.get("content", "") for d, _ in ds[1:]) == (want["content"] or "")
+        assert [(c["name"], c["arguments"]) for c in accumulate(ds)] == wanted(want)
         assert ds[-1] == ({}, fr)
 
 

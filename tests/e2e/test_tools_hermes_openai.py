@@ -23,6 +23,7 @@ import pytest
 from calserve.models.demo import pack_demo_variant
 from calserve.models.signing import generate_keypair
 
+from .openai_stream import streamed
 from .server import ServerProcess, serving_calserve
 from .test_tools_openai import BY_NAME, MSGS, TOOLS, check_calls
 
@@ -83,19 +84,15 @@ def test_streamed_calls_equal_the_unstreamed_ones(client: openai.OpenAI) -> None
     kw: Any = dict(model="hermes", messages=MSGS, tools=TOOLS, tool_choice="required", seed=3,
                    temperature=1.0, max_tokens=300, parallel_tool_calls=False)
     whole = client.chat.completions.create(**kw).choices[0]
-    calls: dict[int, Any] = {}
-    finish = None
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for ch in chunk.choices:
-            assert not ch.delta.content
-            for tc in ch.delta.tool_calls or []:
-                calls[tc.index] = tc
-            finish = ch.finish_reason or finish
-    assert finish == "tool_calls" and whole.message.tool_calls is not None
+    snapshot, _ = streamed(client, **kw)
+    got = snapshot.choices[0]
+    assert not got.message.content
+    assert got.finish_reason == "tool_calls" and whole.message.tool_calls is not None
+    calls = got.message.tool_calls or []
     assert len(calls) == 1 == len(whole.message.tool_calls)  # parallel calls off: one
     assert calls[0].function.name == whole.message.tool_calls[0].function.name
-    assert json.loads(calls[0].function.arguments or "") == json.loads(
-        whole.message.tool_calls[0].function.arguments)
+    assert calls[0].function.arguments == whole.message.tool_calls[0].function.arguments
+    json.loads(calls[0].function.arguments)
 
 
 def test_auto_answers_text_and_a_conversation_carries_calls_and_results(

@@ -16,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 
+from .openai_stream import streamed
 from .server import ServerProcess
 
 PARAMS: list[Any] = [
@@ -152,29 +153,26 @@ def test_bad_tools_are_400s_naming_the_field(client: openai.OpenAI) -> None:
 
 def test_a_direct_answer_streams_as_text(client: openai.OpenAI) -> None:
     """tool_choice auto, streamed: a direct answer's text arrives as content deltas (never the
-    JSON around it) and adds up to the unstreamed answer; calls arrive whole. (That the text
-    streams as it grows: tests/api/test_tool_stream.py; this model writes 40 tokens in a few ms.)"""
+    JSON around it) and adds up to the unstreamed answer; calls as the openai library puts their
+    deltas together are the unstreamed answer's, names and arguments' text (cut short at
+    ``max_tokens`` too). (That text and arguments stream as they grow:
+    tests/api/test_tool_stream.py; this model writes 40 tokens in a few ms.)"""
     seen = set()
     for seed in range(8):
         kw: Any = {"model": "qwen3", "messages": MSGS, "tools": TOOLS, "seed": seed,
                    "temperature": 1.0, "max_tokens": 40}
         r = client.chat.completions.create(**kw)
         want = r.choices[0]
-        parts, calls, finish = [], [], None
-        for ch in client.chat.completions.create(**kw, stream=True):
-            for c in ch.choices:
-                parts.append(c.delta.content or "")
-                calls.extend(c.delta.tool_calls or [])
-                finish = c.finish_reason or finish
-        assert finish == want.finish_reason
+        snapshot, _ = streamed(client, **kw)
+        got = snapshot.choices[0]
+        assert got.finish_reason == want.finish_reason
         if want.message.tool_calls:
             seen.add("call")
-            assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-                (c.function.name, json.loads(c.function.arguments))
-                for c in want.message.tool_calls]
+            assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls or []
+                    ] == [(c.function.name, c.function.arguments) for c in want.message.tool_calls]
         else:
             seen.add("text")
-            assert "".join(parts) == want.message.content and not calls
+            assert got.message.content == want.message.content and not got.message.tool_calls
     assert seen
 
 
