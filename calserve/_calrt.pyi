@@ -28,7 +28,9 @@ class Device:
     def load_calbin(
         self,
         chip: int,
-        model: tuple[int, int, int, int, int, int, int, float, float, bool, int],
+        # (vocab, hidden, inter, layers, heads, kv_heads, head_dim, eps, rope_theta, tie, arch,
+        #  sliding_window, sliding_window_pattern, rope_local_theta, query_pre_attn_scalar)
+        model: tuple[int, int, int, int, int, int, int, float, float, bool, int, int, int, float, float],
         tensors: list[tuple[str, np.ndarray]],
         profile: tuple[int, int, int, int, bool, bool],
         timing: tuple[float, float, float, float],

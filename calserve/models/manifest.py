@@ -64,7 +64,8 @@ class ArchitectureManifest(_Strict, kw_only=True):
     Packages written before Llama support name no architecture and are Qwen3.
     """
 
-    architecture: Literal["Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"] = "Qwen3ForCausalLM"
+    architecture: Literal["Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                          "Gemma3ForCausalLM"] = "Qwen3ForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -77,6 +78,11 @@ class ArchitectureManifest(_Strict, kw_only=True):
     tie_word_embeddings: bool = True
     rope_freqs: bool = False  # Llama 3.1+: a model.rope_freqs.weight tensor divides RoPE's frequencies
     max_position_embeddings: int = 40960
+    # sliding-window attention, Gemma's local RoPE base and score scale (reference.ModelConfig)
+    sliding_window: int = 0
+    sliding_window_pattern: int = 0
+    rope_local_theta: float = 0.0
+    query_pre_attn_scalar: float = 0.0
 
 
 class InactivePolicy(_Strict, kw_only=True):
@@ -205,6 +211,10 @@ class Manifest(_Strict, kw_only=True):
             max_position_embeddings=m.max_position_embeddings,
             architecture=m.architecture,
             rope_freqs=m.rope_freqs,
+            sliding_window=m.sliding_window,
+            sliding_window_pattern=m.sliding_window_pattern,
+            rope_local_theta=m.rope_local_theta,
+            query_pre_attn_scalar=m.query_pre_attn_scalar,
         )
 
     @property

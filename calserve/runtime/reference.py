@@ -25,6 +25,15 @@ RoPE uses the "neox" layout (rotate_half over the two halves of head_dim), which
 every family; with ``ModelConfig.rope_freqs`` (Llama 3.1+'s "llama3" scaling) frequency i is divided by
 ``model.rope_freqs.weight[i]`` (a GGUF Llama's Q/K rows are un-permuted into it on import). All math is float32.
 Weight names and shapes are Hugging Face's; see :func:`weight_shapes`.
+
+Any family may have sliding-window layers (``ModelConfig.sliding_window`` and its pattern: such a
+layer's position p attends to [p - window + 1, p] only; Phi-3's every layer, Gemma 3's five of six).
+``Gemma3ForCausalLM`` (``ModelConfig.gemma``) is Qwen3's decoder with: the embedding times
+sqrt(hidden_size); the attention's output RMS-normed (``post_attention_layernorm``) before its
+residual add, the MLP's input normed by ``pre_feedforward_layernorm`` and its output by
+``post_feedforward_layernorm`` before its add; GELU (tanh approximation) instead of SiLU; scores
+divided by sqrt(query_pre_attn_scalar); the sliding layers' own RoPE base (``rope_local_theta``).
+Its norm weights are stored as the multiplier (Gemma's ``1 + weight``: importers add the 1).
 """
 
 from __future__ import annotations
@@ -49,13 +58,15 @@ __all__ = [
 QWEN3 = "Qwen3ForCausalLM"
 LLAMA = "LlamaForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
+GEMMA3 = "Gemma3ForCausalLM"
 ROPE_FREQS = "model.rope_freqs.weight"  # calrt.h's CALRT_ROPE_FREQS_TENSOR
-ARCHITECTURES: tuple[str, ...] = (QWEN3, LLAMA, QWEN2)
+ARCHITECTURES: tuple[str, ...] = (QWEN3, LLAMA, QWEN2, GEMMA3)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The architecture figures of a Qwen3, Llama or Qwen2 decoder (names follow HF ``config.json``)."""
+    """The architecture figures of a Qwen3, Llama, Qwen2 or Gemma 3 decoder (names follow HF
+    ``config.json``)."""
 
     vocab_size: int
     hidden_size: int
@@ -71,6 +82,17 @@ class ModelConfig:
     architecture: str = QWEN3
     # Llama 3.1+: RoPE frequency i divided by the tensor ``model.rope_freqs.weight`` [head_dim / 2]
     rope_freqs: bool = False
+    # Sliding-window attention (any family): a sliding layer's position p attends to positions
+    # [p - sliding_window + 1, p] only (0: no layer slides). sliding_window_pattern N > 0: layer i
+    # (from 0) attends globally when (i + 1) % N == 0 and slides otherwise (Gemma 3: 6); 0: every
+    # layer slides.
+    sliding_window: int = 0
+    sliding_window_pattern: int = 0
+    # RoPE base of the sliding layers (Gemma 3: 10,000 where the global layers have 1,000,000);
+    # 0: rope_theta
+    rope_local_theta: float = 0.0
+    # attention scores are divided by sqrt(query_pre_attn_scalar) (Gemma); 0: by sqrt(head_dim)
+    query_pre_attn_scalar: float = 0.0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -90,10 +112,34 @@ class ModelConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even (RoPE rotates pairs)")
+        if self.sliding_window < 0 or self.sliding_window_pattern < 0:
+            raise ValueError("sliding_window and sliding_window_pattern must be >= 0")
+        if self.rope_local_theta < 0 or self.query_pre_attn_scalar < 0:
+            raise ValueError("rope_local_theta and query_pre_attn_scalar must be >= 0")
+
+    def sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends to a sliding window (the fields' comment)."""
+        if self.sliding_window <= 0:
+            return False
+        n = self.sliding_window_pattern
+        return n == 0 or (layer + 1) % n != 0
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """``layer``'s RoPE base."""
+        if self.rope_local_theta > 0 and self.sliding(layer):
+            return self.rope_local_theta
+        return self.rope_theta
+
+    @property
+    def attn_scale(self) -> float:
+        """What attention divides q . k by."""
+        return float(np.sqrt(np.float32(self.query_pre_attn_scalar or self.head_dim)))
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dict (extra keys ignored)."""
+        """Build from a Hugging Face ``config.json`` dict (extra keys ignored: the sliding window,
+        Gemma's local RoPE base and score scale are read by ``calserve.models.hf``, which checks
+        their spellings)."""
         heads = int(cfg["num_attention_heads"])
         archs = cfg.get("architectures") or [QWEN3]
         return cls(
@@ -113,8 +159,14 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 RMS-normalises each head of q and k before RoPE; Llama does not."""
-        return self.architecture == QWEN3
+        """Qwen3 and Gemma 3 RMS-normalise each head of q and k before RoPE; Llama does not."""
+        return self.architecture in (QWEN3, GEMMA3)
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3: embeddings times sqrt(hidden_size), the attention's and the MLP's outputs
+        RMS-normed before their residual adds, GELU (tanh) in the MLP."""
+        return self.architecture == GEMMA3
 
     @property
     def qkv_bias(self) -> bool:
@@ -134,7 +186,8 @@ class ModelConfig:
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3/Llama/Qwen2 checkpoint must have, HF names -> shape (out_features first)."""
+    """Every tensor a Qwen3/Llama/Qwen2/Gemma 3 checkpoint must have, HF names -> shape
+    (out_features first)."""
     h, d = cfg.hidden_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for i in range(cfg.num_hidden_layers):
@@ -151,7 +204,11 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
+        # (Gemma 3: the attention output's norm; every other family: the MLP input's)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.gemma:  # the MLP's input and output norms
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
@@ -221,8 +278,16 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (Gemma's ``gelu_pytorch_tanh``)."""
+    x64 = x.astype(np.float64)
+    out: np.ndarray = (0.5 * x64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi)
+                                                  * (x64 + 0.044715 * x64 ** 3)))).astype(np.float32)
+    return out
+
+
 class ReferenceModel:
-    """A Qwen3/Llama/Qwen2 forward pass with a KV cache for one sequence.
+    """A Qwen3/Llama/Qwen2/Gemma 3 forward pass with a KV cache for one sequence.
 
     ``kv_dtype="bf16"`` rounds cached K and V to bfloat16 exactly as a bf16 KV cache would.
     """
@@ -262,6 +327,8 @@ class ReferenceModel:
         H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         group = H // KV
         x = w["model.embed_tokens.weight"][toks]  # [T, h]
+        if cfg.gemma:
+            x = x * np.float32(np.sqrt(np.float32(cfg.hidden_size)))
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             h = _rmsnorm(x, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
@@ -276,8 +343,9 @@ class ReferenceModel:
             if cfg.qk_norm:
                 q = _rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
                 k = _rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-            q = _rope(q, pos, cfg.rope_theta, w.get(ROPE_FREQS))
-            k = _rope(k, pos, cfg.rope_theta, w.get(ROPE_FREQS))
+            theta = cfg.layer_rope_theta(i)
+            q = _rope(q, pos, theta, w.get(ROPE_FREQS))
+            k = _rope(k, pos, theta, w.get(ROPE_FREQS))
             if self.kv_dtype == "bf16":
                 k, v = bf16_round(k), bf16_round(v)
             self.k_cache[i] = np.concatenate([self.k_cache[i], k.astype(np.float32)])
@@ -286,14 +354,26 @@ class ReferenceModel:
             S = K.shape[0]
             kh = np.repeat(K, group, axis=1).transpose(1, 0, 2)  # [H, S, D]
             vh = np.repeat(V, group, axis=1).transpose(1, 0, 2)
-            scores = np.einsum("thd,hsd->hts", q, kh) / np.float32(np.sqrt(D))
-            causal = np.arange(S)[None, :] > pos[:, None]  # [T, S]
-            scores = np.where(causal[None], -np.inf, scores)
+            scores = np.einsum("thd,hsd->hts", q, kh) / np.float32(cfg.attn_scale)
+            masked = np.arange(S)[None, :] > pos[:, None]  # [T, S]: causal
+            if cfg.sliding(i):  # and a sliding layer's window
+                masked |= np.arange(S)[None, :] <= pos[:, None] - cfg.sliding_window
+            scores = np.where(masked[None], -np.inf, scores)
             scores = scores - scores.max(axis=-1, keepdims=True)
             pr = np.exp(scores)
             pr = pr / pr.sum(axis=-1, keepdims=True)
             a = np.einsum("hts,hsd->thd", pr.astype(np.float32), vh).reshape(T, H * D)
-            x = x + a @ w[p + "self_attn.o_proj.weight"].T
+            o = a @ w[p + "self_attn.o_proj.weight"].T
+            if cfg.gemma:  # Gemma 3's sandwich: the outputs normed before their residual adds
+                o = _rmsnorm(o, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+                x = x + o
+                h = _rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], cfg.rms_norm_eps)
+                g = _gelu_tanh(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
+                f = _rmsnorm(g @ w[p + "mlp.down_proj.weight"].T,
+                             w[p + "post_feedforward_layernorm.weight"], cfg.rms_norm_eps)
+                x = (x + f).astype(np.float32)
+                continue
+            x = x + o
             h = _rmsnorm(x, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             g = _silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
             x = (x + g @ w[p + "mlp.down_proj.weight"].T).astype(np.float32)

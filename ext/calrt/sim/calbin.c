@@ -5,19 +5,21 @@
 
 #include "internal.h"
 
-#define N_LAYER_NAMES 14
+#define N_LAYER_NAMES 16
 static const char *LAYER_NAMES[N_LAYER_NAMES] = {
     "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
     "self_attn.k_norm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
     "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
-    "self_attn.v_proj.bias"};
+    "self_attn.v_proj.bias", "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"};
 
 /* Which of LAYER_NAMES a layer of the family has, in weight_shapes() order (Llama has no
- * q_norm/k_norm; Qwen2 is Llama with the q/k/v biases after the v projection). */
+ * q_norm/k_norm; Qwen2 is Llama with the q/k/v biases after the v projection; Gemma 3 is Qwen3 with
+ * the MLP's two norms after post_attention_layernorm). */
 static const int QWEN3_SLOTS[11] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
 static const int LLAMA_SLOTS[9] = {0, 1, 2, 3, 4, 7, 8, 9, 10};
 static const int QWEN2_SLOTS[12] = {0, 1, 2, 3, 11, 12, 13, 4, 7, 8, 9, 10};
+static const int GEMMA3_SLOTS[13] = {0, 1, 2, 3, 4, 5, 6, 7, 14, 15, 8, 9, 10};
 
 static int layer_slots(const calrt_model_desc *m, const int **slots) {
   if (m->arch == CALRT_ARCH_LLAMA) {
@@ -28,8 +30,24 @@ static int layer_slots(const calrt_model_desc *m, const int **slots) {
     *slots = QWEN2_SLOTS;
     return 12;
   }
+  if (m->arch == CALRT_ARCH_GEMMA3) {
+    *slots = GEMMA3_SLOTS;
+    return 13;
+  }
   *slots = QWEN3_SLOTS;
   return 11;
+}
+
+/* The sim_layer field that holds LAYER_NAMES[j] of the family. post_norm is the MLP's input norm:
+ * post_attention_layernorm, except in Gemma 3, where that tensor norms the attention's output and the
+ * MLP's input norm is pre_feedforward_layernorm. */
+static const float **layer_field(sim_layer *l, int32_t arch, int j) {
+  const int gemma = arch == CALRT_ARCH_GEMMA3;
+  const float **f[N_LAYER_NAMES] = {
+      &l->in_norm, &l->q, &l->k, &l->v, &l->o, &l->q_norm, &l->k_norm,
+      gemma ? &l->attn_out_norm : &l->post_norm, &l->gate, &l->up, &l->down, &l->q_bias, &l->k_bias,
+      &l->v_bias, &l->post_norm, &l->ffn_out_norm};
+  return f[j];
 }
 
 /* Expected tensors in weight_shapes() order (reference.py). Returns the count. */
@@ -46,7 +64,7 @@ static int32_t expected_tensors(const calrt_model_desc *m, calrt_tensor_info *ou
   for (int i = 0; i < m->num_hidden_layers; i++) {
     int64_t shp[N_LAYER_NAMES][2] = {{h, 0}, {H * d, h}, {KV * d, h}, {KV * d, h}, {h, H * d}, {d, 0},
                                      {d, 0}, {h, 0}, {I, h}, {I, h}, {h, I}, {H * d, 0}, {KV * d, 0},
-                                     {KV * d, 0}};
+                                     {KV * d, 0}, {h, 0}, {h, 0}};
     const int *slots;
     const int nl = layer_slots(m, &slots);
     for (int jj = 0; jj < nl; jj++) {
@@ -97,8 +115,13 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
   if (m->vocab_size < 1 || m->hidden_size < 1 || m->intermediate_size < 1 || m->num_hidden_layers < 1 ||
       m->num_attention_heads < 1 || m->num_key_value_heads < 1 || m->head_dim < 2 || m->head_dim % 2 ||
       m->num_attention_heads % m->num_key_value_heads || !(m->rms_norm_eps > 0) || !(m->rope_theta > 0) ||
-      (m->arch != CALRT_ARCH_QWEN3 && m->arch != CALRT_ARCH_LLAMA && m->arch != CALRT_ARCH_QWEN2))
+      (m->arch != CALRT_ARCH_QWEN3 && m->arch != CALRT_ARCH_LLAMA && m->arch != CALRT_ARCH_QWEN2 &&
+       m->arch != CALRT_ARCH_GEMMA3))
     return sim_err(CALRT_E_INVALID_ARGUMENT, "model: invalid model description");
+  if (m->sliding_window < 0 || m->sliding_window_pattern < 0 || !(m->rope_local_theta >= 0) ||
+      !(m->query_pre_attn_scalar >= 0))
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "model: sliding_window, sliding_window_pattern, "
+                   "rope_local_theta and query_pre_attn_scalar must be >= 0");
   const calrt_profile *p = profile;
   if (p->compiled_batch < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.compiled_batch must be >= 1");
   if (p->compiled_batch > 1 && !dev->info.batch_profiles)
@@ -171,12 +194,7 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
       if (i == 0) cb->embed = dp;
       else if (i <= nl * m->num_hidden_layers) {
         int L = (i - 1) / nl, j = lslots[(i - 1) % nl];
-        const float **slots[N_LAYER_NAMES] = {
-            &cb->layers[L].in_norm, &cb->layers[L].q, &cb->layers[L].k, &cb->layers[L].v,
-            &cb->layers[L].o, &cb->layers[L].q_norm, &cb->layers[L].k_norm, &cb->layers[L].post_norm,
-            &cb->layers[L].gate, &cb->layers[L].up, &cb->layers[L].down, &cb->layers[L].q_bias,
-            &cb->layers[L].k_bias, &cb->layers[L].v_bias};
-        *slots[j] = dp;
+        *layer_field(&cb->layers[L], m->arch, j) = dp;
       } else if (i == nl * m->num_hidden_layers + 1) cb->final_norm = dp;
       else cb->lm_head = dp;
     }
@@ -284,15 +302,12 @@ calrt_status calrt_calbin_reset_configuration(calrt_calbin *cb) {
 
 /* The weight buffer of expected tensor `i` (weight_shapes() order), as mapped at create. */
 static const float *tensor_ptr(const calrt_calbin *cb, int32_t i) {
-  int32_t nl = cb->m.num_hidden_layers;
+  const int32_t L = cb->m.num_hidden_layers;
+  const int *lslots;
+  const int nl = layer_slots(&cb->m, &lslots);
   if (i == 0) return cb->embed;
-  if (i <= 11 * nl) {
-    const sim_layer *l = &cb->layers[(i - 1) / 11];
-    const float *slots[11] = {l->in_norm, l->q, l->k, l->v, l->o, l->q_norm,
-                              l->k_norm, l->post_norm, l->gate, l->up, l->down};
-    return slots[(i - 1) % 11];
-  }
-  if (i == 11 * nl + 1) return cb->final_norm;
+  if (i <= nl * L) return *layer_field(&cb->layers[(i - 1) / nl], cb->m.arch, lslots[(i - 1) % nl]);
+  if (i == nl * L + 1) return cb->final_norm;
   return cb->lm_head;
 }
 
@@ -305,7 +320,8 @@ static calrt_status kv_compatible(const calrt_calbin *cb, const calrt_calbin *o)
                    (double)a->f, (double)b->f)
   SAME(vocab_size); SAME(hidden_size); SAME(intermediate_size); SAME(num_hidden_layers);
   SAME(num_attention_heads); SAME(num_key_value_heads); SAME(head_dim); SAME(rms_norm_eps);
-  SAME(rope_theta); SAME(tie_word_embeddings);
+  SAME(rope_theta); SAME(tie_word_embeddings); SAME(arch); SAME(sliding_window);
+  SAME(sliding_window_pattern); SAME(rope_local_theta); SAME(query_pre_attn_scalar);
 #undef SAME
   if (cb->p.max_seq != o->p.max_seq)
     return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: profile.max_seq differs (%d vs owner's %d)",
@@ -319,6 +335,9 @@ static calrt_status kv_compatible(const calrt_calbin *cb, const calrt_calbin *o)
                    o->p.kv_dtype == CALRT_KV_BF16 ? "bf16" : "fp32");
   if (cb->has_weights != o->has_weights)
     return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: one calbin has weights, the other none");
+  if (cb->rope_freqs != o->rope_freqs)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: tensor '%s' is not the owner's buffer (shared "
+                   "weights must be the very same buffers)", CALRT_ROPE_FREQS_TENSOR);
   if (cb->has_weights)
     for (int32_t i = 0; i < cb->n_tensors; i++)
       if (tensor_ptr(cb, i) != tensor_ptr(o, i))

@@ -1,4 +1,5 @@
-/* kernels.c — the Qwen3 / Llama decoder forward pass of calrt-sim (fp32 math; KV fp32 or bf16).
+/* kernels.c — the Qwen3 / Llama / Qwen2 / Gemma 3 decoder forward pass of calrt-sim (fp32 math; KV
+ * fp32 or bf16), with sliding-window attention layers for any family.
  *
  * Batch invariance (Invariant): every output element of a linear layer is computed by exactly the
  * same sequence of float operations regardless of how many rows (lanes/tokens) the job has, which
@@ -10,7 +11,9 @@
  * Hence a lane's logits are bitwise independent of B, its lane index, its batch-mates and the thread
  * count. Built with -ffp-contract=off so the compiler fuses nothing on its own (the linear layers'
  * multiply-adds are fused explicitly, on every path alike; attention's are not fused at all).
- * SiLU's and the softmax's expf run 8 at a time (vexp.c): elementwise, bitwise glibc's expf.
+ * SiLU's and the softmax's expf run 8 at a time (vexp.c): elementwise, bitwise glibc's expf; Gemma's
+ * GELU is elementwise too (in double, as the reference computes it). A sliding layer's row attends to
+ * the positions of its own window, a function of its position alone: still per row.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -37,8 +40,20 @@ typedef struct mm_region {
   mm_op op[3];
   int n_ops;
   int glu; /* op[0] gate, op[1] up (same shape): a task computes both chunks, then gate = silu(gate) * up */
+  int gelu; /* with glu: gate = gelu_tanh(gate) * up instead (Gemma 3) */
   sim_isa_id isa;
 } mm_region;
+
+/* g = gelu_tanh(g) * u elementwise, where gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+ * (Gemma's "gelu_pytorch_tanh"), computed in double and rounded to float once, as reference.py does
+ * (its float64 GELU, then a float32 product): per element, so the bits depend on nothing else. */
+static void gelu_tanh_mul(float *restrict g, const float *restrict u, int n) {
+  const double c = sqrt(2.0 / M_PI);
+  for (int i = 0; i < n; i++) {
+    const double x = (double)g[i];
+    g[i] = (float)(0.5 * x * (1.0 + tanh(c * (x + 0.044715 * (x * x * x))))) * u[i];
+  }
+}
 
 static void mm_task(void *ctx, int task, int worker) {
   (void)worker;
@@ -48,9 +63,14 @@ static void mm_task(void *ctx, int task, int worker) {
     const int o0 = task * ga->chunk, o1 = o0 + ga->chunk < ga->out ? o0 + ga->chunk : ga->out;
     sim_matmul_range_isa(g->isa, ga->W, ga->out, ga->in, ga->X, ga->R, ga->Y, o0, o1);
     sim_matmul_range_isa(g->isa, up->W, up->out, up->in, up->X, up->R, up->Y, o0, o1);
-    /* gate = (gate / (1 + expf(-gate))) * up, elementwise; expf 8 at a time (vexp.c, same bits) */
-    for (int r = 0; r < ga->R; r++)
-      sim_silu_mul(ga->Y + (size_t)r * ga->out + o0, up->Y + (size_t)r * up->out + o0, o1 - o0);
+    /* gate = (gate / (1 + expf(-gate))) * up, elementwise; expf 8 at a time (vexp.c, same bits). Gemma:
+     * gate = gelu_tanh(gate) * up, elementwise. */
+    for (int r = 0; r < ga->R; r++) {
+      float *gr = ga->Y + (size_t)r * ga->out + o0;
+      const float *ur = up->Y + (size_t)r * up->out + o0;
+      if (g->gelu) gelu_tanh_mul(gr, ur, o1 - o0);
+      else sim_silu_mul(gr, ur, o1 - o0);
+    }
     return;
   }
   int i = g->n_ops - 1;
@@ -205,7 +225,8 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
   return s;
 }
 
-/* Causal attention of one (row, KV head) over its own sequence, positions [0, pos], for the `group`
+/* Causal attention of one (row, KV head) over its own sequence, positions [0, pos] (a sliding layer's:
+ * [pos - window + 1, pos], see win_start), for the `group`
  * query heads that share that KV head (one pass over its K and V rows serves them all): a task of the
  * attention region. Per query head the operations and their order are fixed (attn_body),
  * whatever the grouping, the thread or the code path. Each worker has its own scratch. */
@@ -216,9 +237,11 @@ typedef struct attn_region {
   float *att;
   float *scratch; /* [threads][group * S + 8 * D] */
   int L, H, KVH, D, S, group, bf16;
+  int window; /* layer L's sliding window (0: it attends to every earlier position) */
   float scale;
   sim_isa_id isa;
-  /* rope_kv's inputs: layer L's weights (its q/k norms), the rows' k and v, their RoPE tables */
+  /* rope_kv's inputs: layer L's weights (its q/k norms), the rows' k and v, their RoPE tables (of
+   * layer L's base) */
   const sim_layer *w;
   float *k;
   const float *v, *cs, *sn;
@@ -229,8 +252,11 @@ typedef struct attn_region {
   int *pf_task;     /* [worker]: the task whose K rows the worker's previous task prefetched, -1 none */
 } attn_region;
 
-/* Row r's RoPE and KV write for KV head kh: the group's query heads and the key head (Qwen3: each
- * RMS-normed first) rotated in place, then the key and value heads written into the row's sequence's
+/* The first position a row at `pos` attends to in a layer of sliding window `window` (0: none). */
+static inline int win_start(int window, int pos) { return window > 0 && pos >= window ? pos - window + 1 : 0; }
+
+/* Row r's RoPE and KV write for KV head kh: the group's query heads and the key head (Qwen3, Gemma 3:
+ * each RMS-normed first) rotated in place, then the key and value heads written into the row's sequence's
  * cache at its position. Every head's operations are its own, so any order of (row, head) gives the
  * same bits. */
 static void rope_kv(const attn_region *a, int r, int kh) {
@@ -412,9 +438,12 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
   const int r = task / a->KVH, kh = task % a->KVH, D = DC ? DC : a->D, S = a->S, G = a->group;
   if (a->rope_in_task) rope_kv(a, r, kh);
   float *sc = a->scratch + (size_t)worker * ((size_t)G * S + 8 * (size_t)D), *kr = sc + (size_t)G * S;
-  const int n = a->rows[r].pos + 1, D8 = D & ~7;
+  /* The row's window, positions [w0, pos]: from here on position s of the loops is w0 + s (K's and V's
+   * rows start at w0; the positions before it are neither read nor prefetched). */
+  const int w0 = win_start(a->window, a->rows[r].pos), n = a->rows[r].pos + 1 - w0, D8 = D & ~7;
   const size_t rowb = (size_t)D * (BF16 ? 2 : 4);
-  const char *kb_ = kv_head_rows(a, r, kh, 0, rowb), *vb_ = kv_head_rows(a, r, kh, 1, rowb);
+  const char *kb_ = kv_head_rows(a, r, kh, 0, rowb) + (size_t)w0 * rowb;
+  const char *vb_ = kv_head_rows(a, r, kh, 1, rowb) + (size_t)w0 * rowb;
   /* K's rows are in L2 already when this worker's previous task prefetched them (all of them) */
   const int k_ready = a->pf_task && a->pf_task[worker] == task;
   if (!k_ready) kv_prefetch(kb_, rowb, 0, n < PF_TASK_POS ? n : PF_TASK_POS);
@@ -422,9 +451,10 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
   /* The next task's K rows, prefetched while this task's outputs are summed */
   const int nt = a->next ? a->next[worker] : -1;
   const char *pf = NULL, *pfe = NULL;
-  if (nt >= 0) {
-    pf = kv_head_rows(a, nt / a->KVH, nt % a->KVH, 0, rowb);
-    pfe = pf + (size_t)(a->rows[nt / a->KVH].pos + 1) * rowb;
+  if (nt >= 0) { /* that task's own window of K rows */
+    const int npos = a->rows[nt / a->KVH].pos, nw0 = win_start(a->window, npos);
+    pf = kv_head_rows(a, nt / a->KVH, nt % a->KVH, 0, rowb) + (size_t)nw0 * rowb;
+    pfe = pf + (size_t)(npos + 1 - nw0) * rowb;
   }
   const float *qg = a->q + ((size_t)r * a->H + (size_t)kh * G) * D; /* head g: qg + g * D */
   float *ag = a->att + ((size_t)r * a->H + (size_t)kh * G) * D;
@@ -545,6 +575,27 @@ static void add_bias_rows(float *y, const float *b, int n, int R) {
   }
 }
 
+/* Whether layer L attends to a sliding window (calrt.h: calrt_model_desc.sliding_window_pattern). */
+static int layer_slides(const calrt_model_desc *m, int L) {
+  if (m->sliding_window <= 0) return 0;
+  return m->sliding_window_pattern == 0 || (L + 1) % m->sliding_window_pattern != 0;
+}
+
+/* Rows' RoPE tables of base theta: cs/sn[r * D/2 + i] = cos/sin(pos_r * theta^(-2i/D) / divisor_i),
+ * in double, rounded to float once. */
+static void rope_tables(const calrt_calbin *cb, const row_info *rows, int R, double theta, float *cs,
+                        float *sn) {
+  const int D = cb->m.head_dim;
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < D / 2; i++) {
+      double inv = 1.0 / pow(theta, (double)(2 * i) / (double)D);
+      if (cb->rope_freqs) inv /= (double)cb->rope_freqs[i];
+      double f = (double)rows[r].pos * inv;
+      cs[(size_t)r * (D / 2) + i] = (float)cos(f);
+      sn[(size_t)r * (D / 2) + i] = (float)sin(f);
+    }
+}
+
 /* A job's buffers up to this size are kept by the engine's pool for the next job (every decode step
  * and short prefill); a long prefill allocates its own and frees them. */
 #define SIM_SCRATCH_KEEP ((size_t)32 << 20)
@@ -554,7 +605,13 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const int h = m->hidden_size, H = m->num_attention_heads, KVH = m->num_key_value_heads;
   const int D = m->head_dim, I = m->intermediate_size, V = m->vocab_size, group = H / KVH;
   const int S = cb->p.max_seq, bf16 = cb->p.kv_dtype == CALRT_KV_BF16;
-  const int qkn = m->arch == CALRT_ARCH_QWEN3; /* Qwen3: per-head q/k RMSNorm; Llama, Qwen2: none */
+  /* Qwen3, Gemma 3: per-head q/k RMSNorm; Llama, Qwen2: none */
+  const int qkn = m->arch == CALRT_ARCH_QWEN3 || m->arch == CALRT_ARCH_GEMMA3;
+  const int gemma = m->arch == CALRT_ARCH_GEMMA3;
+  /* A second set of RoPE tables when some layer slides and its base differs from the global one */
+  int any_slides = 0;
+  for (int L = 0; L < m->num_hidden_layers; L++) any_slides |= layer_slides(m, L);
+  const int local_rope = any_slides && m->rope_local_theta > 0 && m->rope_local_theta != m->rope_theta;
   if (null_compute || !cb->has_weights) {
     if (job->kind == JOB_PREFILL) {
       if (job->n_tok > 0)
@@ -571,8 +628,9 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const size_t n_of[] = {
       (sizeof(row_info) * Rm + 3) / 4, Rm * h, Rm * h, Rm * H * D, Rm * KVH * D, Rm * KVH * D, Rm * H * D, Rm * h,
       Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)group * S + 8 * (size_t)D),
-      (job->kind == JOB_PREFILL ? 1 : Rm) * V};
-  enum { B_ROWS, B_X, B_HN, B_Q, B_K, B_V, B_ATT, B_O, B_G, B_U, B_CS, B_SN, B_SCRATCH, B_LG, B_N };
+      (job->kind == JOB_PREFILL ? 1 : Rm) * V, local_rope ? Rm * (D / 2) : 0, local_rope ? Rm * (D / 2) : 0};
+  enum { B_ROWS, B_X, B_HN, B_Q, B_K, B_V, B_ATT, B_O, B_G, B_U, B_CS, B_SN, B_SCRATCH, B_LG, B_CS_LOCAL,
+         B_SN_LOCAL, B_N };
   size_t off[B_N + 1];
   off[0] = 0;
   for (int i = 0; i < B_N; i++) off[i + 1] = off[i] + (n_of[i] + 15) / 16 * 16; /* 64-byte aligned */
@@ -612,30 +670,37 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   float *v = base + off[B_V], *att = base + off[B_ATT], *o = base + off[B_O], *g = base + off[B_G];
   float *u = base + off[B_U], *cs = base + off[B_CS], *sn = base + off[B_SN];
   float *scratch = base + off[B_SCRATCH], *lg = base + off[B_LG];
+  float *cs_local = local_rope ? base + off[B_CS_LOCAL] : cs, *sn_local = local_rope ? base + off[B_SN_LOCAL] : sn;
   int rc = 0;
   for (int r = 0; r < R; r++) {
     memcpy(x + (size_t)r * h, cb->embed + (size_t)rows[r].token * h, sizeof(float) * h);
-    for (int i = 0; i < D / 2; i++) {
-      double inv = 1.0 / pow(m->rope_theta, (double)(2 * i) / (double)D);
-      if (cb->rope_freqs) inv /= (double)cb->rope_freqs[i];
-      double f = (double)rows[r].pos * inv;
-      cs[(size_t)r * (D / 2) + i] = (float)cos(f);
-      sn[(size_t)r * (D / 2) + i] = (float)sin(f);
+    if (gemma) { /* Gemma: the embedding times sqrt(hidden_size), a float multiply per element */
+      const float e = sqrtf((float)h);
+      for (int i = 0; i < h; i++) x[(size_t)r * h + i] *= e;
     }
   }
+  rope_tables(cb, rows, R, m->rope_theta, cs, sn);
+  if (local_rope) rope_tables(cb, rows, R, m->rope_local_theta, cs_local, sn_local);
   int distinct = job->kind != JOB_PREFILL;
   for (int r = 0; r < R && distinct; r++)
     for (int r2 = 0; r2 < r; r2++)
       if (rows[r2].seq == rows[r].seq) distinct = 0;
-  attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, sqrtf((float)D), sim_isa(),
+  /* Scores are divided by sqrtf(query_pre_attn_scalar) (Gemma), else by sqrtf(head_dim). */
+  const float scale = sqrtf(m->query_pre_attn_scalar > 0 ? m->query_pre_attn_scalar : (float)D);
+  attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, 0, scale, sim_isa(),
                     NULL, k, v, cs, sn, qkn, m->rms_norm_eps, distinct, NULL, NULL};
   int attn_next[SIM_POOL_MAX], attn_pf[SIM_POOL_MAX];
   ar.next = attn_next;
   ar.pf_task = attn_pf;
-  long long attn_work = 0; /* multiply-adds of one layer's attention: small ones run inline */
-  for (int r = 0; r < R; r++) attn_work += 2LL * (rows[r].pos + 1) * H * D;
+  /* multiply-adds of one layer's attention, global and sliding: small ones run inline */
+  long long attn_work = 0, attn_work_local = 0;
+  for (int r = 0; r < R; r++) {
+    attn_work += 2LL * (rows[r].pos + 1) * H * D;
+    attn_work_local += 2LL * (rows[r].pos + 1 - win_start(m->sliding_window, rows[r].pos)) * H * D;
+  }
   for (int L = 0; L < m->num_hidden_layers; L++) {
     const sim_layer *w = &cb->layers[L];
+    const int slides = layer_slides(m, L);
     rmsnorm_rows(x, w->in_norm, h, m->rms_norm_eps, hn, R);
     PROF_MARK(SIM_PROF_NORMS);
     mm_region qkv = {.op = {{w->q, H * D, h, hn, R, q, 0, 0}, {w->k, KVH * D, h, hn, R, k, 0, 0},
@@ -653,24 +718,38 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
      * here for all rows first (a prefill row reads earlier rows'). */
     ar.L = L;
     ar.w = w;
+    ar.window = slides ? m->sliding_window : 0;
+    ar.cs = slides ? cs_local : cs;
+    ar.sn = slides ? sn_local : sn;
     if (!ar.rope_in_task)
       for (int r = 0; r < R; r++)
         for (int kh = 0; kh < KVH; kh++) rope_kv(&ar, r, kh);
     PROF_MARK(SIM_PROF_ROPE_KV);
     for (int t = 0; t < SIM_POOL_MAX; t++) attn_pf[t] = -1;
-    sim_pool_run_ahead(attn_work >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar, R * KVH, attn_next);
+    sim_pool_run_ahead((slides ? attn_work_local : attn_work) >= SIM_PARALLEL_MIN ? pool : NULL, attn_task, &ar,
+                       R * KVH, attn_next);
     PROF_MARK(SIM_PROF_ATTN);
     matmul(pool, w->o, h, H * D, att, R, o);
-    for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
+    if (gemma) { /* Gemma: the attention's output RMS-normed before the residual add (hn is free here) */
+      rmsnorm_rows(o, w->attn_out_norm, h, m->rms_norm_eps, hn, R);
+      for (size_t i = 0; i < R_ * h; i++) x[i] += hn[i];
+    } else {
+      for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
+    }
     PROF_MARK(SIM_PROF_O);
-    rmsnorm_rows(x, w->post_norm, h, m->rms_norm_eps, hn, R);
+    rmsnorm_rows(x, w->post_norm, h, m->rms_norm_eps, hn, R); /* the MLP's input norm */
     PROF_MARK(SIM_PROF_NORMS);
     mm_region gu = {.op = {{w->gate, I, h, hn, R, g, 0, 0}, {w->up, I, h, hn, R, u, 0, 0}}, .n_ops = 2,
-                    .glu = 1};
-    matmuls(pool, &gu); /* g = silu(gate) * up */
+                    .glu = 1, .gelu = gemma};
+    matmuls(pool, &gu); /* g = silu(gate) * up (Gemma: gelu_tanh(gate) * up) */
     PROF_MARK(SIM_PROF_GATE_UP);
     matmul(pool, w->down, h, I, g, R, o);
-    for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
+    if (gemma) { /* Gemma: the MLP's output RMS-normed before the residual add */
+      rmsnorm_rows(o, w->ffn_out_norm, h, m->rms_norm_eps, hn, R);
+      for (size_t i = 0; i < R_ * h; i++) x[i] += hn[i];
+    } else {
+      for (size_t i = 0; i < R_ * h; i++) x[i] += o[i];
+    }
     PROF_MARK(SIM_PROF_DOWN);
     if (atomic_load(&job->abort)) {
       rc = 1;

@@ -82,6 +82,11 @@ static void test_shared_kv(calrt_device *dev, test_model *tm) {
   CHECK(calrt_calbin_create(dev, 0, &md, tm->t, (size_t)tm->n, &p4, &t0, &bad) == CALRT_OK);
   CHECK(calrt_calbin_share_kv(bad, o) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("rope_theta"));
   CHECK(calrt_calbin_destroy(bad) == CALRT_OK);
+  md = tm->m;
+  md.sliding_window = 5;
+  CHECK(calrt_calbin_create(dev, 0, &md, tm->t, (size_t)tm->n, &p4, &t0, &bad) == CALRT_OK);
+  CHECK(calrt_calbin_share_kv(bad, o) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("sliding_window"));
+  CHECK(calrt_calbin_destroy(bad) == CALRT_OK);
   calrt_tensor copy[64];
   memcpy(copy, tm->t, sizeof(calrt_tensor) * (size_t)tm->n);
   size_t nb = sizeof(float) * (size_t)(copy[5].shape[0] * (copy[5].ndim == 2 ? copy[5].shape[1] : 1));
@@ -321,9 +326,161 @@ static void test_llama_threads(int arch) {
   free_model(&tm);
 }
 
+/* Gemma 3 (embedding scale, q/k norms, the attention's and the MLP's output norms, GELU, its score
+ * scale) with sliding layers of their own RoPE base (pattern 2: layer 0 slides with a window of 8,
+ * layer 1 is global), big enough for the worker pool: a 40-token prefill and 4 decode steps give
+ * bitwise the same logits at B1 and in lane 9 of a B16 job, on 1 and 3 kernel threads. The B16 job's
+ * other active lanes are other sequences at other positions (inside and past the window), so the
+ * attention tasks around lane 9's (and the K rows their workers prefetch for the next task) have
+ * windows of their own. */
+static void test_gemma_batch(void) {
+  test_model tm;
+  make_model_desc(&tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-6f, 1000000.0, 1, CALRT_ARCH_GEMMA3,
+                                          8, 2, 10000.0, 48.0f});
+  enum { STEPS = 4, P = 40, B = 16, LANE = 9 };
+  const int V = tm.m.vocab_size, active[4] = {0, 3, LANE, 15};
+  float *out[2][2]; /* [threads 1/3][B1 / B16 lane 9] */
+  int32_t prompt[P];
+  for (int i = 0; i < P; i++) prompt[i] = (i * 37 + 11) % V;
+  for (int th = 0; th < 2; th++) {
+    setenv("CALRT_SIM_THREADS", th ? "3" : "1", 1);
+    calrt_device *dev;
+    calrt_open_params op = {.profile = "sim-next", .dram_bytes = 256u << 20};
+    CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
+    calrt_profile prof[2] = {{1, 64, 2, CALRT_KV_FP32, 1, 0}, {B, 64, B + 1, CALRT_KV_FP32, 1, 0}};
+    calrt_timing t0 = {0};
+    for (int b = 0; b < 2; b++) {
+      calrt_calbin *cb;
+      CHECK(calrt_calbin_create(dev, 0, &tm.m, tm.t, (size_t)tm.n, &prof[b], &t0, &cb) == CALRT_OK);
+      CHECK(calrt_calbin_configure(cb) == CALRT_OK);
+      out[th][b] = malloc(sizeof(float) * (size_t)V * (STEPS + 1));
+      int32_t seq[B], tok[B], idle;
+      CHECK(calrt_kv_create_sequence(cb, &idle) == CALRT_OK);
+      calrt_job *j;
+      calrt_job_result r;
+      for (int a = 0; a < (b ? 4 : 1); a++) { /* B1: lane 9's sequence alone */
+        const int lane = b ? active[a] : LANE, n = lane == LANE ? P : 3 + 2 * lane;
+        int32_t other[P];
+        for (int i = 0; i < n; i++) other[i] = (i * 13 + lane) % V;
+        CHECK(calrt_kv_create_sequence(cb, &seq[lane]) == CALRT_OK);
+        CHECK(calrt_job_create_prefill(cb, seq[lane], lane == LANE ? prompt : other, n, &j) == CALRT_OK);
+        CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+        CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+        if (lane == LANE) memcpy(out[th][b], r.logits, sizeof(float) * (size_t)V);
+        tok[lane] = argmax(r.logits, V);
+        calrt_job_release(j);
+      }
+      for (int k = 0; k < STEPS; k++) {
+        int32_t sid[B], tk[B], ps[B];
+        uint8_t va[B] = {0};
+        for (int l = 0; l < B; l++) { sid[l] = idle; tk[l] = 1; ps[l] = 0; }
+        for (int a = 0; a < (b ? 4 : 1); a++) {
+          const int lane = b ? active[a] : LANE;
+          sid[lane] = seq[lane];
+          tk[lane] = tok[lane];
+          CHECK(calrt_kv_committed_len(cb, seq[lane], &ps[lane]) == CALRT_OK);
+          va[lane] = 1;
+        }
+        if (b) CHECK(calrt_job_create_decode(cb, sid, tk, ps, va, B, &j) == CALRT_OK);
+        else CHECK(calrt_job_create_decode(cb, &sid[LANE], &tk[LANE], &ps[LANE], &va[LANE], 1, &j) == CALRT_OK);
+        CHECK(run(j, k % 2 ? CALRT_ENGINE_PONG : CALRT_ENGINE_PING) == CALRT_JOB_OK);
+        CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+        for (int a = 0; a < (b ? 4 : 1); a++) {
+          const int lane = b ? active[a] : LANE;
+          const float *row = r.logits + (size_t)(b ? lane : 0) * V;
+          for (int v = 0; v < V; v++) CHECK(isfinite(row[v]));
+          if (lane == LANE) memcpy(out[th][b] + (size_t)(k + 1) * V, row, sizeof(float) * (size_t)V);
+          tok[lane] = argmax(row, V);
+        }
+        calrt_job_release(j);
+      }
+      CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+    }
+    CHECK(calrt_device_close(dev) == CALRT_OK);
+  }
+  const size_t n = sizeof(float) * (size_t)V * (STEPS + 1);
+  CHECK(memcmp(out[0][0], out[0][1], n) == 0); /* B1 == B16 lane 9, one thread */
+  CHECK(memcmp(out[0][0], out[1][0], n) == 0); /* 1 thread == 3 threads */
+  CHECK(memcmp(out[0][0], out[1][1], n) == 0);
+  for (int i = 0; i < 4; i++) free(out[i / 2][i % 2]);
+  unsetenv("CALRT_SIM_THREADS");
+  free_model(&tm);
+}
+
+/* Sliding windows of `arch` with every layer sliding (pattern 0), window W, L layers: what position p
+ * computes depends on positions [p - L (W - 1), p] only. Two sequences that differ in their first token
+ * alone, decoded side by side as lanes of a B4 job (a 2-token prefill, then one token a step), give
+ * bitwise the same logits at every position p > L (W - 1) and different ones at p = L (W - 1) (so the
+ * window is neither wider nor narrower than W); without the window the last position differs too. */
+static void test_sliding_window(int arch) {
+  enum { W = 4, L = 3, LAST = 16 };
+  test_model tm;
+  const double local = arch == CALRT_ARCH_GEMMA3 ? 10000.0 : 0.0;
+  make_model_desc(&tm, (calrt_model_desc){61, 24, 40, L, 4, 2, 8, 1e-6f, 1000000.0, 1, arch, W, 0, local,
+                                          arch == CALRT_ARCH_GEMMA3 ? 12.0f : 0.0f});
+  const int V = tm.m.vocab_size;
+  calrt_device *dev;
+  calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
+  CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
+  calrt_profile p4 = {4, 32, 5, CALRT_KV_BF16, 1, 0};
+  calrt_timing t0 = {0};
+  float *lg[2][2]; /* [window on/off][sequence]: logits at positions 1..LAST */
+  for (int win = 0; win < 2; win++) {
+    calrt_model_desc md = tm.m;
+    if (win) md.sliding_window = 0;
+    calrt_calbin *cb;
+    CHECK(calrt_calbin_create(dev, 0, &md, tm.t, (size_t)tm.n, &p4, &t0, &cb) == CALRT_OK);
+    CHECK(calrt_calbin_configure(cb) == CALRT_OK);
+    int32_t seq[2], idle;
+    CHECK(calrt_kv_create_sequence(cb, &idle) == CALRT_OK);
+    calrt_job *j;
+    calrt_job_result r;
+    for (int s = 0; s < 2; s++) {
+      lg[win][s] = malloc(sizeof(float) * (size_t)V * (LAST + 1));
+      int32_t two[2] = {s ? 7 : 50, 3};
+      CHECK(calrt_kv_create_sequence(cb, &seq[s]) == CALRT_OK);
+      CHECK(calrt_job_create_prefill(cb, seq[s], two, 2, &j) == CALRT_OK);
+      CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+      CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+      memcpy(lg[win][s] + (size_t)V, r.logits, sizeof(float) * (size_t)V);
+      calrt_job_release(j);
+    }
+    for (int p = 2; p <= LAST; p++) { /* both sequences are fed the same token at p */
+      int32_t sid[4] = {seq[0], idle, seq[1], idle}, tk[4] = {(p * 29) % V, 1, (p * 29) % V, 1};
+      int32_t ps[4] = {p, 0, p, 0};
+      uint8_t va[4] = {1, 0, 1, 0};
+      CHECK(calrt_job_create_decode(cb, sid, tk, ps, va, 4, &j) == CALRT_OK);
+      CHECK(run(j, p % 2 ? CALRT_ENGINE_PONG : CALRT_ENGINE_PING) == CALRT_JOB_OK);
+      CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+      memcpy(lg[win][0] + (size_t)p * V, r.logits, sizeof(float) * (size_t)V);
+      memcpy(lg[win][1] + (size_t)p * V, r.logits + 2 * (size_t)V, sizeof(float) * (size_t)V);
+      calrt_job_release(j);
+    }
+    CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+  }
+  const size_t row = sizeof(float) * (size_t)V;
+  for (int p = 1; p <= LAST; p++) {
+    const int same = memcmp(lg[0][0] + (size_t)p * V, lg[0][1] + (size_t)p * V, row) == 0;
+    if (p > L * (W - 1)) CHECK(same);
+    if (p == L * (W - 1)) CHECK(!same);
+  }
+  CHECK(memcmp(lg[1][0] + (size_t)LAST * V, lg[1][1] + (size_t)LAST * V, row) != 0);
+  /* a negative window is refused */
+  calrt_model_desc bad = tm.m;
+  bad.sliding_window = -1;
+  calrt_calbin *cb;
+  CHECK(calrt_calbin_create(dev, 0, &bad, tm.t, (size_t)tm.n, &p4, &t0, &cb) == CALRT_E_INVALID_ARGUMENT);
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+  for (int i = 0; i < 4; i++) free(lg[i / 2][i % 2]);
+  free_model(&tm);
+}
+
 int main(void) {
   test_llama_threads(CALRT_ARCH_LLAMA);
   test_llama_threads(CALRT_ARCH_QWEN2);
+  test_gemma_batch();
+  test_sliding_window(CALRT_ARCH_LLAMA);
+  test_sliding_window(CALRT_ARCH_GEMMA3);
   calrt_device *dev = NULL, *dev2 = NULL;
   test_boards();
   calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
