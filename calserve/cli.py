@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pack", help="build a signed calculet-calbin/v1 package")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from-hf", metavar="DIR", help="Hugging Face Qwen3/Llama/Qwen2 checkpoint directory")
-    src.add_argument("--from-gguf", metavar="FILE", help="GGUF file (llama, qwen2, qwen3 or phi3; quantized ok)")
+    src.add_argument("--from-hf", metavar="DIR",
+                     help="Hugging Face Qwen3/Llama/Qwen2/Gemma 3 checkpoint directory")
+    src.add_argument("--from-gguf", metavar="FILE",
+                     help="GGUF file (llama, qwen2, qwen3, phi3 or gemma3; quantized ok)")
     src.add_argument("--demo", action="store_true", help="the built-in demo model")
     p.add_argument("--out", required=True, metavar="PKG", help="package directory to create")
     p.add_argument("--key", metavar="KEY", help="ed25519 private key (default: the development key)")

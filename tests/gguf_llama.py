@@ -9,7 +9,9 @@ architecture: "normal" for ``llama``, which rotates the adjacent pairs (2i, 2i+1
 (``attn_q.bias`` ...) before it; ``phi3`` is neox too, its q/k/v one fused ``attn_qkv`` matrix and
 its gate/up one ``ffn_up`` of twice the rows (the gate first). Only the ``gguf`` package's file
 reader is used, for the metadata and the raw bytes. A ``rope_freqs.weight`` tensor (Llama 3.1+)
-divides each RoPE frequency, as llama.cpp's ``freq_factors``.
+divides each RoPE frequency, as llama.cpp's ``freq_factors``. A ``phi3.attention.sliding_window``
+W limits every layer's attention to the last W positions (Hugging Face's Phi-3; llama.cpp itself
+currently ignores Phi-3's window).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class GGUFLlama:
         self.head_dim = self.d_model // self.n_head
         self.eps = float(meta(f"{a}.attention.layer_norm_rms_epsilon"))
         self.base = float(meta(f"{a}.rope.freq_base"))
+        key = f"{a}.attention.sliding_window"
+        self.window = int(meta(key)) if a == "phi3" and key in r.fields else 0
         self.t: dict[str, np.ndarray] = {}
         for t in r.tensors:
             cols = int(t.shape[0])  # GGUF's first dimension is the row length
@@ -113,7 +117,8 @@ class GGUFLlama:
             v = v_.reshape(KV, D)
             self.k[i].append(k)
             self.v[i].append(v)
-            K, V = np.stack(self.k[i]), np.stack(self.v[i])  # [S, KV, D]
+            first = max(0, pos - self.window + 1) if self.window else 0  # phi3: the last W only
+            K, V = np.stack(self.k[i][first:]), np.stack(self.v[i][first:])  # [S, KV, D]
             att = np.empty((H, D), np.float32)
             for hh in range(H):
                 kv = hh // (H // KV)

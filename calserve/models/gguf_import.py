@@ -1,10 +1,10 @@
 """``calserve pack --from-gguf FILE``: a GGUF checkpoint (llama.cpp's format) as a signed package.
 
-Read with the ``gguf`` package. Supported: ``general.architecture`` ``llama``, ``qwen2``, ``qwen3``
-and ``phi3`` (Phi-3: a Llama whose q/k/v and gate/up projections are stored fused, ``attn_qkv`` and
-a double-height ``ffn_up``: split on import; neox RoPE, not permuted); tensor
-types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, all dequantized to float32 (stored as F32
-by default, BF16 on request — the runtime computes in float32 either way).
+Read with the ``gguf`` package. Supported: ``general.architecture`` ``llama``, ``qwen2``, ``qwen3``,
+``phi3`` (Phi-3: a Llama whose q/k/v and gate/up projections are stored fused, ``attn_qkv`` and
+a double-height ``ffn_up``: split on import; neox RoPE, not permuted) and ``gemma3`` (text only,
+below); tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, all dequantized to float32
+(stored as F32 by default, BF16 on request — the runtime computes in float32 either way).
 
 Tensors are renamed to Hugging Face's names (``blk.3.attn_q.weight`` ->
 ``model.layers.3.self_attn.q_proj.weight``). llama.cpp's converter permutes the rows of a Llama's Q
@@ -15,9 +15,22 @@ runtime's rotate-half RoPE (the same as Qwen3's) computes what the original mode
 and Qwen2 GGUFs use rotate-half in llama.cpp too ("neox" mode) and are not permuted; Qwen2's q/k/v
 projection biases (``blk.N.attn_q.bias`` ...) are read as ``self_attn.q_proj.bias`` ...
 
-A model with sliding-window attention (``{arch}.attention.sliding_window``, Phi-3's 2,047) is
-packed for contexts up to its window, where full attention computes exactly what it computes
-(``max_position_embeddings`` = the window).
+A model with ``{arch}.attention.sliding_window`` (Phi-3's 2,047) is packed with its whole context
+(``{arch}.context_length``) and that window on every layer (``ModelConfig.sliding_window``, pattern
+0), which the runtime applies. (llama.cpp itself ignores Phi-3's window today and attends to the
+whole context: the two agree only up to the window.)
+
+Gemma 3 (``gemma3``; ``Gemma3ForCausalLM``): q/k per-head norms, neox RoPE (not permuted), the
+sandwich norms renamed to Hugging Face's (``post_attention_norm`` -> ``post_attention_layernorm``,
+the attention output's norm; ``ffn_norm`` -> ``pre_feedforward_layernorm``, ``post_ffw_norm`` ->
+``post_feedforward_layernorm``), tied embeddings. What llama.cpp hard-codes for the architecture
+is set here too: with ``gemma3.attention.sliding_window`` > 0, every 6th layer global and the others
+sliding with RoPE base 10,000 (``gemma3.rope.freq_base`` is the global layers'); scores scaled by
+1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B (62 blocks) — ``query_pre_attn_scalar``.
+llama.cpp's converter stores every ``*norm.weight`` as Gemma's multiplier (1 + w), which is what a
+package holds, so the values are kept as they are. Refused, naming the key or tensor: vision parts
+(``gemma3.vision.*`` keys, ``v.*``/``mm.*`` tensors: the projector belongs in an mmproj file),
+logit soft-capping (``gemma3.final_logit_softcapping``, ``gemma3.attn_logit_softcapping``).
 
 Llama 3.1+'s "llama3" RoPE scaling comes as a ``rope_freqs.weight`` tensor (a divisor per RoPE
 frequency): kept as ``model.rope_freqs.weight``, which the runtime applies.
@@ -41,7 +54,9 @@ from calserve.errors import ValidationError
 from calserve.models.gguf_tokenizer import GGUFTokenizer, tokenizer_from_metadata
 from calserve.models.manifest import SpecialTokens
 from calserve.models.pack import DEFAULT_PROFILES, build_package
-from calserve.runtime.reference import LLAMA, QWEN2, QWEN3, ROPE_FREQS, ModelConfig, weight_shapes
+from calserve.runtime.reference import (
+    GEMMA3, LLAMA, QWEN2, QWEN3, ROPE_FREQS, ModelConfig, weight_shapes,
+)
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -53,7 +68,7 @@ __all__ = [
 ]
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-_ARCH = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": LLAMA}
+_ARCH = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": LLAMA, "gemma3": GEMMA3}
 _LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -67,6 +82,20 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's sandwich norms: its ffn_norm is the MLP's input norm, and the attention output's norm
+# is what Hugging Face calls post_attention_layernorm (llama.cpp's tensor map for GEMMA3)
+_GEMMA3_LAYER = {
+    **_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# What llama.cpp's load_hparams hard-codes for LLM_ARCH_GEMMA3 (not stored in the file): every 6th
+# layer global, the sliding layers' RoPE base, and the block count of the 27B, whose attention
+# scale is 1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim)
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_BLOCKS = 62
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -145,6 +174,8 @@ def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, s
             f"{source}: general.architecture {arch!r} is not supported (supported: {sorted(_ARCH)})"
         )
     a = arch
+    if arch == "gemma3":
+        _refuse_gemma3_extras(meta, tensors, source)
     scaling = meta.get(f"{a}.rope.scaling.type")
     if scaling not in (None, "none") or any(n.startswith("rope_factors") for n in tensors):
         raise ValidationError(f"{source}: {a}.rope.scaling.type {scaling!r}: RoPE scaling is not supported")
@@ -156,34 +187,56 @@ def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, s
         raise ValidationError(
             f"{source}: {a}.rope.dimension_count {rot} != head_dim {head_dim}: partial RoPE is not supported"
         )
+    vdim = meta.get(f"{a}.attention.value_length")
+    if vdim is not None and int(vdim) != head_dim:
+        raise ValidationError(f"{source}: {a}.attention.value_length {vdim} != head_dim {head_dim}")
     vocab = int(meta.get(f"{a}.vocab_size") or n_vocab)
     eps = float(_need(meta, f"{a}.attention.layer_norm_rms_epsilon", source))
+    layers = int(_need(meta, f"{a}.block_count", source))
+    window = int(meta.get(f"{a}.attention.sliding_window") or 0)
+    extra: dict[str, Any] = {"sliding_window": window}  # Phi-3: every layer slides (pattern 0)
+    if arch == "gemma3":
+        _need(meta, f"{a}.rope.freq_base", source)  # converters always write it; no default guessed
+        if window > 0:
+            extra.update(sliding_window_pattern=_GEMMA3_SWA_PATTERN,
+                         rope_local_theta=_GEMMA3_LOCAL_ROPE_BASE)
+        # llama.cpp: f_attention_scale = 1/sqrt(27B ? n_embd / n_head (integer division) : head_dim)
+        extra["query_pre_attn_scalar"] = float(hidden // heads if layers == _GEMMA3_27B_BLOCKS
+                                               else head_dim)
     try:
         return ModelConfig(
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=int(_need(meta, f"{a}.feed_forward_length", source)),
-            num_hidden_layers=int(_need(meta, f"{a}.block_count", source)),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(meta.get(f"{a}.attention.head_count_kv") or heads),
             head_dim=head_dim,
             rms_norm_eps=float(f"{eps:.7g}"),  # stored as float32: 1e-5 reads 9.99999974738e-06
             rope_theta=float(meta.get(f"{a}.rope.freq_base") or 10000.0),
             tie_word_embeddings="output.weight" not in tensors,
-            max_position_embeddings=_context(meta, a),
+            max_position_embeddings=int(meta.get(f"{a}.context_length") or 2048),
             architecture=_ARCH[arch],
             rope_freqs="rope_freqs.weight" in tensors,  # Llama 3.1+'s "llama3" RoPE scaling
+            **extra,
         )
     except ValueError as e:
         raise ValidationError(f"{source}: {e}") from None
 
 
-def _context(meta: Mapping[str, Any], a: str) -> int:
-    """The context the package may serve: the model's, or its attention window when smaller (up
-    to it, sliding-window attention is full attention)."""
-    ctx = int(meta.get(f"{a}.context_length") or 2048)
-    window = meta.get(f"{a}.attention.sliding_window")
-    return min(ctx, int(window)) if window else ctx
+def _refuse_gemma3_extras(meta: Mapping[str, Any], tensors: Mapping[str, Any], source: str) -> None:
+    """A gemma3 file calserve cannot compute: a vision tower or projector in it (llama.cpp keeps
+    those in a separate mmproj file), or logit soft-capping (Gemma 2's; Gemma 3's checkpoints have
+    none, but llama.cpp applies a final one a gemma3 file carries)."""
+    for k in meta:
+        if k.startswith("gemma3.vision."):
+            raise ValidationError(f"{source}: metadata key {k}: vision is not supported (text only)")
+    for n in tensors:
+        if n.startswith(("v.", "mm.")):
+            raise ValidationError(f"{source}: tensor {n}: vision is not supported (text only)")
+    for k in ("gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
+        if meta.get(k):
+            raise ValidationError(f"{source}: {k} {meta[k]}: logit soft-capping is not supported")
 
 
 def _split_fused(gname: str, w: np.ndarray, cfg: ModelConfig, gated: bool,
@@ -210,16 +263,16 @@ def _split_fused(gname: str, w: np.ndarray, cfg: ModelConfig, gated: bool,
             gate, up = np.split(w, 2)
             return [(p + "mlp.gate_proj.weight", np.ascontiguousarray(gate)),
                     (p + "mlp.up_proj.weight", np.ascontiguousarray(up))]
-    return [(_hf_name(gname, source), w)]
+    return [(_hf_name(gname, _GEMMA3_LAYER if cfg.gemma else _LAYER, source), w)]
 
 
-def _hf_name(gguf_name: str, source: str) -> str:
+def _hf_name(gguf_name: str, layer_names: Mapping[str, str], source: str) -> str:
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     m = _BLK.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER:
+    if m is None or m.group(2) not in layer_names:
         raise ValidationError(f"{source}: tensor {gguf_name} is not part of a supported decoder")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _dequantize(t: Any, source: str) -> np.ndarray:

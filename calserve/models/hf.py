@@ -1,8 +1,20 @@
-"""Reading Hugging Face Qwen3/Llama/Qwen2 checkpoints without torch, and a tiny safetensors reader/writer.
+"""Reading Hugging Face Qwen3/Llama/Qwen2/Gemma 3 checkpoints without torch, and a tiny safetensors
+reader/writer.
 
 ``safetensors.numpy`` cannot read BF16 (numpy has no bfloat16), and real Qwen3 checkpoints are BF16,
 so the header (8-byte little-endian length + JSON) is parsed here and BF16 is upcast by shifting each
 uint16 into the high half of a float32 (exact). F16 and F32 are read as such.
+
+``Gemma3ForCausalLM`` (text only; its tensor names are the other families'): the config's
+``rope_local_base_freq`` (the sliding layers' RoPE base), ``sliding_window`` with
+``sliding_window_pattern`` (or a ``layer_types`` list of "sliding_attention"/"full_attention"
+that is such a pattern) and ``query_pre_attn_scalar`` are kept; absent keys take transformers'
+``Gemma3TextConfig`` defaults (tied embeddings among them). Gemma's RMSNorm multiplies by
+``1 + weight``: 1 is added to every ``*norm.weight`` on reading, so the package holds the
+multiplier as for every family. Refused, naming the key: an activation other than
+``gelu_pytorch_tanh``, logit soft-capping, ``rope_scaling``, a ``rope_parameters`` type other than
+"default", bidirectional attention, a ``layer_types`` list that is no such pattern
+(``Gemma3ForConditionalGeneration`` checkpoints are not a supported architecture).
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import numpy as np
 
 from calserve.errors import ValidationError
 from calserve.runtime.reference import (
-    ARCHITECTURES, ROPE_FREQS, ModelConfig, bf16_round, weight_shapes,
+    ARCHITECTURES, GEMMA3, ROPE_FREQS, ModelConfig, bf16_round, weight_shapes,
 )
 
 __all__ = [
@@ -197,6 +209,76 @@ def llama3_rope_divisors(scaling: dict[str, Any], cfg: dict[str, Any], where: An
     return np.asarray(out, dtype=np.float32)
 
 
+# transformers' Gemma3TextConfig defaults, for keys a config.json leaves out
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "sliding_window": 4096, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
+def _layer_pattern(types: Any, layers: int, where: Any) -> int:
+    """The sliding_window_pattern N that ``layer_types`` spells (layer i full when (i + 1) % N == 0;
+    0: every layer slides; 1: none does)."""
+    ok = isinstance(types, list) and len(types) == layers and all(
+        t in ("sliding_attention", "full_attention") for t in types)
+    full = [i for i, t in enumerate(types) if t == "full_attention"] if ok else []
+    n = full[0] + 1 if full else 0
+    if not ok or [(n == 0 or (i + 1) % n != 0) for i in range(layers)] != \
+            [t == "sliding_attention" for t in types]:
+        raise ValidationError(f"{where}: layer_types is not 'every Nth layer full attention' (the"
+                              " only layout supported)")
+    return n
+
+
+def _gemma3_config(cfg_d: Mapping[str, Any], where: Any) -> ModelConfig:
+    """A ``Gemma3ForCausalLM`` config.json as a ModelConfig (module docstring)."""
+    c = {**_GEMMA3_DEFAULTS, **{k: v for k, v in cfg_d.items() if v is not None}}
+    act = cfg_d.get("hidden_activation") or cfg_d.get("hidden_act") or c["hidden_activation"]
+    if act != "gelu_pytorch_tanh":
+        raise ValidationError(f"{where}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    for k in ("final_logit_softcapping", "attn_logit_softcapping", "rope_scaling"):
+        if cfg_d.get(k) is not None:
+            raise ValidationError(f"{where}: {k} {cfg_d[k]!r} is not supported (must be null)")
+    if cfg_d.get("use_bidirectional_attention"):
+        raise ValidationError(f"{where}: use_bidirectional_attention is true; only causal"
+                              " attention is supported")
+    global_theta, local_theta = c["rope_theta"], c["rope_local_base_freq"]
+    params = cfg_d.get("rope_parameters")  # newer transformers: per layer type
+    if isinstance(params, dict):
+        for kind in ("full_attention", "sliding_attention"):
+            p = params.get(kind) or {}
+            if p.get("rope_type", "default") != "default":
+                raise ValidationError(f"{where}: rope_parameters.{kind}.rope_type"
+                                      f" {p.get('rope_type')!r} is not supported (only 'default')")
+        global_theta = (params.get("full_attention") or {}).get("rope_theta", global_theta)
+        local_theta = (params.get("sliding_attention") or {}).get("rope_theta", local_theta)
+    layers = int(c["num_hidden_layers"])
+    pattern = int(c["sliding_window_pattern"])
+    if cfg_d.get("layer_types") is not None:
+        pattern = _layer_pattern(cfg_d["layer_types"], layers, where)
+    window = 0 if pattern == 1 else int(c["sliding_window"])  # pattern 1: every layer global
+    try:
+        base = ModelConfig.from_hf({**c, "rope_theta": global_theta})
+        return dataclasses.replace(
+            base, tie_word_embeddings=bool(c["tie_word_embeddings"]), sliding_window=window,
+            sliding_window_pattern=pattern if window else 0,
+            rope_local_theta=float(local_theta) if window else 0.0,
+            query_pre_attn_scalar=float(c["query_pre_attn_scalar"]))
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValidationError(f"{where}: {e}") from None
+
+
+def _gemma_norms(weights: dict[str, np.ndarray]) -> None:
+    """Gemma's RMSNorm computes x_normed * (1 + weight): store the multiplier, added in float32 as
+    transformers adds it (a BF16 package then rounds 1 + weight to BF16 once, where transformers
+    keeps the float32 sum)."""
+    for k, v in weights.items():
+        if k.endswith("norm.weight"):
+            weights[k] = (v.astype(np.float32) + np.float32(1.0)).astype(np.float32)
+
+
 def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
     """Read ``config.json``, the safetensors shard(s) (``model.safetensors.index.json`` when
     sharded), ``tokenizer.json`` and, when present, ``generation_config.json`` (EOS/pad/bos ids win)
@@ -223,7 +305,10 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
         raise ValidationError(f"{d / 'config.json'}: use_sliding_window is true; sliding-window "
                               "attention is not supported")
     try:
-        config = ModelConfig.from_hf(cfg_d)
+        if archs[0] == GEMMA3:
+            config = _gemma3_config(cfg_d, d / "config.json")
+        else:
+            config = ModelConfig.from_hf(cfg_d)
         if divisors is not None:
             config = dataclasses.replace(config, rope_freqs=True)
     except (KeyError, ValueError, TypeError) as e:
@@ -248,6 +333,8 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
             weights[k] = v
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if config.gemma:
+        _gemma_norms(weights)
     if divisors is not None:
         weights[ROPE_FREQS] = divisors
     want = weight_shapes(config)

@@ -1,4 +1,4 @@
-"""Building signed packages: from a HF Qwen3/Llama/Qwen2 checkpoint, or the built-in demo model
+"""Building signed packages: from a HF Qwen3/Llama/Qwen2/Gemma 3 checkpoint, or the built-in demo model
 (GGUF files: :mod:`calserve.models.gguf_import`).
 
 A package is assembled in a temp dir next to ``out`` and atomically renamed into place, so a reader

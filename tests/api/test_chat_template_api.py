@@ -11,6 +11,10 @@ from .conftest import make_config
 from .real_engine import ChatCharTokenizer, api_source, real_app
 
 SMOLLM2 = (Path(__file__).parents[1] / "models" / "chat_templates" / "smollm2.jinja").read_text()
+# Gemma 3's template as Google ships it in tokenizer_config.json (and transformers' conversion
+# script writes it): no system turn (a system message is the first user turn's prefix), roles must
+# alternate, content parts read as text
+GEMMA3 = (Path(__file__).parents[1] / "models" / "chat_templates" / "gemma3.jinja").read_text()
 
 
 class JinjaCharTokenizer(ChatCharTokenizer):
@@ -121,3 +125,26 @@ async def test_chat_template_kwargs_are_the_template_s_variables() -> None:
             for path in ("/tokenize", "/v1/chat/completions"):
                 status, body, _ = await h.post(path, {"messages": MSGS, "chat_template_kwargs": bad})
                 assert status == 400 and body["error"]["param"] == "chat_template_kwargs", body
+
+
+async def test_gemma_3_s_template() -> None:
+    """Gemma 3's own template through the API: the system message becomes the first user turn's
+    prefix, ``assistant`` is ``model``, text parts are read, and a conversation whose roles do
+    not alternate is a 400 naming ``messages`` (the template's own ``raise_exception``)."""
+    src = api_source(tokenizer=JinjaCharTokenizer(GEMMA3))
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+             {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": [{"type": "text", "text": "Bye"}]}]
+    async with real_app(make_config(), sources=[src]) as h:
+        status, body, _ = await h.post("/tokenize", {"messages": convo})
+        assert status == 200, body
+        assert body["prompt"] == ("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                                  "<start_of_turn>model\nHello.<end_of_turn>\n"
+                                  "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+        status, body, _ = await h.post("/v1/chat/completions",
+                                       {"messages": convo, "max_tokens": 2, "temperature": 0})
+        assert status == 200, body
+        status, body, _ = await h.post("/v1/chat/completions",
+                                       {"messages": [*MSGS, *MSGS], "max_tokens": 2})
+        assert status == 400 and body["error"]["param"] == "messages", body
+        assert "alternate" in body["error"]["message"]

@@ -205,8 +205,10 @@ def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path
     assert vp.manifest.model.architecture == _HF_ARCH[arch]
     assert vp.manifest.model.rope_freqs is llama31
     assert vp.manifest.model.tie_word_embeddings is tied
-    # served up to the attention window (where sliding-window attention is full attention)
-    assert vp.manifest.model.max_position_embeddings == (100 if arch == "phi3" else 256)
+    # the whole context; Phi-3's window on every layer
+    assert vp.manifest.model.max_position_embeddings == 256
+    assert vp.manifest.model.sliding_window == (100 if arch == "phi3" else 0)
+    assert vp.manifest.model.sliding_window_pattern == 0
     assert all(p.max_seq <= vp.manifest.model.max_position_embeddings for p in vp.manifest.profiles)
     assert vp.manifest.chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     ref = GGUFLlama(tmp_path / "t.gguf")
@@ -289,3 +291,48 @@ def test_cli_pack_from_gguf_bf16_then_verify(tmp_path: Path, capsys: pytest.Capt
     assert main(["pack", "--from-gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "p2"),
                  "--key", str(key)]) == 1
     assert "missing.gguf" in capsys.readouterr().err
+
+
+def test_phi3_window_past_its_length(tmp_path: Path) -> None:
+    """A Phi-3 with a 4-token window, on a 12-token prompt then decode steps: the package's
+    reference and the software runtime compute what tests/gguf_llama.py computes with the window
+    (and not what it computes without it)."""
+    from calserve.runtime.reference import ReferenceModel
+
+    cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": False})
+    write_gguf(tmp_path / "p.gguf", cfg, random_weights(cfg, seed=8), arch="phi3",
+               meta={"phi3.attention.sliding_window": 4})
+    key = tmp_path / "key"
+    generate_keypair(key)
+    pkg = pack_from_gguf(tmp_path / "p.gguf", tmp_path / "pkg", key, profiles=(1,))
+    vp = open_package(pkg, TrustStore((load_verify_key(str(key) + ".pub"),)), tmp_path,
+                      allow_outside_root=True)
+    mc = vp.manifest.model_config()
+    assert (mc.sliding_window, mc.sliding_window_pattern, mc.max_position_embeddings) == (4, 0, 256)
+    prompt = [5, 17, 99, 3, 250, 41, 8, 77, 120, 64, 2, 31]
+    want_toks, want_lps, _ = GGUFLlama(tmp_path / "p.gguf").greedy(prompt, 6)
+    ref = ReferenceModel(mc, vp.weights())
+    logits = ref.forward(prompt)[-1]
+    toks, lps = [], []
+    for _ in range(6):
+        z = logits.astype(np.float64)
+        toks.append(int(np.argmax(z)))
+        lps.append(float(z[toks[-1]] - z.max() - np.log(np.exp(z - z.max()).sum())))
+        logits = ref.forward([toks[-1]])[-1]
+    assert toks == want_toks and np.allclose(lps, want_lps, atol=1e-3)
+    full = GGUFLlama(tmp_path / "p.gguf")
+    full.window = 0
+    assert not np.allclose(full.greedy(prompt, 1)[1], want_lps[:1], atol=1e-3)  # the window matters
+    g = GGUFLlama(tmp_path / "p.gguf")
+    with Device.open() as dev:
+        cb = dev.load_calbin(mc, vp.weights(), ProfileSpec(1, 64, 1))
+        seq = cb.create_sequence()
+        r = cb.submit_prefill(seq, prompt).wait(60)
+        assert r.status is JobStatus.OK
+        for tok in prompt:
+            want = g.step(tok)
+        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
+        for i, tok in enumerate(want_toks[:-1]):
+            r = cb.submit_decode([seq], [tok], [len(prompt) + i], [True]).wait(60)
+            want = g.step(tok)
+            assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()

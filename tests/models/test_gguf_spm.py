@@ -233,3 +233,41 @@ def test_end_of_generation_tokens_by_their_text(sp: spm.SentencePieceProcessor) 
     meta["tokenizer.ggml.eos_token_id"] = len(toks) - 2
     g = tokenizer_from_metadata(meta)
     assert g.eos_token_ids == (len(toks) - 2, len(toks) - 1)
+
+
+@pytest.fixture(scope="module")
+def sp_gemma() -> spm.SentencePieceProcessor:
+    """Gemma's setup: no dummy prefix (its GGUF says ``tokenizer.ggml.add_space_prefix`` false), the
+    turn markers as control pieces."""
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_writer=model, model_type="bpe", vocab_size=400,
+        character_coverage=0.9995, byte_fallback=True, normalization_rule_name="identity",
+        add_dummy_prefix=False, remove_extra_whitespaces=False, split_digits=True,
+        allow_whitespace_only_pieces=True, control_symbols=["<start_of_turn>", "<end_of_turn>"],
+        unk_id=3, bos_id=2, eos_id=1, pad_id=0, num_threads=1, minloglevel=2)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def test_without_a_space_prefix_encodes_as_sentencepiece_does(
+        sp_gemma: spm.SentencePieceProcessor) -> None:
+    """``add_space_prefix`` false (Gemma): the ids are those of sentencepiece without a dummy prefix,
+    decoding keeps a leading space, BOS is added, and <end_of_turn> (a control piece, named by no
+    id key) ends generation after <eos>."""
+    meta = {**metadata(sp_gemma), "tokenizer.ggml.add_space_prefix": False,
+            "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+            "tokenizer.ggml.unknown_token_id": 3}
+    g = tokenizer_from_metadata(meta)
+    eot = sp_gemma.piece_to_id("<end_of_turn>")
+    assert g.eos_token_ids == (1, eot) and g.add_bos_token and g.bos_token_id == 2
+    tok = tokenizers.Tokenizer.from_str(g.tokenizer_json)
+    for text in [*dict.fromkeys(CORPUS), *TEXTS]:
+        want = sp_gemma.encode(text)
+        got = tok.encode(text, add_special_tokens=False).ids
+        assert got == want, (text, [sp_gemma.id_to_piece(i) for i in want],
+                             [sp_gemma.id_to_piece(i) for i in got])
+        assert tok.decode(got) == sp_gemma.decode(want) == text
+    assert tok.encode("Hi").ids == [2, *sp_gemma.encode("Hi")]
+    sot = sp_gemma.piece_to_id("<start_of_turn>")
+    ids = tok.encode("<start_of_turn>user\nHi<end_of_turn>\n", add_special_tokens=False).ids
+    assert ids == [sot, *sp_gemma.encode("user\nHi"), eot, *sp_gemma.encode("\n")]

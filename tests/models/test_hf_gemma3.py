@@ -1,0 +1,224 @@
+"""``calserve pack`` of a Hugging Face ``Gemma3ForCausalLM`` checkpoint written here (F32
+safetensors + config.json, Gemma's raw norm weights w of ``x_normed * (1 + w)``).
+
+The package's numpy reference must compute what :func:`hf_gemma3_logits` computes: a forward
+written here from transformers' modeling_gemma3 (no code shared with calserve): the embedding
+times sqrt(hidden_size), ``Gemma3RMSNorm`` (``* (1 + w)``), q/k norms, rotate-half RoPE from
+``rope_local_base_freq`` on a layer whose ``layer_types`` entry is "sliding_attention" (every
+layer but each ``sliding_window_pattern``-th) and ``rope_theta`` on the others, scores times
+``query_pre_attn_scalar ** -0.5``, a sliding layer's key masked unless ``kv_idx > q_idx -
+sliding_window``, the sandwich norms, ``gelu_pytorch_tanh``, the tied head — over the whole
+sequence at once, on prompts longer than the window. The refusals name the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from calserve.config import TrustConfig
+from calserve.errors import ValidationError
+from calserve.models.demo import demo_tokenizer_json
+from calserve.models.hf import load_hf_checkpoint
+from calserve.models.pack import pack_from_hf
+from calserve.models.package import open_package
+from calserve.models.signing import TrustStore, generate_keypair
+from calserve.runtime.reference import ReferenceModel
+
+N_VOCAB = len(json.loads(demo_tokenizer_json())["model"]["vocab"]) + 3  # + the added specials
+CONFIG: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": N_VOCAB,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0, "sliding_window": 4, "sliding_window_pattern": 6,
+    "query_pre_attn_scalar": 24, "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "rope_scaling": None,
+    "max_position_embeddings": 512, "attention_bias": False, "torch_dtype": "float32",
+}  # no tie_word_embeddings: Gemma3TextConfig's default (True)
+
+
+def _weights(seed: int = 0) -> dict[str, np.ndarray]:
+    """HF names and shapes; norm weights are Gemma's raw w (near 0)."""
+    rng = np.random.default_rng(seed)
+    c = CONFIG
+    h, hd, ff = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+
+    def mat(r: int, k: int, s: float | None = None) -> np.ndarray:
+        return (rng.standard_normal((r, k)) * (s or 1 / math.sqrt(k))).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": mat(N_VOCAB, h, 0.1),
+         "model.norm.weight": (0.2 * rng.standard_normal(h)).astype(np.float32)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": mat(q, h), p + "self_attn.k_proj.weight": mat(kv, h),
+                  p + "self_attn.v_proj.weight": mat(kv, h), p + "self_attn.o_proj.weight": mat(h, q),
+                  p + "mlp.gate_proj.weight": mat(ff, h), p + "mlp.up_proj.weight": mat(ff, h),
+                  p + "mlp.down_proj.weight": mat(h, ff)})
+        for n, size in (("input_layernorm", h), ("post_attention_layernorm", h),
+                        ("pre_feedforward_layernorm", h), ("post_feedforward_layernorm", h),
+                        ("self_attn.q_norm", hd), ("self_attn.k_norm", hd)):
+            w[p + n + ".weight"] = (0.2 * rng.standard_normal(size)).astype(np.float32)
+    return w
+
+
+def _f32_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        raw = np.ascontiguousarray(a, "<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    hb = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + b"".join(blobs))
+
+
+def hf_gemma3_logits(cfg: dict[str, Any], w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+    """modeling_gemma3's forward over ``ids`` (logits [T, vocab]; module docstring)."""
+    T, H, KV, D = len(ids), cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps = cfg["rms_norm_eps"]
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % cfg["sliding_window_pattern"] else "full_attention"
+        for i in range(cfg["num_hidden_layers"])]
+
+    def norm(x: np.ndarray, wt: np.ndarray) -> np.ndarray:  # Gemma3RMSNorm
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + wt)
+
+    def rope(x: np.ndarray, base: float) -> np.ndarray:  # x [T, heads, D]; rotate_half
+        inv = 1.0 / base ** (np.arange(0, D, 2, dtype=np.float64) / D)
+        emb = np.concatenate([np.outer(np.arange(T), inv)] * 2, axis=-1)  # [T, D]
+        cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+        rot = np.concatenate([-x[..., D // 2:], x[..., : D // 2]], axis=-1)
+        return (x * cos + rot * sin).astype(np.float32)
+
+    q_idx, kv_idx = np.arange(T)[:, None], np.arange(T)[None, :]
+    x = w["model.embed_tokens.weight"][ids] * np.float32(cfg["hidden_size"] ** 0.5)
+    for i, kind in enumerate(types):
+        p = f"model.layers.{i}."
+        sliding = kind == "sliding_attention"
+        h = norm(x, w[p + "input_layernorm.weight"])
+        q = norm((h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, H, D), w[p + "self_attn.q_norm.weight"])
+        k = norm((h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, KV, D), w[p + "self_attn.k_norm.weight"])
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, KV, D)
+        base = cfg["rope_local_base_freq"] if sliding else cfg["rope_theta"]
+        q, k = rope(q, base), rope(k, base)
+        allowed = kv_idx <= q_idx
+        if sliding:
+            allowed &= kv_idx > q_idx - cfg["sliding_window"]
+        out = np.empty((T, H, D), np.float32)
+        for hh in range(H):
+            g = hh // (H // KV)  # repeat_kv
+            s = (q[:, hh] @ k[:, g].T) * cfg["query_pre_attn_scalar"] ** -0.5
+            s = np.where(allowed, s, -np.inf)
+            pr = np.exp(s - s.max(axis=-1, keepdims=True))
+            out[:, hh] = (pr / pr.sum(axis=-1, keepdims=True)) @ v[:, g]
+        a = out.reshape(T, H * D) @ w[p + "self_attn.o_proj.weight"].T
+        x = x + norm(a, w[p + "post_attention_layernorm.weight"])
+        h = norm(x, w[p + "pre_feedforward_layernorm.weight"])
+        g64 = (h @ w[p + "mlp.gate_proj.weight"].T).astype(np.float64)  # gelu_pytorch_tanh
+        act = 0.5 * g64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64 ** 3)))
+        m = (act.astype(np.float32) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        x = x + norm(m, w[p + "post_feedforward_layernorm.weight"])
+    return np.asarray(norm(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T, np.float32)
+
+
+def _write(d: Path, cfg: dict[str, Any], w: dict[str, np.ndarray]) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    _f32_safetensors(d / "model.safetensors", w)
+    (d / "tokenizer.json").write_text(demo_tokenizer_json())
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "bos_token_id": 1}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
+    return d
+
+
+def _greedy(step: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    toks, lps, logits = [], [], step(prompt)
+    for _ in range(n):
+        z = logits.astype(np.float64)
+        toks.append(int(np.argmax(z)))
+        lps.append(float(z[toks[-1]] - z.max() - np.log(np.exp(z - z.max()).sum())))
+        logits = step([toks[-1]])
+    return toks, lps
+
+
+PROMPT = [5, 17, 99, 3, 250, 41, 8, 77, 120, 64, 2, 31]  # 12 tokens, three windows
+
+
+def test_packed_reference_computes_what_transformers_computes(tmp_path: Path) -> None:
+    """Config mapped (sliding layers, local RoPE base, query_pre_attn_scalar, tied by default);
+    norms stored as 1 + w; greedy tokens equal and logprobs within 1e-3 of the HF forward on a
+    prompt longer than the window; the golden tokens run on the software runtime."""
+    from calserve.models.devicecheck import golden_run
+    from calserve.runtime import Device
+
+    w = _weights()
+    d = _write(tmp_path / "ck", CONFIG, w)
+    ck = load_hf_checkpoint(d)
+    c = ck.config
+    assert c.architecture == "Gemma3ForCausalLM" and c.tie_word_embeddings
+    assert (c.sliding_window, c.sliding_window_pattern, c.rope_local_theta) == (4, 6, 10000.0)
+    assert c.query_pre_attn_scalar == 24.0 and c.rope_theta == 1_000_000.0
+    assert np.array_equal(ck.weights["model.layers.3.post_feedforward_layernorm.weight"],
+                          w["model.layers.3.post_feedforward_layernorm.weight"] + np.float32(1))
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert np.array_equal(ck.weights[up], w[up])
+    priv, pub = generate_keypair(tmp_path / "key")
+    out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1], "none", max_seq=64)
+    vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
+    assert vp.manifest.model_config() == c and vp.manifest.special_tokens.add_bos_token
+    ref = ReferenceModel(vp.manifest.model_config(), vp.weights())
+    got = _greedy(lambda ids: ref.forward(ids)[-1], PROMPT, 6)
+    seq: list[int] = []
+
+    def hf_step(ids: list[int]) -> np.ndarray:
+        seq.extend(ids)
+        return hf_gemma3_logits(CONFIG, w, seq)[-1]
+
+    want = _greedy(hf_step, PROMPT, 6)
+    assert got[0] == want[0] and np.allclose(got[1], want[1], atol=1e-3), (got, want)
+    unwindowed = hf_gemma3_logits({**CONFIG, "sliding_window": 100}, w, PROMPT)[-1]
+    assert np.abs(unwindowed - hf_gemma3_logits(CONFIG, w, PROMPT)[-1]).max() > 1e-2  # it matters
+    with Device.open(profile="sim-next") as dev:
+        ok, detail = golden_run(dev, vp, 1)
+        assert ok, detail
+
+
+def test_layer_types_and_rope_parameters_forms(tmp_path: Path) -> None:
+    """Newer transformers spell the pattern as ``layer_types`` and the bases as ``rope_parameters``:
+    the same config; all-full layer types: no window."""
+    w = _weights(1)
+    base = load_hf_checkpoint(_write(tmp_path / "a", CONFIG, w)).config
+    types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(7)]
+    newer = {k: v for k, v in CONFIG.items()
+             if k not in ("sliding_window_pattern", "rope_theta", "rope_local_base_freq")}
+    newer.update(layer_types=types, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    assert load_hf_checkpoint(_write(tmp_path / "b", newer, w)).config == base
+    full = load_hf_checkpoint(_write(tmp_path / "c", {**newer, "layer_types": ["full_attention"] * 7}, w))
+    assert full.config.sliding_window == 0 and not any(full.config.sliding(i) for i in range(7))
+
+
+@pytest.mark.parametrize(("change", "names"), [
+    ({"hidden_activation": "gelu"}, "hidden_activation"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"layer_types": ["sliding_attention", "full_attention", "full_attention"] + ["sliding_attention"] * 4},
+     "layer_types"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
+     r"rope_parameters\.sliding_attention\.rope_type"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "architectures"),
+])
+def test_refusals_name_the_key(tmp_path: Path, change: dict[str, Any], names: str) -> None:
+    d = _write(tmp_path / "ck", {**CONFIG, **change}, _weights(2))
+    with pytest.raises(ValidationError, match=names):
+        load_hf_checkpoint(d)
