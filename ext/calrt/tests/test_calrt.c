@@ -255,6 +255,17 @@ static void test_boards(void) {
   CHECK(calrt_device_close(dev) == CALRT_OK);
 }
 
+/* A sim-next device (256 MiB) whose engines compute with `threads` kernel threads (until unsetenv). */
+static calrt_device *open_sim_threads(int threads) {
+  char n[16];
+  snprintf(n, sizeof n, "%d", threads);
+  setenv("CALRT_SIM_THREADS", n, 1);
+  calrt_device *dev;
+  calrt_open_params op = {.profile = "sim-next", .dram_bytes = 256u << 20};
+  CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
+  return dev;
+}
+
 /* Llama (with Llama 3.1's RoPE frequency divisors) and Qwen2 (its q/k/v biases) through the
  * worker-thread pool: a 40-token prefill and 4 decode steps give bitwise the same logits with 1
  * and 3 kernel threads (CALRT_SIM_THREADS, read when an engine starts computing), and at B1 and in
@@ -279,10 +290,7 @@ static void test_llama_threads(int arch) {
   int32_t prompt[40];
   for (int i = 0; i < P; i++) prompt[i] = (i * 37 + 11) % V;
   for (int th = 0; th < 2; th++) {
-    setenv("CALRT_SIM_THREADS", th ? "3" : "1", 1);
-    calrt_device *dev;
-    calrt_open_params op = {.profile = "sim-next", .dram_bytes = 256u << 20};
-    CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
+    calrt_device *dev = open_sim_threads(th ? 3 : 1);
     calrt_profile prof[2] = {{1, 64, 2, CALRT_KV_FP32, 1, 0}, {4, 64, 5, CALRT_KV_FP32, 1, 0}};
     calrt_timing t0 = {0};
     for (int b = 0; b < 2; b++) {
@@ -343,10 +351,7 @@ static void test_gemma_batch(void) {
   int32_t prompt[P];
   for (int i = 0; i < P; i++) prompt[i] = (i * 37 + 11) % V;
   for (int th = 0; th < 2; th++) {
-    setenv("CALRT_SIM_THREADS", th ? "3" : "1", 1);
-    calrt_device *dev;
-    calrt_open_params op = {.profile = "sim-next", .dram_bytes = 256u << 20};
-    CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
+    calrt_device *dev = open_sim_threads(th ? 3 : 1);
     calrt_profile prof[2] = {{1, 64, 2, CALRT_KV_FP32, 1, 0}, {B, 64, B + 1, CALRT_KV_FP32, 1, 0}};
     calrt_timing t0 = {0};
     for (int b = 0; b < 2; b++) {
