@@ -83,6 +83,7 @@ class ArchitectureManifest(_Strict, kw_only=True):
     sliding_window_pattern: int = 0
     rope_local_theta: float = 0.0
     query_pre_attn_scalar: float = 0.0
+    rope_scaling_factor: float = 0.0  # linear RoPE scaling (reference.ModelConfig)
 
 
 class InactivePolicy(_Strict, kw_only=True):
@@ -215,6 +216,7 @@ class Manifest(_Strict, kw_only=True):
             sliding_window_pattern=m.sliding_window_pattern,
             rope_local_theta=m.rope_local_theta,
             query_pre_attn_scalar=m.query_pre_attn_scalar,
+            rope_scaling_factor=m.rope_scaling_factor,
         )
 
     @property

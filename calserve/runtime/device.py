@@ -475,7 +475,8 @@ class Device:
                  c.num_attention_heads, c.num_key_value_heads, c.head_dim, float(c.rms_norm_eps),
                  float(c.rope_theta), bool(c.tie_word_embeddings),
                  _ARCH_CODES[c.architecture], c.sliding_window, c.sliding_window_pattern,
-                 float(c.rope_local_theta), float(c.query_pre_attn_scalar))
+                 float(c.rope_local_theta), float(c.query_pre_attn_scalar),
+                 float(c.rope_scaling_factor))
         prof = (spec.compiled_batch, spec.max_seq, spec.max_sequences,
                 1 if spec.kv_dtype == "bf16" else 0, bool(spec.valid_mask), bool(spec.inactive_logits))
         t = timing or Timing()

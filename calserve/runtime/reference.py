@@ -33,6 +33,8 @@ sqrt(hidden_size); the attention's output RMS-normed (``post_attention_layernorm
 residual add, the MLP's input normed by ``pre_feedforward_layernorm`` and its output by
 ``post_feedforward_layernorm`` before its add; GELU (tanh approximation) instead of SiLU; scores
 divided by sqrt(query_pre_attn_scalar); the sliding layers' own RoPE base (``rope_local_theta``).
+Linear RoPE scaling (``rope_scaling_factor``: Gemma 3 4B and up, on their global layers) divides
+the frequencies of every layer but the sliding ones with their own base.
 Its norm weights are stored as the multiplier (Gemma's ``1 + weight``: importers add the 1).
 """
 
@@ -93,6 +95,10 @@ class ModelConfig:
     rope_local_theta: float = 0.0
     # attention scores are divided by sqrt(query_pre_attn_scalar) (Gemma); 0: by sqrt(head_dim)
     query_pre_attn_scalar: float = 0.0
+    # Linear RoPE scaling: every layer's RoPE frequencies divided by it (positions divided by it),
+    # except the sliding layers that have their own base (rope_local_theta > 0: Gemma 3's local
+    # layers keep theirs unscaled, as llama.cpp and Hugging Face compute them); 0 or 1: none
+    rope_scaling_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -114,8 +120,8 @@ class ModelConfig:
             raise ValueError("head_dim must be even (RoPE rotates pairs)")
         if self.sliding_window < 0 or self.sliding_window_pattern < 0:
             raise ValueError("sliding_window and sliding_window_pattern must be >= 0")
-        if self.rope_local_theta < 0 or self.query_pre_attn_scalar < 0:
-            raise ValueError("rope_local_theta and query_pre_attn_scalar must be >= 0")
+        if self.rope_local_theta < 0 or self.query_pre_attn_scalar < 0 or self.rope_scaling_factor < 0:
+            raise ValueError("rope_local_theta, query_pre_attn_scalar and rope_scaling_factor must be >= 0")
 
     def sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends to a sliding window (the fields' comment)."""
@@ -129,6 +135,13 @@ class ModelConfig:
         if self.rope_local_theta > 0 and self.sliding(layer):
             return self.rope_local_theta
         return self.rope_theta
+
+    def layer_rope_factor(self, layer: int) -> float:
+        """What ``layer``'s RoPE frequencies are divided by (linear scaling; 1: none)."""
+        f = self.rope_scaling_factor
+        if f <= 0 or (self.rope_local_theta > 0 and self.sliding(layer)):
+            return 1.0
+        return f
 
     @property
     def attn_scale(self) -> float:
@@ -260,12 +273,15 @@ def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def _rope(x: np.ndarray, positions: np.ndarray, theta: float,
-          divisors: np.ndarray | None = None) -> np.ndarray:
-    """x: [T, heads, d]; positions: [T]. Neox layout; ``divisors`` of each frequency (or None)."""
+          divisors: np.ndarray | None = None, factor: float = 1.0) -> np.ndarray:
+    """x: [T, heads, d]; positions: [T]. Neox layout; ``divisors`` of each frequency (or None),
+    then every frequency divided by ``factor`` (linear scaling)."""
     d = x.shape[-1]
     inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     if divisors is not None:
         inv_freq = inv_freq / divisors.astype(np.float64)
+    if factor != 1.0:
+        inv_freq = inv_freq / float(factor)
     freqs = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, d/2]
     cos = np.cos(freqs).astype(np.float32)[:, None, :]
     sin = np.sin(freqs).astype(np.float32)[:, None, :]
@@ -343,9 +359,9 @@ class ReferenceModel:
             if cfg.qk_norm:
                 q = _rmsnorm(q, w[p + "self_attn.q_norm.weight"], cfg.rms_norm_eps)
                 k = _rmsnorm(k, w[p + "self_attn.k_norm.weight"], cfg.rms_norm_eps)
-            theta = cfg.layer_rope_theta(i)
-            q = _rope(q, pos, theta, w.get(ROPE_FREQS))
-            k = _rope(k, pos, theta, w.get(ROPE_FREQS))
+            theta, factor = cfg.layer_rope_theta(i), cfg.layer_rope_factor(i)
+            q = _rope(q, pos, theta, w.get(ROPE_FREQS), factor)
+            k = _rope(k, pos, theta, w.get(ROPE_FREQS), factor)
             if self.kv_dtype == "bf16":
                 k, v = bf16_round(k), bf16_round(v)
             self.k_cache[i] = np.concatenate([self.k_cache[i], k.astype(np.float32)])

@@ -41,10 +41,11 @@ SMALL_LLAMA31 = ModelConfig(**{**SMALL_LLAMA.to_dict(), "rope_freqs": True})
 SMALL_QWEN2 = ModelConfig(**{**SMALL_LLAMA.to_dict(), "architecture": "Qwen2ForCausalLM",
                              "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6})
 # Gemma 3 at the same size: layers 0 and 2 slide (window 8, their own RoPE base), layers 1 and 3 are
-# global; scores divided by sqrt(24), not sqrt(head_dim).
+# global (linear RoPE scaling by 8, as Gemma 3 4B+); scores divided by sqrt(24), not sqrt(head_dim).
 SMALL_GEMMA3 = ModelConfig(**{**SMALL.to_dict(), "architecture": "Gemma3ForCausalLM", "num_hidden_layers": 4,
                               "tie_word_embeddings": True, "sliding_window": 8, "sliding_window_pattern": 2,
-                              "rope_local_theta": 10000.0, "query_pre_attn_scalar": 24.0})
+                              "rope_local_theta": 10000.0, "query_pre_attn_scalar": 24.0,
+                              "rope_scaling_factor": 8.0})
 # Llama with every layer sliding (window 6), and with every other one (window 8, RoPE base 1e4 there)
 SMALL_LLAMA_SW = ModelConfig(**{**SMALL_LLAMA.to_dict(), "sliding_window": 6})
 SMALL_LLAMA_SW2 = ModelConfig(**{**SMALL_LLAMA.to_dict(), "sliding_window": 8, "sliding_window_pattern": 2,

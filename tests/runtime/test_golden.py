@@ -64,6 +64,17 @@ CONFIGS = {
         113, 48, 96, 3, 4, 1, 16, tie_word_embeddings=True, architecture="Gemma3ForCausalLM",
         sliding_window=10, sliding_window_pattern=3, rope_local_theta=10000.0, query_pre_attn_scalar=16.0,
     ),
+    # the same with Gemma 3 4B+'s linear RoPE scaling (factor 8) of the global layer only
+    "gemma3-pattern3-linear8": ModelConfig(
+        113, 48, 96, 3, 4, 1, 16, tie_word_embeddings=True, architecture="Gemma3ForCausalLM",
+        sliding_window=10, sliding_window_pattern=3, rope_local_theta=10000.0, query_pre_attn_scalar=16.0,
+        rope_scaling_factor=8.0,
+    ),
+    # Llama with linear RoPE scaling (factor 4) of every layer
+    "llama-linear4": ModelConfig(
+        91, 40, 56, 2, 4, 4, 10, tie_word_embeddings=False, rope_theta=10000.0,
+        architecture="LlamaForCausalLM", rope_scaling_factor=4.0,
+    ),
     # Gemma 3, head_dim 64 (the specialised attention), GQA 2:1, untied, layer 0 sliding (window 5) and
     # layer 1 global, query_pre_attn_scalar != head_dim
     "gemma3-d64-untied": ModelConfig(

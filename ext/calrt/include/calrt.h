@@ -196,6 +196,9 @@ typedef struct calrt_model_desc { /* Qwen3 / Llama / Qwen2 / Gemma 3 decoder (Hu
                                    * and slides otherwise (Gemma 3: 6); 0: every layer slides */
   double rope_local_theta;        /* RoPE base of the sliding layers (Gemma 3: 10,000); 0: rope_theta */
   float query_pre_attn_scalar;    /* attention scores divided by sqrtf(it) (Gemma); 0: by sqrtf(head_dim) */
+  float rope_scaling_factor;      /* linear RoPE scaling: every layer's frequencies divided by it, but the
+                                   * sliding layers' that have their own base (rope_local_theta > 0: Gemma
+                                   * 3's local layers stay unscaled); 0 or 1: none */
 } calrt_model_desc;
 
 /* An optional tensor of any family: [head_dim / 2] float32 divisors of the RoPE frequencies

@@ -119,9 +119,9 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
        m->arch != CALRT_ARCH_GEMMA3))
     return sim_err(CALRT_E_INVALID_ARGUMENT, "model: invalid model description");
   if (m->sliding_window < 0 || m->sliding_window_pattern < 0 || !(m->rope_local_theta >= 0) ||
-      !(m->query_pre_attn_scalar >= 0))
+      !(m->query_pre_attn_scalar >= 0) || !(m->rope_scaling_factor >= 0))
     return sim_err(CALRT_E_INVALID_ARGUMENT, "model: sliding_window, sliding_window_pattern, "
-                   "rope_local_theta and query_pre_attn_scalar must be >= 0");
+                   "rope_local_theta, query_pre_attn_scalar and rope_scaling_factor must be >= 0");
   const calrt_profile *p = profile;
   if (p->compiled_batch < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.compiled_batch must be >= 1");
   if (p->compiled_batch > 1 && !dev->info.batch_profiles)
@@ -321,7 +321,7 @@ static calrt_status kv_compatible(const calrt_calbin *cb, const calrt_calbin *o)
   SAME(vocab_size); SAME(hidden_size); SAME(intermediate_size); SAME(num_hidden_layers);
   SAME(num_attention_heads); SAME(num_key_value_heads); SAME(head_dim); SAME(rms_norm_eps);
   SAME(rope_theta); SAME(tie_word_embeddings); SAME(arch); SAME(sliding_window);
-  SAME(sliding_window_pattern); SAME(rope_local_theta); SAME(query_pre_attn_scalar);
+  SAME(sliding_window_pattern); SAME(rope_local_theta); SAME(query_pre_attn_scalar); SAME(rope_scaling_factor);
 #undef SAME
   if (cb->p.max_seq != o->p.max_seq)
     return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: profile.max_seq differs (%d vs owner's %d)",

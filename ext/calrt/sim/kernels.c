@@ -581,15 +581,16 @@ static int layer_slides(const calrt_model_desc *m, int L) {
   return m->sliding_window_pattern == 0 || (L + 1) % m->sliding_window_pattern != 0;
 }
 
-/* Rows' RoPE tables of base theta: cs/sn[r * D/2 + i] = cos/sin(pos_r * theta^(-2i/D) / divisor_i),
- * in double, rounded to float once. */
-static void rope_tables(const calrt_calbin *cb, const row_info *rows, int R, double theta, float *cs,
-                        float *sn) {
+/* Rows' RoPE tables of base theta: cs/sn[r * D/2 + i] = cos/sin(pos_r * theta^(-2i/D) / divisor_i
+ * / scaling), in double, rounded to float once (scaling 1: none). */
+static void rope_tables(const calrt_calbin *cb, const row_info *rows, int R, double theta, double scaling,
+                        float *cs, float *sn) {
   const int D = cb->m.head_dim;
   for (int r = 0; r < R; r++)
     for (int i = 0; i < D / 2; i++) {
       double inv = 1.0 / pow(theta, (double)(2 * i) / (double)D);
       if (cb->rope_freqs) inv /= (double)cb->rope_freqs[i];
+      if (scaling != 1.0) inv /= scaling;
       double f = (double)rows[r].pos * inv;
       cs[(size_t)r * (D / 2) + i] = (float)cos(f);
       sn[(size_t)r * (D / 2) + i] = (float)sin(f);
@@ -608,10 +609,14 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   /* Qwen3, Gemma 3: per-head q/k RMSNorm; Llama, Qwen2: none */
   const int qkn = m->arch == CALRT_ARCH_QWEN3 || m->arch == CALRT_ARCH_GEMMA3;
   const int gemma = m->arch == CALRT_ARCH_GEMMA3;
-  /* A second set of RoPE tables when some layer slides and its base differs from the global one */
+  /* A second set of RoPE tables when some layer slides with a base of its own that differs from the
+   * global layers' (their base, or their linear scaling) */
   int any_slides = 0;
   for (int L = 0; L < m->num_hidden_layers; L++) any_slides |= layer_slides(m, L);
-  const int local_rope = any_slides && m->rope_local_theta > 0 && m->rope_local_theta != m->rope_theta;
+  /* linear RoPE scaling of every layer but sliding ones with their own base (calrt.h) */
+  const double scaling = m->rope_scaling_factor > 0 ? (double)m->rope_scaling_factor : 1.0;
+  const int local_rope = any_slides && m->rope_local_theta > 0 &&
+                         (m->rope_local_theta != m->rope_theta || scaling != 1.0);
   if (null_compute || !cb->has_weights) {
     if (job->kind == JOB_PREFILL) {
       if (job->n_tok > 0)
@@ -679,8 +684,8 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
       for (int i = 0; i < h; i++) x[(size_t)r * h + i] *= e;
     }
   }
-  rope_tables(cb, rows, R, m->rope_theta, cs, sn);
-  if (local_rope) rope_tables(cb, rows, R, m->rope_local_theta, cs_local, sn_local);
+  rope_tables(cb, rows, R, m->rope_theta, scaling, cs, sn);
+  if (local_rope) rope_tables(cb, rows, R, m->rope_local_theta, 1.0, cs_local, sn_local);
   int distinct = job->kind != JOB_PREFILL;
   for (int r = 0; r < R && distinct; r++)
     for (int r2 = 0; r2 < r; r2++)

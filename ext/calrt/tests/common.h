@@ -83,12 +83,12 @@ static void make_model_desc(test_model *tm, calrt_model_desc desc) {
 
 /* The tiny Qwen3 of most tests (its kernels run on the engine thread alone: too small for the pool). */
 static inline void make_model(test_model *tm, int tie) {
-  make_model_desc(tm, (calrt_model_desc){61, 24, 40, 2, 4, 2, 8, 1e-6f, 10000.0, tie, CALRT_ARCH_QWEN3, 0, 0, 0, 0});
+  make_model_desc(tm, (calrt_model_desc){61, 24, 40, 2, 4, 2, 8, 1e-6f, 10000.0, tie, CALRT_ARCH_QWEN3, 0, 0, 0, 0, 0});
 }
 
 /* A Llama (or Qwen2: `arch`) big enough that its gate/up matmuls (decode too) and prefill attention run on the pool. */
 static inline void make_llama(test_model *tm, int tie, int arch) {
-  make_model_desc(tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-5f, 100000.0, tie, arch, 0, 0, 0, 0});
+  make_model_desc(tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-5f, 100000.0, tie, arch, 0, 0, 0, 0, 0});
 }
 
 static void free_model(test_model *tm) {

@@ -344,7 +344,7 @@ static void test_llama_threads(int arch) {
 static void test_gemma_batch(void) {
   test_model tm;
   make_model_desc(&tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-6f, 1000000.0, 1, CALRT_ARCH_GEMMA3,
-                                          8, 2, 10000.0, 48.0f});
+                                          8, 2, 10000.0, 48.0f, 8.0f});
   enum { STEPS = 4, P = 40, B = 16, LANE = 9 };
   const int V = tm.m.vocab_size, active[4] = {0, 3, LANE, 15};
   float *out[2][2]; /* [threads 1/3][B1 / B16 lane 9] */
@@ -422,7 +422,7 @@ static void test_sliding_window(int arch) {
   test_model tm;
   const double local = arch == CALRT_ARCH_GEMMA3 ? 10000.0 : 0.0;
   make_model_desc(&tm, (calrt_model_desc){61, 24, 40, L, 4, 2, 8, 1e-6f, 1000000.0, 1, arch, W, 0, local,
-                                          arch == CALRT_ARCH_GEMMA3 ? 12.0f : 0.0f});
+                                          arch == CALRT_ARCH_GEMMA3 ? 12.0f : 0.0f, 0.0f});
   const int V = tm.m.vocab_size;
   calrt_device *dev;
   calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
