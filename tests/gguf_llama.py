@@ -9,7 +9,10 @@ architecture: "normal" for ``llama``, which rotates the adjacent pairs (2i, 2i+1
 (``attn_q.bias`` ...) before it; ``phi3`` is neox too, its q/k/v one fused ``attn_qkv`` matrix and
 its gate/up one ``ffn_up`` of twice the rows (the gate first). Only the ``gguf`` package's file
 reader is used, for the metadata and the raw bytes. A ``rope_freqs.weight`` tensor (Llama 3.1+)
-divides each RoPE frequency, as llama.cpp's ``freq_factors``. A ``phi3.attention.sliding_window``
+divides each RoPE frequency, as llama.cpp's ``freq_factors``; linear RoPE scaling multiplies every
+angle by ``freq_scale``, read as llama.cpp's load_hparams reads it (``{arch}.rope.scaling.type``,
+"linear" when absent, and 1 / ``{arch}.rope.scaling.factor`` or 1 / the older
+``{arch}.rope.scale_linear``; type "none": 1). A ``phi3.attention.sliding_window``
 W limits every layer's attention to the last W positions (Hugging Face's Phi-3; llama.cpp itself
 currently ignores Phi-3's window).
 """
@@ -63,6 +66,11 @@ class GGUFLlama:
         self.head_dim = self.d_model // self.n_head
         self.eps = float(meta(f"{a}.attention.layer_norm_rms_epsilon"))
         self.base = float(meta(f"{a}.rope.freq_base"))
+        kind = str(meta(f"{a}.rope.scaling.type")) if f"{a}.rope.scaling.type" in r.fields else "linear"
+        assert kind in ("none", "linear"), kind
+        factor = next((float(meta(k)) for k in (f"{a}.rope.scaling.factor", f"{a}.rope.scale_linear")
+                       if k in r.fields), 0.0)
+        self.freq_scale = 1.0 if kind == "none" or factor == 0.0 else 1.0 / factor
         key = f"{a}.attention.sliding_window"
         self.window = int(meta(key)) if a == "phi3" and key in r.fields else 0
         self.t: dict[str, np.ndarray] = {}
@@ -85,6 +93,7 @@ class GGUFLlama:
         ang = pos * self.base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
         if "rope_freqs.weight" in self.t:  # Llama 3.1+: llama.cpp divides each frequency
             ang = ang / self.t["rope_freqs.weight"].astype(np.float64)
+        ang = self.freq_scale * ang  # ggml's rope: theta = freq_scale * theta_extrap
         c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
         first, second = (slice(0, d // 2), slice(d // 2, d)) if self.arch != "llama" else \
             (slice(0, d, 2), slice(1, d, 2))

@@ -20,28 +20,36 @@ A model with ``{arch}.attention.sliding_window`` (Phi-3's 2,047) is packed with 
 0), which the runtime applies. (llama.cpp itself ignores Phi-3's window today and attends to the
 whole context: the two agree only up to the window.)
 
-Gemma 3 (``gemma3``; ``Gemma3ForCausalLM``): q/k per-head norms, neox RoPE (not permuted), the
-sandwich norms renamed to Hugging Face's (``post_attention_norm`` -> ``post_attention_layernorm``,
-the attention output's norm; ``ffn_norm`` -> ``pre_feedforward_layernorm``, ``post_ffw_norm`` ->
-``post_feedforward_layernorm``), tied embeddings. What llama.cpp hard-codes for the architecture
-is set here too: with ``gemma3.attention.sliding_window`` > 0, every 6th layer global and the others
-sliding with RoPE base 10,000 (``gemma3.rope.freq_base`` is the global layers'); scores scaled by
-1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B (62 blocks) — ``query_pre_attn_scalar``.
+Gemma 3 (``gemma3``; ``Gemma3ForCausalLM``; every text size, 270M to 27B): q/k per-head norms,
+neox RoPE (not permuted), the sandwich norms renamed to Hugging Face's (``post_attention_norm`` ->
+``post_attention_layernorm``, the attention output's norm; ``ffn_norm`` ->
+``pre_feedforward_layernorm``, ``post_ffw_norm`` -> ``post_feedforward_layernorm``), tied
+embeddings; the 4B and up scale their global layers' RoPE linearly (below). What llama.cpp
+hard-codes for the architecture is set here too: with ``gemma3.attention.sliding_window`` > 0,
+every 6th layer global and the others sliding with RoPE base 10,000 (``gemma3.rope.freq_base`` is
+the global layers'); scores scaled by 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B (62
+blocks) — ``query_pre_attn_scalar``.
 llama.cpp's converter stores every ``*norm.weight`` as Gemma's multiplier (1 + w), which is what a
 package holds, so the values are kept as they are. Refused, naming the key or tensor: vision parts
 (``gemma3.vision.*`` keys, ``v.*``/``mm.*`` tensors: the projector belongs in an mmproj file),
 logit soft-capping (``gemma3.final_logit_softcapping``, ``gemma3.attn_logit_softcapping``).
 
 Llama 3.1+'s "llama3" RoPE scaling comes as a ``rope_freqs.weight`` tensor (a divisor per RoPE
-frequency): kept as ``model.rope_freqs.weight``, which the runtime applies.
+frequency): kept as ``model.rope_freqs.weight``, which the runtime applies. Linear RoPE scaling
+(``{arch}.rope.scaling.type`` "linear" with ``{arch}.rope.scaling.factor``, any architecture) is
+``ModelConfig.rope_scaling_factor``: llama.cpp divides the RoPE frequencies of every layer by it,
+except Gemma 3's sliding layers (``rope_freq_scale_train_swa`` = 1 for gemma3), which is what
+Gemma 3 4B, 12B and 27B carry (factor 8, on their global layers): every text Gemma 3, 270M to 27B,
+is importable. As in llama.cpp, a factor without a type is linear, and type "none" scales nothing.
 
 Refused, naming the key: other architectures, other RoPE scaling (also Phi-3's ``rope_factors_*``
-tensors), partial rotary dimensions, biases other than Qwen2's q/k/v ones, tensor types outside the
-list.
+tensors; a "linear" one without a positive factor; ``{arch}.rope.scaling.attn_factor`` other than 1),
+partial rotary dimensions, biases other than Qwen2's q/k/v ones, tensor types outside the list.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -176,9 +184,7 @@ def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, s
     a = arch
     if arch == "gemma3":
         _refuse_gemma3_extras(meta, tensors, source)
-    scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none") or any(n.startswith("rope_factors") for n in tensors):
-        raise ValidationError(f"{source}: {a}.rope.scaling.type {scaling!r}: RoPE scaling is not supported")
+    rope_factor = _linear_rope_factor(meta, tensors, a, source)
     heads = int(_need(meta, f"{a}.attention.head_count", source))
     hidden = int(_need(meta, f"{a}.embedding_length", source))
     head_dim = int(meta.get(f"{a}.attention.key_length") or hidden // heads)
@@ -218,10 +224,42 @@ def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, s
             max_position_embeddings=int(meta.get(f"{a}.context_length") or 2048),
             architecture=_ARCH[arch],
             rope_freqs="rope_freqs.weight" in tensors,  # Llama 3.1+'s "llama3" RoPE scaling
+            rope_scaling_factor=rope_factor,
             **extra,
         )
     except ValueError as e:
         raise ValidationError(f"{source}: {e}") from None
+
+
+def _linear_rope_factor(meta: Mapping[str, Any], tensors: Mapping[str, Any], a: str,
+                        source: str) -> float:
+    """The factor of linear RoPE scaling (0: none), read as llama.cpp's load_hparams reads it: the
+    type ``{a}.rope.scaling.type`` (absent: "linear"; "none": no scaling whatever the factor) and
+    the factor ``{a}.rope.scaling.factor`` (or the older ``{a}.rope.scale_linear``). Refused, naming
+    the key: other types, Phi-3's ``rope_factors_*`` tensors, a "linear" type without a positive
+    factor, a ``{a}.rope.scaling.attn_factor`` other than 1 (llama.cpp multiplies cos and sin by
+    it)."""
+    kind = meta.get(f"{a}.rope.scaling.type")
+    if kind not in (None, "none", "linear") or any(n.startswith("rope_factors") for n in tensors):
+        raise ValidationError(f"{source}: {a}.rope.scaling.type {kind!r}: RoPE scaling other than"
+                              " linear is not supported")
+    attn = meta.get(f"{a}.rope.scaling.attn_factor")
+    if attn is not None and attn != 1.0:
+        raise ValidationError(f"{source}: {a}.rope.scaling.attn_factor {attn}: not supported (only 1)")
+    key = next((k for k in (f"{a}.rope.scaling.factor", f"{a}.rope.scale_linear")
+                if meta.get(k) is not None), None)
+    if kind == "none" or (kind is None and key is None):
+        return 0.0
+    if key is None:
+        raise ValidationError(f"{source}: {a}.rope.scaling.type 'linear' without"
+                              f" {a}.rope.scaling.factor")
+    try:
+        factor = float(f"{float(meta[key]):.7g}")  # stored as float32, as the epsilon
+    except (TypeError, ValueError):
+        factor = float("nan")
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValidationError(f"{source}: {key} {meta[key]!r}: a linear RoPE scaling factor must be > 0")
+    return factor
 
 
 def _refuse_gemma3_extras(meta: Mapping[str, Any], tensors: Mapping[str, Any], source: str) -> None:

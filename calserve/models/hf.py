@@ -9,12 +9,20 @@ uint16 into the high half of a float32 (exact). F16 and F32 are read as such.
 ``rope_local_base_freq`` (the sliding layers' RoPE base), ``sliding_window`` with
 ``sliding_window_pattern`` (or a ``layer_types`` list of "sliding_attention"/"full_attention"
 that is such a pattern) and ``query_pre_attn_scalar`` are kept; absent keys take transformers'
-``Gemma3TextConfig`` defaults (tied embeddings among them). Gemma's RMSNorm multiplies by
-``1 + weight``: 1 is added to every ``*norm.weight`` on reading, so the package holds the
-multiplier as for every family. Refused, naming the key: an activation other than
-``gelu_pytorch_tanh``, logit soft-capping, ``rope_scaling``, a ``rope_parameters`` type other than
-"default", bidirectional attention, a ``layer_types`` list that is no such pattern
+``Gemma3TextConfig`` defaults (tied embeddings among them). The 4B and up scale the global
+layers' RoPE linearly (``rope_scaling`` {"rope_type": "linear", "factor": 8}, or the
+``rope_parameters.full_attention`` entry so spelled): ``ModelConfig.rope_scaling_factor``, which
+leaves the sliding layers (their own base, no scaling, as transformers' local rotary embedding)
+alone. Gemma's RMSNorm multiplies by ``1 + weight``: 1 is added to every ``*norm.weight`` on
+reading, so the package holds the multiplier as for every family. Refused, naming the key: an
+activation other than ``gelu_pytorch_tanh``, logit soft-capping, other ``rope_scaling`` types or a
+factor that is no number > 0, a ``rope_parameters`` type other than "default" (and "linear" for
+full attention), bidirectional attention, a ``layer_types`` list that is no such pattern
 (``Gemma3ForConditionalGeneration`` checkpoints are not a supported architecture).
+
+The other families' ``rope_scaling``: Llama 3.1+'s "llama3" (a divisor per frequency, computed as
+llama.cpp's converter does) and "linear" (every frequency divided by ``factor``:
+``rope_scaling_factor``); other types refused, naming the key.
 """
 
 from __future__ import annotations
@@ -209,6 +217,22 @@ def llama3_rope_divisors(scaling: dict[str, Any], cfg: dict[str, Any], where: An
     return np.asarray(out, dtype=np.float32)
 
 
+def _scaling_kind(scaling: Any) -> Any:
+    """A ``rope_scaling`` / ``rope_parameters`` entry's type ("rope_type", or the older "type")."""
+    return scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+
+
+def linear_rope_factor(scaling: Mapping[str, Any], key: str, where: Any) -> float:
+    """The ``factor`` of a "linear" RoPE scaling entry (``key`` names it in errors): > 0, finite;
+    transformers divides the RoPE frequencies by it (``_compute_linear_scaling_rope_parameters``)."""
+    raw = scaling.get("factor")
+    factor = float(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool) else math.nan
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValidationError(f"{where}: {key}.factor {raw!r}: a linear RoPE scaling factor must be"
+                              " a number > 0")
+    return factor
+
+
 # transformers' Gemma3TextConfig defaults, for keys a config.json leaves out
 _GEMMA3_DEFAULTS: dict[str, Any] = {
     "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
@@ -238,9 +262,16 @@ def _gemma3_config(cfg_d: Mapping[str, Any], where: Any) -> ModelConfig:
     act = cfg_d.get("hidden_activation") or cfg_d.get("hidden_act") or c["hidden_activation"]
     if act != "gelu_pytorch_tanh":
         raise ValidationError(f"{where}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
-    for k in ("final_logit_softcapping", "attn_logit_softcapping", "rope_scaling"):
+    for k in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg_d.get(k) is not None:
             raise ValidationError(f"{where}: {k} {cfg_d[k]!r} is not supported (must be null)")
+    factor = 0.0  # linear RoPE scaling of the global layers (the 4B and up: 8)
+    scaling = cfg_d.get("rope_scaling")
+    if scaling is not None:
+        if _scaling_kind(scaling) != "linear":
+            raise ValidationError(f"{where}: rope_scaling {_scaling_kind(scaling)!r} is not"
+                                  " supported (Gemma 3: only \"linear\")")
+        factor = linear_rope_factor(scaling, "rope_scaling", where)
     if cfg_d.get("use_bidirectional_attention"):
         raise ValidationError(f"{where}: use_bidirectional_attention is true; only causal"
                               " attention is supported")
@@ -249,9 +280,17 @@ def _gemma3_config(cfg_d: Mapping[str, Any], where: Any) -> ModelConfig:
     if isinstance(params, dict):
         for kind in ("full_attention", "sliding_attention"):
             p = params.get(kind) or {}
-            if p.get("rope_type", "default") != "default":
+            rt = p.get("rope_type", "default")
+            if kind == "full_attention" and rt == "linear":  # the global layers' scaling
+                f = linear_rope_factor(p, f"rope_parameters.{kind}", where)
+                if scaling is not None and f != factor:
+                    raise ValidationError(f"{where}: rope_parameters.{kind}.factor {f} !="
+                                          f" rope_scaling.factor {factor}")
+                factor = f
+            elif rt != "default":
+                ok = "'default' or 'linear'" if kind == "full_attention" else "'default'"
                 raise ValidationError(f"{where}: rope_parameters.{kind}.rope_type"
-                                      f" {p.get('rope_type')!r} is not supported (only 'default')")
+                                      f" {p.get('rope_type')!r} is not supported (only {ok})")
         global_theta = (params.get("full_attention") or {}).get("rope_theta", global_theta)
         local_theta = (params.get("sliding_attention") or {}).get("rope_theta", local_theta)
     layers = int(c["num_hidden_layers"])
@@ -265,7 +304,7 @@ def _gemma3_config(cfg_d: Mapping[str, Any], where: Any) -> ModelConfig:
             base, tie_word_embeddings=bool(c["tie_word_embeddings"]), sliding_window=window,
             sliding_window_pattern=pattern if window else 0,
             rope_local_theta=float(local_theta) if window else 0.0,
-            query_pre_attn_scalar=float(c["query_pre_attn_scalar"]))
+            query_pre_attn_scalar=float(c["query_pre_attn_scalar"]), rope_scaling_factor=factor)
     except (KeyError, ValueError, TypeError) as e:
         raise ValidationError(f"{where}: {e}") from None
 
@@ -295,12 +334,16 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
             raise ValidationError(f"{d / 'config.json'}: {k} is true; biases are not supported")
     scaling = cfg_d.get("rope_scaling")
     divisors = None
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if kind != "llama3":
+    linear = 0.0  # linear RoPE scaling: every frequency divided by it
+    if scaling and archs[0] != GEMMA3:  # Gemma 3's: its global layers only (_gemma3_config)
+        kind = _scaling_kind(scaling)
+        if kind == "llama3":
+            divisors = llama3_rope_divisors(scaling, cfg_d, d / "config.json")
+        elif kind == "linear":
+            linear = linear_rope_factor(scaling, "rope_scaling", d / "config.json")
+        else:
             raise ValidationError(f"{d / 'config.json'}: rope_scaling {kind!r} is not supported"
-                                  " (only Llama 3.1+'s \"llama3\")")
-        divisors = llama3_rope_divisors(scaling, cfg_d, d / "config.json")
+                                  " (only Llama 3.1+'s \"llama3\" and \"linear\")")
     if cfg_d.get("use_sliding_window"):  # Qwen2's option (off in the released checkpoints)
         raise ValidationError(f"{d / 'config.json'}: use_sliding_window is true; sliding-window "
                               "attention is not supported")
@@ -311,6 +354,8 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
             config = ModelConfig.from_hf(cfg_d)
         if divisors is not None:
             config = dataclasses.replace(config, rope_freqs=True)
+        if linear:
+            config = dataclasses.replace(config, rope_scaling_factor=linear)
     except (KeyError, ValueError, TypeError) as e:
         raise ValidationError(f"{d / 'config.json'}: {e}") from None
     index = d / "model.safetensors.index.json"

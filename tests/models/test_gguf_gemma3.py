@@ -12,6 +12,11 @@ before the residual add, ffn_norm, GELU (tanh) gate times up, ffn_post_norm befo
 output_norm and the tied head. The prompts are longer than the window, so the window matters
 (checked). Also: the config llama.cpp hard-codes, refusals naming the key, the tokenizer's
 specials, and (once calrt-sim computes Gemma 3) the software runtime against the same forward.
+
+The 4B and up: ``gemma3.rope.scaling.type`` "linear" with ``gemma3.rope.scaling.factor`` 8, which
+llama.cpp reads as ``freq_scale`` = 1/8 (load_hparams) and applies to the global layers only
+(``rope_freq_scale_train_swa`` = 1 for gemma3; ``get_rope_freq_scale`` per layer): the forward
+here multiplies those layers' RoPE angles by it, on a longer prompt and decode steps past it.
 """
 
 from __future__ import annotations
@@ -74,7 +79,10 @@ def write_gemma3_gguf(path: Path, dims: dict[str, int] | None = None, *, seed: i
         "attention.sliding_window": d["window"], "attention.layer_norm_rms_epsilon": 1e-6,
         "rope.freq_base": 1_000_000.0}.items()}
     for k, v in {**kvs, **(meta or {})}.items():
-        (wr.add_float32 if isinstance(v, float) else wr.add_uint32)(k, v)
+        if isinstance(v, str):
+            wr.add_string(k, v)
+        else:
+            (wr.add_float32 if isinstance(v, float) else wr.add_uint32)(k, v)
     wr.add_string("tokenizer.ggml.model", "llama")
     wr.add_string("tokenizer.ggml.pre", "default")
     wr.add_array("tokenizer.ggml.tokens", TOKENS)
@@ -129,11 +137,23 @@ def write_gemma3_gguf(path: Path, dims: dict[str, int] | None = None, *, seed: i
 class LlamaCppGemma3:
     """llama.cpp's gemma3 graph in numpy, one token at a time (module docstring)."""
 
-    def __init__(self, path: Path, *, window: bool = True) -> None:
+    def __init__(self, path: Path, *, window: bool = True, scaling: bool = True,
+                 scale_swa: bool = False) -> None:
+        """``window``/``scaling`` False: as if the file had no window/RoPE scaling; ``scale_swa``:
+        as if the sliding layers were scaled too (not llama.cpp's gemma3: counterfactuals)."""
         r = gguf.GGUFReader(str(path))
 
         def meta(k: str) -> Any:
             return r.fields[k].contents()
+
+        # load_hparams: rope.scaling.type (default "linear"), freq_scale = 1 / rope.scaling.factor
+        # (absent: 1); llama_context: type "none" never scales
+        kind = meta("gemma3.rope.scaling.type") if "gemma3.rope.scaling.type" in r.fields else "linear"
+        factor = float(meta("gemma3.rope.scaling.factor")) if "gemma3.rope.scaling.factor" in r.fields \
+            else 0.0
+        assert kind in ("none", "linear"), kind
+        self.freq_scale = 1.0 if kind == "none" or factor == 0.0 or not scaling else 1.0 / factor
+        self.scale_swa = scale_swa
 
         self.n_layer = int(meta("gemma3.block_count"))
         self.n_head = int(meta("gemma3.attention.head_count"))
@@ -158,9 +178,9 @@ class LlamaCppGemma3:
     def _swa(self, il: int) -> bool:  # hparams.set_swa_pattern(6): il % 6 < 5 slides
         return self.n_swa > 0 and il % 6 < 5
 
-    def _rope_neox(self, x: np.ndarray, pos: int, base: float) -> np.ndarray:
+    def _rope_neox(self, x: np.ndarray, pos: int, base: float, freq_scale: float) -> np.ndarray:
         d = self.d
-        theta = pos * base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+        theta = freq_scale * pos * base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
         c, s = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
         a, b = x[:, : d // 2], x[:, d // 2 :]
         return np.concatenate([a * c - b * s, a * s + b * c], axis=1)
@@ -176,8 +196,10 @@ class LlamaCppGemma3:
             k = (t[p + "attn_k.weight"] @ cur).reshape(KV, D)
             v = (t[p + "attn_v.weight"] @ cur).reshape(KV, D)
             base = 10000.0 if self._swa(il) else self.base  # rope_freq_base_train_swa
-            q = self._rope_neox(self._norm(q, t[p + "attn_q_norm.weight"]), p1, base) * self.kq_scale
-            k = self._rope_neox(self._norm(k, t[p + "attn_k_norm.weight"]), p1, base)
+            # rope_freq_scale_train_swa = 1: a sliding layer is never scaled
+            fs = 1.0 if self._swa(il) and not self.scale_swa else self.freq_scale
+            q = self._rope_neox(self._norm(q, t[p + "attn_q_norm.weight"]), p1, base, fs) * self.kq_scale
+            k = self._rope_neox(self._norm(k, t[p + "attn_k_norm.weight"]), p1, base, fs)
             self.k[il].append(k)
             self.v[il].append(v)
             K, V = np.stack(self.k[il]), np.stack(self.v[il])  # [S, KV, D]
@@ -259,6 +281,49 @@ def test_reference_computes_what_llamacpp_computes(packed: tuple[Path, Any]) -> 
     assert np.abs(full - want_logits[-1]).max() > 1e-2
 
 
+# Gemma 3 4B and up: linear RoPE scaling of the global layers, as convert_hf_to_gguf.py writes it
+LINEAR = {"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}
+LONG_PROMPT = [2, *range(371, 402), 380, 365, 385, 372, 390, 377, 366, 388]  # 40 tokens
+
+
+@pytest.fixture(scope="module")
+def packed_linear(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    d = tmp_path_factory.mktemp("gemma3-linear")
+    write_gemma3_gguf(d / "g.gguf", seed=1, meta=LINEAR)
+    generate_keypair(d / "key")
+    pkg = pack_from_gguf(d / "g.gguf", d / "pkg", d / "key", profiles=(1,))
+    vp = open_package(pkg, TrustStore((load_verify_key(str(d / "key") + ".pub"),)), d,
+                      allow_outside_root=True)
+    return d / "g.gguf", vp
+
+
+def test_linear_rope_scaling_of_the_global_layers(packed_linear: tuple[Path, Any]) -> None:
+    """The 4B+'s linear scaling: factor 8 in the package, the global layer (5) scaled and the
+    sliding ones not; on a 40-token prompt (ten windows) then 8 greedy steps the reference gives
+    llama.cpp's tokens, logprobs within 1e-3 and prompt logits within 1e-3; the factor matters
+    (unscaled, or scaling the sliding layers too, the logits differ)."""
+    path, vp = packed_linear
+    cfg = vp.manifest.model_config()
+    assert cfg.rope_scaling_factor == 8.0 and vp.manifest.model.rope_scaling_factor == 8.0
+    assert [cfg.layer_rope_factor(i) for i in range(7)] == [1.0] * 5 + [8.0, 1.0]
+    ref = ReferenceModel(cfg, vp.weights())
+    logits = ref.forward(LONG_PROMPT)
+    got_toks, got_lps = _greedy(logits[-1], 8, lambda t: ref.forward([t])[-1])
+    want_toks, want_lps, want_logits = LlamaCppGemma3(path).greedy(LONG_PROMPT, 8)
+    assert got_toks == want_toks
+    assert np.allclose(got_lps, want_lps, atol=1e-3), (got_lps, want_lps)
+    assert np.abs(logits - np.stack(want_logits)).max() < 1e-3
+    for other in (LlamaCppGemma3(path, scaling=False), LlamaCppGemma3(path, scale_swa=True)):
+        z = other.greedy(LONG_PROMPT, 1)[2][-1]
+        assert np.abs(z - want_logits[-1]).max() > 1e-2
+
+
+def test_linear_rope_scaling_on_the_software_runtime(packed_linear: tuple[Path, Any]) -> None:
+    """calrt-sim against llama.cpp's graph with the global layers scaled: prefill of 40 tokens,
+    then decode steps."""
+    runtime_equals_llamacpp(*packed_linear, LONG_PROMPT)
+
+
 def test_tokenizer_is_gemmas(packed: tuple[Path, Any]) -> None:
     """No space prefix, BOS added, the turn markers matched whole, and <end_of_turn> ends
     generation next to <eos>."""
@@ -300,6 +365,13 @@ def test_without_a_window_no_layer_slides(tmp_path: Path) -> None:
     ({"gemma3.final_logit_softcapping": 30.0}, (), "gemma3.final_logit_softcapping"),
     ({"gemma3.attn_logit_softcapping": 50.0}, (), "gemma3.attn_logit_softcapping"),
     ({"gemma3.attention.value_length": 16}, (), "gemma3.attention.value_length"),
+    ({"gemma3.rope.scaling.type": "yarn", "gemma3.rope.scaling.factor": 8.0}, (),
+     "gemma3.rope.scaling.type"),
+    ({"gemma3.rope.scaling.type": "linear"}, (), "gemma3.rope.scaling.factor"),
+    ({"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 0.0}, (),
+     "gemma3.rope.scaling.factor"),
+    ({"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": -8.0}, (),
+     "gemma3.rope.scaling.factor"),
 ])
 def test_refusals_name_the_key(tmp_path: Path, meta: dict[str, Any], tensors: tuple[str, ...],
                                names: str) -> None:
@@ -317,25 +389,30 @@ def test_unknown_architecture_is_refused(tmp_path: Path) -> None:
         read_gguf(tmp_path / "g2.gguf")
 
 
-def test_software_runtime_computes_the_same(packed: tuple[Path, Any]) -> None:
-    """calrt-sim against llama.cpp's graph: prefill past the window, then decode steps."""
+def runtime_equals_llamacpp(path: Path, vp: Any, prompt: list[int]) -> None:
+    """calrt-sim's logits of ``prompt`` (prefill) and of 3 greedy decode steps after it equal
+    those of llama.cpp's graph (``LlamaCppGemma3``) within 1e-4 of their largest."""
     from calserve.runtime import Device, JobStatus, ProfileSpec
 
-    path, vp = packed
-    want_toks, _, want_logits = LlamaCppGemma3(path).greedy(PROMPT, 4)
+    want_toks, _, want_logits = LlamaCppGemma3(path).greedy(prompt, 4)
     ref = LlamaCppGemma3(path)
-    for tok in PROMPT:
+    for tok in prompt:
         ref.step(tok)
     with Device.open() as dev:
         cb = dev.load_calbin(vp.manifest.model_config(), vp.weights(), ProfileSpec(1, 64, 1))
         seq = cb.create_sequence()
-        r = cb.submit_prefill(seq, PROMPT).wait(60)
+        r = cb.submit_prefill(seq, prompt).wait(60)
         assert r.status is JobStatus.OK
         assert np.abs(r.logits[0] - want_logits[-1]).max() <= 1e-4 * np.abs(want_logits[-1]).max()
-        pos = len(PROMPT)
+        pos = len(prompt)
         for tok in want_toks[:-1]:
             assert int(np.argmax(r.logits[0])) == tok
             r = cb.submit_decode([seq], [tok], [pos], [True]).wait(60)
             want = ref.step(tok)
             assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
             pos += 1
+
+
+def test_software_runtime_computes_the_same(packed: tuple[Path, Any]) -> None:
+    """calrt-sim against llama.cpp's graph: prefill past the window, then decode steps."""
+    runtime_equals_llamacpp(*packed, PROMPT)

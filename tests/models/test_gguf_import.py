@@ -23,7 +23,7 @@ from calserve.models.gguf_import import SUPPORTED_TYPES, pack_from_gguf, read_gg
 from calserve.models.package import open_package
 from calserve.models.signing import TrustStore, generate_keypair, load_verify_key
 from calserve.runtime import Device, JobStatus, ProfileSpec
-from calserve.runtime.reference import ModelConfig, random_weights
+from calserve.runtime.reference import ModelConfig, ReferenceModel, random_weights
 
 from gguf_llama import GGUFLlama  # tests/gguf_llama.py (tests/ is on sys.path: its conftest)
 
@@ -154,6 +154,21 @@ TINY = ModelConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num
                    architecture="LlamaForCausalLM")
 
 
+def reference_greedy(mc: ModelConfig, weights: Any, prompt: list[int], n: int
+                     ) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens of the package's reference after ``prompt``, and their logprobs."""
+    ref = ReferenceModel(mc, weights)
+    logits = ref.forward(prompt)[-1]
+    toks: list[int] = []
+    lps: list[float] = []
+    for _ in range(n):
+        z = logits.astype(np.float64)
+        toks.append(int(np.argmax(z)))
+        lps.append(float(z[toks[-1]] - z.max() - np.log(np.exp(z - z.max()).sum())))
+        logits = ref.forward([toks[-1]])[-1]
+    return toks, lps
+
+
 def test_every_supported_type_dequantizes_and_qk_rows_come_back(tmp_path: Path) -> None:
     w = random_weights(TINY, seed=3)
     lay = "model.layers.0."
@@ -242,7 +257,16 @@ def test_qwen3_gguf_is_not_permuted_and_keeps_qk_norm(tmp_path: Path) -> None:
     ("arch", "meta", "types", "names"),
     [
         ("gpt2", {}, {}, "general.architecture"),
-        ("llama", {"llama.rope.scaling.type": "linear"}, {}, "llama.rope.scaling.type"),
+        ("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, {},
+         "llama.rope.scaling.type"),
+        ("llama", {"llama.rope.scaling.type": "linear"}, {}, "llama.rope.scaling.factor"),
+        ("llama", {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, {},
+         "llama.rope.scaling.factor"),
+        ("qwen2", {"pre": "qwen2", "qwen2.rope.scaling.type": "linear", "qwen2.rope.scaling.factor": -2.0},
+         {}, "qwen2.rope.scaling.factor"),
+        ("llama", {"llama.rope.scale_linear": -4.0}, {}, "llama.rope.scale_linear"),
+        ("llama", {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0,
+                   "llama.rope.scaling.attn_factor": 0.5}, {}, "llama.rope.scaling.attn_factor"),
         ("llama", {"pre": "no-such-pre"}, {}, "tokenizer.ggml.pre"),
         ("llama", {"llama.rope.dimension_count": 32}, {}, "llama.rope.dimension_count"),
         ("llama", {}, {"model.layers.0.mlp.up_proj.weight": "Q5_0"}, "Q5_0"),
@@ -254,6 +278,61 @@ def test_refusals_name_the_key(tmp_path: Path, arch: str, meta: dict[str, Any],
     write_gguf(tmp_path / "bad.gguf", TINY, w, arch=arch, meta=meta, types=types)
     with pytest.raises(ValidationError, match=names.replace(".", r"\.")):
         read_gguf(tmp_path / "bad.gguf")
+
+
+def test_linear_rope_scaling(tmp_path: Path) -> None:
+    """A Llama GGUF with ``llama.rope.scaling.type`` "linear", factor 4 (a SuperHOT / LongChat-style
+    long-context Llama): ``rope_scaling_factor`` 4 on every layer; on a 24-token prompt then 6
+    greedy steps the package's reference gives the tokens of tests/gguf_llama.py (freq_scale 1/4,
+    Q/K rows permuted in the file) with logprobs within 1e-3, the software runtime its logits
+    within 1e-4 (relative), and unscaled the logprobs differ."""
+
+    cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": False})
+    write_gguf(tmp_path / "l.gguf", cfg, random_weights(cfg, seed=6),
+               meta={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0})
+    key = tmp_path / "key"
+    generate_keypair(key)
+    pkg = pack_from_gguf(tmp_path / "l.gguf", tmp_path / "pkg", key, profiles=(1,))
+    vp = open_package(pkg, TrustStore((load_verify_key(str(key) + ".pub"),)), tmp_path,
+                      allow_outside_root=True)
+    mc = vp.manifest.model_config()
+    assert mc.rope_scaling_factor == 4.0 and not mc.rope_freqs
+    assert [mc.layer_rope_factor(i) for i in range(2)] == [4.0, 4.0]
+    prompt = [5, 17, 99, 3, 250, 41, 8, 77, 120, 64, 2, 31, 9, 140, 66, 23, 88, 5, 210, 34, 12, 70, 150, 6]
+    want_toks, want_lps, _ = GGUFLlama(tmp_path / "l.gguf").greedy(prompt, 6)
+    toks, lps = reference_greedy(mc, vp.weights(), prompt, 6)
+    assert toks == want_toks and np.allclose(lps, want_lps, atol=1e-3), (toks, want_toks, lps, want_lps)
+    unscaled = GGUFLlama(tmp_path / "l.gguf")
+    unscaled.freq_scale = 1.0
+    assert not np.allclose(unscaled.greedy(prompt, 1)[1], want_lps[:1], atol=1e-3)  # it matters
+    g = GGUFLlama(tmp_path / "l.gguf")
+    with Device.open() as dev:
+        cb = dev.load_calbin(mc, vp.weights(), ProfileSpec(1, 64, 1))
+        seq = cb.create_sequence()
+        r = cb.submit_prefill(seq, prompt).wait(60)
+        assert r.status is JobStatus.OK
+        for tok in prompt[:-1]:
+            g.step(tok)
+        want = g.step(prompt[-1])
+        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
+        r = cb.submit_decode([seq], [want_toks[0]], [len(prompt)], [True]).wait(60)
+        want = g.step(want_toks[0])
+        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.parametrize(("meta", "factor"), [
+    ({"llama.rope.scaling.factor": 2.5}, 2.5),  # no type: llama.cpp's default is "linear"
+    ({"llama.rope.scale_linear": 2.0}, 2.0),  # the older key
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.1}, 1.1),  # float32 1.1
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, 0.0),  # "none" never scales
+    ({"llama.rope.scaling.type": "none"}, 0.0),
+])
+def test_linear_rope_scaling_keys_read_as_llamacpp_reads_them(tmp_path: Path, meta: dict[str, Any],
+                                                              factor: float) -> None:
+    write_gguf(tmp_path / "l.gguf", TINY, random_weights(TINY, seed=1), meta=meta)
+    assert read_gguf(tmp_path / "l.gguf").config.rope_scaling_factor == factor
+    g = GGUFLlama(tmp_path / "l.gguf")
+    assert g.freq_scale == pytest.approx(1 / factor if factor else 1.0, rel=1e-6)
 
 
 @pytest.mark.parametrize(("arch", "extra"), [("llama", "model.layers.0.self_attn.q_proj.bias"),
@@ -297,7 +376,6 @@ def test_phi3_window_past_its_length(tmp_path: Path) -> None:
     """A Phi-3 with a 4-token window, on a 12-token prompt then decode steps: the package's
     reference and the software runtime compute what tests/gguf_llama.py computes with the window
     (and not what it computes without it)."""
-    from calserve.runtime.reference import ReferenceModel
 
     cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": False})
     write_gguf(tmp_path / "p.gguf", cfg, random_weights(cfg, seed=8), arch="phi3",
@@ -311,14 +389,7 @@ def test_phi3_window_past_its_length(tmp_path: Path) -> None:
     assert (mc.sliding_window, mc.sliding_window_pattern, mc.max_position_embeddings) == (4, 0, 256)
     prompt = [5, 17, 99, 3, 250, 41, 8, 77, 120, 64, 2, 31]
     want_toks, want_lps, _ = GGUFLlama(tmp_path / "p.gguf").greedy(prompt, 6)
-    ref = ReferenceModel(mc, vp.weights())
-    logits = ref.forward(prompt)[-1]
-    toks, lps = [], []
-    for _ in range(6):
-        z = logits.astype(np.float64)
-        toks.append(int(np.argmax(z)))
-        lps.append(float(z[toks[-1]] - z.max() - np.log(np.exp(z - z.max()).sum())))
-        logits = ref.forward([toks[-1]])[-1]
+    toks, lps = reference_greedy(mc, vp.weights(), prompt, 6)
     assert toks == want_toks and np.allclose(lps, want_lps, atol=1e-3)
     full = GGUFLlama(tmp_path / "p.gguf")
     full.window = 0

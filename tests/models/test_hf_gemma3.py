@@ -8,7 +8,10 @@ times sqrt(hidden_size), ``Gemma3RMSNorm`` (``* (1 + w)``), q/k norms, rotate-ha
 layer but each ``sliding_window_pattern``-th) and ``rope_theta`` on the others, scores times
 ``query_pre_attn_scalar ** -0.5``, a sliding layer's key masked unless ``kv_idx > q_idx -
 sliding_window``, the sandwich norms, ``gelu_pytorch_tanh``, the tied head — over the whole
-sequence at once, on prompts longer than the window. The refusals name the key.
+sequence at once, on prompts longer than the window. The 4B and up's ``rope_scaling``
+{"rope_type": "linear", "factor": 8}: the global rotary embedding's inv_freq divided by the factor
+(``_compute_linear_scaling_rope_parameters``), the local one (``rope_scaling`` reset to
+"default") unscaled. The refusals name the key.
 """
 
 from __future__ import annotations
@@ -90,8 +93,13 @@ def hf_gemma3_logits(cfg: dict[str, Any], w: dict[str, np.ndarray], ids: list[in
     def norm(x: np.ndarray, wt: np.ndarray) -> np.ndarray:  # Gemma3RMSNorm
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + wt)
 
-    def rope(x: np.ndarray, base: float) -> np.ndarray:  # x [T, heads, D]; rotate_half
-        inv = 1.0 / base ** (np.arange(0, D, 2, dtype=np.float64) / D)
+    scaling = cfg.get("rope_scaling") or {"rope_type": "default"}
+    assert scaling.get("rope_type", scaling.get("type")) in ("default", "linear"), scaling
+    factor = float(scaling.get("factor", 1.0)) if scaling.get("rope_type", scaling.get("type")) == "linear" \
+        else 1.0
+
+    def rope(x: np.ndarray, base: float, div: float) -> np.ndarray:  # x [T, heads, D]; rotate_half
+        inv = 1.0 / base ** (np.arange(0, D, 2, dtype=np.float64) / D) / div
         emb = np.concatenate([np.outer(np.arange(T), inv)] * 2, axis=-1)  # [T, D]
         cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
         rot = np.concatenate([-x[..., D // 2:], x[..., : D // 2]], axis=-1)
@@ -107,7 +115,8 @@ def hf_gemma3_logits(cfg: dict[str, Any], w: dict[str, np.ndarray], ids: list[in
         k = norm((h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, KV, D), w[p + "self_attn.k_norm.weight"])
         v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, KV, D)
         base = cfg["rope_local_base_freq"] if sliding else cfg["rope_theta"]
-        q, k = rope(q, base), rope(k, base)
+        div = 1.0 if sliding else factor  # rotary_emb_local has no scaling; rotary_emb has it
+        q, k = rope(q, base, div), rope(k, base, div)
         allowed = kv_idx <= q_idx
         if sliding:
             allowed &= kv_idx > q_idx - cfg["sliding_window"]
@@ -206,11 +215,66 @@ def test_layer_types_and_rope_parameters_forms(tmp_path: Path) -> None:
     assert full.config.sliding_window == 0 and not any(full.config.sliding(i) for i in range(7))
 
 
+LINEAR = {"rope_type": "linear", "factor": 8.0}  # Gemma 3 4B, 12B, 27B
+
+
+def test_linear_rope_scaling_of_the_global_layers(tmp_path: Path) -> None:
+    """``rope_scaling`` linear, factor 8 (the 4B+): ``rope_scaling_factor`` 8, the global layer
+    scaled and the sliding ones not; on a 40-token prompt (ten windows) greedy tokens equal and
+    logprobs within 1e-3 of the HF forward; the factor matters; the ``rope_parameters`` spelling
+    gives the same config; the golden tokens run on the software runtime."""
+    from calserve.models.devicecheck import golden_run
+    from calserve.runtime import Device
+
+    w = _weights(3)
+    cfg = {**CONFIG, "rope_scaling": LINEAR}
+    d = _write(tmp_path / "ck", cfg, w)
+    c = load_hf_checkpoint(d).config
+    assert c.rope_scaling_factor == 8.0 and not c.rope_freqs
+    assert [c.layer_rope_factor(i) for i in range(7)] == [1.0] * 5 + [8.0, 1.0]
+    priv, pub = generate_keypair(tmp_path / "key")
+    out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1], "none", max_seq=64)
+    vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
+    assert vp.manifest.model_config() == c
+    ref = ReferenceModel(c, vp.weights())
+    prompt = PROMPT + [9, 120, 33, 7, 250, 61, 18, 90, 4, 111, 27, 300, 15, 44, 8, 170, 66, 23,
+                       140, 5, 99, 12, 230, 38, 71, 3, 160, 52]  # 40 tokens
+    got = _greedy(lambda ids: ref.forward(ids)[-1], prompt, 6)
+    seq: list[int] = []
+
+    def hf_step(ids: list[int]) -> np.ndarray:
+        seq.extend(ids)
+        return hf_gemma3_logits(cfg, w, seq)[-1]
+
+    want = _greedy(hf_step, prompt, 6)
+    assert got[0] == want[0] and np.allclose(got[1], want[1], atol=1e-3), (got, want)
+    scaled = hf_gemma3_logits(cfg, w, prompt)[-1]
+    assert np.abs(hf_gemma3_logits(CONFIG, w, prompt)[-1] - scaled).max() > 1e-2  # it matters
+    newer = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_theta", "rope_local_base_freq")}
+    newer["rope_parameters"] = {"full_attention": {**LINEAR, "rope_theta": 1_000_000.0},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    assert load_hf_checkpoint(_write(tmp_path / "newer", newer, w)).config == c
+    with Device.open(profile="sim-next") as dev:
+        ok, detail = golden_run(dev, vp, 1)
+        assert ok, detail
+
+
 @pytest.mark.parametrize(("change", "names"), [
     ({"hidden_activation": "gelu"}, "hidden_activation"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling 'llama3'"),
+    ({"rope_scaling": {"rope_type": "linear"}}, r"rope_scaling\.factor None"),
+    ({"rope_scaling": {"type": "linear", "factor": 0}}, r"rope_scaling\.factor 0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -8.0}}, r"rope_scaling\.factor -8"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "8"}}, r"rope_scaling\.factor '8'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 0.0}}},
+     r"rope_parameters\.full_attention\.factor"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 8.0}}},
+     r"rope_parameters\.full_attention\.rope_type"),
+    ({"rope_scaling": LINEAR, "rope_parameters": {"full_attention": {**LINEAR, "factor": 4.0}}},
+     r"rope_parameters\.full_attention\.factor 4\.0 != rope_scaling\.factor 8\.0"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"layer_types": ["sliding_attention", "full_attention", "full_attention"] + ["sliding_attention"] * 4},
      "layer_types"),

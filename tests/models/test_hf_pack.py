@@ -90,7 +90,7 @@ def test_hf_llama_checkpoint_is_the_llama_family(hf_dir: Path, tmp_path: Path) -
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValidationError, match="unexpected tensor .*_norm.* for a LlamaForCausalLM"):
         load_hf_checkpoint(d)  # the Qwen3 shards carry q_norm/k_norm: not a Llama's tensors
-    for key, val in (("attention_bias", True), ("rope_scaling", {"type": "linear", "factor": 2.0})):
+    for key, val in (("attention_bias", True), ("rope_scaling", {"type": "dynamic", "factor": 2.0})):
         (d / "config.json").write_text(json.dumps({**cfg, key: val}))
         with pytest.raises(ValidationError, match=key):
             load_hf_checkpoint(d)
@@ -281,3 +281,41 @@ def test_hf_llama31_rope_scaling_is_its_divisors(hf_dir: Path, tmp_path: Path) -
     (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"type": "yarn", "factor": 2}}))
     with pytest.raises(ValidationError, match="rope_scaling 'yarn'"):
         load_hf_checkpoint(d)
+
+
+def test_hf_llama_linear_rope_scaling(hf_dir: Path, tmp_path: Path) -> None:
+    """``rope_scaling: {"type": "linear", "factor": 4}`` (older Llama fine-tunes; "rope_type" the
+    newer spelling) is ``rope_scaling_factor`` 4 — every RoPE frequency divided by it, no divisor
+    tensor —; golden tokens equal the reference's and the runtime's; the factor changes the
+    logits; a factor that is no number > 0 is refused naming the key."""
+    import shutil
+
+    from calserve.runtime.reference import ReferenceModel
+
+    d = tmp_path / "linear"
+    shutil.copytree(hf_dir, d)
+    for f in d.glob("model*.safetensors*"):
+        f.unlink()
+    cfg = {**json.loads((hf_dir / "config.json").read_text()), "architectures": ["LlamaForCausalLM"],
+           "rope_scaling": {"type": "linear", "factor": 4.0}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    mc = ModelConfig.from_hf(cfg)
+    w = random_weights(mc, seed=5)
+    _raw_bf16_safetensors(d / "model.safetensors", w)
+    ck = load_hf_checkpoint(d)
+    assert ck.config.rope_scaling_factor == 4.0 and not ck.config.rope_freqs
+    assert "model.rope_freqs.weight" not in ck.weights
+    vp = _pack_and_check_golden(d, ck, tmp_path)
+    assert vp.manifest.model.rope_scaling_factor == 4.0
+    prompt = [5, 17, 99, 3, 250, 41, 8, 77]
+    scaled = ReferenceModel(ck.config, ck.weights).forward(prompt)[-1]
+    plain = ReferenceModel(mc, ck.weights).forward(prompt)[-1]
+    assert np.abs(scaled - plain).max() > 1e-2
+    newer = {"rope_type": "linear", "factor": 4.0}
+    (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": newer}))
+    assert load_hf_checkpoint(d).config == ck.config
+    for bad in ({"type": "linear"}, {"type": "linear", "factor": -1.0},
+                {"rope_type": "linear", "factor": None}):
+        (d / "config.json").write_text(json.dumps({**cfg, "rope_scaling": bad}))
+        with pytest.raises(ValidationError, match=r"rope_scaling\.factor"):
+            load_hf_checkpoint(d)
