@@ -136,13 +136,12 @@ class CallScanner:
             if not self._literal((f.close,), (_BETWEEN,)):
                 return False
             self.calls[-1].whole = True
-            if f.next is None and f.end is not None and f.end == "":
+            if f.next is None and f.end == "":  # one call an answer, nothing after it
                 self._state = _DONE
             return True
-        if s == _BETWEEN:
-            options = tuple(o for o in (f.next, f.end) if o is not None)
-            return self._literal(options, (_HEAD, _DONE)[:len(options)] if f.next is not None
-                                 else (_DONE,))
+        if s == _BETWEEN:  # the next call, or the calls' end (None: what the syntax lacks)
+            pairs = [(o, st) for o, st in ((f.next, _HEAD), (f.end, _DONE)) if o is not None]
+            return self._literal(tuple(o for o, _ in pairs), tuple(st for _, st in pairs))
         return False
 
     def _literal(self, options: tuple[str, ...], then: tuple[int, ...]) -> bool:

@@ -151,7 +151,6 @@ class ToolStreamEncoder:
             out += chunks.usage(terminal.usage)
         return out + DONE
 
-
     def _calls_delta(self, calls: list[CallDelta]) -> bytes:
         """One ``tool_calls`` delta of what ``calls`` add (a call's first with its id, type and
         name), with the logprobs not sent yet."""
