@@ -17,8 +17,19 @@ alone. Gemma's RMSNorm multiplies by ``1 + weight``: 1 is added to every ``*norm
 reading, so the package holds the multiplier as for every family. Refused, naming the key: an
 activation other than ``gelu_pytorch_tanh``, logit soft-capping, other ``rope_scaling`` types or a
 factor that is no number > 0, a ``rope_parameters`` type other than "default" (and "linear" for
-full attention), bidirectional attention, a ``layer_types`` list that is no such pattern
-(``Gemma3ForConditionalGeneration`` checkpoints are not a supported architecture).
+full attention), bidirectional attention, a ``layer_types`` list that is no such pattern.
+
+``Gemma3ForConditionalGeneration`` (Gemma 3 4B, 12B, 27B: text and vision): its TEXT model is
+imported, as a ``Gemma3ForCausalLM``. The config is ``text_config`` (Gemma3TextConfig's keys and
+defaults, as above; ``tie_word_embeddings`` there or at the top level, refused when the two
+disagree; EOS/pad/BOS ids from the top level, else ``text_config``). Tensors in either spelling
+transformers writes — older ``language_model.model.*`` / ``language_model.lm_head.weight``, newer
+``model.language_model.*`` / ``lm_head.weight`` (its ``_checkpoint_conversion_mapping``) — are
+renamed to the text model's ``model.*`` / ``lm_head.weight``; ``vision_tower.*`` and
+``multi_modal_projector.*`` (with or without ``model.``) are left out unread
+(:attr:`HFCheckpoint.note` says so); the embedding keeps every row (the text vocab, 262208 by
+default, includes the image tokens). Refused, naming it: no ``text_config`` object, any other
+tensor, a tensor spelled both ways.
 
 The other families' ``rope_scaling``: Llama 3.1+'s "llama3" (a divisor per frequency, computed as
 llama.cpp's converter does) and "linear" (every frequency divided by ``factor``:
@@ -32,7 +43,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -112,12 +123,17 @@ def _to_f32(buf: bytes, dtype: str, shape: list[int]) -> np.ndarray:
     return arr.reshape(shape)
 
 
-def load_safetensors(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Every tensor as float32 (BF16/F16 upcast exactly)."""
+def load_safetensors(
+    path: str | os.PathLike[str], keep: Callable[[str], bool] | None = None
+) -> dict[str, np.ndarray]:
+    """Every tensor (or each one ``keep`` accepts: the others are not read) as float32 (BF16/F16
+    upcast exactly)."""
     header, base = read_safetensors_header(path)
     out: dict[str, np.ndarray] = {}
     with open(path, "rb") as f:
         for name, info in header.items():
+            if keep is not None and not keep(name):
+                continue
             b, e = info["data_offsets"]
             f.seek(base + b)
             out[name] = _to_f32(f.read(e - b), info["dtype"], info["shape"])
@@ -166,8 +182,9 @@ class HFCheckpoint:
     pad_token_id: int | None
     bos_token_id: int | None
     chat_template: str | None
-    source_dtype: str  # "BF16" / "F16" / "F32" (of the first tensor)
+    source_dtype: str  # "BF16" / "F16" / "F32" (of the first tensor imported)
     add_bos_token: bool = False  # tokenizer_config.json's add_bos_token
+    note: str = ""  # what the import left out (a Gemma3ForConditionalGeneration's vision parts)
 
 
 def _read_json(p: Path) -> dict[str, Any]:
@@ -233,9 +250,12 @@ def linear_rope_factor(scaling: Mapping[str, Any], key: str, where: Any) -> floa
     return factor
 
 
-# transformers' Gemma3TextConfig defaults, for keys a config.json leaves out
+# transformers' Gemma3TextConfig defaults, for keys a config.json leaves out (a 4B's text_config
+# holds little more than its sizes and rope_scaling)
 _GEMMA3_DEFAULTS: dict[str, Any] = {
-    "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
     "sliding_window": 4096, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
     "max_position_embeddings": 131072, "tie_word_embeddings": True,
     "hidden_activation": "gelu_pytorch_tanh",
@@ -309,6 +329,43 @@ def _gemma3_config(cfg_d: Mapping[str, Any], where: Any) -> ModelConfig:
         raise ValidationError(f"{where}: {e}") from None
 
 
+GEMMA3_MM = "Gemma3ForConditionalGeneration"
+# its tensors: (prefix, the text model's) in both spellings; the vision parts, left out
+_GEMMA3_MM_TEXT = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                   ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+_GEMMA3_MM_SKIP = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                   "model.multi_modal_projector.")
+
+
+def _gemma3_text_config(cfg_d: Mapping[str, Any], where: Any) -> dict[str, Any]:
+    """A ``Gemma3ForConditionalGeneration`` config.json's ``text_config`` as a ``Gemma3ForCausalLM``
+    config.json (module docstring)."""
+    text = cfg_d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValidationError(f"{where}: text_config is {type(text).__name__}; a {GEMMA3_MM} config"
+                              " needs its text model's config (an object)")
+    top_tie, tie = cfg_d.get("tie_word_embeddings"), text.get("tie_word_embeddings")
+    if top_tie is not None and tie is not None and bool(top_tie) != bool(tie):
+        raise ValidationError(f"{where}: tie_word_embeddings {top_tie!r} !="
+                              f" text_config.tie_word_embeddings {tie!r}")
+    out = {**text, "architectures": [GEMMA3]}
+    if tie is None and top_tie is not None:
+        out["tie_word_embeddings"] = top_tie
+    return out
+
+
+def _gemma3_text_tensor(name: str, where: Any) -> str | None:
+    """A ``Gemma3ForConditionalGeneration`` tensor's text-model name (None: a vision part)."""
+    for old, new in _GEMMA3_MM_TEXT:
+        if name.startswith(old):
+            return new + name[len(old):]
+    if name.startswith(_GEMMA3_MM_SKIP):
+        return None
+    raise ValidationError(f"{where}: unexpected tensor {name} for a {GEMMA3_MM} (its text model"
+                          " under language_model.model. or model.language_model., vision_tower.,"
+                          " multi_modal_projector.)")
+
+
 def _gemma_norms(weights: dict[str, np.ndarray]) -> None:
     """Gemma's RMSNorm computes x_normed * (1 + weight): store the multiplier, added in float32 as
     transformers adds it (a BF16 package then rounds 1 + weight to BF16 once, where transformers
@@ -323,12 +380,16 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
     sharded), ``tokenizer.json`` and, when present, ``generation_config.json`` (EOS/pad/bos ids win)
     and ``tokenizer_config.json`` (chat template; EOS token by name)."""
     d = Path(src)
-    cfg_d = _read_json(d / "config.json")
+    top = cfg_d = _read_json(d / "config.json")
     archs = cfg_d.get("architectures") or ["Qwen3ForCausalLM"]
-    if archs[0] not in ARCHITECTURES:
+    if archs[0] not in (*ARCHITECTURES, GEMMA3_MM):
         raise ValidationError(
-            f"{d / 'config.json'}: architectures {archs} is not one of {list(ARCHITECTURES)}"
+            f"{d / 'config.json'}: architectures {archs} is not one of {[*ARCHITECTURES, GEMMA3_MM]}"
         )
+    multimodal = archs[0] == GEMMA3_MM
+    if multimodal:  # its text model only (module docstring)
+        cfg_d = _gemma3_text_config(top, d / "config.json")
+        archs = [GEMMA3]
     for k in ("attention_bias", "mlp_bias"):
         if cfg_d.get(k):
             raise ValidationError(f"{d / 'config.json'}: {k} is true; biases are not supported")
@@ -349,7 +410,7 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
                               "attention is not supported")
     try:
         if archs[0] == GEMMA3:
-            config = _gemma3_config(cfg_d, d / "config.json")
+            config = _gemma3_config(cfg_d, f"{d / 'config.json'}{' text_config' if multimodal else ''}")
         else:
             config = ModelConfig.from_hf(cfg_d)
         if divisors is not None:
@@ -368,16 +429,21 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
         raise ValidationError(f"{d}: no *.safetensors weights")
     weights: dict[str, np.ndarray] = {}
     source_dtype = ""
+    skipped = 0  # a Gemma3ForConditionalGeneration's vision tensors
     for s in shards:
-        if not source_dtype:
-            h, _ = read_safetensors_header(d / s)
-            source_dtype = next(iter(h.values()))["dtype"] if h else ""
-        for k, v in load_safetensors(d / s).items():
-            if k in weights:
-                raise ValidationError(f"{d / s}: tensor {k!r} also in another shard")
-            weights[k] = v
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
+        h, _ = read_safetensors_header(d / s)
+        names = {k: _gemma3_text_tensor(k, d / s) if multimodal else k for k in h}
+        skipped += sum(n is None for n in names.values())
+        if config.tie_word_embeddings:  # the head is the embedding: not read
+            names = {k: None if n == "lm_head.weight" else n for k, n in names.items()}
+        kept = {k for k, n in names.items() if n is not None}
+        source_dtype = source_dtype or next((h[k]["dtype"] for k in h if k in kept), "")
+        for k, v in load_safetensors(d / s, keep=kept.__contains__).items():
+            n = names[k] or k
+            if n in weights:
+                raise ValidationError(f"{d / s}: tensor {k!r} also in another shard" if n == k else
+                                      f"{d / s}: tensor {k!r}: {n} is also spelled another way")
+            weights[n] = v
     if config.gemma:
         _gemma_norms(weights)
     if divisors is not None:
@@ -392,14 +458,14 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
         raise ValidationError(f"{d}: tokenizer.json missing")
     gen = _read_json(d / "generation_config.json") if (d / "generation_config.json").exists() else {}
     tcfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").exists() else {}
-    eos = _ids(gen.get("eos_token_id", cfg_d.get("eos_token_id")))
+    eos = _ids(gen.get("eos_token_id", top.get("eos_token_id", cfg_d.get("eos_token_id"))))
     if not eos and isinstance(tcfg.get("eos_token"), str):
         import tokenizers
 
         i = tokenizers.Tokenizer.from_file(str(tok)).token_to_id(tcfg["eos_token"])
         eos = () if i is None else (int(i),)
-    pad = gen.get("pad_token_id", cfg_d.get("pad_token_id"))
-    bos = gen.get("bos_token_id", cfg_d.get("bos_token_id"))
+    pad = gen.get("pad_token_id", top.get("pad_token_id", cfg_d.get("pad_token_id")))
+    bos = gen.get("bos_token_id", top.get("bos_token_id", cfg_d.get("bos_token_id")))
     tmpl = tcfg.get("chat_template")
     return HFCheckpoint(
         config=config,
@@ -411,4 +477,6 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
         chat_template=tmpl if isinstance(tmpl, str) and tmpl else None,
         source_dtype=source_dtype,
         add_bos_token=bool(tcfg.get("add_bos_token", False)),
+        note=f"{GEMMA3_MM}: text model only; its vision tower and multi-modal projector ({skipped}"
+             " tensors) left out" if multimodal else "",
     )

@@ -277,7 +277,7 @@ def pack_from_hf(
         kv_dtype=kv_dtype,
         weights_dtype=ck.source_dtype or "BF16",
         chat_template=ck.chat_template or CHATML,
-        source=f"hf:{Path(src).absolute()}",
+        source=f"hf:{Path(src).absolute()}" + (f" ({ck.note})" if ck.note else ""),
         replace=replace,
     )
 

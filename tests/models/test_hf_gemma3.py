@@ -32,7 +32,7 @@ from calserve.models.hf import load_hf_checkpoint
 from calserve.models.pack import pack_from_hf
 from calserve.models.package import open_package
 from calserve.models.signing import TrustStore, generate_keypair
-from calserve.runtime.reference import ReferenceModel
+from calserve.runtime.reference import ModelConfig, ReferenceModel
 
 N_VOCAB = len(json.loads(demo_tokenizer_json())["model"]["vocab"]) + 3  # + the added specials
 CONFIG: dict[str, Any] = {
@@ -46,10 +46,9 @@ CONFIG: dict[str, Any] = {
 }  # no tie_word_embeddings: Gemma3TextConfig's default (True)
 
 
-def _weights(seed: int = 0) -> dict[str, np.ndarray]:
-    """HF names and shapes; norm weights are Gemma's raw w (near 0)."""
+def _weights(seed: int = 0, c: dict[str, Any] = CONFIG) -> dict[str, np.ndarray]:
+    """HF names and shapes (of config ``c``); norm weights are Gemma's raw w (near 0)."""
     rng = np.random.default_rng(seed)
-    c = CONFIG
     h, hd, ff = c["hidden_size"], c["head_dim"], c["intermediate_size"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
 
@@ -160,6 +159,23 @@ def _greedy(step: Any, prompt: list[int], n: int) -> tuple[list[int], list[float
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 77, 120, 64, 2, 31]  # 12 tokens, three windows
 
 
+def reference_equals_hf(c: ModelConfig, weights: Any, hf_config: dict[str, Any],
+                        w: dict[str, np.ndarray], prompt: list[int]) -> None:
+    """The package's reference (config ``c``, its ``weights``) gives the greedy tokens and
+    logprobs (within 1e-3) of the test's transformers-style forward of ``hf_config`` and the
+    checkpoint's ``w``, 6 steps after ``prompt``."""
+    ref = ReferenceModel(c, weights)
+    got = _greedy(lambda ids: ref.forward(ids)[-1], prompt, 6)
+    seq: list[int] = []
+
+    def hf_step(ids: list[int]) -> np.ndarray:
+        seq.extend(ids)
+        return hf_gemma3_logits(hf_config, w, seq)[-1]
+
+    want = _greedy(hf_step, prompt, 6)
+    assert got[0] == want[0] and np.allclose(got[1], want[1], atol=1e-3), (got, want)
+
+
 def test_packed_reference_computes_what_transformers_computes(tmp_path: Path) -> None:
     """Config mapped (sliding layers, local RoPE base, query_pre_attn_scalar, tied by default);
     norms stored as 1 + w; greedy tokens equal and logprobs within 1e-3 of the HF forward on a
@@ -182,16 +198,7 @@ def test_packed_reference_computes_what_transformers_computes(tmp_path: Path) ->
     out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1], "none", max_seq=64)
     vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
     assert vp.manifest.model_config() == c and vp.manifest.special_tokens.add_bos_token
-    ref = ReferenceModel(vp.manifest.model_config(), vp.weights())
-    got = _greedy(lambda ids: ref.forward(ids)[-1], PROMPT, 6)
-    seq: list[int] = []
-
-    def hf_step(ids: list[int]) -> np.ndarray:
-        seq.extend(ids)
-        return hf_gemma3_logits(CONFIG, w, seq)[-1]
-
-    want = _greedy(hf_step, PROMPT, 6)
-    assert got[0] == want[0] and np.allclose(got[1], want[1], atol=1e-3), (got, want)
+    reference_equals_hf(vp.manifest.model_config(), vp.weights(), CONFIG, w, PROMPT)
     unwindowed = hf_gemma3_logits({**CONFIG, "sliding_window": 100}, w, PROMPT)[-1]
     assert np.abs(unwindowed - hf_gemma3_logits(CONFIG, w, PROMPT)[-1]).max() > 1e-2  # it matters
     with Device.open(profile="sim-next") as dev:
@@ -236,18 +243,9 @@ def test_linear_rope_scaling_of_the_global_layers(tmp_path: Path) -> None:
     out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1], "none", max_seq=64)
     vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
     assert vp.manifest.model_config() == c
-    ref = ReferenceModel(c, vp.weights())
     prompt = PROMPT + [9, 120, 33, 7, 250, 61, 18, 90, 4, 111, 27, 300, 15, 44, 8, 170, 66, 23,
                        140, 5, 99, 12, 230, 38, 71, 3, 160, 52]  # 40 tokens
-    got = _greedy(lambda ids: ref.forward(ids)[-1], prompt, 6)
-    seq: list[int] = []
-
-    def hf_step(ids: list[int]) -> np.ndarray:
-        seq.extend(ids)
-        return hf_gemma3_logits(cfg, w, seq)[-1]
-
-    want = _greedy(hf_step, prompt, 6)
-    assert got[0] == want[0] and np.allclose(got[1], want[1], atol=1e-3), (got, want)
+    reference_equals_hf(c, vp.weights(), cfg, w, prompt)
     scaled = hf_gemma3_logits(cfg, w, prompt)[-1]
     assert np.abs(hf_gemma3_logits(CONFIG, w, prompt)[-1] - scaled).max() > 1e-2  # it matters
     newer = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_theta", "rope_local_base_freq")}
@@ -280,9 +278,138 @@ def test_linear_rope_scaling_of_the_global_layers(tmp_path: Path) -> None:
      "layer_types"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
      r"rope_parameters\.sliding_attention\.rope_type"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "architectures"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "text_config is NoneType"),
+    ({"architectures": ["Gemma3nForConditionalGeneration"]}, "architectures"),
 ])
 def test_refusals_name_the_key(tmp_path: Path, change: dict[str, Any], names: str) -> None:
     d = _write(tmp_path / "ck", {**CONFIG, **change}, _weights(2))
+    with pytest.raises(ValidationError, match=names):
+        load_hf_checkpoint(d)
+
+
+# Gemma3ForConditionalGeneration (4B, 12B, 27B): its text model, the vision parts left out. The
+# text_config leaves num_attention_heads (8), num_key_value_heads (4), rms_norm_eps, rope_theta,
+# rope_local_base_freq, sliding_window_pattern, hidden_activation, max_position_embeddings and
+# tie_word_embeddings to Gemma3TextConfig's defaults, as the 4B's does; TEXT is the same model as a
+# Gemma3ForCausalLM config with every key spelled out.
+TEXT = {**CONFIG, "num_attention_heads": 8, "num_key_value_heads": 4, "rope_scaling": LINEAR,
+        "max_position_embeddings": 131072}
+MM_CONFIG: dict[str, Any] = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "text_config": {"model_type": "gemma3_text", "vocab_size": N_VOCAB, "hidden_size": 64,
+                    "intermediate_size": 128, "num_hidden_layers": 7, "head_dim": 32,
+                    "sliding_window": 4, "query_pre_attn_scalar": 24, "rope_scaling": LINEAR},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8, "num_hidden_layers": 1},
+    "mm_tokens_per_image": 4, "boi_token_index": 255_999, "eoi_token_index": 256_000,
+    "image_token_index": 262_144, "eos_token_id": [1, 106], "torch_dtype": "float32",
+}
+VISION = {  # a few of SigLIP's and the projector's (two of them end in norm.weight)
+    "vision_tower.vision_model.embeddings.patch_embedding.weight": (8, 3, 2, 2),
+    "vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight": (8, 8),
+    "vision_tower.vision_model.post_layernorm.weight": (8,),
+    "multi_modal_projector.mm_input_projection_weight": (8, 64),
+    "multi_modal_projector.mm_soft_emb_norm.weight": (8,),
+}
+
+
+def _mm_tensors(w: dict[str, np.ndarray], newer: bool) -> dict[str, np.ndarray]:
+    """Text weights ``w`` (Gemma3ForCausalLM names) and the vision parts as transformers writes a
+    Gemma3ForConditionalGeneration: >= 4.52 ``model.language_model.*``, ``model.vision_tower.*``,
+    ``lm_head.weight``; before, ``language_model.model.*``, ``language_model.lm_head.weight``."""
+    rng = np.random.default_rng(9)
+    text = "model.language_model." if newer else "language_model.model."
+    out = {text + k[len("model."):]: v for k, v in w.items() if k.startswith("model.")}
+    out["lm_head.weight" if newer else "language_model.lm_head.weight"] = w["model.embed_tokens.weight"]
+    for k, shape in VISION.items():
+        out[("model." if newer else "") + k] = rng.standard_normal(shape).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("newer", [True, False], ids=["model.language_model", "language_model.model"])
+def test_conditional_generation_packs_its_text_model(
+        tmp_path: Path, newer: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Either tensor spelling: the config is the Gemma3ForCausalLM one of the same text model
+    (defaults filled in, linear RoPE scaling of the global layers), the weights the same, the
+    vision tensors (and the tied head) never read, the note says what was left out, EOS ids from
+    the top level; the package's reference computes what transformers computes (greedy tokens
+    equal, logprobs within 1e-3) and its golden tokens run on the software runtime."""
+    import calserve.models.hf as hf
+    from calserve.models.devicecheck import golden_run
+    from calserve.runtime import Device
+
+    w = _weights(4, TEXT)
+    want_ck = load_hf_checkpoint(_write(tmp_path / "causal", TEXT, w))
+    d = _write(tmp_path / "mm", MM_CONFIG, _mm_tensors(w, newer))
+    (d / "generation_config.json").unlink()  # EOS from config.json's top level
+    reads: list[list[int]] = []
+    real = hf._to_f32
+
+    def counted(buf: bytes, dtype: str, shape: list[int]) -> np.ndarray:
+        reads.append(shape)
+        return real(buf, dtype, shape)
+
+    monkeypatch.setattr(hf, "_to_f32", counted)
+    ck = load_hf_checkpoint(d)
+    monkeypatch.undo()
+    assert len(reads) == len(w)  # the text model's tensors only
+    c = ck.config
+    assert c == want_ck.config and c.architecture == "Gemma3ForCausalLM" and c.tie_word_embeddings
+    assert (c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (8, 4, N_VOCAB)
+    assert c.rope_scaling_factor == 8.0 and c.max_position_embeddings == 131072
+    assert ck.weights.keys() == want_ck.weights.keys()
+    assert all(np.array_equal(ck.weights[k], want_ck.weights[k]) for k in ck.weights)
+    assert ck.eos_token_ids == (1, 106) and ck.source_dtype == "F32"
+    assert "vision tower and multi-modal projector (5 tensors) left out" in ck.note
+    priv, pub = generate_keypair(tmp_path / "key")
+    out = pack_from_hf(d, tmp_path / "root" / "pkg", priv, [1], "none", max_seq=64)
+    vp = open_package(out, TrustStore.from_config(TrustConfig(trust_dev_key=False), [pub]), out.parent)
+    assert vp.manifest.model_config() == c
+    assert "left out" in vp.manifest.source  # the package says what it is not
+    reference_equals_hf(c, vp.weights(), TEXT, w, PROMPT)
+    with Device.open(profile="sim-next") as dev:
+        ok, detail = golden_run(dev, vp, 1)
+        assert ok, detail
+
+
+def test_conditional_generation_untied_head_and_shards(tmp_path: Path) -> None:
+    """``tie_word_embeddings`` false at the top level: the head is kept as ``lm_head.weight``;
+    the vision parts in a shard of their own (``model.safetensors.index.json``) are left out."""
+    w = _weights(5, TEXT)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"][::-1].copy()
+    tensors = _mm_tensors(w, newer=False)
+    tensors["language_model.lm_head.weight"] = w["lm_head.weight"]
+    d = _write(tmp_path / "mm", {**MM_CONFIG, "tie_word_embeddings": False}, {})
+    (d / "model.safetensors").unlink()
+    shard = {k: ("vision.safetensors" if k in VISION else "text.safetensors") for k in tensors}
+    for f in set(shard.values()):
+        _f32_safetensors(d / f, {k: v for k, v in tensors.items() if shard[k] == f})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shard}))
+    ck = load_hf_checkpoint(d)
+    assert not ck.config.tie_word_embeddings
+    assert np.array_equal(ck.weights["lm_head.weight"], w["lm_head.weight"])
+    assert ck.config == load_hf_checkpoint(
+        _write(tmp_path / "causal", {**TEXT, "tie_word_embeddings": False}, w)).config
+
+
+@pytest.mark.parametrize(("change", "extra", "names"), [
+    ({"text_config": None}, {}, "text_config is NoneType"),
+    ({"text_config": [1]}, {}, "text_config is list"),
+    ({"tie_word_embeddings": False, "text_config": {**MM_CONFIG["text_config"], "tie_word_embeddings": True}},
+     {}, "tie_word_embeddings False != text_config.tie_word_embeddings True"),
+    ({"text_config": {**MM_CONFIG["text_config"], "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}},
+     {}, "text_config: rope_scaling 'yarn'"),
+    ({"text_config": {**MM_CONFIG["text_config"], "final_logit_softcapping": 30.0}},
+     {}, "text_config: final_logit_softcapping"),
+    ({}, {"audio_tower.conv.weight": np.zeros(2, np.float32)}, "unexpected tensor audio_tower.conv.weight"),
+    ({}, {"model.layers.0.mlp.up_proj.weight": np.zeros(2, np.float32)},
+     r"unexpected tensor model\.layers\.0\.mlp\.up_proj\.weight"),
+    ({}, {"language_model.model.norm.weight": np.zeros(64, np.float32)},
+     "norm.weight': model.norm.weight is also spelled another way"),
+    ({}, {"model.language_model.layers.7.mlp.up_proj.weight": np.zeros(2, np.float32)},
+     "unexpected tensor model.layers.7.mlp.up_proj.weight"),
+])
+def test_conditional_generation_refusals_name_it(
+        tmp_path: Path, change: dict[str, Any], extra: dict[str, np.ndarray], names: str) -> None:
+    d = _write(tmp_path / "mm", {**MM_CONFIG, **change}, {**_mm_tensors(_weights(6, TEXT), True), **extra})
     with pytest.raises(ValidationError, match=names):
         load_hf_checkpoint(d)
