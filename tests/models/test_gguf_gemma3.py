@@ -31,10 +31,10 @@ import pytest
 import tokenizers
 
 from calserve.errors import ValidationError
-from calserve.models.gguf_import import pack_from_gguf, read_gguf
-from calserve.models.package import open_package
-from calserve.models.signing import TrustStore, generate_keypair, load_verify_key
+from calserve.models.gguf_import import read_gguf
 from calserve.runtime.reference import ReferenceModel
+
+from .gguf_check import pack_opened, runtime_matches
 
 # --- a SentencePiece vocabulary laid out as Gemma 3's (ids 0-3 <pad> <eos> <bos> <unk>, the turn
 # markers at 105/106, then byte pieces and normal pieces with scores) -----------------------------
@@ -242,15 +242,16 @@ def _greedy(logits: np.ndarray, n: int, step: Any) -> tuple[list[int], list[floa
 PROMPT = [2, 400, 371, 380, 365, 385, 372, 390, 377, 366, 388, 395]  # 12 tokens > window 4
 
 
+def pack_gemma3(d: Path, **write: Any) -> tuple[Path, Any]:
+    """A gemma3 GGUF (``write_gemma3_gguf``'s arguments) in ``d``, packed and opened: (its path,
+    the verified package)."""
+    write_gemma3_gguf(d / "g.gguf", **write)
+    return d / "g.gguf", pack_opened(d / "g.gguf", d)
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    d = tmp_path_factory.mktemp("gemma3")
-    write_gemma3_gguf(d / "g.gguf")
-    generate_keypair(d / "key")
-    pkg = pack_from_gguf(d / "g.gguf", d / "pkg", d / "key", profiles=(1,))
-    vp = open_package(pkg, TrustStore((load_verify_key(str(d / "key") + ".pub"),)), d,
-                      allow_outside_root=True)
-    return d / "g.gguf", vp
+    return pack_gemma3(tmp_path_factory.mktemp("gemma3"))
 
 
 def test_config_is_what_llamacpp_hardcodes(packed: tuple[Path, Any]) -> None:
@@ -265,17 +266,25 @@ def test_config_is_what_llamacpp_hardcodes(packed: tuple[Path, Any]) -> None:
     assert [cfg.sliding(i) for i in range(7)] == [True] * 5 + [False, True]
 
 
+def reference_matches_llamacpp(path: Path, cfg: Any, weights: Any, prompt: list[int]
+                               ) -> list[np.ndarray]:
+    """The package's reference (``cfg``, ``weights``) gives llama.cpp's graph's 8 greedy tokens
+    after ``prompt``, their logprobs and every prompt position's logits within 1e-3; returns the
+    graph's prompt logits."""
+    ref = ReferenceModel(cfg, weights)
+    logits = ref.forward(prompt)
+    got_toks, got_lps = _greedy(logits[-1], 8, lambda t: ref.forward([t])[-1])
+    want_toks, want_lps, want_logits = LlamaCppGemma3(path).greedy(prompt, 8)
+    assert got_toks == want_toks
+    assert np.allclose(got_lps, want_lps, atol=1e-3), (got_lps, want_lps)
+    assert np.abs(logits - np.stack(want_logits)).max() < 1e-3
+    return want_logits
+
 def test_reference_computes_what_llamacpp_computes(packed: tuple[Path, Any]) -> None:
     """Greedy tokens equal and logprobs within 1e-3 of llama.cpp's graph, on a prompt three times
     the window; the norms are used as stored (no second + 1)."""
     path, vp = packed
-    ref = ReferenceModel(vp.manifest.model_config(), vp.weights())
-    logits = ref.forward(PROMPT)
-    got_toks, got_lps = _greedy(logits[-1], 8, lambda t: ref.forward([t])[-1])
-    want_toks, want_lps, want_logits = LlamaCppGemma3(path).greedy(PROMPT, 8)
-    assert got_toks == want_toks
-    assert np.allclose(got_lps, want_lps, atol=1e-3), (got_lps, want_lps)
-    assert np.abs(logits - np.stack(want_logits)).max() < 1e-3
+    want_logits = reference_matches_llamacpp(path, vp.manifest.model_config(), vp.weights(), PROMPT)
     # the window matters here: without it the last prompt position's logits differ
     full = LlamaCppGemma3(path, window=False).greedy(PROMPT, 1)[2][-1]
     assert np.abs(full - want_logits[-1]).max() > 1e-2
@@ -288,13 +297,7 @@ LONG_PROMPT = [2, *range(371, 402), 380, 365, 385, 372, 390, 377, 366, 388]  # 4
 
 @pytest.fixture(scope="module")
 def packed_linear(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    d = tmp_path_factory.mktemp("gemma3-linear")
-    write_gemma3_gguf(d / "g.gguf", seed=1, meta=LINEAR)
-    generate_keypair(d / "key")
-    pkg = pack_from_gguf(d / "g.gguf", d / "pkg", d / "key", profiles=(1,))
-    vp = open_package(pkg, TrustStore((load_verify_key(str(d / "key") + ".pub"),)), d,
-                      allow_outside_root=True)
-    return d / "g.gguf", vp
+    return pack_gemma3(tmp_path_factory.mktemp("gemma3-linear"), seed=1, meta=LINEAR)
 
 
 def test_linear_rope_scaling_of_the_global_layers(packed_linear: tuple[Path, Any]) -> None:
@@ -306,13 +309,7 @@ def test_linear_rope_scaling_of_the_global_layers(packed_linear: tuple[Path, Any
     cfg = vp.manifest.model_config()
     assert cfg.rope_scaling_factor == 8.0 and vp.manifest.model.rope_scaling_factor == 8.0
     assert [cfg.layer_rope_factor(i) for i in range(7)] == [1.0] * 5 + [8.0, 1.0]
-    ref = ReferenceModel(cfg, vp.weights())
-    logits = ref.forward(LONG_PROMPT)
-    got_toks, got_lps = _greedy(logits[-1], 8, lambda t: ref.forward([t])[-1])
-    want_toks, want_lps, want_logits = LlamaCppGemma3(path).greedy(LONG_PROMPT, 8)
-    assert got_toks == want_toks
-    assert np.allclose(got_lps, want_lps, atol=1e-3), (got_lps, want_lps)
-    assert np.abs(logits - np.stack(want_logits)).max() < 1e-3
+    want_logits = reference_matches_llamacpp(path, cfg, vp.weights(), LONG_PROMPT)
     for other in (LlamaCppGemma3(path, scaling=False), LlamaCppGemma3(path, scale_swa=True)):
         z = other.greedy(LONG_PROMPT, 1)[2][-1]
         assert np.abs(z - want_logits[-1]).max() > 1e-2
@@ -391,26 +388,11 @@ def test_unknown_architecture_is_refused(tmp_path: Path) -> None:
 
 def runtime_equals_llamacpp(path: Path, vp: Any, prompt: list[int]) -> None:
     """calrt-sim's logits of ``prompt`` (prefill) and of 3 greedy decode steps after it equal
-    those of llama.cpp's graph (``LlamaCppGemma3``) within 1e-4 of their largest."""
-    from calserve.runtime import Device, JobStatus, ProfileSpec
-
-    want_toks, _, want_logits = LlamaCppGemma3(path).greedy(prompt, 4)
-    ref = LlamaCppGemma3(path)
-    for tok in prompt:
-        ref.step(tok)
-    with Device.open() as dev:
-        cb = dev.load_calbin(vp.manifest.model_config(), vp.weights(), ProfileSpec(1, 64, 1))
-        seq = cb.create_sequence()
-        r = cb.submit_prefill(seq, prompt).wait(60)
-        assert r.status is JobStatus.OK
-        assert np.abs(r.logits[0] - want_logits[-1]).max() <= 1e-4 * np.abs(want_logits[-1]).max()
-        pos = len(prompt)
-        for tok in want_toks[:-1]:
-            assert int(np.argmax(r.logits[0])) == tok
-            r = cb.submit_decode([seq], [tok], [pos], [True]).wait(60)
-            want = ref.step(tok)
-            assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
-            pos += 1
+    those of llama.cpp's graph (``LlamaCppGemma3``) within 1e-4 of their largest, its greedy
+    tokens the graph's."""
+    want_toks = LlamaCppGemma3(path).greedy(prompt, 4)[0]
+    runtime_matches(LlamaCppGemma3(path), vp.manifest.model_config(), vp.weights(), prompt,
+                    want_toks[:-1], greedy=True)
 
 
 def test_software_runtime_computes_the_same(packed: tuple[Path, Any]) -> None:

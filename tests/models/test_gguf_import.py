@@ -19,13 +19,12 @@ from hypothesis import strategies as st
 
 from calserve.errors import ValidationError
 from calserve.models.demo_model import demo_tokenizer_json
-from calserve.models.gguf_import import SUPPORTED_TYPES, pack_from_gguf, read_gguf, unpermute_rope_rows
-from calserve.models.package import open_package
-from calserve.models.signing import TrustStore, generate_keypair, load_verify_key
-from calserve.runtime import Device, JobStatus, ProfileSpec
+from calserve.models.gguf_import import SUPPORTED_TYPES, read_gguf, unpermute_rope_rows
 from calserve.runtime.reference import ModelConfig, ReferenceModel, random_weights
 
 from gguf_llama import GGUFLlama  # tests/gguf_llama.py (tests/ is on sys.path: its conftest)
+
+from .gguf_check import pack_opened, runtime_matches
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -212,11 +211,7 @@ def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path
     write_gguf(tmp_path / "t.gguf", cfg, w, arch=arch, meta=meta,
                types={"model.layers.1.self_attn.q_proj.weight": "Q4_1",
                       "model.layers.1.self_attn.k_proj.weight": "Q8_0"})
-    key = tmp_path / "key"
-    generate_keypair(key)
-    pkg = pack_from_gguf(tmp_path / "t.gguf", tmp_path / "pkg", key, profiles=(1,))
-    vp = open_package(pkg, TrustStore((load_verify_key(str(key) + ".pub"),)), tmp_path,
-                      allow_outside_root=True)
+    vp = pack_opened(tmp_path / "t.gguf", tmp_path)
     assert vp.manifest.model.architecture == _HF_ARCH[arch]
     assert vp.manifest.model.rope_freqs is llama31
     assert vp.manifest.model.tie_word_embeddings is tied
@@ -226,21 +221,8 @@ def test_packed_tiny_llama_computes_what_llamacpp_layout_computes(tmp_path: Path
     assert vp.manifest.model.sliding_window_pattern == 0
     assert all(p.max_seq <= vp.manifest.model.max_position_embeddings for p in vp.manifest.profiles)
     assert vp.manifest.chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    ref = GGUFLlama(tmp_path / "t.gguf")
-    prompt = [5, 17, 99, 3, 250]
-    with Device.open() as dev:
-        cb = dev.load_calbin(vp.manifest.model_config(), vp.weights(), ProfileSpec(1, 64, 1))
-        seq = cb.create_sequence()
-        r = cb.submit_prefill(seq, prompt).wait(60)
-        assert r.status is JobStatus.OK
-        for tok in prompt[:-1]:
-            ref.step(tok)
-        want = ref.step(prompt[-1])
-        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
-        nxt = int(np.argmax(r.logits[0]))
-        r = cb.submit_decode([seq], [nxt], [len(prompt)], [True]).wait(60)
-        want = ref.step(nxt)
-        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
+    runtime_matches(GGUFLlama(tmp_path / "t.gguf"), vp.manifest.model_config(), vp.weights(),
+                    [5, 17, 99, 3, 250])
 
 
 def test_qwen3_gguf_is_not_permuted_and_keeps_qk_norm(tmp_path: Path) -> None:
@@ -290,11 +272,7 @@ def test_linear_rope_scaling(tmp_path: Path) -> None:
     cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": False})
     write_gguf(tmp_path / "l.gguf", cfg, random_weights(cfg, seed=6),
                meta={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0})
-    key = tmp_path / "key"
-    generate_keypair(key)
-    pkg = pack_from_gguf(tmp_path / "l.gguf", tmp_path / "pkg", key, profiles=(1,))
-    vp = open_package(pkg, TrustStore((load_verify_key(str(key) + ".pub"),)), tmp_path,
-                      allow_outside_root=True)
+    vp = pack_opened(tmp_path / "l.gguf", tmp_path)
     mc = vp.manifest.model_config()
     assert mc.rope_scaling_factor == 4.0 and not mc.rope_freqs
     assert [mc.layer_rope_factor(i) for i in range(2)] == [4.0, 4.0]
@@ -305,19 +283,7 @@ def test_linear_rope_scaling(tmp_path: Path) -> None:
     unscaled = GGUFLlama(tmp_path / "l.gguf")
     unscaled.freq_scale = 1.0
     assert not np.allclose(unscaled.greedy(prompt, 1)[1], want_lps[:1], atol=1e-3)  # it matters
-    g = GGUFLlama(tmp_path / "l.gguf")
-    with Device.open() as dev:
-        cb = dev.load_calbin(mc, vp.weights(), ProfileSpec(1, 64, 1))
-        seq = cb.create_sequence()
-        r = cb.submit_prefill(seq, prompt).wait(60)
-        assert r.status is JobStatus.OK
-        for tok in prompt[:-1]:
-            g.step(tok)
-        want = g.step(prompt[-1])
-        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
-        r = cb.submit_decode([seq], [want_toks[0]], [len(prompt)], [True]).wait(60)
-        want = g.step(want_toks[0])
-        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
+    runtime_matches(GGUFLlama(tmp_path / "l.gguf"), mc, vp.weights(), prompt, want_toks[:1])
 
 
 @pytest.mark.parametrize(("meta", "factor"), [
@@ -380,11 +346,7 @@ def test_phi3_window_past_its_length(tmp_path: Path) -> None:
     cfg = ModelConfig(**{**TINY.to_dict(), "tie_word_embeddings": False})
     write_gguf(tmp_path / "p.gguf", cfg, random_weights(cfg, seed=8), arch="phi3",
                meta={"phi3.attention.sliding_window": 4})
-    key = tmp_path / "key"
-    generate_keypair(key)
-    pkg = pack_from_gguf(tmp_path / "p.gguf", tmp_path / "pkg", key, profiles=(1,))
-    vp = open_package(pkg, TrustStore((load_verify_key(str(key) + ".pub"),)), tmp_path,
-                      allow_outside_root=True)
+    vp = pack_opened(tmp_path / "p.gguf", tmp_path)
     mc = vp.manifest.model_config()
     assert (mc.sliding_window, mc.sliding_window_pattern, mc.max_position_embeddings) == (4, 0, 256)
     prompt = [5, 17, 99, 3, 250, 41, 8, 77, 120, 64, 2, 31]
@@ -394,16 +356,4 @@ def test_phi3_window_past_its_length(tmp_path: Path) -> None:
     full = GGUFLlama(tmp_path / "p.gguf")
     full.window = 0
     assert not np.allclose(full.greedy(prompt, 1)[1], want_lps[:1], atol=1e-3)  # the window matters
-    g = GGUFLlama(tmp_path / "p.gguf")
-    with Device.open() as dev:
-        cb = dev.load_calbin(mc, vp.weights(), ProfileSpec(1, 64, 1))
-        seq = cb.create_sequence()
-        r = cb.submit_prefill(seq, prompt).wait(60)
-        assert r.status is JobStatus.OK
-        for tok in prompt:
-            want = g.step(tok)
-        assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
-        for i, tok in enumerate(want_toks[:-1]):
-            r = cb.submit_decode([seq], [tok], [len(prompt) + i], [True]).wait(60)
-            want = g.step(tok)
-            assert np.abs(r.logits[0] - want).max() <= 1e-4 * np.abs(want).max()
+    runtime_matches(GGUFLlama(tmp_path / "p.gguf"), mc, vp.weights(), prompt, want_toks[:-1])
