@@ -124,6 +124,17 @@ class AnswerText:
         self.sent_reasoning: list[str] = []
         self.calls: list[CallDelta] = []  # what the text fed so far added to the calls, not taken
 
+    @property
+    def scan(self) -> CallScanner | None:
+        """The scan of the calls (None: no tools), fed everything :meth:`feed` was."""
+        return self._scan
+
+    def feed_calls(self, text: str) -> None:
+        """``text`` (the answer's last characters, which no delta will carry) to the calls' scan
+        alone."""
+        if self._scan is not None:
+            self._scan.feed(text)
+
     def take_calls(self) -> list[CallDelta]:
         """The calls' deltas since the last take (``api/tool_scan.py``)."""
         out, self.calls = self.calls, []
@@ -163,10 +174,12 @@ class Answer:
         """The reasoning to split off the text (none in the generic JSON tool answer)."""
         return None if self.tools is not None and self.tools.syntax == "json" else self.reasoning
 
-    def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
-        """The assistant message and ``finish_reason`` of the generated ``text``."""
+    def message(self, text: str, finish: str, stream: AnswerText | None = None
+                ) -> tuple[dict[str, Any], str]:
+        """The assistant message and ``finish_reason`` of the generated ``text`` (``stream``:
+        the answer's stream, fed all of ``text``: its scan of the calls is used, not redone)."""
         if self.tools is not None:
-            msg, finish = self.tools.message(text, finish)
+            msg, finish = self.tools.message(text, finish, None if stream is None else stream.scan)
         else:
             msg = {"role": "assistant", "content": text}
         content = msg.get("content")

@@ -226,7 +226,9 @@ class ResponsesStreamEncoder:
         if answer is None:
             msg: dict[str, Any] = {"role": "assistant", "content": full}
         else:
-            msg, fr = answer.message(full, fr)
+            if self._text is not None:
+                self._text.feed_calls(terminal.text)
+            msg, fr = answer.message(full, fr, self._text)
         status = item_status(fr)
         out = b""
         # what the stream has not sent of the reasoning and the content (the answer's own

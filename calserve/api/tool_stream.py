@@ -118,7 +118,9 @@ class ToolStreamEncoder:
     def _finish(self, terminal: FinishEvent) -> bytes:
         chunks = self._chunks
         self._all.append(terminal.text)
-        msg, fr = self._answer.message("".join(self._all), finish_reason(terminal.reason))
+        self._text.feed_calls(terminal.text)
+        msg, fr = self._answer.message("".join(self._all), finish_reason(terminal.reason),
+                                       self._text)
         lps = self._lps or None
         out = b""
         calls = msg.get("tool_calls")

@@ -168,13 +168,16 @@ class ToolCalling:
                    LLAMA_FRAMING if self.syntax == "llama3_json" else JSON_FRAMING)
         return CallScanner(framing, frozenset(t["name"] for t in self.tools))
 
-    def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
+    def message(self, text: str, finish: str, scan: CallScanner | None = None
+                ) -> tuple[dict[str, Any], str]:
         """The assistant message and ``finish_reason`` of the generated ``text``: its calls as
         far as they were written (the last one's arguments cut short when the answer was;
         ``finish_reason`` ``tool_calls`` when every call is whole), the text before them (Hermes)
-        as ``content``; an answer without a call is text (a direct answer's ``response``)."""
-        scan = self.scanner()
-        scan.feed(text)
+        as ``content``; an answer without a call is text (a direct answer's ``response``).
+        ``scan``: this syntax's scan fed ``text`` already (a stream's), else one is made."""
+        if scan is None:
+            scan = self.scanner()
+            scan.feed(text)
         if scan.calls:
             content = None
             if self.syntax == "hermes" and scan.start:
