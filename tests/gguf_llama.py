@@ -143,6 +143,18 @@ class GGUFLlama:
             x = x + t[p + "ffn_down.weight"] @ (g / (1 + np.exp(-g)) * u)
         return np.asarray(self.out @ self._norm(x, t["output_norm.weight"]), dtype=np.float32)
 
+    def scores(self, prompt: list[int]) -> list[tuple[float, float]]:
+        """(logprob of ``prompt[i]``, the highest logprob there) for i >= 1, one forward."""
+        for k, v in zip(self.k, self.v):
+            k.clear()
+            v.clear()
+        out = []
+        for i in range(len(prompt) - 1):
+            z = self.step(prompt[i]).astype(np.float64)
+            lse = z.max() + np.log(np.exp(z - z.max()).sum())
+            out.append((float(z[prompt[i + 1]] - lse), float(z.max() - lse)))
+        return out
+
     def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float], list[float]]:
         """(tokens, their logprobs, the top-2 logit gap at each step) of ``n`` greedy steps."""
         for k, v in zip(self.k, self.v):

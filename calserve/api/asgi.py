@@ -200,7 +200,7 @@ class FastRoutes:
             metrics = self._state.metrics
             metrics.prompt_tokens.labels(prep.alias, prep.request.tenant).inc(
                 len(prep.request.prompt_tokens))
-            fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=len(prep.echo_text))
+            fmt = LogprobFormatter(eng.tokenizer(prep.alias), start_offset=prep.logprob_offset(0))
             # the generation the request is pinned to (engines without one: no such field)
             fingerprint: str | None = getattr(handle, "system_fingerprint", None)
             if prep.stream:

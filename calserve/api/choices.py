@@ -81,7 +81,7 @@ async def run_json_choices(leases: list[RequestLease], metrics: ApiMetrics, prep
     got: list[tuple[dict[str, Any], Usage] | None] = [None] * len(leases)
 
     async def one(i: int) -> None:
-        fmt = LogprobFormatter(tok, start_offset=len(prep.echo_of(i)))
+        fmt = LogprobFormatter(tok, start_offset=prep.logprob_offset(i))
         got[i] = await collect_choice(leases[i], metrics, prep, fmt, i)
 
     try:
@@ -118,7 +118,7 @@ async def pump_choices(leases: list[RequestLease], send: Send, metrics: ApiMetri
     rid, created = new_id("chatcmpl" if prep.kind == "chat" else "cmpl"), now_s()
     answer = prep.answer
     encs: list[SseEncoder] = [
-        StreamEncoder.for_choice(prep, LogprobFormatter(tok, start_offset=len(prep.echo_of(i))),
+        StreamEncoder.for_choice(prep, LogprobFormatter(tok, start_offset=prep.logprob_offset(i)),
                                  rid=rid, created=created, index=i) if answer is None
         else ToolStreamEncoder.for_choice(prep, answer, LogprobFormatter(tok), rid=rid,
                                           created=created, index=i, last=False)

@@ -10,11 +10,12 @@ completion's ``prompt`` as a list of prompts (strings or token-id lists, up to
 ``api/structured.py``, ``engine/grammar.py``), and on chat ``tools`` /
 ``tool_choice`` / ``parallel_tool_calls`` and tool messages (``api/tools.py``; the prompt:
 ``api/chat_prompt.py``). Rejected because
-they would change results: ``best_of``>1 (no fork), ``suffix``, ``echo`` with ``logprobs``, the
+they would change results: ``best_of``>1 (no fork), ``suffix``, the
 legacy ``functions``/``function_call``, ``tools`` on completions or with another constraint,
 non-text content parts, and ``min_tokens``/``ignore_eos`` with a constraint or ``tools``
-(they sample past where the grammar ends). ``echo`` alone is supported (the prompt text is
-prepended).
+(they sample past where the grammar ends). ``echo`` prepends the prompt text; with ``logprobs``
+the prompt is scored too (``SamplingParams.prompt_logprobs``: its entries come first in
+``logprobs``) and ``max_tokens`` may be 0.
 
 Hostile sizes (README "Per-request limits and slow readers"): a prompt longer than the context can
 hold is refused before any tokenizing (text: :func:`calserve.api.tokenizing.check_text_fits`;
@@ -85,6 +86,13 @@ class Prepared:
         """The echoed prompt text of choice ``index`` ("" unless ``echo``)."""
         k = index // self.n
         return self.echo_text if k == 0 else self.more_prompts[k - 1][1]
+
+    def logprob_offset(self, index: int) -> int:
+        """``text_offset`` of choice ``index``'s first logprob entry: 0 when the prompt is scored
+        (its tokens' entries come first), else after the echoed prompt."""
+        if self.request.sampling.prompt_logprobs is not None:
+            return 0
+        return len(self.echo_of(index))
 
     def prompt_tokens(self) -> int:
         """Every prompt's tokens, each prompt once (``usage.prompt_tokens`` with ``n`` > 1)."""
@@ -324,11 +332,10 @@ def prepare_completion(
     n = _reject_unsupported(body, max_n)
     if body.suffix:
         raise E.UnsupportedParameter("`suffix` is not supported (no insertion mode)", param="suffix")
-    if body.echo and body.logprobs is not None:
-        raise E.UnsupportedParameter(
-            "`echo` with `logprobs` is not supported (prompt logprobs are not computed)",
-            param="echo",
-        )
+    scored = bool(body.echo) and body.logprobs is not None  # the prompt's own logprobs too
+    if body.max_tokens == 0 and not scored:
+        raise E.RequestError("`max_tokens` must be >= 1 (0 only with `echo` and `logprobs`: the"
+                             " prompt scored, nothing generated)", param="max_tokens")
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
     items = _prompt_list(body.prompt, max_prompts)
@@ -342,6 +349,8 @@ def prepare_completion(
         default_max=16, logprobs=body.logprobs, prompt_param=param,
         vocab=_vocab_size(tok, info), tok=tok,
     )
+    if scored:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=body.logprobs)
     reqs = []
     for k, ((p_ids, p_text), p_param) in enumerate(prompts):
         s = sampling if k == 0 else dataclasses.replace(sampling, max_tokens=_max_tokens(

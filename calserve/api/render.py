@@ -75,14 +75,19 @@ class LogprobFormatter:
 
     def completion(self, lps: Sequence[TokenLogprob]) -> dict[str, list[Any]]:
         tokens: list[str] = []
-        token_lps: list[float] = []
-        tops: list[dict[str, float]] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
         for lp in lps:
             p = self.piece(lp.token_id)
             tokens.append(p)
-            token_lps.append(lp.logprob)
-            tops.append({self.piece(t): v for t, v in lp.top})
+            v = lp.logprob
+            if v != v:  # NaN: a scored prompt's first token, which has no context (OpenAI: null)
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(v)
+                tops.append({self.piece(t): v for t, v in lp.top})
             offsets.append(self._offset)
             self._offset += len(p)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,

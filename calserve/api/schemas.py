@@ -109,7 +109,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 class CompletionBody(SamplingFields, kw_only=True):
     prompt: str | list[Any]
-    max_tokens: PosInt | None = None
+    max_tokens: NonNegInt | None = None  # 0: only with echo + logprobs (convert.py)
     logprobs: LogprobsK | None = None
     echo: bool | None = None
     suffix: str | None = None

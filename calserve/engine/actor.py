@@ -32,9 +32,10 @@ from typing import Any, Final, Protocol, final
 import trio
 
 from calserve.engine.detok import IncrementalDetokenizer, StopMatcher
-from calserve.engine.state import ActorMsg, Admitted, End, Seq, Tokens
+from calserve.engine.state import ActorMsg, Admitted, End, Scored, Seq, Tokens
 from calserve.engine.stream import StreamWriter
-from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, RequestTimings, Usage
+from calserve.engine.types import (ErrorEvent, FinishEvent, FinishReason, RequestTimings, TokenEvent,
+                                   Usage)
 
 __all__ = ["run_actor", "ActorInbox", "open_actor_inbox", "ActorSink"]
 
@@ -234,6 +235,8 @@ async def run_actor(
                     raise msg.error
             elif isinstance(msg, Admitted):
                 pass  # admission time is read from the request (timings)
+            elif isinstance(msg, Scored):  # the prompt's scores: before any token, no text
+                writer.put(TokenEvent((), "", msg.logprobs))
             elif isinstance(msg, End):
                 usage = Usage(len(seq.prompt), step.completion)
                 if msg.error is not None:

@@ -13,7 +13,7 @@ from operator import attrgetter
 import numpy as np
 
 from calserve.engine.logits import LaneLogits, lane_logits
-from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch
+from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch, score_tokens
 from calserve.engine.state import DeviceJob, Seq
 from calserve.engine.types import FinishReason, TokenLogprob
 
@@ -86,6 +86,47 @@ def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
     if all(map(_PLAIN_GREEDY, seqs)):
         # what sample_batch returns for such lanes, minus its setup
         return greedy_argmax(rows), [None] * len(seqs)
+    forced = [i for i, s in enumerate(seqs)
+              if s.score_upto is not None and s.score_upto < len(s.prompt)]
+    if forced:
+        return _with_scores(rows, seqs, forced)
+    return _draw(rows, seqs)
+
+
+def _with_scores(rows: np.ndarray, seqs: list[Seq], forced: list[int]) -> Sampled:
+    """:func:`sample` of a job where the lanes ``forced`` score their prompt: their "token" is
+    the next prompt token, with its logprob and top alternatives; the others draw as usual."""
+    n = len(seqs)
+    tokens: list[int] = [SAMPLE_FAILED] * n
+    lps: list[TokenLogprob | None] = [None] * n
+    fs = set(forced)
+    others = [i for i in range(n) if i not in fs]
+    if others:
+        got, got_lps = _draw(rows[others], [seqs[i] for i in others])
+        for i, t, lp in zip(others, got, got_lps, strict=True):
+            tokens[i], lps[i] = t, lp
+    fseqs = [seqs[i] for i in forced]
+    want = [int(s.prompt[s.score_upto or 0]) for s in fseqs]
+    ks = [s.req.sampling.prompt_logprobs or 0 for s in fseqs]
+    try:
+        scores: list[TokenLogprob | None] = list(score_tokens(rows[forced], want, ks))
+    except Exception:  # defence in depth: lane by lane, failures alone
+        scores = []
+        for r, (i, s) in enumerate(zip(forced, fseqs, strict=True)):
+            try:
+                scores.append(score_tokens(rows[i:i + 1], want[r:r + 1], ks[r:r + 1])[0])
+            except Exception:
+                log.exception("scoring the prompt failed for request %d", s.rid,
+                              extra={"request_id": s.rid})
+                scores.append(None)
+    for i, sc in zip(forced, scores, strict=True):
+        if sc is not None:
+            tokens[i], lps[i] = sc.token_id, sc
+    return tokens, lps
+
+
+def _draw(rows: np.ndarray, seqs: list[Seq]) -> Sampled:
+    """One drawn token per sequence (the lanes' own settings), lane by lane after a failure."""
     vocab = rows.shape[1]
     try:
         lanes = _lanes(seqs, vocab)

@@ -253,6 +253,8 @@ class EngineCore:
         r = outcome.result
         if r is None or r.status is not JobStatus.OK or outcome.timed_out:
             return None
+        if self.requests.scoring and self.requests.scoring_in(job.seqs):
+            return None  # a request scoring its prompt: the general path (StepHandler._scored)
         cont = self.planner.can_continue(job, engine, 0, now)
         if not cont and not self.rotation.may(job, now):
             return None

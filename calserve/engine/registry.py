@@ -91,6 +91,16 @@ class RequestHandle:
 _INT32_MAX = 2**31 - 1
 
 
+def work_item(rid: int, req: GenerateRequest, now: float, deadline: float | None,
+              gen_id: int) -> WorkItem:
+    """What admission weighs of ``req``: its prefill's tokens and its decode steps (a scored
+    prompt, ``prompt_logprobs``: a one-token prefill, then a step per further prompt token)."""
+    n, mt = len(req.prompt_tokens), req.sampling.max_tokens
+    if req.sampling.prompt_logprobs is None:
+        return WorkItem(rid, req.tenant, n, mt, now, deadline, gen_id)
+    return WorkItem(rid, req.tenant, 1, max(1, n - 1 + mt), now, deadline, gen_id)
+
+
 def _validate(req: GenerateRequest, vocab: int) -> None:
     """The engine's own bounds (defence in depth behind the HTTP schema: in-process callers reach
     the sampler and the runtime through here too, and no value may overflow numpy or C)."""
@@ -112,8 +122,11 @@ def _validate(req: GenerateRequest, vocab: int) -> None:
         raise RequestError(f"top_k must be in [0, {_INT32_MAX}]", param="top_k")
     if sp.seed is not None and not -(2**63) <= sp.seed < 2**63:
         raise RequestError("seed must be a signed 64-bit integer", param="seed")
-    if not 1 <= sp.max_tokens <= _INT32_MAX:
-        raise RequestError("max_tokens must be >= 1", param="max_tokens")
+    if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= 20:
+        raise RequestError("prompt_logprobs must be in [0, 20]", param="logprobs")
+    if not (0 if sp.prompt_logprobs is not None else 1) <= sp.max_tokens <= _INT32_MAX:
+        raise RequestError("max_tokens must be >= 1 (0 only when the prompt is scored: `echo`"
+                           " with `logprobs`)", param="max_tokens")
     for t in sp.stop_token_ids:
         if not (isinstance(t, int) and 0 <= t < vocab):
             raise RequestError(f"stop_token_ids must be token ids in [0, {vocab})",
@@ -182,7 +195,7 @@ class RequestRegistry:
             self.cfg.scheduler.admission.deadline_default_ms / 1000.0)
         deadline = now + rel
         prompt = np.asarray(req.prompt_tokens, np.int32)
-        item = WorkItem(rid, req.tenant, len(prompt), req.sampling.max_tokens, now, deadline, gen.id)
+        item = work_item(rid, req, now, deadline, gen.id)
         # Recovering with re-admission on (issue 15): a new request waits for the reset like the
         # re-admitted ones instead of a 503 (its waiting budget and deadline still hold).
         accepting = accepts_requests(gen.state) or (

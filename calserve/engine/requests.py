@@ -97,6 +97,10 @@ class RequestTable:
             maxlen=trace_events)
         # The timed ring (device jobs, request phases) that GET /admin/v1/trace exports.
         self.timeline = Timeline(trace_events)
+        # Requests still scoring their prompt (``Seq.score_upto``): their jobs take the general
+        # completion path. Invariant: ``rid in scoring`` <=> the request has not ended and its
+        # ``score_upto`` is not None.
+        self.scoring: set[int] = set()
 
     def queues(self, gen: Generation) -> GenQueues:
         q = self._queues.get(gen.id)
@@ -121,6 +125,13 @@ class RequestTable:
         seq.state = fire(seq.state, _E.ENQUEUE)
         self.queues(seq.gen).waiting[seq.rid] = seq
         self.timeline.request(seq.arrival, "queued", seq.rid)
+        if seq.score_upto is not None:
+            self.scoring.add(seq.rid)
+
+    def scoring_in(self, seqs: list[Seq]) -> bool:
+        """Some of ``seqs`` is still scoring its prompt."""
+        sc = self.scoring
+        return bool(sc) and any(s.rid in sc for s in seqs)
 
     def stop(self, seq: Seq, reason: FinishReason | None = None, error: ErrorEvent | None = None,
              *, now: float) -> None:
@@ -148,6 +159,8 @@ class RequestTable:
         if error is None and reason is None:
             reason = FinishReason.STOP
         seq.state = terminal_state(seq.state, reason, error)
+        if self.scoring:
+            self.scoring.discard(seq.rid)
         gen = seq.gen
         q = self.queues(gen)
         q.waiting.pop(seq.rid, None)

@@ -43,7 +43,8 @@ from calserve.engine.logits import LaneLogits, apply_processors
 from calserve.engine.nucleus import cut, drop_below, nonzero2, nucleus_of_sorted, scratch
 from calserve.engine.types import SamplingParams, TokenLogprob
 
-__all__ = ["LaneSampling", "SampleResult", "sample_batch", "greedy_argmax", "resolve_seed", "uniform_for"]
+__all__ = ["LaneSampling", "SampleResult", "sample_batch", "score_tokens", "greedy_argmax",
+           "resolve_seed", "uniform_for"]
 
 _MASK64: Final = (1 << 64) - 1
 _process_rng = np.random.default_rng()
@@ -435,15 +436,44 @@ def sample_batch(logits: np.ndarray, lanes: Sequence[LaneSampling]) -> SampleRes
         else:
             z = _exp_shifted(xw, np.ones(len(w)), wmax).sum(axis=1)
         lse = wmax.astype(np.float64) + np.log(z)
-        chosen = xw[np.arange(len(w)), tokens[w]].astype(np.float64) - lse
-        kmax = max(lanes[i].logprobs or 0 for i in want)
-        top_ids = _top_sorted(xw, min(kmax, vocab)) if kmax > 0 else np.zeros((len(w), 0), np.int64)
-        top_lp = np.take_along_axis(xw, top_ids, axis=1).astype(np.float64) - lse[:, None]
+        got = _token_logprobs(xw, lse, tokens[w], [lanes[i].logprobs or 0 for i in want])
         for r, i in enumerate(want):
-            k = min(lanes[i].logprobs or 0, vocab)
-            out_lp[i] = TokenLogprob(
-                token_id=int(tokens[i]),
-                logprob=float(chosen[r]),
-                top=tuple(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist(), strict=True)),
-            )
+            out_lp[i] = got[r]
     return SampleResult(tokens=tokens, logprobs=out_lp)
+
+
+def _token_logprobs(xw: npt.NDArray[np.float32], lse: npt.NDArray[np.float64],
+                    tokens: npt.NDArray[np.int64], ks: Sequence[int]) -> list[TokenLogprob]:
+    """Row ``r``'s ``tokens[r]`` and its ``ks[r]`` most likely tokens as raw logprobs, given each
+    row's log-sum-exp ``lse``."""
+    vocab = xw.shape[1]
+    chosen = xw[np.arange(len(xw)), tokens].astype(np.float64) - lse
+    kmax = max(ks, default=0)
+    top_ids = _top_sorted(xw, min(kmax, vocab)) if kmax > 0 else np.zeros((len(xw), 0), np.int64)
+    top_lp = np.take_along_axis(xw, top_ids, axis=1).astype(np.float64) - lse[:, None]
+    out = []
+    for r, k in enumerate(ks):
+        k = min(k, vocab)
+        out.append(TokenLogprob(
+            token_id=int(tokens[r]),
+            logprob=float(chosen[r]),
+            top=tuple(zip(top_ids[r, :k].tolist(), top_lp[r, :k].tolist(), strict=True)),
+        ))
+    return out
+
+
+def score_tokens(logits: np.ndarray, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
+    """The raw logprob of ``tokens[r]`` under row ``r`` of ``logits`` ([n, vocab]) with the row's
+    ``ks[r]`` most likely tokens: what a prompt token scores (``echo`` with ``logprobs``), the
+    same numbers :func:`sample_batch` gives a drawn token. Raises ValueError on NaN logits."""
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    if x.ndim != 2 or len(x) != len(tokens) or len(tokens) != len(ks):
+        raise ValueError("score_tokens takes [n, vocab] logits and n tokens and n ks")
+    if len(x) == 0:
+        return []
+    if np.isnan(x).any():
+        raise ValueError("NaN in the logits")
+    wmax = x.max(axis=1)
+    z = _exp_shifted(x, np.ones(len(x)), wmax).sum(axis=1)
+    lse = wmax.astype(np.float64) + np.log(z)
+    return _token_logprobs(x, lse, np.asarray(tokens, np.int64), ks)

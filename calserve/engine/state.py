@@ -18,6 +18,7 @@ Ownership (who may write what) is the point of this module:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 import numpy as np
@@ -29,7 +30,7 @@ from calserve.runtime.types import JobEngine, JobResult, JobStatus
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation
 
-__all__ = ["Seq", "Admitted", "Tokens", "End", "ActorMsg", "DeviceJob", "JobOutcome", "CoreOutput",
+__all__ = ["Seq", "Admitted", "Tokens", "Scored", "End", "ActorMsg", "DeviceJob", "JobOutcome", "CoreOutput",
            "NO_OUTPUT", "Fault", "Release", "STATUS_NAMES"]
 
 #: ``status.name.lower()`` of every job status, the key of the per-status counts and fault
@@ -55,6 +56,14 @@ class Tokens(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class Scored:
+    """Every prompt token's logprob (``SamplingParams.prompt_logprobs``), sent once, before the
+    request's first token; the first one's logprob is NaN (no context)."""
+
+    logprobs: tuple[TokenLogprob, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class End:
     """The request's resources are back; the actor must emit the terminal event and stop.
 
@@ -64,7 +73,7 @@ class End:
     error: ErrorEvent | None = None
 
 
-ActorMsg = Admitted | Tokens | End
+ActorMsg = Admitted | Tokens | Scored | End
 
 
 class Inbox(Protocol):
@@ -116,10 +125,23 @@ class Seq:
     # matcher: engine/logits.py), made on first use; a pure function of ``prompt`` + ``tokens``
     # (it catches up with ``tokens`` before every draw), so a re-prefill needs nothing of it.
     sampling_state: Any = None
+    # Scoring the prompt (``prompt_logprobs``; None: not, or done): the prompt tokens its prefill
+    # takes, the last of them the pending decode input. Each completed step's logits score
+    # ``prompt[score_upto]``, which becomes the next input, until every prompt token is scored.
+    score_upto: int | None = None
+    prompt_scores: list[TokenLogprob] | None = None  # the scores so far (prompt order)
+
+    def __post_init__(self) -> None:
+        if self.req.sampling.prompt_logprobs is not None and self.score_upto is None:
+            self.score_upto = 1  # the prefill takes the first prompt token, which has no score
+            self.prompt_scores = [TokenLogprob(int(self.prompt[0]), math.nan)]
 
     def prefill_input(self) -> np.ndarray:
         """What its prefill computes: the prompt, plus the generated tokens after a fault lost its
-        KV (the next token sampled from it continues the request exactly)."""
+        KV (the next token sampled from it continues the request exactly); while the prompt is
+        scored, the prompt up to the pending input (its logits score the next prompt token)."""
+        if self.score_upto is not None:
+            return self.prompt[:self.score_upto]
         if not self.tokens:
             return self.prompt
         return np.concatenate([self.prompt, np.asarray(self.tokens, np.int32)])

@@ -18,8 +18,8 @@ from calserve.core.request_state import TRANSITIONS, RequestEvent, RequestState
 from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import RequestTable, exhausted
-from calserve.engine.state import STATUS_NAMES, DeviceJob, Fault, JobOutcome, Seq, Tokens
-from calserve.engine.types import ErrorEvent, FinishReason
+from calserve.engine.state import STATUS_NAMES, DeviceJob, Fault, JobOutcome, Scored, Seq, Tokens
+from calserve.engine.types import ErrorEvent, FinishReason, TokenLogprob
 from calserve.runtime.types import DeviceBusy, DeviceFaulted, JobStatus
 
 __all__ = ["StepHandler"]
@@ -162,6 +162,41 @@ class StepHandler:
             else:
                 reqs.end(s, error=exhausted(ev, s), now=now)
 
+    def _scored(self, s: Seq, tok: int, logprob: TokenLogprob | None, prefill: bool,
+                now: float) -> bool:
+        """A step of a request scoring its prompt (``Seq.score_upto``), after its KV commit and
+        charge: the step's logits scored the next prompt token ``tok``, which is the next decode
+        input. Once every prompt token is scored, the scores go to the actor (before any token);
+        with ``max_tokens`` 0 the request ends there. False: these logits are the first
+        completion token's (a one-token prompt), to be sampled as usual."""
+        reqs = self.requests
+        k = s.score_upto
+        assert k is not None and s.prompt_scores is not None
+        scored_now = k < len(s.prompt)
+        if scored_now:
+            assert logprob is not None and tok == int(s.prompt[k])
+            s.prompt_scores.append(logprob)
+            s.last_token = tok
+            k = s.score_upto = k + 1
+            s.retries = 0
+            if s.deadline is not None and s.deadline <= now:
+                reqs.end(s, FinishReason.DEADLINE, now=now)
+                return True
+            if k < len(s.prompt):
+                reqs.set_ready(s, now, RequestEvent.PREFILL_DONE if prefill else RequestEvent.DECODE_DONE)
+                return True
+        s.score_upto = None  # every prompt token is scored
+        reqs.scoring.discard(s.rid)
+        s.inbox.send_nowait(Scored(tuple(s.prompt_scores)))
+        s.prompt_scores = None
+        if s.req.sampling.max_tokens == 0:
+            reqs.end(s, FinishReason.LENGTH, now=now)
+            return True
+        if scored_now:  # the last prompt token is the next input: its logits draw the first token
+            reqs.set_ready(s, now, RequestEvent.PREFILL_DONE if prefill else RequestEvent.DECODE_DONE)
+            return True
+        return False
+
     def _ok_decode(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float,
                    continuing: bool = False) -> None:
         """:meth:`_ok` for a decode job, the per-token path: the same steps in the same order per
@@ -227,7 +262,8 @@ class StepHandler:
 
     def _ok(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float,
             continuing: bool = False) -> None:
-        if self.fast and job.kind == "decode":
+        if self.fast and job.kind == "decode" and not (
+                self.requests.scoring and self.requests.scoring_in(seqs)):
             self._ok_decode(job, seqs, sampled, now, continuing)
             return
         gen = job.gen
@@ -250,6 +286,8 @@ class StepHandler:
             tok = tokens[i]
             if tok == SAMPLE_FAILED:
                 reqs.end(s, error=ErrorEvent("sampling failed for this request", "internal"), now=now)
+                continue
+            if s.score_upto is not None and self._scored(s, tok, logprobs[i], prefill, now):
                 continue
             first = s.generated == 0
             s.generated += 1

@@ -54,6 +54,12 @@ class SamplingParams:
     # checked once per sampled token: convert.py passes a frozenset (a lookup whatever its length)
     stop_token_ids: Collection[int] = ()
     logprobs: int | None = None  # None = no logprobs; k >= 0 = chosen token's + top-k alternatives
+    # None = off; k >= 0: every prompt token's logprob and its position's top-k (``echo`` with
+    # ``logprobs``), computed by teacher forcing: the prefill takes the first prompt token and
+    # each later one is fed as a decode input (the device returns the last position's logits
+    # only); the stream's first token event then carries them, the first one's logprob NaN (it
+    # has no context). With it ``max_tokens`` may be 0 (score the prompt, generate nothing).
+    prompt_logprobs: int | None = None
     # Logits processors (OpenAI / vLLM meaning; engine/logits.py): penalties over the generated
     # tokens (repetition: prompt and generated), additive biases, min-p; all off by default.
     presence_penalty: float = 0.0  # [-2, 2]: minus this once for every token already generated
@@ -74,7 +80,7 @@ class SamplingParams:
             or self.logit_bias or self.min_p or self.grammar is not None)
         object.__setattr__(self, "processed", processed)
         object.__setattr__(self, "plain_greedy", self.temperature == 0.0 and self.logprobs is None
-                           and not processed)
+                           and self.prompt_logprobs is None and not processed)
 
 
 @dataclasses.dataclass(frozen=True)

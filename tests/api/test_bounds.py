@@ -171,6 +171,19 @@ async def test_every_field_at_and_past_its_bounds() -> None:
                     continue
                 st_ = await expect_bounded(h, C, doc, field)
                 statuses.setdefault(field, set()).add(st_)
+        # echo with logprobs scores the prompt (a decode step per prompt token): with every
+        # logprobs and max_tokens extreme, and the prompt lists
+        for field in ("logprobs", "max_tokens"):
+            for v in [*INT_EXTREMES, *FLOAT_EXTREMES]:
+                doc = {"prompt": "hi", "max_tokens": 0, "logprobs": 2, "echo": True, field: v}
+                if field == "max_tokens" and isinstance(v, int) and v > 3:
+                    doc[field] = 3 if v < 2**31 else v
+                st_ = await expect_bounded(h, C, doc, field)
+                statuses.setdefault(f"echo+{field}", set()).add(st_)
+        for v in OBJECT_FIELDS["prompt"]:
+            doc = {"prompt": v, "max_tokens": 1, "logprobs": 1, "echo": True}
+            st_ = await expect_bounded(h, C, doc, "prompt")
+            statuses.setdefault("echo+prompt", set()).add(st_)
         for field, values in OBJECT_FIELDS.items():
             for v in values:
                 doc = {"prompt": "hi", "max_tokens": 3, "temperature": 1.0, field: v}
@@ -182,7 +195,8 @@ async def test_every_field_at_and_past_its_bounds() -> None:
         for field in ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens",
                       "logprobs", "stop_token_ids", "stop", "n", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
-                      "response_format", "prompt"):
+                      "response_format", "prompt", "echo+logprobs", "echo+max_tokens",
+                      "echo+prompt"):
             assert 200 in statuses[field], field
         assert h.real_engine.ready()
         assert await greedy_text(h) == before
@@ -222,7 +236,7 @@ extreme = st.one_of(
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=40)
 @given(fields=st.dictionaries(st.sampled_from(FIELDS + CHAT_FIELDS + LIST_FIELDS
-                                              + list(OBJECT_FIELDS)),
+                                              + list(OBJECT_FIELDS) + ["echo"]),
                               st.one_of(extreme, st.sampled_from(
                                   [v for vs in OBJECT_FIELDS.values() for v in vs])),
                               min_size=1, max_size=5),

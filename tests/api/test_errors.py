@@ -64,7 +64,7 @@ def _tool(name: str, **function: Any) -> dict[str, Any]:
         (C, {"prompt": "x", "min_p": 1.5}, "min_p", "invalid_value"),
         (C, {"prompt": "x", "response_format": {"type": "xml"}}, "response_format", None),
         (C, {"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format", None),
-        (C, {"prompt": "x", "echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
+        (C, {"prompt": "x", "echo": True, "max_tokens": 0}, "max_tokens", "invalid_value"),
         (C, {"prompt": "x", "suffix": "end"}, "suffix", "unsupported_parameter"),
         (C, {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
         (C, {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", "invalid_value"),

@@ -142,6 +142,29 @@ def test_greedy_tokens_and_logprobs_equal_an_independent_numpy_forward(
             assert abs(lp.token_logprobs[i] - want_lp[i]) <= 1e-3, (prompt, i, lp.token_logprobs[i], want_lp[i])
 
 
+def test_prompt_scores_equal_an_independent_numpy_forward(client: openai.OpenAI, smollm2: Any) -> None:
+    """``echo`` + ``logprobs`` + ``max_tokens`` 0 (lm-evaluation-harness's loglikelihood call):
+    every prompt token's logprob is the numpy forward's at that position (the server computes
+    them by teacher forcing, a decode step per prompt token), for several prompts in one call."""
+    cases = json.loads(FIXTURE.read_text())["cases"]
+    prompts = [c["ids"] for c in cases if 4 <= len(c["ids"]) <= 20][:2]
+    assert len(prompts) == 2
+    ref = GGUFLlama(smollm2.gguf)
+    c = client.completions.create(model="smollm2", prompt=prompts, max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0)
+    assert [ch.index for ch in c.choices] == [0, 1]
+    assert c.usage is not None and c.usage.completion_tokens == 0
+    for ch, prompt in zip(c.choices, prompts, strict=True):
+        lp = ch.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+        assert ch.finish_reason == "length" and len(lp.token_logprobs) == len(prompt)
+        assert lp.token_logprobs[0] is None
+        for i, (want, best) in enumerate(ref.scores(prompt), start=1):
+            assert abs(lp.token_logprobs[i] - want) <= 1e-3, (prompt, i, lp.token_logprobs[i], want)
+            top = lp.top_logprobs[i]  # the most likely token's logprob (near-ties: either token)
+            assert len(top) == 1 and abs(next(iter(top.values())) - best) <= 1e-3, (prompt, i, top)
+
+
 WEATHER_TOOLS: Any = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Current weather for a city",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from calserve.core.admission import Outcome, WorkItem
+from calserve.core.admission import Outcome
 from calserve.core.kv import KvLaneManager
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.model_state import ModelState
@@ -32,8 +33,9 @@ from calserve.core.prefill import classify
 from calserve.core.request_state import RUNNING, TERMINAL, RequestState
 from calserve.engine.core import EngineCore
 from calserve.engine.generations import Generation, make_admission
-from calserve.engine.state import Admitted, CoreOutput, DeviceJob, End, JobOutcome, Seq, Tokens
-from calserve.engine.types import ErrorEvent, FinishReason, GenerateRequest, SamplingParams
+from calserve.engine.registry import work_item
+from calserve.engine.state import Admitted, CoreOutput, DeviceJob, End, JobOutcome, Scored, Seq, Tokens
+from calserve.engine.types import ErrorEvent, FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 from calserve.runtime.types import DeviceFaulted, JobEngine, JobResult, JobStatus, ProfileSpec
 from calserve.testing.fake_device import fake_logits, history_hash
 
@@ -104,6 +106,18 @@ class SyncCalbin:
                 if not (ok[k] and echo[lane] == [job_id, sq, pos])]
 
 
+def check_scores(prompt: list[int], scores: Sequence[TokenLogprob], k: int) -> None:
+    """``scores`` are the fake model's logprobs of ``prompt``'s tokens (the first NaN)."""
+    assert [sc.token_id for sc in scores] == prompt
+    assert math.isnan(scores[0].logprob) and not scores[0].top
+    for i in range(1, len(prompt)):
+        x = fake_logits(history_hash(prompt[:i]), VOCAB).astype(np.float64)
+        lse = x.max() + np.log(np.exp(x - x.max()).sum())
+        assert abs(scores[i].logprob - (x[prompt[i]] - lse)) < 1e-6
+        top = sorted(range(VOCAB), key=lambda t: (-x[t], t))[:k]
+        assert [t for t, _ in scores[i].top] == top
+
+
 class Recorder:
     """A request's inbox: records every message in order."""
 
@@ -132,6 +146,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.core = EngineCore(self.cfg, self.models, engines)  # type: ignore[arg-type]
         self.now = 0.0
         self.rids = itertools.count(1)
+        self.checked_scores: set[int] = set()  # scored requests whose scores were checked
         self.seqs: dict[int, Seq] = {}
         self.inboxes: dict[int, Recorder] = {}
         self.faults: list[Any] = []
@@ -195,14 +210,21 @@ class CoreMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------------------ rules
     @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
-          max_tokens=st.integers(1, 12), tenant=st.sampled_from(["a", "b", "c"]),
-          deadline=st.one_of(st.none(), st.floats(0.001, 0.05)))
-    def submit(self, prompt: list[int], max_tokens: int, tenant: str, deadline: float | None) -> None:
+          max_tokens=st.integers(0, 12), tenant=st.sampled_from(["a", "b", "c"]),
+          deadline=st.one_of(st.none(), st.floats(0.001, 0.05)),
+          scored=st.one_of(st.none(), st.integers(0, 3)))
+    def submit(self, prompt: list[int], max_tokens: int, tenant: str, deadline: float | None,
+               scored: int | None = None) -> None:
+        """A request; ``scored``: it scores its prompt (echo + logprobs) with that many top
+        alternatives, and may then generate nothing (``max_tokens`` 0)."""
         rid = next(self.rids)
+        if scored is None:
+            max_tokens = max(1, max_tokens)
         req = GenerateRequest(tuple(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                            ignore_eos=True), tenant=tenant)
+                                                            ignore_eos=True,
+                                                            prompt_logprobs=scored), tenant=tenant)
         dl = self.now + (deadline if deadline is not None else 600.0)
-        item = WorkItem(rid, tenant, len(prompt), max_tokens, self.now, dl, 1)
+        item = work_item(rid, req, self.now, dl, 1)
         d = self.gen.admission.offer(item, self.now, True)
         if d.outcome is not Outcome.QUEUE:
             return
@@ -269,6 +291,34 @@ class CoreMachine(RuleBasedStateMachine):
                 assert toks[0].first and not any(t.first for t in toks[1:]), (rid, msgs)
                 adm = [i for i, m in enumerate(msgs) if isinstance(m, Admitted)]
                 assert adm and adm[0] < msgs.index(toks[0]), (rid, msgs)
+
+    @invariant()
+    def prompts_scored_once_before_tokens_and_exactly(self) -> None:
+        """A scoring request gets one Scored message, before its first token, whose scores are
+        the fake model's (its logits are a pure function of the history: computed here from
+        scratch); a request that completed was scored; others never get one."""
+        if not hasattr(self, "core"):
+            return
+        for rid, box in self.inboxes.items():
+            seq = self.seqs[rid]
+            k = seq.req.sampling.prompt_logprobs
+            at = [i for i, m in enumerate(box.msgs) if isinstance(m, Scored)]
+            if k is None:
+                assert not at, rid
+                continue
+            assert len(at) <= 1, (rid, box.msgs)
+            toks = [i for i, m in enumerate(box.msgs) if isinstance(m, Tokens)]
+            if toks:
+                assert at and at[0] < toks[0], (rid, box.msgs)
+            done = box.msgs and isinstance(box.msgs[-1], End) and box.msgs[-1].reason is \
+                FinishReason.LENGTH
+            if done:
+                assert at, (rid, box.msgs)
+            if not at:
+                continue
+            if rid not in self.checked_scores:
+                self.checked_scores.add(rid)
+                check_scores(list(seq.prompt), box.msgs[at[0]].logprobs, k)
 
     @invariant()
     def lifecycle_is_the_table_state(self) -> None:
