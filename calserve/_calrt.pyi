@@ -30,9 +30,9 @@ class Device:
         chip: int,
         # (vocab, hidden, inter, layers, heads, kv_heads, head_dim, eps, rope_theta, tie, arch,
         #  sliding_window, sliding_window_pattern, rope_local_theta, query_pre_attn_scalar,
-        #  rope_scaling_factor)
+        #  rope_scaling_factor, attn_logit_softcapping, final_logit_softcapping)
         model: tuple[int, int, int, int, int, int, int, float, float, bool, int, int, int, float, float,
-                     float],
+                     float, float, float],
         tensors: list[tuple[str, np.ndarray]],
         profile: tuple[int, int, int, int, bool, bool],
         timing: tuple[float, float, float, float],

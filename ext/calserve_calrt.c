@@ -232,8 +232,8 @@ static void release_bufs(CalbinObject *c) {
 }
 
 /* load_calbin(chip, model (.., tie, arch, sliding_window, sliding_window_pattern, rope_local_theta,
- * query_pre_attn_scalar, rope_scaling_factor), tensors, profile, timing, kv_owner=None) -> Calbin: create (+
- * share_kv) + configure. */
+ * query_pre_attn_scalar, rope_scaling_factor, attn_logit_softcapping, final_logit_softcapping), tensors,
+ * profile, timing, kv_owner=None) -> Calbin: create (+ share_kv) + configure. */
 static PyObject *Device_load_calbin(DeviceObject *self, PyObject *args) {
   int chip;
   PyObject *tensors, *owner_obj = Py_None;
@@ -241,13 +241,13 @@ static PyObject *Device_load_calbin(DeviceObject *self, PyObject *args) {
   calrt_profile p;
   calrt_timing t;
   int tie, kvd, vm, il, arch = CALRT_ARCH_QWEN3;
-  double eps, qpas, rsf;
+  double eps, qpas, rsf, acap, fcap;
   memset(&m, 0, sizeof m);
-  if (!PyArg_ParseTuple(args, "i(iiiiiiiddpiiiddd)O(iiiipp)(dddd)|O", &chip, &m.vocab_size, &m.hidden_size,
+  if (!PyArg_ParseTuple(args, "i(iiiiiiiddpiiiddddd)O(iiiipp)(dddd)|O", &chip, &m.vocab_size, &m.hidden_size,
                         &m.intermediate_size, &m.num_hidden_layers, &m.num_attention_heads,
                         &m.num_key_value_heads, &m.head_dim, &eps, &m.rope_theta,
                         &tie, &arch, &m.sliding_window, &m.sliding_window_pattern, &m.rope_local_theta, &qpas,
-                        &rsf, &tensors, &p.compiled_batch, &p.max_seq, &p.max_sequences, &kvd, &vm, &il,
+                        &rsf, &acap, &fcap, &tensors, &p.compiled_batch, &p.max_seq, &p.max_sequences, &kvd, &vm, &il,
                         &t.prefill_base_us, &t.prefill_us_per_token, &t.decode_step_us,
                         &t.pingpong_overlap, &owner_obj))
     return NULL;
@@ -270,6 +270,8 @@ static PyObject *Device_load_calbin(DeviceObject *self, PyObject *args) {
   m.arch = arch;
   m.query_pre_attn_scalar = (float)qpas;
   m.rope_scaling_factor = (float)rsf;
+  m.attn_logit_softcapping = (float)acap;
+  m.final_logit_softcapping = (float)fcap;
   p.kv_dtype = kvd ? CALRT_KV_BF16 : CALRT_KV_FP32;
   p.valid_mask = vm;
   p.inactive_logits = il;
@@ -430,9 +432,10 @@ static PyObject *Calbin_introspect(CalbinObject *self, PyObject *noargs) {
   const char *arch = m->arch == CALRT_ARCH_LLAMA    ? "LlamaForCausalLM"
                      : m->arch == CALRT_ARCH_QWEN2  ? "Qwen2ForCausalLM"
                      : m->arch == CALRT_ARCH_GEMMA3 ? "Gemma3ForCausalLM"
+                     : m->arch == CALRT_ARCH_GEMMA2 ? "Gemma2ForCausalLM"
                                                     : "Qwen3ForCausalLM";
   PyObject *d = Py_BuildValue(
-      "{s:i,s:i,s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:d,s:d,s:O,s:s,s:i,s:i,s:d,s:d,s:d},s:N,s:i,s:i,s:i,s:s,"
+      "{s:i,s:i,s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:d,s:d,s:O,s:s,s:i,s:i,s:d,s:d,s:d,s:d,s:d},s:N,s:i,s:i,s:i,s:s,"
       "s:{s:s,s:(iiiii),s:s,s:K},s:O,s:O,s:O,s:s,s:K,s:O,s:O,s:O}",
       "calbin_id", i.calbin_id, "chip", i.chip, "model", "vocab_size", m->vocab_size, "hidden_size",
       m->hidden_size, "intermediate_size", m->intermediate_size, "num_hidden_layers", m->num_hidden_layers,
@@ -441,7 +444,9 @@ static PyObject *Calbin_introspect(CalbinObject *self, PyObject *noargs) {
       "tie_word_embeddings", m->tie_word_embeddings ? Py_True : Py_False, "architecture",
       arch, "sliding_window", m->sliding_window, "sliding_window_pattern", m->sliding_window_pattern,
       "rope_local_theta", m->rope_local_theta, "query_pre_attn_scalar", (double)m->query_pre_attn_scalar,
-      "rope_scaling_factor", (double)m->rope_scaling_factor, "tensors", tl, "compiled_batch",
+      "rope_scaling_factor", (double)m->rope_scaling_factor, "attn_logit_softcapping",
+      (double)m->attn_logit_softcapping, "final_logit_softcapping", (double)m->final_logit_softcapping,
+      "tensors", tl, "compiled_batch",
       i.profile.compiled_batch, "max_seq", i.profile.max_seq, "max_sequences", i.profile.max_sequences,
       "kv_dtype", i.profile.kv_dtype == CALRT_KV_BF16 ? "bf16" : "fp32", "kv_layout", "order",
       "layer,kv,kv_head,position,head_dim", "shape_per_sequence", i.kv_shape[0], i.kv_shape[1],

@@ -65,7 +65,7 @@ class ArchitectureManifest(_Strict, kw_only=True):
     """
 
     architecture: Literal["Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                          "Gemma3ForCausalLM"] = "Qwen3ForCausalLM"
+                          "Gemma3ForCausalLM", "Gemma2ForCausalLM"] = "Qwen3ForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -84,6 +84,9 @@ class ArchitectureManifest(_Strict, kw_only=True):
     rope_local_theta: float = 0.0
     query_pre_attn_scalar: float = 0.0
     rope_scaling_factor: float = 0.0  # linear RoPE scaling (reference.ModelConfig)
+    # Gemma 2's attention score and final logit soft-capping (reference.ModelConfig; 0: none)
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
 
 
 class InactivePolicy(_Strict, kw_only=True):
@@ -217,6 +220,8 @@ class Manifest(_Strict, kw_only=True):
             rope_local_theta=m.rope_local_theta,
             query_pre_attn_scalar=m.query_pre_attn_scalar,
             rope_scaling_factor=m.rope_scaling_factor,
+            attn_logit_softcapping=m.attn_logit_softcapping,
+            final_logit_softcapping=m.final_logit_softcapping,
         )
 
     @property

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from calserve.runtime.binding import binding, call, corrupted_lanes, logits_checksum
-from calserve.runtime.reference import GEMMA3, LLAMA, QWEN2, QWEN3, ModelConfig, weight_shapes
+from calserve.runtime.reference import GEMMA2, GEMMA3, LLAMA, QWEN2, QWEN3, ModelConfig, weight_shapes
 from calserve.runtime.types import (
     RUNTIME_PROFILES,
     CalrtError,
@@ -60,7 +60,7 @@ __all__ = ["Device", "Calbin", "Job", "QUEUE_DEPTH", "logits_checksum", "corrupt
 #: Jobs an engine holds at once (running + waiting). A further submit raises DeviceBusy.
 QUEUE_DEPTH = 2
 # calrt.h's calrt_arch of each decoder family
-_ARCH_CODES = {QWEN3: 0, LLAMA: 1, QWEN2: 2, GEMMA3: 3}
+_ARCH_CODES = {QWEN3: 0, LLAMA: 1, QWEN2: 2, GEMMA3: 3, GEMMA2: 4}
 
 
 def _decode_step_us(t: Timing, batch: int) -> float:
@@ -476,7 +476,8 @@ class Device:
                  float(c.rope_theta), bool(c.tie_word_embeddings),
                  _ARCH_CODES[c.architecture], c.sliding_window, c.sliding_window_pattern,
                  float(c.rope_local_theta), float(c.query_pre_attn_scalar),
-                 float(c.rope_scaling_factor))
+                 float(c.rope_scaling_factor), float(c.attn_logit_softcapping),
+                 float(c.final_logit_softcapping))
         prof = (spec.compiled_batch, spec.max_seq, spec.max_sequences,
                 1 if spec.kv_dtype == "bf16" else 0, bool(spec.valid_mask), bool(spec.inactive_logits))
         t = timing or Timing()

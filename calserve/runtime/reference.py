@@ -1,4 +1,4 @@
-"""Numpy reference of the decoders (Qwen3, Llama, Qwen2) that the software CalRT computes.
+"""Numpy reference of the decoders (Qwen3, Llama, Qwen2, Gemma 3, Gemma 2) that the software CalRT computes.
 
 This is the definition of "correct" for every other implementation in the tree: the C kernels of
 calrt-sim are checked against it (tests/runtime), golden files of model packages are produced with it
@@ -36,11 +36,19 @@ divided by sqrt(query_pre_attn_scalar); the sliding layers' own RoPE base (``rop
 Linear RoPE scaling (``rope_scaling_factor``: Gemma 3 4B and up, on their global layers) divides
 the frequencies of every layer but the sliding ones with their own base.
 Its norm weights are stored as the multiplier (Gemma's ``1 + weight``: importers add the 1).
+``Gemma2ForCausalLM`` is Gemma 3's decoder without the per-head q/k RMSNorm (as Llama is Qwen3's),
+with one RoPE base and every other layer sliding (pattern 2: layer 0 slides).
+
+Logit soft-capping (any family; Gemma 2's): with ``attn_logit_softcapping`` c > 0 each attention
+score s (after the division by the score scale) becomes c * tanh(s / c) before the mask and the
+softmax; with ``final_logit_softcapping`` c > 0 each output logit x (after the lm_head product)
+becomes c * tanh(x / c). See :func:`_softcap`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,13 +69,14 @@ QWEN3 = "Qwen3ForCausalLM"
 LLAMA = "LlamaForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
+GEMMA2 = "Gemma2ForCausalLM"
 ROPE_FREQS = "model.rope_freqs.weight"  # calrt.h's CALRT_ROPE_FREQS_TENSOR
-ARCHITECTURES: tuple[str, ...] = (QWEN3, LLAMA, QWEN2, GEMMA3)
+ARCHITECTURES: tuple[str, ...] = (QWEN3, LLAMA, QWEN2, GEMMA3, GEMMA2)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The architecture figures of a Qwen3, Llama, Qwen2 or Gemma 3 decoder (names follow HF
+    """The architecture figures of a Qwen3, Llama, Qwen2, Gemma 3 or Gemma 2 decoder (names follow HF
     ``config.json``)."""
 
     vocab_size: int
@@ -99,6 +108,11 @@ class ModelConfig:
     # except the sliding layers that have their own base (rope_local_theta > 0: Gemma 3's local
     # layers keep theirs unscaled, as llama.cpp and Hugging Face compute them); 0 or 1: none
     rope_scaling_factor: float = 0.0
+    # Logit soft-capping (Gemma 2: 50 and 30): c > 0: each attention score s (after the division
+    # above) becomes c * tanh(s / c) before the mask and the softmax / each output logit x becomes
+    # c * tanh(x / c); 0: none
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -122,6 +136,10 @@ class ModelConfig:
             raise ValueError("sliding_window and sliding_window_pattern must be >= 0")
         if self.rope_local_theta < 0 or self.query_pre_attn_scalar < 0 or self.rope_scaling_factor < 0:
             raise ValueError("rope_local_theta, query_pre_attn_scalar and rope_scaling_factor must be >= 0")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = float(getattr(self, name))
+            if not (cap >= 0 and math.isfinite(cap)):
+                raise ValueError(f"ModelConfig.{name} must be finite and >= 0 (0: none)")
 
     def sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends to a sliding window (the fields' comment)."""
@@ -152,7 +170,7 @@ class ModelConfig:
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (extra keys ignored: the sliding window,
         Gemma's local RoPE base and score scale are read by ``calserve.models.hf``, which checks
-        their spellings)."""
+        their spellings). The logit soft-capping values are read here (null or absent: 0, none)."""
         heads = int(cfg["num_attention_heads"])
         archs = cfg.get("architectures") or [QWEN3]
         return cls(
@@ -168,18 +186,21 @@ class ModelConfig:
             rope_theta=float(cfg.get("rope_theta", 1_000_000.0)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0),
+            final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
         )
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3 and Gemma 3 RMS-normalise each head of q and k before RoPE; Llama does not."""
+        """Qwen3 and Gemma 3 RMS-normalise each head of q and k before RoPE; Llama, Qwen2 and Gemma 2
+        do not."""
         return self.architecture in (QWEN3, GEMMA3)
 
     @property
     def gemma(self) -> bool:
-        """Gemma 3: embeddings times sqrt(hidden_size), the attention's and the MLP's outputs
+        """Gemma 3 and 2: embeddings times sqrt(hidden_size), the attention's and the MLP's outputs
         RMS-normed before their residual adds, GELU (tanh) in the MLP."""
-        return self.architecture == GEMMA3
+        return self.architecture in (GEMMA3, GEMMA2)
 
     @property
     def qkv_bias(self) -> bool:
@@ -199,7 +220,7 @@ class ModelConfig:
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3/Llama/Qwen2/Gemma 3 checkpoint must have, HF names -> shape
+    """Every tensor a Qwen3/Llama/Qwen2/Gemma 3/Gemma 2 checkpoint must have, HF names -> shape
     (out_features first)."""
     h, d = cfg.hidden_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
@@ -217,7 +238,7 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
-        # (Gemma 3: the attention output's norm; every other family: the MLP input's)
+        # (Gemma 3, 2: the attention output's norm; every other family: the MLP input's)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if cfg.gemma:  # the MLP's input and output norms
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
@@ -302,8 +323,18 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """Logit soft-capping: cap * tanh(x / cap) elementwise (Gemma 2's attention scores and final
+    logits), float32 like HF's; tanh evaluated in float64 and rounded once (calrt-sim's libm tanhf
+    agrees to within an ulp)."""
+    c = np.float32(cap)
+    t = np.tanh((np.asarray(x, dtype=np.float32) / c).astype(np.float64)).astype(np.float32)
+    out: np.ndarray = (c * t).astype(np.float32)
+    return out
+
+
 class ReferenceModel:
-    """A Qwen3/Llama/Qwen2/Gemma 3 forward pass with a KV cache for one sequence.
+    """A Qwen3/Llama/Qwen2/Gemma 3/Gemma 2 forward pass with a KV cache for one sequence.
 
     ``kv_dtype="bf16"`` rounds cached K and V to bfloat16 exactly as a bf16 KV cache would.
     """
@@ -371,6 +402,8 @@ class ReferenceModel:
             kh = np.repeat(K, group, axis=1).transpose(1, 0, 2)  # [H, S, D]
             vh = np.repeat(V, group, axis=1).transpose(1, 0, 2)
             scores = np.einsum("thd,hsd->hts", q, kh) / np.float32(cfg.attn_scale)
+            if cfg.attn_logit_softcapping > 0:  # Gemma 2: soft-capped, before the mask
+                scores = _softcap(scores, cfg.attn_logit_softcapping)
             masked = np.arange(S)[None, :] > pos[:, None]  # [T, S]: causal
             if cfg.sliding(i):  # and a sliding layer's window
                 masked |= np.arange(S)[None, :] <= pos[:, None] - cfg.sliding_window
@@ -380,7 +413,7 @@ class ReferenceModel:
             pr = pr / pr.sum(axis=-1, keepdims=True)
             a = np.einsum("hts,hsd->thd", pr.astype(np.float32), vh).reshape(T, H * D)
             o = a @ w[p + "self_attn.o_proj.weight"].T
-            if cfg.gemma:  # Gemma 3's sandwich: the outputs normed before their residual adds
+            if cfg.gemma:  # Gemma's sandwich: the outputs normed before their residual adds
                 o = _rmsnorm(o, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
                 x = x + o
                 h = _rmsnorm(x, w[p + "pre_feedforward_layernorm.weight"], cfg.rms_norm_eps)
@@ -395,7 +428,10 @@ class ReferenceModel:
             x = (x + g @ w[p + "mlp.down_proj.weight"].T).astype(np.float32)
         x = _rmsnorm(x, w["model.norm.weight"], cfg.rms_norm_eps)
         head = w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
-        return (x @ head.T).astype(np.float32)
+        logits = (x @ head.T).astype(np.float32)
+        if cfg.final_logit_softcapping > 0:  # Gemma 2: soft-capped logits
+            logits = _softcap(logits, cfg.final_logit_softcapping)
+        return logits
 
 
 def greedy_generate(

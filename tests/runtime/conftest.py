@@ -46,6 +46,13 @@ SMALL_GEMMA3 = ModelConfig(**{**SMALL.to_dict(), "architecture": "Gemma3ForCausa
                               "tie_word_embeddings": True, "sliding_window": 8, "sliding_window_pattern": 2,
                               "rope_local_theta": 10000.0, "query_pre_attn_scalar": 24.0,
                               "rope_scaling_factor": 8.0})
+# Gemma 2 at the same size: Gemma 3's decoder without q/k norms, layers 0 and 2 sliding (window 8, one
+# RoPE base), scores divided by sqrt(24) then soft-capped at 2 and logits at 1.5 (caps that bite: this
+# model's scores and logits reach about 4; Gemma 2's own 50 and 30 would barely move them).
+SMALL_GEMMA2 = ModelConfig(**{**SMALL.to_dict(), "architecture": "Gemma2ForCausalLM", "num_hidden_layers": 4,
+                              "tie_word_embeddings": True, "sliding_window": 8, "sliding_window_pattern": 2,
+                              "query_pre_attn_scalar": 24.0, "attn_logit_softcapping": 2.0,
+                              "final_logit_softcapping": 1.5})
 # Llama with every layer sliding (window 6), and with every other one (window 8, RoPE base 1e4 there)
 SMALL_LLAMA_SW = ModelConfig(**{**SMALL_LLAMA.to_dict(), "sliding_window": 6})
 SMALL_LLAMA_SW2 = ModelConfig(**{**SMALL_LLAMA.to_dict(), "sliding_window": 8, "sliding_window_pattern": 2,

@@ -11,8 +11,8 @@ from calserve.runtime.reference import greedy_generate
 
 from calserve.runtime.reference import ModelConfig, random_weights
 
-from .conftest import (SMALL, SMALL_GEMMA3, SMALL_LLAMA, SMALL_LLAMA31, SMALL_LLAMA_SW, SMALL_LLAMA_SW2,
-                       SMALL_QWEN2)
+from .conftest import (SMALL, SMALL_GEMMA2, SMALL_GEMMA3, SMALL_LLAMA, SMALL_LLAMA31, SMALL_LLAMA_SW,
+                       SMALL_LLAMA_SW2, SMALL_QWEN2)
 
 
 def _prefill(cb: Calbin, seq: int, prompt: list[int]) -> int:
@@ -42,12 +42,14 @@ def test_batch_lanes_bitwise_equal_b1(next_device: Device, small_weights: dict, 
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("cfg", [SMALL_LLAMA, SMALL_QWEN2, SMALL_LLAMA31, SMALL_GEMMA3, SMALL_LLAMA_SW,
-                                 SMALL_LLAMA_SW2],
-                         ids=["llama", "qwen2", "llama31", "gemma3", "llama-sliding", "llama-sliding-pattern2"])
+@pytest.mark.parametrize("cfg", [SMALL_LLAMA, SMALL_QWEN2, SMALL_LLAMA31, SMALL_GEMMA3, SMALL_GEMMA2,
+                                 SMALL_LLAMA_SW, SMALL_LLAMA_SW2],
+                         ids=["llama", "qwen2", "llama31", "gemma3", "gemma2", "llama-sliding",
+                              "llama-sliding-pattern2"])
 def test_llama_batch_lanes_bitwise_equal_b1(next_device: Device, kv_dtype: str, cfg: ModelConfig) -> None:
     """The Llama path (no q/k norm, its RoPE base), Qwen2's (its q/k/v biases), Gemma 3's (its norms,
-    GELU and sliding layers) and sliding windows in Llama keep the same B1 vs B16 bitwise invariance
+    GELU and sliding layers), Gemma 2's (its attention and final logit soft-capping) and sliding
+    windows in Llama keep the same B1 vs B16 bitwise invariance
     (the lanes' prompts, 3 to 33 tokens, end inside and past the windows of 6 and 8)."""
     _check_lanes_equal_b1(next_device, cfg, random_weights(cfg, seed=11), 16, kv_dtype)
 
@@ -134,7 +136,7 @@ def test_remove_tokens_at_end_then_redecode(device: Device, small_weights: dict,
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "gemma3", "llama-sliding"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "gemma3", "gemma2", "llama-sliding"])
 def test_decode_steps_equal_one_prefill_of_the_same_tokens(next_device: Device, small_weights: dict,
                                                            arch: str, kv_dtype: str) -> None:
     """A decode step's RoPE and KV write run inside its attention tasks (each decode row is its own
@@ -142,7 +144,7 @@ def test_decode_steps_equal_one_prefill_of_the_same_tokens(next_device: Device, 
     logits after decoding t_1..t_k one step at a time (B16, several lanes at once) equal those of one
     prefill of prompt + t_1..t_k, and so does the KV the steps wrote."""
     cfg = {"qwen3": SMALL, "llama": SMALL_LLAMA, "qwen2": SMALL_QWEN2, "gemma3": SMALL_GEMMA3,
-           "llama-sliding": SMALL_LLAMA_SW2}[arch]
+           "gemma2": SMALL_GEMMA2, "llama-sliding": SMALL_LLAMA_SW2}[arch]
     w = small_weights if arch == "qwen3" else random_weights(cfg, seed=11)
     rng = np.random.default_rng(5)
     cb = next_device.load_calbin(cfg, w, ProfileSpec(16, 64, 32, kv_dtype=kv_dtype))

@@ -75,6 +75,21 @@ CONFIGS = {
         91, 40, 56, 2, 4, 4, 10, tie_word_embeddings=False, rope_theta=10000.0,
         architecture="LlamaForCausalLM", rope_scaling_factor=4.0,
     ),
+    # Gemma 2 (Gemma 3 without q/k norms, one RoPE base, its pattern 2: layers 0 and 2 slide), with its
+    # own caps: scores soft-capped at 50, logits at 30 (they move this model's logits by 1 %, the
+    # attention cap alone by 0.08 %: both above the test's bound)
+    "gemma2-pattern2": ModelConfig(
+        113, 48, 96, 3, 4, 1, 16, tie_word_embeddings=True, architecture="Gemma2ForCausalLM",
+        rope_theta=10000.0, sliding_window=10, sliding_window_pattern=2, query_pre_attn_scalar=16.0,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    ),
+    # Gemma 2, head_dim 64 (the specialised attention), GQA 2:1, untied, window 5, caps that bite
+    # (scores reach ~5 and logits ~4 here): scores at 1.5, logits at 2 (each moves the logits by 50-60 %)
+    "gemma2-d64-untied-caps": ModelConfig(
+        97, 64, 128, 2, 4, 2, 64, tie_word_embeddings=False, architecture="Gemma2ForCausalLM",
+        rope_theta=10000.0, sliding_window=5, sliding_window_pattern=2, query_pre_attn_scalar=48.0,
+        attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+    ),
     # Gemma 3, head_dim 64 (the specialised attention), GQA 2:1, untied, layer 0 sliding (window 5) and
     # layer 1 global, query_pre_attn_scalar != head_dim
     "gemma3-d64-untied": ModelConfig(

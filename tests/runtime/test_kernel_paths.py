@@ -6,7 +6,8 @@ pairs the last lane with zeros), fp32 and bf16 KV. Each setting runs in its own 
 chosen once per process). The C test ``make -C ext/calrt asan-test`` checks each path against the
 scalar reduction element by element; this one checks the whole pass (and a Qwen2: its biases; a Gemma 3:
 its norms, GELU and a sliding layer of window 100, of which the long prefill's later rows and that
-sequence's decode steps see only part)."""
+sequence's decode steps see only part; a Gemma 2: the same without q/k norms, its attention scores and
+logits soft-capped at 2 and 1.5, caps that bite)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,18 @@ from calserve.runtime import Device, JobStatus, ProfileSpec
 from calserve.runtime.reference import ModelConfig, random_weights
 
 out = []
-for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM"):
-    gemma = arch == "Gemma3ForCausalLM"  # layer 0 slides (its own RoPE base), layer 1 is global
+for arch in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM",
+             "Gemma2ForCausalLM"):
+    gemma = arch.startswith("Gemma")  # layer 0 slides (Gemma 3: its own RoPE base), layer 1 is global
+    gemma2 = arch == "Gemma2ForCausalLM"  # and soft-capped scores and logits
     cfg = ModelConfig(vocab_size=1003, hidden_size=100, intermediate_size=236, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=20, rope_theta=1e5,
                       tie_word_embeddings=arch == "LlamaForCausalLM", architecture=arch,
                       sliding_window=100 if gemma else 0, sliding_window_pattern=2 if gemma else 0,
-                      rope_local_theta=1e4 if gemma else 0.0, query_pre_attn_scalar=24.0 if gemma else 0.0)
+                      rope_local_theta=1e4 if gemma and not gemma2 else 0.0,
+                      query_pre_attn_scalar=24.0 if gemma else 0.0,
+                      attn_logit_softcapping=2.0 if gemma2 else 0.0,
+                      final_logit_softcapping=1.5 if gemma2 else 0.0)
     w = random_weights(cfg, seed=7)
     rng = np.random.default_rng(3)
     with Device.open("sim-next", dram_bytes=1 << 30) as dev:
@@ -63,7 +69,7 @@ def _run(tmp: Path, isa: str, threads: int) -> np.ndarray:
 
 def test_isa_paths_and_threads_bitwise_equal(tmp_path: Path) -> None:
     base = _run(tmp_path, "default", 1)
-    assert base.shape[0] == 4 * 2 * (16 + 3 * 13) and np.isfinite(base).all()
+    assert base.shape[0] == 5 * 2 * (16 + 3 * 13) and np.isfinite(base).all()
     for isa, threads in (("default", 2), ("avx2", 1), ("avx2", 2), ("avx512", 1), ("avx512", 2),
                          ("avx512z", 1), ("avx512z", 2)):
         got = _run(tmp_path, isa, threads)

@@ -173,16 +173,19 @@ calrt_status calrt_engine_counters(calrt_device *dev, int chip, calrt_engine eng
  * post_feedforward_layernorm before its add; GELU (tanh approximation) instead of SiLU; its norm
  * tensors are the multipliers themselves (Hugging Face's Gemma stores w and multiplies by 1 + w: the
  * caller adds the 1). All use the rotate-half ("neox") RoPE layout of Hugging Face checkpoints with
- * base rope_theta (sliding layers: rope_local_theta when set). Any family may have sliding-window
- * layers (calrt_model_desc). */
+ * base rope_theta (sliding layers: rope_local_theta when set). Gemma 2 is Gemma 3 without the
+ * per-head q/k RMSNorm (no q_norm/k_norm tensors), as Llama is Qwen3 without it; its attention and
+ * final logit soft-capping are fields of calrt_model_desc (any family). Any family may have
+ * sliding-window layers (calrt_model_desc). */
 typedef enum calrt_arch {
   CALRT_ARCH_QWEN3 = 0,
   CALRT_ARCH_LLAMA = 1,
   CALRT_ARCH_QWEN2 = 2,
-  CALRT_ARCH_GEMMA3 = 3
+  CALRT_ARCH_GEMMA3 = 3,
+  CALRT_ARCH_GEMMA2 = 4
 } calrt_arch;
 
-typedef struct calrt_model_desc { /* Qwen3 / Llama / Qwen2 / Gemma 3 decoder (Hugging Face names) */
+typedef struct calrt_model_desc { /* Qwen3 / Llama / Qwen2 / Gemma 3 / Gemma 2 decoder (Hugging Face names) */
   int32_t vocab_size, hidden_size, intermediate_size, num_hidden_layers;
   int32_t num_attention_heads, num_key_value_heads, head_dim;
   float rms_norm_eps;
@@ -199,6 +202,10 @@ typedef struct calrt_model_desc { /* Qwen3 / Llama / Qwen2 / Gemma 3 decoder (Hu
   float rope_scaling_factor;      /* linear RoPE scaling: every layer's frequencies divided by it, but the
                                    * sliding layers' that have their own base (rope_local_theta > 0: Gemma
                                    * 3's local layers stay unscaled); 0 or 1: none */
+  float attn_logit_softcapping;   /* c > 0: each attention score s (after the division above) becomes
+                                   * c * tanhf(s / c) before the mask and the softmax (Gemma 2: 50); 0: none */
+  float final_logit_softcapping;  /* c > 0: each output logit x (after the lm_head matmul) becomes
+                                   * c * tanhf(x / c) (Gemma 2: 30); 0: none */
 } calrt_model_desc;
 
 /* An optional tensor of any family: [head_dim / 2] float32 divisors of the RoPE frequencies

@@ -1,4 +1,5 @@
 /* calbin.c — CreateCalbin / configure / ResetConfiguration / destroy, DRAM charging, introspection. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,11 +16,12 @@ static const char *LAYER_NAMES[N_LAYER_NAMES] = {
 
 /* Which of LAYER_NAMES a layer of the family has, in weight_shapes() order (Llama has no
  * q_norm/k_norm; Qwen2 is Llama with the q/k/v biases after the v projection; Gemma 3 is Qwen3 with
- * the MLP's two norms after post_attention_layernorm). */
+ * the MLP's two norms after post_attention_layernorm; Gemma 2 is Gemma 3 without q_norm/k_norm). */
 static const int QWEN3_SLOTS[11] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
 static const int LLAMA_SLOTS[9] = {0, 1, 2, 3, 4, 7, 8, 9, 10};
 static const int QWEN2_SLOTS[12] = {0, 1, 2, 3, 11, 12, 13, 4, 7, 8, 9, 10};
 static const int GEMMA3_SLOTS[13] = {0, 1, 2, 3, 4, 5, 6, 7, 14, 15, 8, 9, 10};
+static const int GEMMA2_SLOTS[11] = {0, 1, 2, 3, 4, 7, 14, 15, 8, 9, 10};
 
 static int layer_slots(const calrt_model_desc *m, const int **slots) {
   if (m->arch == CALRT_ARCH_LLAMA) {
@@ -34,15 +36,19 @@ static int layer_slots(const calrt_model_desc *m, const int **slots) {
     *slots = GEMMA3_SLOTS;
     return 13;
   }
+  if (m->arch == CALRT_ARCH_GEMMA2) {
+    *slots = GEMMA2_SLOTS;
+    return 11;
+  }
   *slots = QWEN3_SLOTS;
   return 11;
 }
 
 /* The sim_layer field that holds LAYER_NAMES[j] of the family. post_norm is the MLP's input norm:
- * post_attention_layernorm, except in Gemma 3, where that tensor norms the attention's output and the
- * MLP's input norm is pre_feedforward_layernorm. */
+ * post_attention_layernorm, except in Gemma 3 and 2, where that tensor norms the attention's output and
+ * the MLP's input norm is pre_feedforward_layernorm. */
 static const float **layer_field(sim_layer *l, int32_t arch, int j) {
-  const int gemma = arch == CALRT_ARCH_GEMMA3;
+  const int gemma = arch == CALRT_ARCH_GEMMA3 || arch == CALRT_ARCH_GEMMA2;
   const float **f[N_LAYER_NAMES] = {
       &l->in_norm, &l->q, &l->k, &l->v, &l->o, &l->q_norm, &l->k_norm,
       gemma ? &l->attn_out_norm : &l->post_norm, &l->gate, &l->up, &l->down, &l->q_bias, &l->k_bias,
@@ -116,12 +122,16 @@ calrt_status calrt_calbin_create(calrt_device *dev, int chip, const calrt_model_
       m->num_attention_heads < 1 || m->num_key_value_heads < 1 || m->head_dim < 2 || m->head_dim % 2 ||
       m->num_attention_heads % m->num_key_value_heads || !(m->rms_norm_eps > 0) || !(m->rope_theta > 0) ||
       (m->arch != CALRT_ARCH_QWEN3 && m->arch != CALRT_ARCH_LLAMA && m->arch != CALRT_ARCH_QWEN2 &&
-       m->arch != CALRT_ARCH_GEMMA3))
+       m->arch != CALRT_ARCH_GEMMA3 && m->arch != CALRT_ARCH_GEMMA2))
     return sim_err(CALRT_E_INVALID_ARGUMENT, "model: invalid model description");
   if (m->sliding_window < 0 || m->sliding_window_pattern < 0 || !(m->rope_local_theta >= 0) ||
       !(m->query_pre_attn_scalar >= 0) || !(m->rope_scaling_factor >= 0))
     return sim_err(CALRT_E_INVALID_ARGUMENT, "model: sliding_window, sliding_window_pattern, "
                    "rope_local_theta, query_pre_attn_scalar and rope_scaling_factor must be >= 0");
+  if (!(m->attn_logit_softcapping >= 0) || !isfinite(m->attn_logit_softcapping) ||
+      !(m->final_logit_softcapping >= 0) || !isfinite(m->final_logit_softcapping))
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "model: attn_logit_softcapping and final_logit_softcapping "
+                   "must be finite and >= 0 (0: none)");
   const calrt_profile *p = profile;
   if (p->compiled_batch < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "profile.compiled_batch must be >= 1");
   if (p->compiled_batch > 1 && !dev->info.batch_profiles)
@@ -322,6 +332,7 @@ static calrt_status kv_compatible(const calrt_calbin *cb, const calrt_calbin *o)
   SAME(num_attention_heads); SAME(num_key_value_heads); SAME(head_dim); SAME(rms_norm_eps);
   SAME(rope_theta); SAME(tie_word_embeddings); SAME(arch); SAME(sliding_window);
   SAME(sliding_window_pattern); SAME(rope_local_theta); SAME(query_pre_attn_scalar); SAME(rope_scaling_factor);
+  SAME(attn_logit_softcapping); SAME(final_logit_softcapping);
 #undef SAME
   if (cb->p.max_seq != o->p.max_seq)
     return sim_err(CALRT_E_INVALID_ARGUMENT, "kv_owner: profile.max_seq differs (%d vs owner's %d)",

@@ -14,10 +14,10 @@
 
 /* Per-layer weight pointers into the caller's (not copied) buffers. */
 typedef struct sim_layer {
-  /* post_norm: the MLP's input norm (post_attention_layernorm; Gemma 3: pre_feedforward_layernorm) */
+  /* post_norm: the MLP's input norm (post_attention_layernorm; Gemma 3, 2: pre_feedforward_layernorm) */
   const float *in_norm, *q, *k, *v, *o, *q_norm, *k_norm, *post_norm, *gate, *up, *down;
   const float *q_bias, *k_bias, *v_bias; /* Qwen2 only (NULL otherwise) */
-  /* Gemma 3 only (NULL otherwise): the attention output's norm (post_attention_layernorm) and the
+  /* Gemma 3 and 2 only (NULL otherwise): the attention output's norm (post_attention_layernorm) and the
    * MLP output's (post_feedforward_layernorm), each before its residual add */
   const float *attn_out_norm, *ffn_out_norm;
 } sim_layer;

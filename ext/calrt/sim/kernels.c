@@ -1,5 +1,5 @@
-/* kernels.c — the Qwen3 / Llama / Qwen2 / Gemma 3 decoder forward pass of calrt-sim (fp32 math; KV
- * fp32 or bf16), with sliding-window attention layers for any family.
+/* kernels.c — the Qwen3 / Llama / Qwen2 / Gemma 3 / Gemma 2 decoder forward pass of calrt-sim (fp32
+ * math; KV fp32 or bf16), with sliding-window attention layers and logit soft-capping for any family.
  *
  * Batch invariance (Invariant): every output element of a linear layer is computed by exactly the
  * same sequence of float operations regardless of how many rows (lanes/tokens) the job has, which
@@ -13,7 +13,9 @@
  * multiply-adds are fused explicitly, on every path alike; attention's are not fused at all).
  * SiLU's and the softmax's expf run 8 at a time (vexp.c): elementwise, bitwise glibc's expf; Gemma's
  * GELU is elementwise too (in double, as the reference computes it). A sliding layer's row attends to
- * the positions of its own window, a function of its position alone: still per row.
+ * the positions of its own window, a function of its position alone: still per row. Soft-capping
+ * (Gemma 2's attention scores and final logits) is elementwise: libm's tanhf, one scalar call per
+ * element from one compiled copy of softcap() on every path.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -40,7 +42,7 @@ typedef struct mm_region {
   mm_op op[3];
   int n_ops;
   int glu; /* op[0] gate, op[1] up (same shape): a task computes both chunks, then gate = silu(gate) * up */
-  int gelu; /* with glu: gate = gelu_tanh(gate) * up instead (Gemma 3) */
+  int gelu; /* with glu: gate = gelu_tanh(gate) * up instead (Gemma 3, 2) */
   sim_isa_id isa;
 } mm_region;
 
@@ -53,6 +55,13 @@ static void gelu_tanh_mul(float *restrict g, const float *restrict u, int n) {
     const double x = (double)g[i];
     g[i] = (float)(0.5 * x * (1.0 + tanh(c * (x + 0.044715 * (x * x * x))))) * u[i];
   }
+}
+
+/* x[i] = c * tanhf(x[i] / c) for i < n (logit soft-capping, c > 0): per element, a float division,
+ * libm's tanhf and a float product, so an element's bits depend on its value alone. Not inlined: the
+ * attention paths (default / avx2 / avx512 builds of attn_body) and the logits all call this one copy. */
+static __attribute__((noinline)) void softcap(float *x, int n, float c) {
+  for (int i = 0; i < n; i++) x[i] = c * tanhf(x[i] / c);
 }
 
 static void mm_task(void *ctx, int task, int worker) {
@@ -239,6 +248,7 @@ typedef struct attn_region {
   int L, H, KVH, D, S, group, bf16;
   int window; /* layer L's sliding window (0: it attends to every earlier position) */
   float scale;
+  float softcap; /* > 0: each score s (after / scale) becomes softcap * tanhf(s / softcap); 0: none */
   sim_isa_id isa;
   /* rope_kv's inputs: layer L's weights (its q/k norms), the rows' k and v, their RoPE tables (of
    * layer L's base) */
@@ -430,9 +440,9 @@ static inline __attribute__((always_inline)) const char *pv_block(const void *V,
  * for every head while that block of K is in L1, each head's max, exps and sum (the heads' sums as
  * independent chains side by side, each in order of s), then each V row loaded once for up to three
  * heads at a time. Per head the operations and their order are those of one head alone: scores
- * exactly dot(q, k_s) / scale, max, exp and sum in order of s, p = e / sum, then each output element
- * out[d] = (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order of s. So the bits do not depend on the
- * group size, the fusion, the thread or the code path. */
+ * exactly dot(q, k_s) / scale (then soft-capped, elementwise, when set), max, exp and sum in order of
+ * s, p = e / sum, then each output element out[d] = (((0 + p_0 v_0[d]) + p_1 v_1[d]) + ...) in order
+ * of s. So the bits do not depend on the group size, the fusion, the thread or the code path. */
 static inline __attribute__((always_inline)) void attn_body_t(const attn_region *a, int task, int worker,
                                                               const int BF16, const int DC) {
   const int r = task / a->KVH, kh = task % a->KVH, D = DC ? DC : a->D, S = a->S, G = a->group;
@@ -476,6 +486,8 @@ static inline __attribute__((always_inline)) void attn_body_t(const attn_region 
     const float *k = kv_row(kb_, D, s, kr, BF16);
     for (int g = 0; g < G; g++) sc[(size_t)g * S + s] = dot(qg + (size_t)g * D, k, D) / a->scale;
   }
+  if (a->softcap > 0) /* soft-capped scores (Gemma 2), elementwise, before the max and the exps */
+    for (int g = 0; g < G; g++) softcap(sc + (size_t)g * S, n, a->softcap);
   for (int g = 0; g < G; g++) {
     float *e = sc + (size_t)g * S;
     sim_exp_shift(e, n, max_of(e, n)); /* e[s] = expf(e[s] - mx), 8 at a time (vexp.c, same bits) */
@@ -606,9 +618,10 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const int h = m->hidden_size, H = m->num_attention_heads, KVH = m->num_key_value_heads;
   const int D = m->head_dim, I = m->intermediate_size, V = m->vocab_size, group = H / KVH;
   const int S = cb->p.max_seq, bf16 = cb->p.kv_dtype == CALRT_KV_BF16;
-  /* Qwen3, Gemma 3: per-head q/k RMSNorm; Llama, Qwen2: none */
+  /* Qwen3, Gemma 3: per-head q/k RMSNorm; Llama, Qwen2, Gemma 2: none */
   const int qkn = m->arch == CALRT_ARCH_QWEN3 || m->arch == CALRT_ARCH_GEMMA3;
-  const int gemma = m->arch == CALRT_ARCH_GEMMA3;
+  /* Gemma 3 and 2 (Gemma 2: no q/k norm): scaled embedding, sandwich norms, GELU */
+  const int gemma = m->arch == CALRT_ARCH_GEMMA3 || m->arch == CALRT_ARCH_GEMMA2;
   /* A second set of RoPE tables when some layer slides with a base of its own that differs from the
    * global layers' (their base, or their linear scaling) */
   int any_slides = 0;
@@ -692,8 +705,9 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
       if (rows[r2].seq == rows[r].seq) distinct = 0;
   /* Scores are divided by sqrtf(query_pre_attn_scalar) (Gemma), else by sqrtf(head_dim). */
   const float scale = sqrtf(m->query_pre_attn_scalar > 0 ? m->query_pre_attn_scalar : (float)D);
-  attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, 0, scale, sim_isa(),
-                    NULL, k, v, cs, sn, qkn, m->rms_norm_eps, distinct, NULL, NULL};
+  attn_region ar = {cb, rows, q, att, scratch, 0, H, KVH, D, S, group, bf16, 0, scale,
+                    m->attn_logit_softcapping, sim_isa(), NULL, k, v, cs, sn, qkn, m->rms_norm_eps, distinct,
+                    NULL, NULL};
   int attn_next[SIM_POOL_MAX], attn_pf[SIM_POOL_MAX];
   ar.next = attn_next;
   ar.pf_task = attn_pf;
@@ -779,6 +793,9 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
     if (!in_place)
       for (int r = 0; r < n_out; r++)
         memcpy(job->logits + (size_t)rows[r].out_lane * V, lg + (size_t)r * V, sizeof(float) * V);
+    if (m->final_logit_softcapping > 0) /* soft-capped logits (Gemma 2), elementwise */
+      for (int r = 0; r < n_out; r++)
+        softcap(job->logits + (size_t)rows[r].out_lane * V, V, m->final_logit_softcapping);
     PROF_MARK(SIM_PROF_LM_HEAD);
     if (prof)
       sim_prof_add(R, prof_us, sim_pool_wait_us(pool) - prof_wait0, sim_pool_regions(pool) - prof_regions0);

@@ -40,14 +40,14 @@ static void add(test_model *tm, const char *name, int64_t a, int64_t b, float ba
   tm->t[i] = (calrt_tensor){tm->names[i], tm->data[i], b ? 2 : 1, {a, b}};
 }
 
-/* A random model of `m`'s figures (Llama, Qwen2: no q_norm/k_norm tensors; Qwen2: q/k/v biases;
- * Gemma 3: the MLP's input and output norms too). */
+/* A random model of `m`'s figures (Llama, Qwen2, Gemma 2: no q_norm/k_norm tensors; Qwen2: q/k/v
+ * biases; Gemma 3 and 2: the MLP's input and output norms too). */
 static void make_model_desc(test_model *tm, calrt_model_desc desc) {
   memset(tm, 0, sizeof *tm);
   tm->m = desc;
   const calrt_model_desc *m = &tm->m;
-  const int gemma = m->arch == CALRT_ARCH_GEMMA3;
-  const int qk_norm = m->arch == CALRT_ARCH_QWEN3 || gemma, qkv_bias = m->arch == CALRT_ARCH_QWEN2;
+  const int gemma = m->arch == CALRT_ARCH_GEMMA3 || m->arch == CALRT_ARCH_GEMMA2;
+  const int qk_norm = m->arch == CALRT_ARCH_QWEN3 || m->arch == CALRT_ARCH_GEMMA3, qkv_bias = m->arch == CALRT_ARCH_QWEN2;
   int h = m->hidden_size, d = m->head_dim, H = m->num_attention_heads, KV = m->num_key_value_heads;
   add(tm, "model.embed_tokens.weight", m->vocab_size, h, 0);
   char b[96];
@@ -83,12 +83,12 @@ static void make_model_desc(test_model *tm, calrt_model_desc desc) {
 
 /* The tiny Qwen3 of most tests (its kernels run on the engine thread alone: too small for the pool). */
 static inline void make_model(test_model *tm, int tie) {
-  make_model_desc(tm, (calrt_model_desc){61, 24, 40, 2, 4, 2, 8, 1e-6f, 10000.0, tie, CALRT_ARCH_QWEN3, 0, 0, 0, 0, 0});
+  make_model_desc(tm, (calrt_model_desc){61, 24, 40, 2, 4, 2, 8, 1e-6f, 10000.0, tie, CALRT_ARCH_QWEN3, 0, 0, 0, 0, 0, 0, 0});
 }
 
 /* A Llama (or Qwen2: `arch`) big enough that its gate/up matmuls (decode too) and prefill attention run on the pool. */
 static inline void make_llama(test_model *tm, int tie, int arch) {
-  make_model_desc(tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-5f, 100000.0, tie, arch, 0, 0, 0, 0, 0});
+  make_model_desc(tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-5f, 100000.0, tie, arch, 0, 0, 0, 0, 0, 0, 0});
 }
 
 static void free_model(test_model *tm) {

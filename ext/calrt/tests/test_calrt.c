@@ -344,7 +344,7 @@ static void test_llama_threads(int arch) {
 static void test_gemma_batch(void) {
   test_model tm;
   make_model_desc(&tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-6f, 1000000.0, 1, CALRT_ARCH_GEMMA3,
-                                          8, 2, 10000.0, 48.0f, 8.0f});
+                                          8, 2, 10000.0, 48.0f, 8.0f, 0.0f, 0.0f});
   enum { STEPS = 4, P = 40, B = 16, LANE = 9 };
   const int V = tm.m.vocab_size, active[4] = {0, 3, LANE, 15};
   float *out[2][2]; /* [threads 1/3][B1 / B16 lane 9] */
@@ -420,9 +420,9 @@ static void test_gemma_batch(void) {
 static void test_sliding_window(int arch) {
   enum { W = 4, L = 3, LAST = 16 };
   test_model tm;
-  const double local = arch == CALRT_ARCH_GEMMA3 ? 10000.0 : 0.0;
+  const double local = arch == CALRT_ARCH_GEMMA3 ? 10000.0 : 0.0; /* (Gemma 2: one RoPE base) */
   make_model_desc(&tm, (calrt_model_desc){61, 24, 40, L, 4, 2, 8, 1e-6f, 1000000.0, 1, arch, W, 0, local,
-                                          arch == CALRT_ARCH_GEMMA3 ? 12.0f : 0.0f, 0.0f});
+                                          arch != CALRT_ARCH_LLAMA ? 12.0f : 0.0f, 0.0f, 0.0f, 0.0f});
   const int V = tm.m.vocab_size;
   calrt_device *dev;
   calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
@@ -480,12 +480,139 @@ static void test_sliding_window(int arch) {
   free_model(&tm);
 }
 
+/* One fixed schedule of `md` on a B4 calbin: sequence A's 40-token prefill, B's 5-token one, then
+ * SC_STEPS decode steps of both (lanes 0 and 2, fixed tokens: every run computes the same positions).
+ * Logits rows into out[2 + 2 * SC_STEPS][V]: A's prefill, B's, then each step's lane 0 and lane 2. */
+enum { SC_STEPS = 4, SC_ROWS = 2 + 2 * SC_STEPS };
+static void softcap_run(calrt_device *dev, const test_model *tm, const calrt_model_desc *md, float *out) {
+  const int V = md->vocab_size;
+  calrt_profile p4 = {4, 64, 5, CALRT_KV_BF16, 1, 0};
+  calrt_timing t0 = {0};
+  calrt_calbin *cb;
+  CHECK(calrt_calbin_create(dev, 0, md, tm->t, (size_t)tm->n, &p4, &t0, &cb) == CALRT_OK);
+  CHECK(calrt_calbin_configure(cb) == CALRT_OK);
+  int32_t seq[2], idle, toks[40];
+  CHECK(calrt_kv_create_sequence(cb, &idle) == CALRT_OK);
+  calrt_job *j;
+  calrt_job_result r;
+  for (int s = 0; s < 2; s++) {
+    const int n = s ? 5 : 40;
+    for (int i = 0; i < n; i++) toks[i] = (i * 37 + 11 + 5 * s) % V;
+    CHECK(calrt_kv_create_sequence(cb, &seq[s]) == CALRT_OK);
+    CHECK(calrt_job_create_prefill(cb, seq[s], toks, n, &j) == CALRT_OK);
+    CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+    CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+    memcpy(out + (size_t)s * V, r.logits, sizeof(float) * (size_t)V);
+    calrt_job_release(j);
+  }
+  for (int k = 0; k < SC_STEPS; k++) {
+    int32_t sid[4] = {seq[0], idle, seq[1], idle}, tk[4] = {(k * 29 + 3) % V, 1, (k * 31 + 7) % V, 1};
+    int32_t ps[4] = {40 + k, 0, 5 + k, 0};
+    uint8_t va[4] = {1, 0, 1, 0};
+    CHECK(calrt_job_create_decode(cb, sid, tk, ps, va, 4, &j) == CALRT_OK);
+    CHECK(run(j, k % 2 ? CALRT_ENGINE_PONG : CALRT_ENGINE_PING) == CALRT_JOB_OK);
+    CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+    memcpy(out + (size_t)(2 + 2 * k) * V, r.logits, sizeof(float) * (size_t)V);
+    memcpy(out + (size_t)(3 + 2 * k) * V, r.logits + 2 * (size_t)V, sizeof(float) * (size_t)V);
+    calrt_job_release(j);
+  }
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+}
+
+/* Gemma 2 (Gemma 3 without q/k norms: 11 tensors a layer; layer 0 slides, window 8) and logit
+ * soft-capping, big enough for the worker pool. With final_logit_softcapping c (half the largest raw
+ * logit: it bites), every logit is bitwise c * tanhf(raw / c), raw the same model's logit without the
+ * cap, and lies in (-c, c). With attn_logit_softcapping 2^100 (~1.3e30) the logits are bitwise the
+ * uncapped ones: s / 2^100 and the product by 2^100 are exact (a power of two; scores of magnitude
+ * above 2^-26 stay normal) and tanhf(x) = x for such tiny x. (1e30 itself is not: s / 1e30 * 1e30
+ * rounds away from s for about one score in eight.) A small attention cap (0.5) changes the logits,
+ * and those runs are bitwise deterministic, on 1 and 3 threads. Caps below zero, NaN or infinite are
+ * refused, each named; a calbin of other caps cannot share the KV of one without. */
+static void test_softcap(void) {
+  test_model tm;
+  make_model_desc(&tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-6f, 10000.0, 1, CALRT_ARCH_GEMMA2, 8, 2,
+                                          0.0, 48.0f, 0.0f, 0.0f, 0.0f});
+  CHECK(tm.n == 1 + 2 * 11 + 1); /* embedding, 11 a layer, final norm (tied head) */
+  const int V = tm.m.vocab_size;
+  const size_t n = (size_t)SC_ROWS * V;
+  float *raw = malloc(sizeof(float) * n), *fin = malloc(sizeof(float) * n), *huge = malloc(sizeof(float) * n);
+  float *both[3] = {malloc(sizeof(float) * n), malloc(sizeof(float) * n), malloc(sizeof(float) * n)};
+  calrt_device *dev = open_sim_threads(1);
+  softcap_run(dev, &tm, &tm.m, raw);
+  float mx = 0.f;
+  for (size_t i = 0; i < n; i++) {
+    CHECK(isfinite(raw[i]));
+    if (fabsf(raw[i]) > mx) mx = fabsf(raw[i]);
+  }
+  const float c = mx / 2;
+  calrt_model_desc md = tm.m;
+  md.final_logit_softcapping = c;
+  softcap_run(dev, &tm, &md, fin);
+  for (size_t i = 0; i < n; i++) {
+    const float want = c * tanhf(raw[i] / c);
+    CHECK(memcmp(&fin[i], &want, sizeof want) == 0);
+    CHECK(fin[i] > -c && fin[i] < c);
+  }
+  md = tm.m;
+  md.attn_logit_softcapping = 0x1p100f;
+  softcap_run(dev, &tm, &md, huge);
+  CHECK(memcmp(huge, raw, sizeof(float) * n) == 0);
+  md.attn_logit_softcapping = 0.5f;
+  md.final_logit_softcapping = c;
+  softcap_run(dev, &tm, &md, both[0]);
+  softcap_run(dev, &tm, &md, both[1]);
+  CHECK(memcmp(both[0], fin, sizeof(float) * n) != 0); /* the attention cap moved them */
+  CHECK(memcmp(both[0], both[1], sizeof(float) * n) == 0);
+  for (size_t i = 0; i < n; i++) CHECK(both[0][i] > -c && both[0][i] < c);
+  /* the shared-KV check names the caps */
+  calrt_profile p1 = {1, 64, 2, CALRT_KV_BF16, 1, 0};
+  calrt_timing t0 = {0};
+  calrt_calbin *o, *other;
+  CHECK(calrt_calbin_create(dev, 0, &tm.m, tm.t, (size_t)tm.n, &p1, &t0, &o) == CALRT_OK);
+  CHECK(calrt_calbin_configure(o) == CALRT_OK);
+  for (int f = 0; f < 2; f++) {
+    md = tm.m;
+    if (f) md.final_logit_softcapping = c;
+    else md.attn_logit_softcapping = 50.f;
+    CHECK(calrt_calbin_create(dev, 0, &md, tm.t, (size_t)tm.n, &p1, &t0, &other) == CALRT_OK);
+    CHECK(calrt_calbin_share_kv(other, o) == CALRT_E_INVALID_ARGUMENT &&
+          ERR_HAS(f ? "final_logit_softcapping" : "attn_logit_softcapping"));
+    CHECK(calrt_calbin_destroy(other) == CALRT_OK);
+  }
+  CHECK(calrt_calbin_destroy(o) == CALRT_OK);
+  const float bad[3] = {-1.f, NAN, INFINITY};
+  for (int f = 0; f < 2; f++)
+    for (int b = 0; b < 3; b++) {
+      md = tm.m;
+      if (f) md.final_logit_softcapping = bad[b];
+      else md.attn_logit_softcapping = bad[b];
+      CHECK(calrt_calbin_create(dev, 0, &md, tm.t, (size_t)tm.n, &p1, &t0, &other) == CALRT_E_INVALID_ARGUMENT &&
+            ERR_HAS(f ? "final_logit_softcapping" : "attn_logit_softcapping"));
+    }
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+  dev = open_sim_threads(3);
+  md = tm.m;
+  md.attn_logit_softcapping = 0.5f;
+  md.final_logit_softcapping = c;
+  softcap_run(dev, &tm, &md, both[2]);
+  CHECK(memcmp(both[0], both[2], sizeof(float) * n) == 0); /* 1 thread == 3 threads */
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+  unsetenv("CALRT_SIM_THREADS");
+  free(raw);
+  free(fin);
+  free(huge);
+  for (int i = 0; i < 3; i++) free(both[i]);
+  free_model(&tm);
+}
+
 int main(void) {
   test_llama_threads(CALRT_ARCH_LLAMA);
   test_llama_threads(CALRT_ARCH_QWEN2);
   test_gemma_batch();
   test_sliding_window(CALRT_ARCH_LLAMA);
   test_sliding_window(CALRT_ARCH_GEMMA3);
+  test_sliding_window(CALRT_ARCH_GEMMA2);
+  test_softcap();
   calrt_device *dev = NULL, *dev2 = NULL;
   test_boards();
   calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
