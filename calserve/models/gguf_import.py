@@ -2,8 +2,8 @@
 
 Read with the ``gguf`` package. Supported: ``general.architecture`` ``llama``, ``qwen2``, ``qwen3``,
 ``phi3`` (Phi-3: a Llama whose q/k/v and gate/up projections are stored fused, ``attn_qkv`` and
-a double-height ``ffn_up``: split on import; neox RoPE, not permuted) and ``gemma3`` (text only,
-below); tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, all dequantized to float32
+a double-height ``ffn_up``: split on import; neox RoPE, not permuted), ``gemma2`` and ``gemma3``
+(text only, below); tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, all dequantized to float32
 (stored as F32 by default, BF16 on request — the runtime computes in float32 either way).
 
 Tensors are renamed to Hugging Face's names (``blk.3.attn_q.weight`` ->
@@ -34,6 +34,14 @@ package holds, so the values are kept as they are. Refused, naming the key or te
 (``gemma3.vision.*`` keys, ``v.*``/``mm.*`` tensors: the projector belongs in an mmproj file),
 logit soft-capping (``gemma3.final_logit_softcapping``, ``gemma3.attn_logit_softcapping``).
 
+Gemma 2 (``gemma2``; ``Gemma2ForCausalLM``, 2B/9B/27B): Gemma 3's layout without the q/k norms,
+with logit soft-capping — each attention score ``c * tanh(s / c)`` before the mask
+(``gemma2.attn_logit_softcapping``) and each output logit the same
+(``gemma2.final_logit_softcapping``); llama.cpp's defaults for absent keys (both caps 50 and 30,
+window 4,096, every other layer global unless ``gemma2.attention.sliding_window_pattern`` says
+otherwise; ``gemma2.rope.freq_base_swa`` when a file has one) and its attention scale (46
+blocks, the 27B: 1/sqrt(hidden / heads)).
+
 Llama 3.1+'s "llama3" RoPE scaling comes as a ``rope_freqs.weight`` tensor (a divisor per RoPE
 frequency): kept as ``model.rope_freqs.weight``, which the runtime applies. Linear RoPE scaling
 (``{arch}.rope.scaling.type`` "linear" with ``{arch}.rope.scaling.factor``, any architecture) is
@@ -63,7 +71,7 @@ from calserve.models.gguf_tokenizer import GGUFTokenizer, tokenizer_from_metadat
 from calserve.models.manifest import SpecialTokens
 from calserve.models.pack import DEFAULT_PROFILES, build_package
 from calserve.runtime.reference import (
-    GEMMA3, LLAMA, QWEN2, QWEN3, ROPE_FREQS, ModelConfig, weight_shapes,
+    GEMMA2, GEMMA3, LLAMA, QWEN2, QWEN3, ROPE_FREQS, ModelConfig, weight_shapes,
 )
 
 __all__ = [
@@ -76,7 +84,8 @@ __all__ = [
 ]
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-_ARCH = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": LLAMA, "gemma3": GEMMA3}
+_ARCH = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": LLAMA, "gemma2": GEMMA2,
+         "gemma3": GEMMA3}
 _LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -104,6 +113,14 @@ _GEMMA3_LAYER = {
 _GEMMA3_SWA_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA3_27B_BLOCKS = 62
+# ... and for LLM_ARCH_GEMMA2: every other layer global (a gemma2.attention.sliding_window_pattern
+# key overrides it), the window and both soft-caps when the file has none (llama_hparams'
+# defaults), the 27B's block count (its scale as the gemma3 27B's)
+_GEMMA2_SWA_PATTERN = 2
+_GEMMA2_WINDOW = 4096
+_GEMMA2_ATTN_SOFTCAP = 50.0
+_GEMMA2_FINAL_SOFTCAP = 30.0
+_GEMMA2_27B_BLOCKS = 46
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -201,6 +218,8 @@ def _config(meta: Mapping[str, Any], tensors: Mapping[str, Any], n_vocab: int, s
     layers = int(_need(meta, f"{a}.block_count", source))
     window = int(meta.get(f"{a}.attention.sliding_window") or 0)
     extra: dict[str, Any] = {"sliding_window": window}  # Phi-3: every layer slides (pattern 0)
+    if arch == "gemma2":
+        extra.update(_gemma2_extra(meta, hidden, heads, head_dim, layers, source))
     if arch == "gemma3":
         _need(meta, f"{a}.rope.freq_base", source)  # converters always write it; no default guessed
         if window > 0:
@@ -260,6 +279,42 @@ def _linear_rope_factor(meta: Mapping[str, Any], tensors: Mapping[str, Any], a: 
     if not (math.isfinite(factor) and factor > 0):
         raise ValidationError(f"{source}: {key} {meta[key]!r}: a linear RoPE scaling factor must be > 0")
     return factor
+
+
+def _gemma2_extra(meta: Mapping[str, Any], hidden: int, heads: int, head_dim: int, layers: int,
+                  source: str) -> dict[str, Any]:
+    """A gemma2 file's ModelConfig fields beside the common ones, read as llama.cpp's
+    load_hparams reads them (the defaults above for absent keys)."""
+    def num(key: str, default: float) -> float:
+        v = meta.get(key)
+        try:
+            x = float(f"{float(v):.7g}") if v is not None else default  # float32 in the file
+        except (TypeError, ValueError):
+            x = float("nan")
+        if not (math.isfinite(x) and x >= 0):
+            raise ValidationError(f"{source}: {key} {v!r} must be a number >= 0")
+        return x
+
+    window = meta.get("gemma2.attention.sliding_window")
+    window = _GEMMA2_WINDOW if window is None else int(window)
+    pattern = meta.get("gemma2.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        raise ValidationError(f"{source}: gemma2.attention.sliding_window_pattern as a per-layer"
+                              " list is not supported")
+    out: dict[str, Any] = {
+        "sliding_window": window,
+        "sliding_window_pattern": (_GEMMA2_SWA_PATTERN if pattern is None else int(pattern))
+        if window else 0,
+        "attn_logit_softcapping": num("gemma2.attn_logit_softcapping", _GEMMA2_ATTN_SOFTCAP),
+        "final_logit_softcapping": num("gemma2.final_logit_softcapping", _GEMMA2_FINAL_SOFTCAP),
+        # llama.cpp: f_attention_scale = 1/sqrt(27B ? n_embd / n_head : n_embd_head_k)
+        "query_pre_attn_scalar": float(hidden // heads if layers == _GEMMA2_27B_BLOCKS else head_dim),
+    }
+    base = meta.get("gemma2.rope.freq_base")
+    swa_base = meta.get("gemma2.rope.freq_base_swa")  # newer files: the sliding layers' own
+    if window and swa_base is not None and float(swa_base) != float(base or 10000.0):
+        out["rope_local_theta"] = float(swa_base)
+    return out
 
 
 def _refuse_gemma3_extras(meta: Mapping[str, Any], tensors: Mapping[str, Any], source: str) -> None:

@@ -1,4 +1,4 @@
-"""Reading Hugging Face Qwen3/Llama/Qwen2/Gemma 3 checkpoints without torch, and a tiny safetensors
+"""Reading Hugging Face Qwen3/Llama/Qwen2/Gemma 2/Gemma 3 checkpoints without torch, and a tiny safetensors
 reader/writer.
 
 ``safetensors.numpy`` cannot read BF16 (numpy has no bfloat16), and real Qwen3 checkpoints are BF16,
@@ -18,6 +18,11 @@ reading, so the package holds the multiplier as for every family. Refused, namin
 activation other than ``gelu_pytorch_tanh``, logit soft-capping, other ``rope_scaling`` types or a
 factor that is no number > 0, a ``rope_parameters`` type other than "default" (and "linear" for
 full attention), bidirectional attention, a ``layer_types`` list that is no such pattern.
+
+``Gemma2ForCausalLM`` (2B, 9B, 27B): the same layout without the q/k norms and the sliding layers'
+own RoPE base, every other layer global (or as ``layer_types`` says), and logit soft-capping:
+``attn_logit_softcapping`` / ``final_logit_softcapping`` (absent: transformers' 50 and 30; null:
+none), applied by the runtime; the norms get their 1 as Gemma 3's.
 
 ``Gemma3ForConditionalGeneration`` (Gemma 3 4B, 12B, 27B: text and vision): its TEXT model is
 imported, as a ``Gemma3ForCausalLM``. The config is ``text_config`` (Gemma3TextConfig's keys and
@@ -51,7 +56,7 @@ import numpy as np
 
 from calserve.errors import ValidationError
 from calserve.runtime.reference import (
-    ARCHITECTURES, GEMMA3, ROPE_FREQS, ModelConfig, bf16_round, weight_shapes,
+    ARCHITECTURES, GEMMA2, GEMMA3, ROPE_FREQS, ModelConfig, bf16_round, weight_shapes,
 )
 
 __all__ = [
@@ -262,6 +267,65 @@ _GEMMA3_DEFAULTS: dict[str, Any] = {
 }
 
 
+# transformers' Gemma2Config defaults (the 2B's sizes), for keys a config.json leaves out
+_GEMMA2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "rope_theta": 10_000.0, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+_GEMMA2_SOFTCAPS = (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))
+
+
+def _gemma_activation(cfg_d: Mapping[str, Any], where: Any) -> None:
+    act = cfg_d.get("hidden_activation") or cfg_d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValidationError(f"{where}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+
+
+def _gemma2_config(cfg_d: Mapping[str, Any], where: Any) -> ModelConfig:
+    """A ``Gemma2ForCausalLM`` config.json as a ModelConfig: Gemma 3's without the q/k norms and
+    the sliding layers' own RoPE base, with logit soft-capping (a cap given as null: none; absent:
+    transformers' default, 50 and 30); every other layer global (``layer_types`` may say so)."""
+    c = {**_GEMMA2_DEFAULTS, **{k: v for k, v in cfg_d.items() if v is not None}}
+    _gemma_activation(cfg_d, where)
+    caps: dict[str, float] = {}
+    for k, default in _GEMMA2_SOFTCAPS:
+        v = cfg_d[k] if k in cfg_d else default
+        try:
+            caps[k] = 0.0 if v is None else float(v)
+        except (TypeError, ValueError):
+            caps[k] = float("nan")
+        if not (math.isfinite(caps[k]) and caps[k] >= 0):
+            raise ValidationError(f"{where}: {k} {v!r} must be null or a number >= 0")
+    theta = c["rope_theta"]
+    params = cfg_d.get("rope_parameters")  # newer transformers
+    if isinstance(params, dict):
+        kinds = [params] if "rope_type" in params or "rope_theta" in params else [
+            params.get(k) or {} for k in ("full_attention", "sliding_attention")]
+        thetas = {float(p.get("rope_theta", theta)) for p in kinds}
+        if any(p.get("rope_type", "default") != "default" for p in kinds) or len(thetas) != 1:
+            raise ValidationError(f"{where}: rope_parameters {params!r}: only one default RoPE is"
+                                  " supported for Gemma 2")
+        theta = thetas.pop()
+    layers = int(c["num_hidden_layers"])
+    pattern = 2
+    if cfg_d.get("layer_types") is not None:
+        pattern = _layer_pattern(cfg_d["layer_types"], layers, where)
+    window = 0 if pattern == 1 else int(c["sliding_window"])
+    try:
+        base = ModelConfig.from_hf({**c, "rope_theta": theta})
+        return dataclasses.replace(
+            base, tie_word_embeddings=bool(c["tie_word_embeddings"]), sliding_window=window,
+            sliding_window_pattern=pattern if window else 0,
+            query_pre_attn_scalar=float(c["query_pre_attn_scalar"]),
+            attn_logit_softcapping=caps["attn_logit_softcapping"],
+            final_logit_softcapping=caps["final_logit_softcapping"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValidationError(f"{where}: {e}") from None
+
+
 def _layer_pattern(types: Any, layers: int, where: Any) -> int:
     """The sliding_window_pattern N that ``layer_types`` spells (layer i full when (i + 1) % N == 0;
     0: every layer slides; 1: none does)."""
@@ -279,9 +343,7 @@ def _layer_pattern(types: Any, layers: int, where: Any) -> int:
 def _gemma3_config(cfg_d: Mapping[str, Any], where: Any) -> ModelConfig:
     """A ``Gemma3ForCausalLM`` config.json as a ModelConfig (module docstring)."""
     c = {**_GEMMA3_DEFAULTS, **{k: v for k, v in cfg_d.items() if v is not None}}
-    act = cfg_d.get("hidden_activation") or cfg_d.get("hidden_act") or c["hidden_activation"]
-    if act != "gelu_pytorch_tanh":
-        raise ValidationError(f"{where}: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    _gemma_activation(cfg_d, where)
     for k in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg_d.get(k) is not None:
             raise ValidationError(f"{where}: {k} {cfg_d[k]!r} is not supported (must be null)")
@@ -411,6 +473,8 @@ def load_hf_checkpoint(src: str | os.PathLike[str]) -> HFCheckpoint:
     try:
         if archs[0] == GEMMA3:
             config = _gemma3_config(cfg_d, f"{d / 'config.json'}{' text_config' if multimodal else ''}")
+        elif archs[0] == GEMMA2:
+            config = _gemma2_config(cfg_d, d / "config.json")
         else:
             config = ModelConfig.from_hf(cfg_d)
         if divisors is not None:

@@ -1,4 +1,4 @@
-"""Gemma 3 served end to end: a small gemma3 GGUF (written by tests/models/test_gguf_gemma3.py as
+"""Gemma 3 and Gemma 2 served end to end: a small gemma3 (gemma2) GGUF (written by tests/models/test_gguf_gemma3.py as
 llama.cpp's converter writes one: sliding layers, sandwich norms, norms stored as 1 + w,
 SentencePiece vocabulary without a space prefix) packed with ``--from-gguf``'s code, served by
 ``calserve serve --model`` on the software runtime at B1 and B4, asked through the openai client.
@@ -31,10 +31,17 @@ from .server import ServerProcess, serving_calserve
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
-    d = tmp_path_factory.mktemp("gemma3-served")
-    write_gemma3_gguf(d / "g.gguf")
+# Gemma 2 the same way (its gemma2 graph: soft-capped scores and logits, every other layer
+# sliding), with caps tight enough to matter
+ARCHS = {"gemma3": {}, "gemma2": {"gemma2.attn_logit_softcapping": 2.0,
+                                  "gemma2.final_logit_softcapping": 3.0}}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def gemma(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    d = tmp_path_factory.mktemp(f"{request.param}-served")
+    write_gemma3_gguf(d / "g.gguf", arch=request.param, meta=ARCHS[request.param])
     generate_keypair(d / "key")
     pkg = pack_from_gguf(d / "g.gguf", d / "pkg", d / "key", profiles=(1, 4))
     with serving_calserve(d / "home", d, "--model", str(pkg), "--alias", "gemma",

@@ -66,19 +66,25 @@ DIMS = {"hidden": 64, "ff": 128, "layers": 7, "heads": 4, "kv": 2, "head_dim": 3
 
 def write_gemma3_gguf(path: Path, dims: dict[str, int] | None = None, *, seed: int = 0,
                       meta: dict[str, Any] | None = None, extra_tensors: tuple[str, ...] = (),
-                      f16: bool = True) -> None:
-    """A gemma3 GGUF as convert_hf_to_gguf.py's Gemma3Model writes one (norms as 1 + w, tied)."""
+                      f16: bool = True, arch: str = "gemma3") -> None:
+    """A gemma3 GGUF as convert_hf_to_gguf.py's Gemma3Model writes one (norms as 1 + w, tied);
+    ``arch`` "gemma2": as its Gemma2Model writes one (no q/k norms, both soft-caps, one RoPE
+    base). A ``meta`` value None leaves that key out."""
     d = {**DIMS, **(dims or {})}
     rng = np.random.default_rng(seed)
     h, hd, nh, kv = d["hidden"], d["head_dim"], d["heads"], d["kv"]
-    wr = gguf.GGUFWriter(str(path), "gemma3")
-    kvs: dict[str, Any] = {f"gemma3.{k}": v for k, v in {
+    wr = gguf.GGUFWriter(str(path), arch)
+    kvs: dict[str, Any] = {f"{arch}.{k}": v for k, v in {
         "context_length": 256, "embedding_length": h, "block_count": d["layers"],
         "feed_forward_length": d["ff"], "attention.head_count": nh, "attention.head_count_kv": kv,
         "attention.key_length": hd, "attention.value_length": hd,
         "attention.sliding_window": d["window"], "attention.layer_norm_rms_epsilon": 1e-6,
-        "rope.freq_base": 1_000_000.0}.items()}
+        "rope.freq_base": 1_000_000.0 if arch == "gemma3" else 10_000.0}.items()}
+    if arch == "gemma2":
+        kvs.update({"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0})
     for k, v in {**kvs, **(meta or {})}.items():
+        if v is None:
+            continue
         if isinstance(v, str):
             wr.add_string(k, v)
         else:
@@ -116,8 +122,9 @@ def write_gemma3_gguf(path: Path, dims: dict[str, int] | None = None, *, seed: i
         add(p + "attn_q.weight", mat(nh * hd, h))
         add(p + "attn_k.weight", mat(kv * hd, h))
         add(p + "attn_v.weight", mat(kv * hd, h))
-        add(p + "attn_q_norm.weight", norm(hd))
-        add(p + "attn_k_norm.weight", norm(hd))
+        if arch == "gemma3":
+            add(p + "attn_q_norm.weight", norm(hd))
+            add(p + "attn_k_norm.weight", norm(hd))
         add(p + "attn_output.weight", mat(h, nh * hd))
         add(p + "post_attention_norm.weight", norm(h))
         add(p + "ffn_norm.weight", norm(h))
@@ -135,22 +142,36 @@ def write_gemma3_gguf(path: Path, dims: dict[str, int] | None = None, *, seed: i
 
 
 class LlamaCppGemma3:
-    """llama.cpp's gemma3 graph in numpy, one token at a time (module docstring)."""
+    """llama.cpp's gemma3 graph in numpy, one token at a time (module docstring); a gemma2 file:
+    its gemma2 graph (src/models/gemma2.cpp, load_hparams' LLM_ARCH_GEMMA2): no q/k norms, every
+    other layer sliding (``il % 2 < 1``), one RoPE base, Q times the same scale, each score
+    ``c * tanh(kq / c)`` before the mask (hparams.attn_soft_cap), the output logits the same with
+    the final cap."""
 
     def __init__(self, path: Path, *, window: bool = True, scaling: bool = True,
-                 scale_swa: bool = False) -> None:
-        """``window``/``scaling`` False: as if the file had no window/RoPE scaling; ``scale_swa``:
-        as if the sliding layers were scaled too (not llama.cpp's gemma3: counterfactuals)."""
+                 scale_swa: bool = False, softcap: bool = True) -> None:
+        """``window``/``scaling``/``softcap`` False: as if the file had no window/RoPE scaling/
+        soft-caps; ``scale_swa``: as if the sliding layers were scaled too (not llama.cpp's
+        gemma3: counterfactuals)."""
         r = gguf.GGUFReader(str(path))
+        self.arch = arch = str(r.fields["general.architecture"].contents())
+        a = arch
 
         def meta(k: str) -> Any:
-            return r.fields[k].contents()
+            return r.fields[k.replace("gemma3.", f"{a}.", 1)].contents()
+
+        def opt(k: str, default: float) -> float:
+            return float(meta(k)) if k.replace("gemma3.", f"{a}.", 1) in r.fields else default
+
+        gemma2 = arch == "gemma2"
+        self.pattern = 2 if gemma2 else 6  # hparams.set_swa_pattern
+        self.attn_cap = opt("gemma3.attn_logit_softcapping", 50.0) if gemma2 and softcap else 0.0
+        self.final_cap = opt("gemma3.final_logit_softcapping", 30.0) if gemma2 and softcap else 0.0
 
         # load_hparams: rope.scaling.type (default "linear"), freq_scale = 1 / rope.scaling.factor
         # (absent: 1); llama_context: type "none" never scales
-        kind = meta("gemma3.rope.scaling.type") if "gemma3.rope.scaling.type" in r.fields else "linear"
-        factor = float(meta("gemma3.rope.scaling.factor")) if "gemma3.rope.scaling.factor" in r.fields \
-            else 0.0
+        kind = meta("gemma3.rope.scaling.type") if f"{a}.rope.scaling.type" in r.fields else "linear"
+        factor = opt("gemma3.rope.scaling.factor", 0.0)
         assert kind in ("none", "linear"), kind
         self.freq_scale = 1.0 if kind == "none" or factor == 0.0 or not scaling else 1.0 / factor
         self.scale_swa = scale_swa
@@ -162,9 +183,12 @@ class LlamaCppGemma3:
         self.d = int(meta("gemma3.attention.key_length"))
         self.eps = float(meta("gemma3.attention.layer_norm_rms_epsilon"))
         self.base = float(meta("gemma3.rope.freq_base"))
-        self.n_swa = int(meta("gemma3.attention.sliding_window")) if window else 0
+        # gemma3: 10,000 on the sliding layers; gemma2: the one base (freq_base_swa if a file has it)
+        self.swa_base = opt("gemma3.rope.freq_base_swa", self.base) if gemma2 else 10000.0
+        self.n_swa = int(opt("gemma3.attention.sliding_window", 4096)) if window else 0
         # llama.cpp: f_attention_scale = 1/sqrt(27B ? n_embd / n_head : n_embd_head_k)
-        self.kq_scale = 1.0 / math.sqrt(self.n_embd // self.n_head if self.n_layer == 62 else self.d)
+        big = self.n_layer == (46 if gemma2 else 62)
+        self.kq_scale = 1.0 / math.sqrt(self.n_embd // self.n_head if big else self.d)
         self.t: dict[str, np.ndarray] = {}
         for t in r.tensors:  # F32 / F16 only here: the reader's arrays are the values
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -175,8 +199,11 @@ class LlamaCppGemma3:
     def _norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:  # over the last axis
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
 
-    def _swa(self, il: int) -> bool:  # hparams.set_swa_pattern(6): il % 6 < 5 slides
-        return self.n_swa > 0 and il % 6 < 5
+    def _swa(self, il: int) -> bool:  # hparams.set_swa_pattern(n): il % n < n - 1 slides
+        return self.n_swa > 0 and il % self.pattern < self.pattern - 1
+
+    def _cap(self, x: np.ndarray, c: float) -> np.ndarray:  # ggml_scale, ggml_tanh, ggml_scale
+        return (np.tanh(x * np.float32(1.0 / c)) * np.float32(c)).astype(np.float32) if c else x
 
     def _rope_neox(self, x: np.ndarray, pos: int, base: float, freq_scale: float) -> np.ndarray:
         d = self.d
@@ -195,11 +222,14 @@ class LlamaCppGemma3:
             q = (t[p + "attn_q.weight"] @ cur).reshape(H, D)
             k = (t[p + "attn_k.weight"] @ cur).reshape(KV, D)
             v = (t[p + "attn_v.weight"] @ cur).reshape(KV, D)
-            base = 10000.0 if self._swa(il) else self.base  # rope_freq_base_train_swa
-            # rope_freq_scale_train_swa = 1: a sliding layer is never scaled
-            fs = 1.0 if self._swa(il) and not self.scale_swa else self.freq_scale
-            q = self._rope_neox(self._norm(q, t[p + "attn_q_norm.weight"]), p1, base, fs) * self.kq_scale
-            k = self._rope_neox(self._norm(k, t[p + "attn_k_norm.weight"]), p1, base, fs)
+            base = self.swa_base if self._swa(il) else self.base  # rope_freq_base_train_swa
+            # gemma3: rope_freq_scale_train_swa = 1, a sliding layer is never scaled
+            fs = 1.0 if self._swa(il) and not self.scale_swa and self.arch == "gemma3" \
+                else self.freq_scale
+            if p + "attn_q_norm.weight" in t:  # gemma3
+                q, k = self._norm(q, t[p + "attn_q_norm.weight"]), self._norm(k, t[p + "attn_k_norm.weight"])
+            q = self._rope_neox(q, p1, base, fs) * self.kq_scale
+            k = self._rope_neox(k, p1, base, fs)
             self.k[il].append(k)
             self.v[il].append(v)
             K, V = np.stack(self.k[il]), np.stack(self.v[il])  # [S, KV, D]
@@ -207,7 +237,7 @@ class LlamaCppGemma3:
             att = np.empty((H, D), np.float32)
             for hh in range(H):
                 g = hh // (H // KV)
-                kq = np.where(masked, -np.inf, K[:, g, :] @ q[hh])
+                kq = np.where(masked, -np.inf, self._cap(K[:, g, :] @ q[hh], self.attn_cap))
                 w = np.exp(kq - kq.max())
                 att[hh] = (w / w.sum()) @ V[:, g, :]
             cur = self._norm(t[p + "attn_output.weight"] @ att.reshape(-1),
@@ -219,7 +249,8 @@ class LlamaCppGemma3:
             gelu = 0.5 * g64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64 ** 3)))
             cur = t[p + "ffn_down.weight"] @ (gelu.astype(np.float32) * up)
             x = self._norm(cur, t[p + "post_ffw_norm.weight"]) + sa_out
-        return np.asarray(t["token_embd.weight"] @ self._norm(x, t["output_norm.weight"]), np.float32)
+        out = np.asarray(t["token_embd.weight"] @ self._norm(x, t["output_norm.weight"]), np.float32)
+        return self._cap(out, self.final_cap)
 
     def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float], list[np.ndarray]]:
         """(tokens, their logprobs, the logits of every prompt position) of ``n`` greedy steps."""
@@ -380,9 +411,9 @@ def test_refusals_name_the_key(tmp_path: Path, meta: dict[str, Any], tensors: tu
 def test_unknown_architecture_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "g.gguf"
     write_gemma3_gguf(path, {"layers": 1}, f16=False)
-    raw = path.read_bytes().replace(b"gemma3", b"gemma2")  # every key and the architecture
+    raw = path.read_bytes().replace(b"gemma3", b"gemma4")  # every key and the architecture
     (tmp_path / "g2.gguf").write_bytes(raw)
-    with pytest.raises(ValidationError, match=r"general\.architecture 'gemma2'"):
+    with pytest.raises(ValidationError, match=r"general\.architecture 'gemma4'"):
         read_gguf(tmp_path / "g2.gguf")
 
 

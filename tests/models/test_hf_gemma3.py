@@ -82,12 +82,17 @@ def _f32_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
 
 
 def hf_gemma3_logits(cfg: dict[str, Any], w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
-    """modeling_gemma3's forward over ``ids`` (logits [T, vocab]; module docstring)."""
+    """modeling_gemma3's forward over ``ids`` (logits [T, vocab]; module docstring); a Gemma 2
+    config (modeling_gemma2): no q/k norms, one RoPE base, the scores and the logits soft-capped."""
     T, H, KV, D = len(ids), cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % cfg["sliding_window_pattern"] else "full_attention"
+    types = cfg.get("layer_types") or [  # Gemma 2 (modeling_gemma2): every other layer
+        "sliding_attention" if (i + 1) % cfg.get("sliding_window_pattern", 2) else "full_attention"
         for i in range(cfg["num_hidden_layers"])]
+    attn_cap, final_cap = cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")
+
+    def cap(x: np.ndarray, c: float | None) -> np.ndarray:  # x / c, tanh, * c
+        return x if c is None else (np.tanh(x / np.float32(c)) * np.float32(c)).astype(np.float32)
 
     def norm(x: np.ndarray, wt: np.ndarray) -> np.ndarray:  # Gemma3RMSNorm
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + wt)
@@ -110,10 +115,12 @@ def hf_gemma3_logits(cfg: dict[str, Any], w: dict[str, np.ndarray], ids: list[in
         p = f"model.layers.{i}."
         sliding = kind == "sliding_attention"
         h = norm(x, w[p + "input_layernorm.weight"])
-        q = norm((h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, H, D), w[p + "self_attn.q_norm.weight"])
-        k = norm((h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, KV, D), w[p + "self_attn.k_norm.weight"])
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(T, H, D)
+        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(T, KV, D)
+        if p + "self_attn.q_norm.weight" in w:  # Gemma 3 (Gemma 2 has none)
+            q, k = norm(q, w[p + "self_attn.q_norm.weight"]), norm(k, w[p + "self_attn.k_norm.weight"])
         v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(T, KV, D)
-        base = cfg["rope_local_base_freq"] if sliding else cfg["rope_theta"]
+        base = cfg.get("rope_local_base_freq", cfg["rope_theta"]) if sliding else cfg["rope_theta"]
         div = 1.0 if sliding else factor  # rotary_emb_local has no scaling; rotary_emb has it
         q, k = rope(q, base, div), rope(k, base, div)
         allowed = kv_idx <= q_idx
@@ -122,7 +129,7 @@ def hf_gemma3_logits(cfg: dict[str, Any], w: dict[str, np.ndarray], ids: list[in
         out = np.empty((T, H, D), np.float32)
         for hh in range(H):
             g = hh // (H // KV)  # repeat_kv
-            s = (q[:, hh] @ k[:, g].T) * cfg["query_pre_attn_scalar"] ** -0.5
+            s = cap((q[:, hh] @ k[:, g].T) * cfg["query_pre_attn_scalar"] ** -0.5, attn_cap)
             s = np.where(allowed, s, -np.inf)
             pr = np.exp(s - s.max(axis=-1, keepdims=True))
             out[:, hh] = (pr / pr.sum(axis=-1, keepdims=True)) @ v[:, g]
@@ -133,7 +140,8 @@ def hf_gemma3_logits(cfg: dict[str, Any], w: dict[str, np.ndarray], ids: list[in
         act = 0.5 * g64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64 ** 3)))
         m = (act.astype(np.float32) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
         x = x + norm(m, w[p + "post_feedforward_layernorm.weight"])
-    return np.asarray(norm(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T, np.float32)
+    return cap(np.asarray(norm(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T,
+                          np.float32), final_cap)
 
 
 def _write(d: Path, cfg: dict[str, Any], w: dict[str, np.ndarray]) -> Path:
