@@ -6,7 +6,7 @@ core 1), writes per-point run directories (records.jsonl, summary.json, metrics.
 prints the headline. See ``bench/README.md`` for what each one measures and how long it runs.
 
 Names: saturation, knee, m1-async-vs-sync, batching, fairness, fairness-backlogged, overload, soak,
-http-floor, scaleout, sampler-cost, m2-pingpong, chaos, lifecycle, peer.
+http-floor, scaleout, sampler-cost, m2-pingpong, chaos, lifecycle, peer, scoring.
 """
 
 from __future__ import annotations
@@ -380,6 +380,13 @@ def sampler_cost(out: Path, quick: bool) -> dict[str, Any]:
     return cost_run(out, quick)
 
 
+def scoring(out: Path, quick: bool) -> dict[str, Any]:
+    """Prompts scored (echo + logprobs, max_tokens 0) against answered (max_tokens 1), prompt
+    tokens per second side by side (bench/scoring.py; the demo package)."""
+    from bench.scoring import run as scoring_run
+    return scoring_run(out, quick)
+
+
 def m2_pingpong(out: Path, quick: bool) -> dict[str, Any]:
     from bench.fault_scenarios import m2_pingpong as run
     return run(out, quick)
@@ -420,6 +427,7 @@ SCENARIOS = {
     "chaos": chaos,
     "lifecycle": lifecycle,
     "peer": peer,
+    "scoring": scoring,
 }
 
 
