@@ -170,7 +170,7 @@ class ModelConfig:
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (extra keys ignored: the sliding window,
         Gemma's local RoPE base and score scale are read by ``calserve.models.hf``, which checks
-        their spellings). The logit soft-capping values are read here (null or absent: 0, none)."""
+        their spellings; so are Gemma 2's logit soft-caps, which other families' configs ignore)."""
         heads = int(cfg["num_attention_heads"])
         archs = cfg.get("architectures") or [QWEN3]
         return cls(
@@ -186,8 +186,6 @@ class ModelConfig:
             rope_theta=float(cfg.get("rope_theta", 1_000_000.0)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
-            attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0),
-            final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
         )
 
     @property

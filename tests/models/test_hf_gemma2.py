@@ -85,3 +85,16 @@ def test_refusals_name_the_key(tmp_path: Path, change: dict[str, Any], names: st
     d = _write(tmp_path / "ck", {**CONFIG, **change}, _gemma2_weights(2))
     with pytest.raises(ValidationError, match=names):
         load_hf_checkpoint(d)
+
+
+def test_other_families_ignore_softcap_keys() -> None:
+    """Only Gemma 2 is soft-capped: a Llama or Qwen config that carries the keys is computed as
+    transformers computes those families, which read none of them."""
+    from calserve.runtime.reference import ModelConfig
+
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        c = ModelConfig.from_hf({
+            "architectures": [arch], "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 8, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+        assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (0.0, 0.0)
