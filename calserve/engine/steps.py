@@ -172,6 +172,7 @@ class StepHandler:
         reqs = self.requests
         k = s.score_upto
         assert k is not None and s.prompt_scores is not None
+        done = RequestEvent.PREFILL_DONE if prefill else RequestEvent.DECODE_DONE
         scored_now = k < len(s.prompt)
         if scored_now:
             assert logprob is not None and tok == int(s.prompt[k])
@@ -183,7 +184,7 @@ class StepHandler:
                 reqs.end(s, FinishReason.DEADLINE, now=now)
                 return True
             if k < len(s.prompt):
-                reqs.set_ready(s, now, RequestEvent.PREFILL_DONE if prefill else RequestEvent.DECODE_DONE)
+                reqs.set_ready(s, now, done)
                 return True
         s.score_upto = None  # every prompt token is scored
         reqs.scoring.discard(s.rid)
@@ -193,7 +194,7 @@ class StepHandler:
             reqs.end(s, FinishReason.LENGTH, now=now)
             return True
         if scored_now:  # the last prompt token is the next input: its logits draw the first token
-            reqs.set_ready(s, now, RequestEvent.PREFILL_DONE if prefill else RequestEvent.DECODE_DONE)
+            reqs.set_ready(s, now, done)
             return True
         return False
 
