@@ -15,7 +15,9 @@ legacy ``functions``/``function_call``, ``tools`` on completions or with another
 non-text content parts, and ``min_tokens``/``ignore_eos`` with a constraint or ``tools``
 (they sample past where the grammar ends). ``echo`` prepends the prompt text; with ``logprobs``
 the prompt is scored too (``SamplingParams.prompt_logprobs``: its entries come first in
-``logprobs``) and ``max_tokens`` may be 0.
+``logprobs``) and ``max_tokens`` may be 0. vLLM's ``prompt_logprobs`` (k) scores it the same way
+and answers in vLLM's shape (a ``prompt_logprobs`` list per completion choice, one per chat
+response; not streamed).
 
 Hostile sizes (README "Per-request limits and slow readers"): a prompt longer than the context can
 hold is refused before any tokenizing (text: :func:`calserve.api.tokenizing.check_text_fits`;
@@ -75,6 +77,10 @@ class Prepared:
     answer: Answer | None = None
     # /v1/responses: the chat request it means answers as a Responses object (api/responses.py)
     responses: ResponseEcho | None = None
+    # vLLM's ``prompt_logprobs`` (k); ``echo_scored``: a completion's ``echo`` with ``logprobs``
+    # (the prompt's entries come first in ``logprobs``). Either makes the engine score the prompt.
+    prompt_logprobs: int | None = None
+    echo_scored: bool = False
 
     @property
     def choices(self) -> int:
@@ -90,9 +96,18 @@ class Prepared:
     def logprob_offset(self, index: int) -> int:
         """``text_offset`` of choice ``index``'s first logprob entry: 0 when the prompt is scored
         (its tokens' entries come first), else after the echoed prompt."""
-        if self.request.sampling.prompt_logprobs is not None:
+        if self.echo_scored:
             return 0
         return len(self.echo_of(index))
+
+    def scored_prompt_len(self, index: int) -> int:
+        """How many of choice ``index``'s first logprob entries score its prompt (one per prompt
+        token, the first null): its prompt's length when the prompt is scored, else 0."""
+        if self.request.sampling.prompt_logprobs is None:
+            return 0
+        k = index // self.n
+        req = self.request if k == 0 else self.more_prompts[k - 1][0]
+        return len(req.prompt_tokens)
 
     def prompt_tokens(self) -> int:
         """Every prompt's tokens, each prompt once (``usage.prompt_tokens`` with ``n`` > 1)."""
@@ -333,9 +348,11 @@ def prepare_completion(
     if body.suffix:
         raise E.UnsupportedParameter("`suffix` is not supported (no insertion mode)", param="suffix")
     scored = bool(body.echo) and body.logprobs is not None  # the prompt's own logprobs too
-    if body.max_tokens == 0 and not scored:
-        raise E.RequestError("`max_tokens` must be >= 1 (0 only with `echo` and `logprobs`: the"
-                             " prompt scored, nothing generated)", param="max_tokens")
+    plp = _prompt_logprobs(body)
+    if body.max_tokens == 0 and not scored and plp is None:
+        raise E.RequestError("`max_tokens` must be >= 1 (0 only with `echo` and `logprobs`, or"
+                             " `prompt_logprobs`: the prompt scored, nothing generated)",
+                             param="max_tokens")
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
     items = _prompt_list(body.prompt, max_prompts)
@@ -349,8 +366,9 @@ def prepare_completion(
         default_max=16, logprobs=body.logprobs, prompt_param=param,
         vocab=_vocab_size(tok, info), tok=tok,
     )
-    if scored:
-        sampling = dataclasses.replace(sampling, prompt_logprobs=body.logprobs)
+    if scored or plp is not None:  # one scoring pass serves both: the larger top-k
+        k = max(body.logprobs if scored and body.logprobs is not None else 0, plp or 0)
+        sampling = dataclasses.replace(sampling, prompt_logprobs=k)
     reqs = []
     for k, ((p_ids, p_text), p_param) in enumerate(prompts):
         s = sampling if k == 0 else dataclasses.replace(sampling, max_tokens=_max_tokens(
@@ -359,7 +377,16 @@ def prepare_completion(
         reqs.append((GenerateRequest(prompt_tokens=p_ids, sampling=s, model=info.alias,
                                      tenant=tenant, user=body.user), p_text if body.echo else ""))
     return Prepared("completion", info.alias, reqs[0][0], stream, usage, reqs[0][1], body.logprobs,
-                    n, tuple(reqs[1:]))
+                    n, tuple(reqs[1:]), prompt_logprobs=plp, echo_scored=scored)
+
+
+def _prompt_logprobs(body: SamplingFields) -> int | None:
+    """vLLM's ``prompt_logprobs`` (k in [0, 20], the schema's bound), refused with ``stream`` (the
+    entries are part of the whole answer, as in vLLM)."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise E.RequestError("`prompt_logprobs` are not available when `stream` is true",
+                             param="prompt_logprobs")
+    return body.prompt_logprobs
 
 
 def _batched(prompt: str | list[Any]) -> bool:
@@ -435,6 +462,7 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
         think = None if reasoning is None else "open" if reasoning.opened else "optional"
         grammar = tools.grammar(tok, _vocab_size(tok, info) or 0, think)
     stream, usage = _stream_flags(body)
+    plp = _prompt_logprobs(body)
     k = (body.top_logprobs or 0) if body.logprobs else None
     mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = _sampling(
@@ -442,10 +470,13 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
         default_max=info.max_seq, logprobs=k, prompt_param="messages",
         vocab=_vocab_size(tok, info), tok=tok, grammar=grammar,
     )
+    if plp is not None:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=plp)
     req = GenerateRequest(prompt_tokens=ids, sampling=sampling, model=info.alias, tenant=tenant,
                           user=body.user)
     answer = None if tools is None and reasoning is None else Answer(tools, reasoning)
-    return Prepared("chat", info.alias, req, stream, usage, "", k, n, answer=answer)
+    return Prepared("chat", info.alias, req, stream, usage, "", k, n, answer=answer,
+                    prompt_logprobs=plp)
 
 
 def prepare_responses(engine: ModelsLike, body: ResponsesBody, tenant: str) -> Prepared:

@@ -93,6 +93,22 @@ class LogprobFormatter:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def prompt(self, lps: Sequence[TokenLogprob], k: int) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, null for the first (no context), else
+        ``{token id: {"logprob", "rank", "decoded_token"}}`` for the prompt token (its rank among
+        the vocabulary) and the ``k`` most likely tokens (ranks 1..k); ids as JSON keys."""
+        out: list[dict[str, Any] | None] = []
+        for lp in lps:
+            if lp.logprob != lp.logprob:  # NaN: the first prompt token
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                        "decoded_token": self.piece(lp.token_id)}}
+            for r, (t, v) in enumerate(lp.top[:k], start=1):
+                entry[str(t)] = {"logprob": v, "rank": r, "decoded_token": self.piece(t)}
+            out.append(entry)
+        return out
+
     def chat(self, lps: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
         out = []
         for lp in lps:

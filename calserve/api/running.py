@@ -9,6 +9,7 @@ engine's event stream failed). So the engine always gets its lane back.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, final
@@ -26,7 +27,7 @@ from calserve.api.render import (
 )
 from calserve.api.socket_probe import SocketProbe
 from calserve.api.stream_encoder import SseEncoder
-from calserve.engine.types import ErrorEvent, FinishEvent, TokenEvent, Usage
+from calserve.engine.types import ErrorEvent, FinishEvent, TokenEvent, TokenLogprob, Usage
 
 __all__ = ["RequestLease", "cancel_request", "run_json", "collect_choice", "response_body",
            "pump_stream", "Send"]
@@ -119,8 +120,14 @@ def response_body(prep: Prepared, choices: list[dict[str, Any]], usage: Usage) -
     if prep.kind == "completion":
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now_s(),
                 "model": prep.alias, "choices": choices, "usage": usage_dict(usage)}
-    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
+    body = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
             "model": prep.alias, "choices": choices, "usage": usage_dict(usage)}
+    if prep.prompt_logprobs is not None:  # vLLM: one list for the response (its one prompt)
+        body["prompt_logprobs"] = next(
+            (c["prompt_logprobs"] for c in choices if c["prompt_logprobs"] is not None), None)
+        for c in choices:
+            del c["prompt_logprobs"]
+    return body
 
 
 async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepared,
@@ -132,6 +139,10 @@ async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepare
     want_lps = prep.logprobs is not None
     texts: list[str] = [prep.echo_of(index)]
     lp_parts: list[Any] = []
+    # A scored prompt: its entries come first (one per prompt token), before any token's
+    prompt_left = prep.scored_prompt_len(index)
+    scored: list[TokenLogprob] = []
+    prompt_lps: list[dict[str, Any] | None] | None = None
     terminal: FinishEvent | None = None
     while terminal is None:
         batch = await receive_many()
@@ -143,9 +154,17 @@ async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepare
             if isinstance(ev, TokenEvent):
                 n_tokens += len(ev.token_ids)
                 texts.append(ev.text)
-                if ev.logprobs is not None and want_lps:
-                    lp_parts.append(fmt.completion(ev.logprobs) if completion
-                                    else fmt.chat(ev.logprobs))
+                lps = ev.logprobs
+                if lps is not None and prompt_left:
+                    scored.extend(lps[:prompt_left])
+                    lps, prompt_left = lps[prompt_left:], max(0, prompt_left - len(lps))
+                    if not prompt_left:  # the prompt's entries are complete
+                        if prep.prompt_logprobs is not None:
+                            prompt_lps = fmt.prompt(scored, prep.prompt_logprobs)
+                        if prep.echo_scored and prep.logprobs is not None:
+                            lp_parts.append(fmt.completion(_top(scored, prep.logprobs)))
+                if lps and want_lps:
+                    lp_parts.append(fmt.completion(lps) if completion else fmt.chat(lps))
                 continue
             lease.ended = True
             obs.tokens(n_tokens)
@@ -161,14 +180,23 @@ async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepare
     fr = finish_reason(terminal.reason)
     if completion:
         logprobs = merge_completion_logprobs(lp_parts) if want_lps else None
-        return ({"index": index, "text": text, "logprobs": logprobs, "finish_reason": fr},
-                terminal.usage)
-    chat_lp = {"content": [x for part in lp_parts for x in part]} if want_lps else None
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if prep.answer is not None:  # tool calls, reasoning (api/tools.py, api/reasoning.py)
-        message, fr = prep.answer.message(text, fr)
-    return ({"index": index, "message": message, "logprobs": chat_lp, "finish_reason": fr},
-            terminal.usage)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": fr}
+    else:
+        chat_lp = {"content": [x for part in lp_parts for x in part]} if want_lps else None
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if prep.answer is not None:  # tool calls, reasoning (api/tools.py, api/reasoning.py)
+            message, fr = prep.answer.message(text, fr)
+        choice = {"index": index, "message": message, "logprobs": chat_lp, "finish_reason": fr}
+    if prep.prompt_logprobs is not None:  # null: the request ended before its prompt was scored
+        choice["prompt_logprobs"] = prompt_lps
+    return choice, terminal.usage
+
+
+def _top(lps: list[TokenLogprob], k: int) -> list[TokenLogprob]:
+    """``lps`` with at most ``k`` top tokens each (the prompt was scored for a larger k)."""
+    if all(len(lp.top) <= k for lp in lps):
+        return lps
+    return [dataclasses.replace(lp, top=lp.top[:k]) for lp in lps]
 
 
 def _unread_reporter(handle: HandleLike, probe: SocketProbe | None) -> Callable[[], None] | None:

@@ -101,6 +101,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Extension (vLLM): each prompt token's logprob with the k most likely tokens at its position
+    # (JSON answers only: refused with ``stream``, as vLLM does)
+    prompt_logprobs: LogprobsK | None = None
     # Known but not supported when they would change results (checked in convert.py):
     best_of: Count | None = None
     functions: Any = None

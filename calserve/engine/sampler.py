@@ -464,7 +464,7 @@ def _token_logprobs(xw: npt.NDArray[np.float32], lse: npt.NDArray[np.float64],
 
 def score_tokens(logits: np.ndarray, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
     """The raw logprob of ``tokens[r]`` under row ``r`` of ``logits`` ([n, vocab]) with the row's
-    ``ks[r]`` most likely tokens: what a prompt token scores (``echo`` with ``logprobs``), the
+    ``ks[r]`` most likely tokens and its rank (1 + the tokens scored higher): what a prompt token scores (``echo`` with ``logprobs``), the
     same numbers :func:`sample_batch` gives a drawn token. Raises ValueError on NaN logits."""
     x = np.ascontiguousarray(logits, dtype=np.float32)
     if x.ndim != 2 or len(x) != len(tokens) or len(tokens) != len(ks):
@@ -476,4 +476,7 @@ def score_tokens(logits: np.ndarray, tokens: Sequence[int], ks: Sequence[int]) -
     wmax = x.max(axis=1)
     z = _exp_shifted(x, np.ones(len(x)), wmax).sum(axis=1)
     lse = wmax.astype(np.float64) + np.log(z)
-    return _token_logprobs(x, lse, np.asarray(tokens, np.int64), ks)
+    ids = np.asarray(tokens, np.int64)
+    ranks = 1 + (x > x[np.arange(len(x)), ids][:, None]).sum(axis=1)
+    return [dataclasses.replace(lp, rank=int(r))
+            for lp, r in zip(_token_logprobs(x, lse, ids, ks), ranks.tolist(), strict=True)]

@@ -107,6 +107,9 @@ class TokenLogprob:
     token_id: int
     logprob: float  # log-softmax of the raw logits (before temperature)
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) highest first
+    # 1 + how many tokens the row scores higher (a scored prompt token's, vLLM's ``rank``;
+    # None where nobody asked: drawn tokens)
+    rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

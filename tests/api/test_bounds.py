@@ -34,7 +34,8 @@ INT_EXTREMES = [-(2**70), -(2**64), -(2**63) - 1, -(2**63), -(2**31) - 1, -(2**3
 FLOAT_EXTREMES = [-1e308, -2.0000001, -2.0, -1e-300, -0.0, 0.0, 5e-324, 1e-300, 0.5, 1.0,
                   1.0000001, 2.0, 2.0000001, 10.0, 10.000001, 1e308]
 FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs",
-          "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"]
+          "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+          "prompt_logprobs"]
 LIST_FIELDS = ["stop_token_ids", "stop"]
 CHAT_FIELDS = ["max_completion_tokens", "top_logprobs"]
 
@@ -180,6 +181,10 @@ async def test_every_field_at_and_past_its_bounds() -> None:
                     doc[field] = 3 if v < 2**31 else v
                 st_ = await expect_bounded(h, C, doc, field)
                 statuses.setdefault(f"echo+{field}", set()).add(st_)
+        for v in [*INT_EXTREMES, *FLOAT_EXTREMES]:  # vLLM's prompt_logprobs, nothing generated
+            doc = {"prompt": "hi", "max_tokens": 0, "prompt_logprobs": v}
+            st_ = await expect_bounded(h, C, doc, "prompt_logprobs")
+            statuses.setdefault("score+prompt_logprobs", set()).add(st_)
         for v in OBJECT_FIELDS["prompt"]:
             doc = {"prompt": v, "max_tokens": 1, "logprobs": 1, "echo": True}
             st_ = await expect_bounded(h, C, doc, "prompt")
@@ -196,7 +201,7 @@ async def test_every_field_at_and_past_its_bounds() -> None:
                       "logprobs", "stop_token_ids", "stop", "n", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
                       "response_format", "prompt", "echo+logprobs", "echo+max_tokens",
-                      "echo+prompt"):
+                      "echo+prompt", "prompt_logprobs", "score+prompt_logprobs"):
             assert 200 in statuses[field], field
         assert h.real_engine.ready()
         assert await greedy_text(h) == before

@@ -163,6 +163,23 @@ def test_prompt_scores_equal_an_independent_numpy_forward(client: openai.OpenAI,
             assert abs(lp.token_logprobs[i] - want) <= 1e-3, (prompt, i, lp.token_logprobs[i], want)
             top = lp.top_logprobs[i]  # the most likely token's logprob (near-ties: either token)
             assert len(top) == 1 and abs(next(iter(top.values())) - best) <= 1e-3, (prompt, i, top)
+    # vLLM's prompt_logprobs (through the client's extra_body): the same numbers in vLLM's shape
+    prompt = prompts[0]
+    tok, _ = _package_tokenizer(smollm2)
+    c = client.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    plp = (c.choices[0].model_extra or {})["prompt_logprobs"]
+    assert len(plp) == len(prompt) and plp[0] is None
+    for i, (want, best) in enumerate(ref.scores(prompt), start=1):
+        got = plp[i][str(prompt[i])]
+        assert abs(got["logprob"] - want) <= 1e-3 and got["rank"] >= 1, (i, got, want)
+        if got["rank"] == 1:  # the model's most likely token there (near-ties: either)
+            assert abs(want - best) <= 1e-3, (i, got, want, best)
+        else:
+            assert want < best + 1e-3, (i, got, want, best)
+        assert got["decoded_token"] == tok.decode([prompt[i]])
+        (first,) = [e for e in plp[i].values() if e["rank"] == 1]
+        assert abs(first["logprob"] - best) <= 1e-3
 
 
 WEATHER_TOOLS: Any = [
