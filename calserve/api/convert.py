@@ -9,8 +9,10 @@ completion's ``prompt`` as a list of prompts (strings or token-id lists, up to
 ``json_schema`` and vLLM's / llama.cpp's structured outputs (constrained decoding,
 ``api/structured.py``, ``engine/grammar.py``), and on chat ``tools`` /
 ``tool_choice`` / ``parallel_tool_calls`` and tool messages (``api/tools.py``; the prompt:
-``api/chat_prompt.py``). Rejected because
-they would change results: ``best_of``>1 (no fork), ``suffix``, the
+``api/chat_prompt.py``). ``suffix``
+on a fill-in-the-middle model (its FIM tokens: ``models/fim.py``; the prompt is the prefix).
+Rejected because
+they would change results: ``best_of``>1 (no fork), ``suffix`` on other models or with ``echo``, the
 legacy ``functions``/``function_call``, ``tools`` on completions or with another constraint,
 non-text content parts, and ``min_tokens``/``ignore_eos`` with a constraint or ``tools``
 (they sample past where the grammar ends). ``echo`` prepends the prompt text; with ``logprobs``
@@ -48,6 +50,7 @@ from calserve.api.structured import answer_grammar, constraint_of
 from calserve.engine.grammar import Grammar
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
+from calserve.models.fim import FimTokens
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
            "prepare_chat", "prepare_responses", "prepare_body", "choice_seed", "Kind"]
@@ -345,8 +348,9 @@ def prepare_completion(
     engine: ModelsLike, body: CompletionBody, tenant: str, max_n: int = 1, max_prompts: int = 1
 ) -> Prepared:
     n = _reject_unsupported(body, max_n)
-    if body.suffix:
-        raise E.UnsupportedParameter("`suffix` is not supported (no insertion mode)", param="suffix")
+    if body.suffix and body.echo:
+        raise E.RequestError("`suffix` cannot be combined with `echo` (the answer is the middle"
+                             " between the prompt and the suffix)", param="suffix")
     scored = bool(body.echo) and body.logprobs is not None  # the prompt's own logprobs too
     plp = _prompt_logprobs(body)
     if body.max_tokens == 0 and not scored and plp is None:
@@ -355,9 +359,10 @@ def prepare_completion(
                              param="max_tokens")
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
+    fim = _fim(tok, info, body.suffix) if body.suffix else None
     items = _prompt_list(body.prompt, max_prompts)
     params = [f"prompt[{i}]" for i in range(len(items))] if _batched(body.prompt) else ["prompt"]
-    prompts = [(_prompt_ids(tok, info, p, param, body.echo), param)
+    prompts = [(_prompt_ids(tok, info, p, param, body.echo, fim), param)
                for p, param in zip(items, params)]
     stream, usage = _stream_flags(body)
     (ids, _), param = prompts[0]
@@ -366,6 +371,9 @@ def prepare_completion(
         default_max=16, logprobs=body.logprobs, prompt_param=param,
         vocab=_vocab_size(tok, info), tok=tok,
     )
+    if fim is not None and fim[0].ends and not body.ignore_eos:  # they end a FIM completion
+        sampling = dataclasses.replace(
+            sampling, stop_token_ids=frozenset(sampling.stop_token_ids).union(fim[0].ends))
     if scored or plp is not None:  # one scoring pass serves both: the larger top-k
         k = max(body.logprobs if scored and body.logprobs is not None else 0, plp or 0)
         sampling = dataclasses.replace(sampling, prompt_logprobs=k)
@@ -415,9 +423,28 @@ def _prompt_list(prompt: str | list[Any], max_prompts: int) -> Sequence[str | li
     return prompt
 
 
+def _fim(tok: TokenizerLike, info: ModelInfo, suffix: str) -> tuple[FimTokens, tuple[int, ...]]:
+    """The model's fill-in-the-middle tokens and the suffix's ids, or a 400 naming ``suffix``."""
+    fim: FimTokens | None = getattr(tok, "fim", None)
+    if fim is None:
+        raise E.UnsupportedParameter(
+            f"`suffix` needs a fill-in-the-middle model: {info.alias}'s vocabulary has no FIM"
+            " prefix/suffix/middle tokens", param="suffix")
+    check_text_fits(tok, info.max_seq, len(suffix), "suffix", "the suffix")
+    return fim, encode_text(tok, suffix)
+
+
 def _prompt_ids(tok: TokenizerLike, info: ModelInfo, prompt: str | list[Any], param: str,
-                echo: bool | None) -> tuple[tuple[int, ...], str]:
-    """One prompt's token ids and text (the text only when echoed), or a 400 naming ``param``."""
+                echo: bool | None, fim: tuple[FimTokens, tuple[int, ...]] | None = None,
+                ) -> tuple[tuple[int, ...], str]:
+    """One prompt's token ids and text (the text only when echoed), or a 400 naming ``param``.
+    ``fim``: the prompt is the prefix of a fill-in-the-middle prompt with that suffix (may be
+    empty: the cursor at the start of the file)."""
+    if fim is not None and isinstance(prompt, str):
+        check_text_fits(tok, info.max_seq, len(prompt), param)
+        fim_ids = fim[0].prompt(encode_text(tok, prompt) if prompt else (), fim[1])
+        with_bos = getattr(tok, "with_bos", None)  # BOS first when the model expects it
+        return tuple(with_bos(fim_ids) if with_bos is not None else fim_ids), ""
     if isinstance(prompt, str):
         if prompt == "":
             raise E.RequestError(f"`{param}` must not be empty", param=param)
@@ -431,6 +458,8 @@ def _prompt_ids(tok: TokenizerLike, info: ModelInfo, prompt: str | list[Any], pa
             raise _context_full(info.max_seq, len(prompt), param)
         ids = check_token_ids(prompt, _vocab_size(tok, info), param)
         text = tok.decode(ids) if echo else ""
+        if fim is not None:  # token ids: the prefix's, as given
+            ids = tuple(fim[0].prompt(ids, fim[1]))
     if not ids:
         raise E.RequestError(f"`{param}` encodes to zero tokens", param=param)
     return ids, text

@@ -38,6 +38,7 @@ import tokenizers
 
 from calserve.errors import RequestError, ValidationError
 from calserve.models.chat_template import ChatTemplate, is_chatml
+from calserve.models.fim import FimTokens, find_fim
 
 __all__ = ["Tokenizer", "CHATML", "render_chatml"]
 
@@ -131,6 +132,8 @@ class Tokenizer:
         self.tool_syntax: str | None = _tool_syntax(self.chat_template) if self._jinja else None
         if self.tool_syntax == "hermes" and self.has_special_text("<tool_call>"):
             self.tool_syntax = None
+        # Fill-in-the-middle tokens of a code model (completions' ``suffix``), by name
+        self.fim: FimTokens | None = find_fim(self.token_to_id)
         # A thinking model's template (api/reasoning.py): its answers begin with a think block,
         # whose tags the detokenizer keeps (text, not special tokens).
         self.reasoning_tags: bool = (

@@ -55,6 +55,13 @@ class Harness:
         parsed = msgspec.json.decode(raw) if ctype.startswith("application/json") else raw
         return r.status_code, parsed, r.headers
 
+    async def post_ok(self, path: str, body: Any) -> dict[str, Any]:
+        """``post`` that must answer 200 with a JSON object: the object."""
+        status, parsed, _ = await self.post(path, body)
+        assert status == 200, parsed
+        assert isinstance(parsed, dict)
+        return parsed
+
 
 @pytest.fixture
 def harness_factory() -> Callable[..., Any]:

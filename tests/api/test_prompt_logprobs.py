@@ -15,7 +15,7 @@ import pytest
 from calserve.testing.fake_device import fake_logits, history_hash
 
 from .conftest import make_config
-from .real_engine import ChatCharTokenizer, RealHarness, real_app
+from .real_engine import ChatCharTokenizer, real_app
 
 C = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -53,29 +53,23 @@ def check(got: list[Any], ids: list[int], k: int) -> None:
             assert g[key]["decoded_token"] == TOK.decode([int(key)])
 
 
-async def post_ok(h: RealHarness, path: str, doc: dict[str, Any]) -> dict[str, Any]:
-    status, body, _ = await h.post(path, doc)
-    assert status == 200, body
-    assert isinstance(body, dict)
-    return body
-
 
 async def test_completion_prompt_logprobs_beside_an_unchanged_completion() -> None:
     async with real_app(make_config()) as h:
         prompt = "the quick brown fox"
         ids = TOK.encode(prompt)
         base = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
-        plain = (await post_ok(h, C, base))["choices"][0]
+        plain = (await h.post_ok(C, base))["choices"][0]
         for k in (0, 1, 3):
-            body = await post_ok(h, C, {**base, "prompt_logprobs": k})
+            body = await h.post_ok(C, {**base, "prompt_logprobs": k})
             ch = body["choices"][0]
             check(ch["prompt_logprobs"], ids, k)
             assert ch["text"] == plain["text"] and ch["logprobs"] is None
             assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 5,
                                      "total_tokens": len(ids) + 5}
         # with the completion's own logprobs: those are the completion's tokens only
-        with_lps = (await post_ok(h, C, {**base, "logprobs": 2}))["choices"][0]["logprobs"]
-        ch = (await post_ok(h, C, {**base, "logprobs": 2, "prompt_logprobs": 4}))["choices"][0]
+        with_lps = (await h.post_ok(C, {**base, "logprobs": 2}))["choices"][0]["logprobs"]
+        ch = (await h.post_ok(C, {**base, "logprobs": 2, "prompt_logprobs": 4}))["choices"][0]
         assert ch["logprobs"] == with_lps
         check(ch["prompt_logprobs"], ids, 4)
         # nothing asked: no such field
@@ -89,14 +83,14 @@ async def test_with_echo_each_answer_has_its_own_top_k() -> None:
         ids = TOK.encode("scored twice")
         doc = {"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
                "echo": True, "logprobs": 1}
-        echo_only = (await post_ok(h, C, doc))["choices"][0]
-        both = (await post_ok(h, C, {**doc, "prompt_logprobs": 3}))["choices"][0]
+        echo_only = (await h.post_ok(C, doc))["choices"][0]
+        both = (await h.post_ok(C, {**doc, "prompt_logprobs": 3}))["choices"][0]
         assert both["logprobs"] == echo_only["logprobs"]
         assert both["text"] == echo_only["text"]
         check(both["prompt_logprobs"], ids, 3)
         # and the other way round: echo's top 4, vLLM's 0
-        wide = (await post_ok(h, C, {**doc, "logprobs": 4}))["choices"][0]
-        both = (await post_ok(h, C, {**doc, "logprobs": 4, "prompt_logprobs": 0}))["choices"][0]
+        wide = (await h.post_ok(C, {**doc, "logprobs": 4}))["choices"][0]
+        both = (await h.post_ok(C, {**doc, "logprobs": 4, "prompt_logprobs": 0}))["choices"][0]
         assert both["logprobs"] == wide["logprobs"]
         check(both["prompt_logprobs"], ids, 0)
 
@@ -104,13 +98,13 @@ async def test_with_echo_each_answer_has_its_own_top_k() -> None:
 async def test_scoring_only_and_lists_of_prompts_with_n() -> None:
     async with real_app(make_config(server={"max_n": 4, "max_prompts": 4})) as h:
         prompts = [TOK.encode(s) for s in ("first prompt", "2nd", "third one here")]
-        body = await post_ok(h, C, {"prompt": prompts, "max_tokens": 0, "prompt_logprobs": 2})
+        body = await h.post_ok(C, {"prompt": prompts, "max_tokens": 0, "prompt_logprobs": 2})
         assert [c["text"] for c in body["choices"]] == ["", "", ""]
         for c, ids in zip(body["choices"], prompts, strict=True):
             check(c["prompt_logprobs"], ids, 2)
             assert c["finish_reason"] == "length"
         assert body["usage"]["completion_tokens"] == 0
-        body = await post_ok(h, C, {"prompt": prompts, "max_tokens": 2, "n": 2, "seed": 3,
+        body = await h.post_ok(C, {"prompt": prompts, "max_tokens": 2, "n": 2, "seed": 3,
                                     "temperature": 1.0, "prompt_logprobs": 1})
         assert len(body["choices"]) == 6
         for i, c in enumerate(body["choices"]):
@@ -121,17 +115,17 @@ async def test_chat_prompt_logprobs_once_per_response() -> None:
     async with real_app(make_config(server={"max_n": 4})) as h:
         msgs = [{"role": "user", "content": "score my prompt"}]
         base = {"messages": msgs, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        plain = await post_ok(h, CHAT, base)
-        ids = (await post_ok(h, "/tokenize", {"messages": msgs}))["tokens"]
+        plain = await h.post_ok(CHAT, base)
+        ids = (await h.post_ok("/tokenize", {"messages": msgs}))["tokens"]
         assert len(ids) == plain["usage"]["prompt_tokens"]
-        body = await post_ok(h, CHAT, {**base, "prompt_logprobs": 2, "logprobs": True,
+        body = await h.post_ok(CHAT, {**base, "prompt_logprobs": 2, "logprobs": True,
                                        "top_logprobs": 1})
         check(body["prompt_logprobs"], ids, 2)
         ch = body["choices"][0]
         assert "prompt_logprobs" not in ch
         assert ch["message"]["content"] == plain["choices"][0]["message"]["content"]
         assert len(ch["logprobs"]["content"]) == 4  # the answer's tokens, not the prompt's
-        body = await post_ok(h, CHAT, {**base, "n": 3, "prompt_logprobs": 0})
+        body = await h.post_ok(CHAT, {**base, "n": 3, "prompt_logprobs": 0})
         check(body["prompt_logprobs"], ids, 0)
         assert all("prompt_logprobs" not in c for c in body["choices"])
         assert "prompt_logprobs" not in plain
