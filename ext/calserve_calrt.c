@@ -28,6 +28,10 @@ static inject_fn p_inject;
 static simcfg_fn p_simcfg;
 static readkv_fn p_readkv;
 static sharekv_fn p_sharekv;
+/* C3-style calrt.h extension (prompt logits): optional likewise; absent, submit_prefill_all reports
+ * NOT_SUPPORTED and the capabilities say prompt_logits False whatever the runtime profile claims. */
+typedef calrt_status (*prefill_all_fn)(calrt_calbin *, int32_t, const int32_t *, int32_t, calrt_job **);
+static prefill_all_fn p_prefill_all;
 /* Optional completion notification fd per job engine (calrt_sim_engine_completion_fd, spec §19 M1). */
 typedef calrt_status (*cfd_fn)(calrt_device *, int, calrt_engine, int *);
 static cfd_fn p_cfd;
@@ -41,6 +45,7 @@ static void resolve_sim(void) {
   p_simcfg = (simcfg_fn)dlsym(h, "calrt_sim_configure");
   p_readkv = (readkv_fn)dlsym(h, "calrt_sim_read_kv");
   p_sharekv = (sharekv_fn)dlsym(h, "calrt_calbin_share_kv");
+  p_prefill_all = (prefill_all_fn)dlsym(h, "calrt_job_create_prefill_all");
   p_cfd = (cfd_fn)dlsym(h, "calrt_sim_engine_completion_fd");
   /* keep the handle: the library stays loaded for the process anyway */
 }
@@ -156,13 +161,14 @@ static void Device_dealloc(DeviceObject *self) {
 static PyObject *Device_capabilities(DeviceObject *self, PyObject *noargs) {
   NEED_DEV(self);
   calrt_device_info i;
+  memset(&i, 0, sizeof i); /* a runtime whose calrt_device_info ends before prompt_logits leaves it 0 */
   CALL(calrt_device_info_get(self->dev, &i));
-  return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s}", "profile", i.profile, "runtime",
-                       i.runtime, "chips", i.chips, "queue_depth", i.queue_depth, "batch_profiles",
+  return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s,s:i}", "profile", i.profile,
+                       "runtime", i.runtime, "chips", i.chips, "queue_depth", i.queue_depth, "batch_profiles",
                        i.batch_profiles, "multi_calbin", i.multi_calbin, "chip_scoped", i.chip_scoped,
                        "pingpong", i.pingpong, "do_shift", i.do_shift, "sim_debug", p_inject != NULL,
                        "shared_kv", p_sharekv != NULL && i.shared_kv, "device", i.device,
-                       "serial", i.serial);
+                       "serial", i.serial, "prompt_logits", p_prefill_all != NULL && i.prompt_logits);
 }
 
 static PyObject *Device_dram(DeviceObject *self, PyObject *args) {
@@ -600,22 +606,33 @@ static PyObject *submit_job(CalbinObject *self, calrt_job *job, int engine) {
   return (PyObject *)jo;
 }
 
-static PyObject *Calbin_submit_prefill(CalbinObject *self, PyObject *args) {
+/* submit_prefill(seq, tokens, engine) / submit_prefill_all(seq, tokens, engine): create (GIL released:
+ * it copies the tokens and, for prefill_all, allocates n * vocab floats of output) + submit. */
+static PyObject *submit_prefill(CalbinObject *self, PyObject *args, int all) {
   int seq, engine;
   PyObject *tok;
   if (!PyArg_ParseTuple(args, "iOi", &seq, &tok, &engine)) return NULL;
   NEED_CB(self);
+  if (all && !p_prefill_all)
+    return raise_code(CALRT_E_NOT_SUPPORTED, "submit_prefill_all: prompt logits (calrt_job_create_prefill_all, "
+                      "C3) are not provided by this runtime build");
   Py_buffer b;
   if (as_i32(tok, &b, -1, "tokens") < 0) return NULL;
   calrt_job *job = NULL;
   calrt_status st;
   char msg[256];
-  Py_BEGIN_ALLOW_THREADS st = calrt_job_create_prefill(self->cb, seq, (const int32_t *)b.buf,
-                                                       (int32_t)(b.len / 4), &job);
+  const int32_t n = (int32_t)(b.len / 4);
+  Py_BEGIN_ALLOW_THREADS st = all ? p_prefill_all(self->cb, seq, (const int32_t *)b.buf, n, &job)
+                                  : calrt_job_create_prefill(self->cb, seq, (const int32_t *)b.buf, n, &job);
   snprintf(msg, sizeof msg, "%s", calrt_last_error());
   Py_END_ALLOW_THREADS PyBuffer_Release(&b);
   if (st) return raise_code(st, msg);
   return submit_job(self, job, engine);
+}
+
+static PyObject *Calbin_submit_prefill(CalbinObject *self, PyObject *args) { return submit_prefill(self, args, 0); }
+static PyObject *Calbin_submit_prefill_all(CalbinObject *self, PyObject *args) {
+  return submit_prefill(self, args, 1);
 }
 
 static PyObject *Calbin_submit_decode(CalbinObject *self, PyObject *args) {
@@ -663,6 +680,8 @@ static PyMethodDef Calbin_methods[] = {
     {"unsupported", (PyCFunction)Calbin_unsupported, METH_VARARGS, ""},
     {"read_kv", (PyCFunction)Calbin_read_kv, METH_VARARGS, "Sim only."},
     {"submit_prefill", (PyCFunction)Calbin_submit_prefill, METH_VARARGS, ""},
+    {"submit_prefill_all", (PyCFunction)Calbin_submit_prefill_all, METH_VARARGS,
+     "submit_prefill_all(seq, tokens, engine): a prefill returning every position's logits (C3-style)."},
     {"submit_decode", (PyCFunction)Calbin_submit_decode, METH_VARARGS, ""},
     {NULL}};
 

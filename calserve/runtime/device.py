@@ -27,6 +27,10 @@ Contract in brief (the full C-level contract is documented in ``ext/calrt/includ
   model): one KvManager, one set of sequences and one weights + KV DRAM charge for the whole group, so a
   sequence can be decoded at B1 and at B16 alternately (spec §8). Members are released in any order;
   the group's KV lives until the last one is released. ``calrt-0.7.6``: :class:`NotSupported`.
+* Prompt logits (C3-style, ``capabilities.prompt_logits``, sim-next only; not described as supported by
+  hardware): ``submit_prefill(..., all_logits=True)`` returns the logits of every prompt position
+  (``[len(tokens), vocab]``, one lane per token), so a host scores a whole prompt in one job instead of
+  one decode step per prompt token. ``calrt-0.7.6`` (or a runtime build without it): :class:`NotSupported`.
 """
 
 from __future__ import annotations
@@ -289,7 +293,11 @@ class Calbin:
 
     # ---- jobs --------------------------------------------------------------------------------
     def submit_prefill(
-        self, seq_id: int, tokens: Sequence[int] | np.ndarray, engine: JobEngine = JobEngine.PING
+        self,
+        seq_id: int,
+        tokens: Sequence[int] | np.ndarray,
+        engine: JobEngine = JobEngine.PING,
+        all_logits: bool = False,
     ) -> Job:
         """Submit the whole prompt ``tokens`` of ``seq_id``, appended at its committed_len.
 
@@ -297,9 +305,25 @@ class Calbin:
         committed_len + len(tokens) - 1)``. Raises :class:`DeviceBusy` (queue full),
         :class:`DeviceFaulted` (reset/reconfigure needed), :class:`InvalidArgument` (empty, token out
         of range, longer than max_seq).
+
+        ``all_logits`` (prompt logits, C3-style: ``capabilities.prompt_logits``, sim-next only): the
+        logits of every prompt position instead, ``[len(tokens), vocab]``, row ``i`` those after
+        ``tokens[:i + 1]`` (row ``-1`` is the ordinary result's row), echo row ``i`` ``(job_id, seq_id,
+        committed_len + i)`` and checksum ``i`` of row ``i``: verify with
+        ``verify_lanes(result, job_id, range(n), [(seq_id, committed_len + i) for i in range(n)])``.
+        Everything else as without it (the same checks, all tokens committed only when the job
+        completes OK, faults, timing). In calrt-sim row ``i`` is bitwise the row of an ordinary prefill
+        of ``tokens[:i + 1]`` at the same committed_len. Costs ``len(tokens) * vocab`` float32 of host
+        memory for the output. Without the capability: :class:`NotSupported`.
         """
         toks = _i32("tokens", tokens)
-        h = call(self._h.submit_prefill, int(seq_id), toks, int(engine))
+        if all_logits:
+            if not self._device.capabilities.prompt_logits:
+                raise NotSupported(f"all_logits: prompt logits (every position's logits from a prefill, C3) "
+                                   f"are not supported by runtime profile {self._device.profile}", 2)
+            h = call(self._h.submit_prefill_all, int(seq_id), toks, int(engine))
+        else:
+            h = call(self._h.submit_prefill, int(seq_id), toks, int(engine))
         return Job(h, engine, self.chip)
 
     def submit_decode(
@@ -354,6 +378,10 @@ class Device:
         has_shared = bool(caps.get("shared_kv", False))
         if self.capabilities.shared_kv != has_shared:
             self.capabilities = dataclasses.replace(self.capabilities, shared_kv=has_shared)
+        # prompt_logits likewise: a runtime without calrt_job_create_prefill_all lacks it.
+        has_prompt_logits = bool(caps.get("prompt_logits", False))
+        if self.capabilities.prompt_logits != has_prompt_logits:
+            self.capabilities = dataclasses.replace(self.capabilities, prompt_logits=has_prompt_logits)
         self.chips: int = int(caps["chips"])
         # The board this process opened (runtime.device) and its identity as the runtime reports it.
         self.device: int = int(caps.get("device", 0))

@@ -89,6 +89,9 @@ class RuntimeCapabilities:
     incremental_prefill: bool = False  # chunked prefill: not declared by any profile (spec §6)
     # calbins of one model share one KvManager + weights (load_calbin(kv_owner=...)); C3, sim only
     shared_kv: bool = False
+    # a prefill can return every position's logits (submit_prefill(all_logits=True)): a prompt
+    # scored in one job; C3-style (whether a calbin can output them is a vendor question), sim only
+    prompt_logits: bool = False
 
 
 RUNTIME_PROFILES: dict[str, RuntimeCapabilities] = {
@@ -108,6 +111,7 @@ RUNTIME_PROFILES: dict[str, RuntimeCapabilities] = {
         pingpong=True,
         do_shift=True,
         shared_kv=True,
+        prompt_logits=True,
     ),
 }
 
@@ -145,7 +149,8 @@ class JobResult:
     job_id: int
     engine: JobEngine
     status: JobStatus
-    logits: np.ndarray  # float32 [lanes, vocab]; lanes = 1 for prefill, compiled_batch for decode
+    # float32 [lanes, vocab]; lanes = 1 for prefill (n with all_logits), compiled_batch for decode
+    logits: np.ndarray
     echo: np.ndarray  # int64 [lanes, 3]: (job_id, seq_id, position) per lane, as the device saw it
     checksum: np.ndarray  # uint64 [lanes]: checksum of each lane's logits row
     device_us: float  # measured time on the engine

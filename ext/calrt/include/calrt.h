@@ -15,7 +15,9 @@
  *                 (C3 shared_kv) several calbins of one model may form a KV group sharing one KvManager
  *                 and one weights + KV charge: see calrt_calbin_share_kv.
  *   calrt_job     one prefill or decode job with its own input and output buffers; reference counted
- *                 (the caller's reference + the engine's while queued/running).
+ *                 (the caller's reference + the engine's while queued/running). On sim-next (C3-style
+ *                 prompt_logits) a prefill may return every prompt position's logits: see
+ *                 calrt_job_create_prefill_all.
  *
  * Thread-safety: every function may be called from any thread concurrently, except that a handle
  * must not be used concurrently with (or after) the call that destroys it (calrt_device_close,
@@ -49,6 +51,9 @@
  *   7. a pollable completion notification per job engine (calrt-sim: calrt_sim_engine_completion_fd,
  *      an eventfd incremented on every completion), so a host waits in its event loop instead of a
  *      thread blocked in calrt_job_wait (spec §19 M1: one wake-up per step instead of two);
+ *   8. whether a calbin can return the logits of every prompt position of a prefill (the final norm +
+ *      lm_head on all rows, n x vocab output) and with which output layout, so a host scores a whole
+ *      prompt in one job (calrt-sim: calrt_job_create_prefill_all, capability prompt_logits);
  *   plus: the output checksum algorithm and echo layout used here (4-way word-interleaved FNV-1a 64 over the float32 row).
  */
 #ifndef CALRT_H
@@ -133,6 +138,9 @@ typedef struct calrt_device_info {
   int shared_kv; /* C3, sim-next only: calrt_calbin_share_kv (KV groups across batch profiles) */
   int device;     /* the board index this VirtualDevice was opened on (calrt_open_params.device) */
   char serial[32]; /* a stable identity of that board (sim: "calrt-sim-board-<index>") */
+  /* Last, so a runtime built against the header without it fills the fields before it alike (a caller
+   * that zeroes the struct first then reads 0: absent). */
+  int prompt_logits; /* C3-style, sim-next only: calrt_job_create_prefill_all */
 } calrt_device_info;
 
 typedef struct calrt_counters {
@@ -326,7 +334,7 @@ calrt_status calrt_kv_load_session(calrt_calbin *cb, int32_t seq_id, const void 
 typedef struct calrt_job_result {
   int64_t job_id;
   calrt_job_status status;
-  int32_t lanes, vocab;
+  int32_t lanes, vocab;    /* lanes: 1 (prefill), n (prefill_all), compiled_batch (decode) */
   const float *logits;     /* [lanes, vocab]; valid until calrt_job_release */
   const int64_t *echo;     /* [lanes, 3] (job_id, seq_id, position) */
   const uint64_t *checksum;/* [lanes] */
@@ -339,6 +347,28 @@ typedef struct calrt_job_result {
  * lane (logits of the last position). Inputs are copied into the job's own buffer. */
 calrt_status calrt_job_create_prefill(calrt_calbin *cb, int32_t seq_id, const int32_t *tokens,
                                       int32_t n, calrt_job **out);
+
+/* ---- prompt logits (C3-style: sim-next only, NOT described as hardware-supported) ---------------
+ *
+ * A prefill job whose output has one lane per prompt token: exactly calrt_job_create_prefill (the same
+ * argument checks and messages, KV effect: all n tokens appended at committed_len and committed only
+ * when the job completes CALRT_JOB_OK; the same faults, timing model and abort behaviour), except that
+ * lane i (0 <= i < n) holds the logits after tokens[0..i], i.e. of position committed_len + i, and
+ * echoes (job_id, seq_id, committed_len + i) with checksum = calrt_checksum of its row. Lane n - 1 is
+ * the one lane of the equivalent calrt_job_create_prefill; in calrt-sim lane i is bitwise the lane of a
+ * calrt_job_create_prefill of tokens[0..i] at the same committed_len (each row's computation is the
+ * same sequence of float operations whatever the job's other rows: see kernels.c). A host scores the
+ * whole prompt (each token's log-probability under the tokens before it) in one job instead of one
+ * decode step per prompt token. A non-OK completion zeroes every lane (as for any job); a CCU fault
+ * leaves the sequence unknown; a crosstalk fault corrupts one lane (lane % n).
+ *
+ *   - capability: calrt_device_info.prompt_logits; without it CALRT_E_NOT_SUPPORTED (calrt-0.7.6).
+ *   - host memory: the job's output is n * vocab floats (plus n echo rows and checksums);
+ *     CALRT_E_HOST_OOM when it cannot be allocated.
+ * Vendor confirmation needed (spec §20, item 8 above): whether a calbin can output the logits of every
+ * prefill position, and the formal API and output layout for it. */
+calrt_status calrt_job_create_prefill_all(calrt_calbin *cb, int32_t seq_id, const int32_t *tokens,
+                                          int32_t n, calrt_job **out);
 /* A decode step over `lanes` == compiled_batch lanes. Valid lanes must name distinct allocated
  * sequences, tokens in [0, vocab), positions in [0, max_seq). */
 calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,

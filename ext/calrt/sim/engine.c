@@ -57,9 +57,13 @@ void calrt_job_release(calrt_job *job) {
 
 int64_t calrt_job_id(const calrt_job *job) { return job ? job->id : -1; }
 
-calrt_status calrt_job_create_prefill(calrt_calbin *cb, int32_t seq_id, const int32_t *tokens,
-                                      int32_t n, calrt_job **out) {
+/* A prefill job (all_logits: one output lane per token, calrt_job_create_prefill_all). */
+static calrt_status create_prefill(calrt_calbin *cb, int32_t seq_id, const int32_t *tokens, int32_t n,
+                                   int all_logits, calrt_job **out) {
   if (!cb || !tokens || !out) return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin/tokens/out is NULL");
+  if (all_logits && !cb->dev->info.prompt_logits)
+    return sim_err(CALRT_E_NOT_SUPPORTED, "prompt logits (a prefill returning every position's logits, C3) "
+                   "are not supported by runtime profile %s", cb->dev->info.profile);
   if (n < 1) return sim_err(CALRT_E_INVALID_ARGUMENT, "tokens: a prefill needs at least one token");
   if (n > cb->p.max_seq)
     return sim_err(CALRT_E_INVALID_ARGUMENT, "tokens: %d tokens exceed max_seq %d", n, cb->p.max_seq);
@@ -69,15 +73,31 @@ calrt_status calrt_job_create_prefill(calrt_calbin *cb, int32_t seq_id, const in
     if (tokens[i] < 0 || tokens[i] >= cb->m.vocab_size)
       return sim_err(CALRT_E_INVALID_ARGUMENT, "tokens[%d]: %d not in [0, vocab_size=%d)", i, tokens[i],
                      cb->m.vocab_size);
-  calrt_job *j = job_alloc(cb, JOB_PREFILL, 1, n);
-  if (!j) return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+  const int32_t lanes = all_logits ? n : 1;
+  calrt_job *j = job_alloc(cb, JOB_PREFILL, lanes, n);
+  if (!j)
+    return sim_err(CALRT_E_HOST_OOM, "out of host memory (a prefill job's buffers: %d output lane(s) of %d "
+                   "logits)", lanes, cb->m.vocab_size);
   memcpy(j->tokens, tokens, sizeof(int32_t) * (size_t)n);
   j->n_tok = n;
-  j->seq_ids[0] = seq_id;
-  j->valid[0] = 1;
-  j->positions[0] = -1; /* set at execution: committed_len */
+  j->all_logits = all_logits;
+  for (int32_t l = 0; l < lanes; l++) { /* every lane: the one sequence (see calrt_job.all_logits) */
+    j->seq_ids[l] = seq_id;
+    j->valid[l] = 1;
+    j->positions[l] = -1; /* set at execution: committed_len + l */
+  }
   *out = j;
   return CALRT_OK;
+}
+
+calrt_status calrt_job_create_prefill(calrt_calbin *cb, int32_t seq_id, const int32_t *tokens,
+                                      int32_t n, calrt_job **out) {
+  return create_prefill(cb, seq_id, tokens, n, 0, out);
+}
+
+calrt_status calrt_job_create_prefill_all(calrt_calbin *cb, int32_t seq_id, const int32_t *tokens,
+                                          int32_t n, calrt_job **out) {
+  return create_prefill(cb, seq_id, tokens, n, 1, out);
 }
 
 calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
@@ -126,7 +146,7 @@ calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, c
 /* ---- submit / wait ---- */
 
 static void seq_users(calrt_job *j, int delta) {
-  for (int32_t l = 0; l < j->lanes; l++)
+  for (int32_t l = 0; l < sim_job_seq_lanes(j); l++) /* each sequence once (a prefill-all's too) */
     if (j->valid[l]) j->cb->seqs[j->seq_ids[l]].users += delta;
 }
 
@@ -148,7 +168,7 @@ calrt_status calrt_job_submit(calrt_job *job, calrt_engine engine) {
   else if (!cb->configured) st = sim_err(CALRT_E_INVALID_ARGUMENT, "calbin %d is not configured", cb->id);
   else if (cb->needs_reconfigure)
     st = sim_err(CALRT_E_NEEDS_RECONFIGURE, "calbin %d must be reconfigured (DMA state unknown)", cb->id);
-  for (int32_t l = 0; st == CALRT_OK && l < job->lanes; l++)
+  for (int32_t l = 0; st == CALRT_OK && l < sim_job_seq_lanes(job); l++)
     if (job->valid[l] && !cb->seqs[job->seq_ids[l]].allocated)
       st = sim_err(CALRT_E_INVALID_ARGUMENT, "seq_ids[%d]: %d is not an allocated sequence", l, job->seq_ids[l]);
   if (st == CALRT_OK && e->n_queued >= CALRT_QUEUE_DEPTH) {
@@ -247,21 +267,23 @@ calrt_status calrt_job_result_get(calrt_job *job, calrt_job_result *out) {
 
 /* ---- the engine worker ---- */
 
-/* Validate at execution (chip->mu held). Prefill: its position is the sequence's committed_len. */
+/* Validate at execution (chip->mu held). Prefill: its position is the sequence's committed_len (a
+ * prefill-all's lane l: committed_len + l). */
 static int validate_at_execution(calrt_job *j) {
   calrt_calbin *cb = j->cb;
-  for (int32_t l = 0; l < j->lanes; l++) {
+  const int32_t seq_lanes = sim_job_seq_lanes(j);
+  for (int32_t l = 0; l < seq_lanes; l++) {
     if (!j->valid[l]) continue;
     sim_seq *s = &cb->seqs[j->seq_ids[l]];
     if (!s->allocated || !s->valid || s->busy) return 0;
     if (j->kind == JOB_PREFILL) {
       if (s->len + j->n_tok > cb->p.max_seq) return 0;
-      j->positions[0] = s->len;
+      for (int32_t o = 0; o < j->lanes; o++) j->positions[o] = s->len + o; /* one lane unless all_logits */
     } else if (j->positions[l] != s->len) {
       return 0;
     }
   }
-  for (int32_t l = 0; l < j->lanes; l++) { /* the job may write up to here (even if it then faults) */
+  for (int32_t l = 0; l < seq_lanes; l++) { /* the job may write up to here (even if it then faults) */
     if (!j->valid[l]) continue;
     sim_seq *s = &cb->seqs[j->seq_ids[l]];
     int32_t end = (j->kind == JOB_PREFILL ? j->positions[0] : j->positions[l]) + j->n_tok;
@@ -271,7 +293,7 @@ static int validate_at_execution(calrt_job *j) {
 }
 
 static void set_busy(calrt_job *j, int busy) {
-  for (int32_t l = 0; l < j->lanes; l++)
+  for (int32_t l = 0; l < sim_job_seq_lanes(j); l++)
     if (j->valid[l]) j->cb->seqs[j->seq_ids[l]].busy = busy;
 }
 
@@ -287,8 +309,11 @@ static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, doubl
   for (int32_t l = 0; l < j->lanes; l++) {
     j->echo[3 * l + 0] = j->id;
     j->echo[3 * l + 1] = j->valid[l] ? j->seq_ids[l] : -1;
-    j->echo[3 * l + 2] = j->valid[l] ? (j->kind == JOB_PREFILL ? j->positions[0] + j->n_tok - 1
-                                                               : j->positions[l]) : -1;
+    /* a prefill's one lane: its last position; a prefill-all's lane l: position l of the prompt */
+    j->echo[3 * l + 2] = !j->valid[l]                ? -1
+                         : j->kind != JOB_PREFILL    ? j->positions[l]
+                         : j->all_logits             ? j->positions[0] + l
+                                                     : j->positions[0] + j->n_tok - 1;
   }
   if (status == CALRT_JOB_OK) e->counters.completed++;
   else e->counters.failed++;
@@ -394,7 +419,7 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
   if (rc < 0) return CALRT_JOB_CCU_FAULT; /* host OOM inside the kernels: report as a compute fault */
   if (rc > 0 || atomic_load(&j->abort)) return CALRT_JOB_ABORTED;
   if (j->fault == CALRT_SIM_FAULT_CCU || j->fault == CALRT_SIM_FAULT_DMA_UNKNOWN) {
-    for (int32_t l = 0; l < j->lanes; l++)
+    for (int32_t l = 0; l < sim_job_seq_lanes(j); l++)
       if (j->valid[l]) cb->seqs[j->seq_ids[l]].valid = 0; /* KV unknown */
     ch->faulted = 1;
     if (j->fault == CALRT_SIM_FAULT_DMA_UNKNOWN) {
@@ -403,7 +428,7 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
     }
     return CALRT_JOB_CCU_FAULT;
   }
-  for (int32_t l = 0; l < j->lanes; l++)
+  for (int32_t l = 0; l < sim_job_seq_lanes(j); l++) /* a prefill-all commits its n_tok tokens once */
     if (j->valid[l]) cb->seqs[j->seq_ids[l]].len += j->n_tok;
   if (j->fault == CALRT_SIM_FAULT_CROSSTALK) sim_apply_crosstalk(j, j->fault_lane);
   return CALRT_JOB_OK;

@@ -179,7 +179,12 @@ struct calrt_job {
   calrt_calbin *cb; /* NULL after completion: the calbin may be gone */
   struct sim_chip *chip; /* static storage: always valid */
   job_kind kind;
-  int32_t lanes;  /* output lanes: 1 for prefill, B for decode */
+  /* A prefill whose output has one lane per token (calrt_job_create_prefill_all): lanes == n_tok, lane
+   * i the logits of position positions[0] + i. Every lane is valid and names the one sequence
+   * (seq_ids[l] == seq_ids[0], positions[l] == positions[0] + l once validated); per-sequence work
+   * (users, busy, validation, KV commit, fault marking) goes over sim_job_seq_lanes() lanes only. */
+  int all_logits;
+  int32_t lanes;  /* output lanes: 1 for prefill, n_tok for a prefill-all, B for decode */
   int32_t n_tok;  /* prefill tokens */
   int32_t *tokens, *seq_ids, *positions;
   uint8_t *valid;
@@ -200,6 +205,13 @@ struct calrt_job {
   int submitted; /* job->mu */
   int32_t vocab;
 };
+
+/* The lanes of a job that name its sequences, each a distinct one when valid: every lane of a decode,
+ * lane 0 of a prefill (a prefill-all's other lanes name the same sequence again: counting them would
+ * take its users, KV commit and the like n times). */
+static inline int32_t sim_job_seq_lanes(const struct calrt_job *j) {
+  return j->kind == JOB_PREFILL ? 1 : j->lanes;
+}
 
 /* errors.c-ish helpers (device.c) */
 calrt_status sim_err(calrt_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

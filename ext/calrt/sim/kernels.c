@@ -631,7 +631,10 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const int local_rope = any_slides && m->rope_local_theta > 0 &&
                          (m->rope_local_theta != m->rope_theta || scaling != 1.0);
   if (null_compute || !cb->has_weights) {
-    if (job->kind == JOB_PREFILL) {
+    if (job->kind == JOB_PREFILL && job->all_logits) { /* lane i: token i at its position */
+      for (int l = 0; l < job->lanes; l++)
+        sim_null_logits(cb, job->tokens[l], job->positions[0] + l, job->logits + (size_t)l * V);
+    } else if (job->kind == JOB_PREFILL) {
       if (job->n_tok > 0)
         sim_null_logits(cb, job->tokens[job->n_tok - 1], job->positions[0] + job->n_tok - 1, job->logits);
     } else {
@@ -646,6 +649,9 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   const size_t n_of[] = {
       (sizeof(row_info) * Rm + 3) / 4, Rm * h, Rm * h, Rm * H * D, Rm * KVH * D, Rm * KVH * D, Rm * H * D, Rm * h,
       Rm * I, Rm * I, Rm * (D / 2), Rm * (D / 2), threads * ((size_t)group * S + 8 * (size_t)D),
+      /* lg: the logits of output rows that are not their lanes in order (decode with inactive lanes);
+       * a prefill's output rows always are (its one row: lane 0; a prefill-all's row t: lane t), so one
+       * row's worth of it, unused (never n_tok rows of vocab floats on top of the job's own buffer) */
       (job->kind == JOB_PREFILL ? 1 : Rm) * V, local_rope ? Rm * (D / 2) : 0, local_rope ? Rm * (D / 2) : 0};
   enum { B_ROWS, B_X, B_HN, B_Q, B_K, B_V, B_ATT, B_O, B_G, B_U, B_CS, B_SN, B_SCRATCH, B_LG, B_CS_LOCAL,
          B_SN_LOCAL, B_N };
@@ -659,9 +665,11 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
   row_info *rows = (row_info *)(base + off[B_ROWS]);
   int R = 0;
   if (job->kind == JOB_PREFILL) {
+    /* A prefill's logits: of its last row (lane 0); a prefill-all's: of every row t (lane t). */
     R = job->n_tok;
     for (int t = 0; t < R; t++)
-      rows[t] = (row_info){job->seq_ids[0], job->positions[0] + t, job->tokens[t], t == R - 1 ? 0 : -1};
+      rows[t] = (row_info){job->seq_ids[0], job->positions[0] + t, job->tokens[t],
+                           job->all_logits ? t : t == R - 1 ? 0 : -1};
   } else {
     for (int l = 0; l < job->lanes; l++)
       if (job->valid[l]) rows[R++] = (row_info){job->seq_ids[l], job->positions[l], job->tokens[l], l};
@@ -775,9 +783,14 @@ int sim_forward(calrt_calbin *cb, calrt_job *job, int null_compute, sim_pool *po
       goto out;
     }
   }
-  /* Final norm + lm_head only for rows that return logits (prefill: the last token). */
+  /* Final norm + lm_head only for rows that return logits (prefill: the last token; prefill-all: every
+   * token, row t into lane t). A row's logits are bitwise the same whichever other rows run with it
+   * (the Invariant above: the norm and the lm_head matmul are per row), so a prefill-all's lane i
+   * equals the one lane of a prefill of tokens[0..i]: their rows 0..i compute the same hidden states,
+   * since attention is causal (row i reads KV positions <= its own, all written by rows 0..i). */
   {
-    int n_out = 0, in_place = 1; /* in_place: output row i is lane i (decode with every lane valid, a prefill) */
+    int n_out = 0, in_place = 1; /* in_place: output row i is lane i (decode with every lane valid, a prefill,
+                                  * a prefill-all) */
     for (int r = 0; r < R; r++)
       if (rows[r].out_lane >= 0) {
         if (n_out < r) memcpy(x + (size_t)n_out * h, x + (size_t)r * h, sizeof(float) * h);

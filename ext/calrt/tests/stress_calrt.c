@@ -1,7 +1,8 @@
 /* Multi-threaded stress of calrt-sim (run under TSAN by `make tsan-test`): worker threads submit
  * prefill/decode jobs to both engines of both chips and wait with random timeouts, while a chaos thread
  * injects random faults and resets chips. Chip 1 holds a shared-KV group (B4 + B1 member): its workers
- * move their sequence between the two profiles at random. A churn thread keeps creating a B2 member of
+ * move their sequence between the two profiles at random; every other prompt is a prefill-all (prompt
+ * logits, one output lane per token, C3-style) instead of a prefill. A churn thread keeps creating a B2 member of
  * chip 0's KV group, running a sequence on it and destroying it while chip 0's workers use the owner.
  * Checks: every submitted job completes exactly once (waits return a status; aborted/failed jobs leave
  * no KV commit), nothing deadlocks, no data race, DRAM back to zero. A poller thread drains the
@@ -73,9 +74,12 @@ static void *worker(void *arg) {
       len = 0;
     }
     calrt_job *j = NULL;
+    int all = 0; /* a prefill-all: 3 output lanes, all of the one sequence */
     if (len == 0) {
       int32_t p[3] = {1, 2, (int32_t)(rnd(&seed) % 61)};
-      CHECK(calrt_job_create_prefill(cb, seq, p, 3, &j) == CALRT_OK);
+      all = (int)(rnd(&seed) % 2);
+      CHECK((all ? calrt_job_create_prefill_all(cb, seq, p, 3, &j) : calrt_job_create_prefill(cb, seq, p, 3, &j)) ==
+            CALRT_OK);
     } else {
       int32_t sid[4] = {seq, 0, 0, 0}, tk[4] = {tok, 0, 0, 0}, ps[4] = {len, 0, 0, 0};
       uint8_t va[4] = {1, 0, 0, 0};
@@ -97,10 +101,14 @@ static void *worker(void *arg) {
     calrt_job_result r;
     CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
     CHECK(r.echo[0] == calrt_job_id(j) && r.echo[1] == seq);
+    CHECK(r.lanes == (all ? 3 : len == 0 ? 1 : lanes));
+    for (int l = 1; all && l < 3; l++)
+      CHECK(r.echo[3 * l] == calrt_job_id(j) && r.echo[3 * l + 1] == seq &&
+            (js != CALRT_JOB_OK || r.echo[3 * l + 2] == l));
     if (js == CALRT_JOB_OK) {
       atomic_fetch_add(&completed_ok, 1);
-      len += len == 0 ? 3 : 1;
-      tok = (int32_t)(r.checksum[0] % 61);
+      len += len == 0 ? 3 : 1; /* committed once, a prefill-all's 3 lanes notwithstanding */
+      tok = (int32_t)(r.checksum[all ? 2 : 0] % 61);
       int32_t cl = -1;
       if (calrt_kv_committed_len(cb, seq, &cl) == CALRT_OK) CHECK(cl == len);
     } else {

@@ -605,6 +605,218 @@ static void test_softcap(void) {
   free_model(&tm);
 }
 
+/* Prompt logits (C3-style, sim-next: calrt_job_create_prefill_all) on one calbin of `tm` with profile
+ * `p`, `pre` tokens already committed, prompt[0..n): lane i of the prefill-all job is bitwise the one
+ * lane of an ordinary prefill of prompt[0..i] (after the same `pre` tokens) on a fresh sequence, for
+ * every i; echo (job_id, seq, pre + i) and checksum of row i; committed_len pre + n afterwards; the
+ * KV and a decode step after it bitwise those after an ordinary prefill of the n tokens. Why bitwise:
+ * each row's computation is the same sequence of float operations whatever the job's other rows
+ * (kernels.c's Invariant: the linear layers' reduction and every norm are per row, attention is per
+ * (row, head) and causal, reading only the KV positions <= its own, written by rows 0..i alike), so
+ * rows 0..i of both jobs compute the same bits and the final norm + lm_head of row i too — even when
+ * the n-row lm_head runs on the pool and the 1-row one inline (the Llama case). null: a null-compute
+ * device (no weights): lane i is the pseudo-logits of (prompt[i], pre + i), i.e. again the lane of
+ * the ordinary prefill of prompt[0..i]. */
+static void prefill_all_case(calrt_device *dev, const test_model *tm, const calrt_profile *p, int pre,
+                             const int32_t *prompt, int n, int null) {
+  const int V = tm->m.vocab_size;
+  const size_t row = sizeof(float) * (size_t)V;
+  calrt_timing t0 = {0};
+  calrt_calbin *cb;
+  CHECK(calrt_calbin_create(dev, 0, &tm->m, null ? NULL : tm->t, null ? 0 : (size_t)tm->n, p, &t0, &cb) ==
+        CALRT_OK);
+  CHECK(calrt_calbin_configure(cb) == CALRT_OK);
+  int32_t head[4] = {7, 3, 5, 1}; /* the tokens committed before the prompt (pre <= 4) */
+  calrt_job *j;
+  calrt_job_result r;
+  int32_t a, b, len;
+  CHECK(calrt_kv_create_sequence(cb, &a) == CALRT_OK);
+  CHECK(calrt_kv_create_sequence(cb, &b) == CALRT_OK);
+  for (int s = 0; s < 2 && pre > 0; s++) {
+    CHECK(calrt_job_create_prefill(cb, s ? b : a, head, pre, &j) == CALRT_OK);
+    CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+    calrt_job_release(j);
+  }
+  calrt_job *all;
+  CHECK(calrt_job_create_prefill_all(cb, a, prompt, n, &all) == CALRT_OK);
+  CHECK(run(all, CALRT_ENGINE_PONG) == CALRT_JOB_OK);
+  calrt_job_result ra;
+  CHECK(calrt_job_result_get(all, &ra) == CALRT_OK);
+  CHECK(ra.lanes == n && ra.vocab == V && ra.status == CALRT_JOB_OK);
+  CHECK(calrt_kv_committed_len(cb, a, &len) == CALRT_OK && len == pre + n);
+  for (int i = 0; i < n; i++) {
+    const float *ri = ra.logits + (size_t)i * V;
+    CHECK(ra.echo[3 * i] == ra.job_id && ra.echo[3 * i + 1] == a && ra.echo[3 * i + 2] == pre + i);
+    CHECK(ra.checksum[i] == calrt_checksum(ri, row));
+    for (int v = 0; v < V; v++) CHECK(isfinite(ri[v]));
+    if (i > 0) CHECK(memcmp(ri, ri - V, row) != 0); /* each row its own position's logits */
+    int32_t s;
+    CHECK(calrt_kv_create_sequence(cb, &s) == CALRT_OK);
+    if (pre > 0) {
+      CHECK(calrt_job_create_prefill(cb, s, head, pre, &j) == CALRT_OK);
+      CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+      calrt_job_release(j);
+    }
+    CHECK(calrt_job_create_prefill(cb, s, prompt, i + 1, &j) == CALRT_OK);
+    CHECK(run(j, i % 2 ? CALRT_ENGINE_PONG : CALRT_ENGINE_PING) == CALRT_JOB_OK);
+    CHECK(calrt_job_result_get(j, &r) == CALRT_OK && r.lanes == 1);
+    CHECK(r.echo[2] == pre + i);
+    CHECK(memcmp(r.logits, ri, row) == 0);
+    calrt_job_release(j);
+    CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK);
+  }
+  /* The ordinary prefill of all n tokens: its lane is the prefill-all's last, its KV the same. */
+  CHECK(calrt_job_create_prefill(cb, b, prompt, n, &j) == CALRT_OK);
+  CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+  CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+  CHECK(memcmp(r.logits, ra.logits + (size_t)(n - 1) * V, row) == 0);
+  calrt_job_release(j);
+  calrt_job_release(all);
+  if (!null) {
+    size_t kvn = 0;
+    CHECK(calrt_sim_read_kv(cb, a, NULL, &kvn) == CALRT_OK && kvn > 0);
+    unsigned char *ka = malloc(kvn), *kb = malloc(kvn);
+    CHECK(calrt_sim_read_kv(cb, a, ka, &kvn) == CALRT_OK && calrt_sim_read_kv(cb, b, kb, &kvn) == CALRT_OK);
+    CHECK(memcmp(ka, kb, kvn) == 0);
+    free(ka);
+    free(kb);
+  }
+  float *step = malloc(2 * row);
+  for (int s = 0; s < 2; s++) { /* then a decode step of each: bitwise the same logits */
+    int32_t seq[4] = {s ? b : a, a, a, a}, tok[4] = {prompt[0], 0, 0, 0}, pos[4] = {pre + n, 0, 0, 0};
+    uint8_t va[4] = {1, 0, 0, 0}; /* lane 0 of the profile's B */
+    CHECK(calrt_job_create_decode(cb, seq, tok, pos, va, p->compiled_batch, &j) == CALRT_OK);
+    CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+    CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+    memcpy(step + (size_t)s * V, r.logits, row);
+    calrt_job_release(j);
+    CHECK(calrt_kv_committed_len(cb, seq[0], &len) == CALRT_OK && len == pre + n + 1);
+  }
+  CHECK(memcmp(step, step + V, row) == 0);
+  free(step);
+  CHECK(calrt_kv_free_sequence(cb, a) == CALRT_OK);
+  CHECK(calrt_kv_free_sequence(cb, b) == CALRT_OK);
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+}
+
+/* Prompt logits: the bitwise cases above (tiny Qwen3 fp32 and bf16 KV, a Llama on 3 kernel threads,
+ * null compute), the refusals, the sequence counted once while in flight, faults (CCU: sequence
+ * unknown, every lane zeroed; crosstalk: one lane's checksum off), INVALID at execution, and
+ * calrt-0.7.6's NOT_SUPPORTED. */
+static void test_prompt_logits(void) {
+  test_model tm;
+  make_model(&tm, 0);
+  const int32_t prompt[7] = {11, 4, 60, 4, 0, 33, 17};
+  calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
+  calrt_device *dev;
+  CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
+  calrt_device_info di;
+  CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && di.prompt_logits == 1);
+  calrt_profile pf = {1, 24, 4, CALRT_KV_FP32, 1, 0}, pb = {1, 24, 4, CALRT_KV_BF16, 1, 0};
+  calrt_profile p4 = {4, 24, 4, CALRT_KV_BF16, 1, 0}; /* a B4 calbin's prefill-all: n lanes all the same */
+  prefill_all_case(dev, &tm, &pf, 0, prompt, 7, 0);
+  prefill_all_case(dev, &tm, &pb, 3, prompt, 7, 0);
+  prefill_all_case(dev, &tm, &p4, 2, prompt, 7, 0);
+  prefill_all_case(dev, &tm, &pf, 1, prompt, 1, 0); /* one token: the ordinary prefill's one lane */
+
+  /* Refusals (the ordinary prefill's checks), the sequence in use once, faults, INVALID. */
+  calrt_timing t0 = {0};
+  calrt_calbin *cb;
+  CHECK(calrt_calbin_create(dev, 0, &tm.m, tm.t, (size_t)tm.n, &pf, &t0, &cb) == CALRT_OK);
+  CHECK(calrt_calbin_configure(cb) == CALRT_OK);
+  calrt_job *j;
+  calrt_job_result r;
+  calrt_job_status st;
+  int32_t s, len, big[25] = {0}, badtok[2] = {1, 61};
+  int valid = 1;
+  CHECK(calrt_kv_create_sequence(cb, &s) == CALRT_OK);
+  CHECK(calrt_job_create_prefill_all(cb, s, prompt, 0, &j) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("at least one"));
+  CHECK(calrt_job_create_prefill_all(cb, s, big, 25, &j) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("max_seq"));
+  CHECK(calrt_job_create_prefill_all(cb, s, badtok, 2, &j) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("tokens[1]"));
+  CHECK(calrt_job_create_prefill_all(cb, 9, prompt, 2, &j) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("seq_id"));
+  CHECK(calrt_job_create_prefill_all(cb, s, NULL, 2, &j) == CALRT_E_INVALID_ARGUMENT);
+  /* A hung prefill-all holds its sequence once (one user, not n), then a reset aborts it: zeros. */
+  CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PING, CALRT_SIM_FAULT_TIMEOUT, 1, 0) == CALRT_OK);
+  CHECK(calrt_job_create_prefill_all(cb, s, prompt, 7, &j) == CALRT_OK);
+  CHECK(calrt_job_submit(j, CALRT_ENGINE_PING) == CALRT_OK);
+  CHECK(calrt_job_wait(j, 20000, &st) == CALRT_E_TIMEOUT);
+  CHECK(calrt_kv_free_sequence(cb, s) == CALRT_E_IN_USE && ERR_HAS("used by 1 job(s)"));
+  CHECK(calrt_device_reset(dev, 0) == CALRT_OK);
+  CHECK(calrt_job_wait(j, -1, &st) == CALRT_OK && st == CALRT_JOB_ABORTED);
+  CHECK(calrt_job_result_get(j, &r) == CALRT_OK && r.lanes == 7);
+  for (int i = 0; i < 7; i++) {
+    CHECK(r.checksum[i] == 0 && r.echo[3 * i] == r.job_id && r.echo[3 * i + 1] == s);
+    for (int v = 0; v < tm.m.vocab_size; v++) CHECK(r.logits[(size_t)i * tm.m.vocab_size + v] == 0.0f);
+  }
+  calrt_job_release(j);
+  CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK); /* no user left */
+  /* CCU fault: the sequence unknown as after an ordinary prefill's, every lane zeroed, chip faulted. */
+  CHECK(calrt_kv_create_sequence(cb, &s) == CALRT_OK);
+  CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PONG, CALRT_SIM_FAULT_CCU, 1, 0) == CALRT_OK);
+  CHECK(calrt_job_create_prefill_all(cb, s, prompt, 5, &j) == CALRT_OK);
+  CHECK(run(j, CALRT_ENGINE_PONG) == CALRT_JOB_CCU_FAULT);
+  CHECK(calrt_job_result_get(j, &r) == CALRT_OK && r.lanes == 5);
+  for (int i = 0; i < 5; i++) CHECK(r.checksum[i] == 0 && r.logits[(size_t)i * tm.m.vocab_size] == 0.0f);
+  calrt_job_release(j);
+  CHECK(calrt_kv_sequence_valid(cb, s, &valid) == CALRT_OK && !valid);
+  CHECK(calrt_kv_committed_len(cb, s, &len) == CALRT_E_SEQUENCE_INVALID);
+  int f = 0, nr = 0;
+  CHECK(calrt_device_state(dev, 0, &f, &nr) == CALRT_OK && f && !nr);
+  CHECK(calrt_device_reset(dev, 0) == CALRT_OK);
+  CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK);
+  /* Crosstalk on lane 3: that lane's row no longer hashes to its checksum, the others do. */
+  CHECK(calrt_kv_create_sequence(cb, &s) == CALRT_OK);
+  CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PING, CALRT_SIM_FAULT_CROSSTALK, 1, 3) == CALRT_OK);
+  CHECK(calrt_job_create_prefill_all(cb, s, prompt, 7, &j) == CALRT_OK);
+  CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+  CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+  for (int i = 0; i < 7; i++)
+    CHECK((calrt_checksum(r.logits + (size_t)i * tm.m.vocab_size, sizeof(float) * (size_t)tm.m.vocab_size) ==
+           r.checksum[i]) == (i != 3));
+  calrt_job_release(j);
+  CHECK(calrt_kv_committed_len(cb, s, &len) == CALRT_OK && len == 7);
+  /* INVALID at execution (committed 7 + 20 > max_seq 24): nothing written or committed. */
+  CHECK(calrt_job_create_prefill_all(cb, s, big, 20, &j) == CALRT_OK);
+  CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_INVALID);
+  calrt_job_release(j);
+  CHECK(calrt_kv_committed_len(cb, s, &len) == CALRT_OK && len == 7);
+  CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK);
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+
+  /* Null compute (no weights): pseudo-logits per lane, again the ordinary prefills' lanes. */
+  CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
+  CHECK(calrt_sim_configure(dev, 1, 0, 0) == CALRT_OK);
+  prefill_all_case(dev, &tm, &pf, 2, prompt, 7, 1);
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+
+  /* calrt-0.7.6: no prompt logits. */
+  calrt_open_params old = {.profile = "calrt-0.7.6", .dram_bytes = 64u << 20};
+  CHECK(calrt_device_open(&old, &dev) == CALRT_OK);
+  CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && di.prompt_logits == 0);
+  CHECK(calrt_calbin_create(dev, 0, &tm.m, tm.t, (size_t)tm.n, &pf, &t0, &cb) == CALRT_OK);
+  CHECK(calrt_calbin_configure(cb) == CALRT_OK);
+  CHECK(calrt_kv_create_sequence(cb, &s) == CALRT_OK);
+  j = NULL;
+  CHECK(calrt_job_create_prefill_all(cb, s, prompt, 3, &j) == CALRT_E_NOT_SUPPORTED && ERR_HAS("prompt logits") &&
+        j == NULL);
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+  free_model(&tm);
+
+  /* A Llama on 3 kernel threads, a 40-token prompt: the prefill-all's 40-row lm_head runs on the pool,
+   * each reference prefill's 1-row one inline — still bitwise. */
+  make_llama(&tm, 0, CALRT_ARCH_LLAMA);
+  int32_t lp[40];
+  for (int i = 0; i < 40; i++) lp[i] = (i * 37 + 11) % tm.m.vocab_size;
+  dev = open_sim_threads(3);
+  calrt_profile pl = {1, 64, 3, CALRT_KV_FP32, 1, 0};
+  prefill_all_case(dev, &tm, &pl, 4, lp, 40, 0);
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+  unsetenv("CALRT_SIM_THREADS");
+  free_model(&tm);
+}
+
 int main(void) {
   test_llama_threads(CALRT_ARCH_LLAMA);
   test_llama_threads(CALRT_ARCH_QWEN2);
@@ -613,6 +825,7 @@ int main(void) {
   test_sliding_window(CALRT_ARCH_GEMMA3);
   test_sliding_window(CALRT_ARCH_GEMMA2);
   test_softcap();
+  test_prompt_logits();
   calrt_device *dev = NULL, *dev2 = NULL;
   test_boards();
   calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
