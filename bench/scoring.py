@@ -9,13 +9,16 @@ token-id prompts of ``--prompt`` tokens, closed loop at ``--concurrency``, two w
 twice:
 
 - ``score``: ``echo``, ``logprobs: 1``, ``max_tokens: 0`` (lm-evaluation-harness's
-  ``local-completions`` loglikelihood call): every prompt token's logprob, computed by teacher
-  forcing (the device returns the last position's logits only: a decode step per prompt token,
-  batched with the others);
+  ``local-completions`` loglikelihood call): every prompt token's logprob — from the prefill
+  (the software runtime's ``prompt_logits`` capability: every position's logits in one job), and
+  on a second server with ``scheduler.batch.prompt_logits_max_bytes: 0`` by teacher forcing (a
+  decode step per prompt token, batched with the others: what a runtime that returns the last
+  position's logits only allows), ``score_teacher``;
 - ``answer``: ``max_tokens: 1``: one prefill per prompt (what the prompt costs unscored).
 
-Prints and writes (``summary.json``) prompt tokens per second of each, their ratio, and each
-request's latency p50/p99.
+The two servers alternate twice (each runs score and answer). Prints and writes
+(``summary.json``) prompt tokens per second of each way, the ratios to ``answer`` on the same
+server, and each request's latency p50/p99.
 """
 
 from __future__ import annotations
@@ -96,21 +99,30 @@ def run(out: Path | None, quick: bool, *, package: str | None = None, alias: str
         requests, prompt = min(requests, 32), min(prompt, 64)
     out = out or BENCH_OUT / "scoring"
     out.mkdir(parents=True, exist_ok=True)
-    cfg = calserve_config(profiles=[1, 4, 8, 16], timing="none")
-    cfg["models"] = {alias: {"package": package, "timing": "none"}}
     rng = random.Random(0)
     pin_self(1)
-    with Server.calserve(cfg, out / "server") as srv:
-        prompts = [_tokens(srv.port, alias, rng, prompt) for _ in range(requests)]
-        ways = {"score": {"echo": True, "logprobs": 1, "max_tokens": 0},
-                "answer": {"max_tokens": 1}}
-        res: dict[str, list[tuple[float, list[float]]]] = {w: [] for w in ways}
-        trio.run(_load, srv.port, [{"model": alias, "prompt": p, "max_tokens": 1} for p in prompts[:4]],
-                 4)  # warm-up
-        for _ in range(2):
-            for way, extra in ways.items():
-                docs = [{"model": alias, "prompt": p, "temperature": 0, **extra} for p in prompts]
-                res[way].append(trio.run(_load, srv.port, docs, concurrency))
+    score = {"echo": True, "logprobs": 1, "max_tokens": 0}
+    servers = {"prefill": {"score": score, "answer": {"max_tokens": 1}},
+               "teacher": {"score_teacher": score, "answer_teacher": {"max_tokens": 1}}}
+    res: dict[str, list[tuple[float, list[float]]]] = {
+        w: [] for ways in servers.values() for w in ways}
+    prompts: list[list[int]] = []
+    for _ in range(2):
+        for name, ways in servers.items():
+            cfg = calserve_config(profiles=[1, 4, 8, 16], timing="none")
+            cfg["models"] = {alias: {"package": package, "timing": "none"}}
+            if name == "teacher":
+                cfg.setdefault("scheduler", {}).setdefault("batch", {})[
+                    "prompt_logits_max_bytes"] = 0
+            with Server.calserve(cfg, out / f"server-{name}") as srv:
+                if not prompts:
+                    prompts = [_tokens(srv.port, alias, rng, prompt) for _ in range(requests)]
+                trio.run(_load, srv.port, [{"model": alias, "prompt": p, "max_tokens": 1}
+                                           for p in prompts[:4]], 4)  # warm-up
+                for way, extra in ways.items():
+                    docs = [{"model": alias, "prompt": p, "temperature": 0, **extra}
+                            for p in prompts]
+                    res[way].append(trio.run(_load, srv.port, docs, concurrency))
     summary: dict[str, Any] = {"package": package or "demo", "prompt_tokens": prompt,
                                "requests": requests, "concurrency": concurrency}
     for way, runs in res.items():
@@ -119,15 +131,23 @@ def run(out: Path | None, quick: bool, *, package: str | None = None, alias: str
         summary[way] = {"prompt_tokens_per_s": [round(r, 1) for r in rates],
                         "latency_p50_s": round(_pct(lat, 0.5), 4),
                         "latency_p99_s": round(_pct(lat, 0.99), 4)}
-    summary["score_over_answer"] = round(
-        statistics.median(summary["score"]["prompt_tokens_per_s"])
-        / statistics.median(summary["answer"]["prompt_tokens_per_s"]), 3)
+
+    def ratio(a: str, b: str) -> float:
+        return round(float(statistics.median(summary[a]["prompt_tokens_per_s"]))
+                     / float(statistics.median(summary[b]["prompt_tokens_per_s"])), 3)
+
+    summary["score_over_answer"] = ratio("score", "answer")
+    summary["score_teacher_over_answer"] = ratio("score_teacher", "answer_teacher")
+    summary["score_over_score_teacher"] = ratio("score", "score_teacher")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    for way in ways:
+    for way in res:
         s = summary[way]
-        print(f"{way:6}: {s['prompt_tokens_per_s']} prompt tokens/s, latency p50"
+        print(f"{way:14}: {s['prompt_tokens_per_s']} prompt tokens/s, latency p50"
               f" {s['latency_p50_s'] * 1000:.0f} ms, p99 {s['latency_p99_s'] * 1000:.0f} ms")
-    print(f"scored / answered prompt tokens per second: {summary['score_over_answer']}")
+    print(f"scored / answered prompt tokens per second: from the prefill"
+          f" {summary['score_over_answer']}, by teacher forcing"
+          f" {summary['score_teacher_over_answer']}; prefill / teacher forcing"
+          f" {summary['score_over_score_teacher']}")
     return summary
 
 

@@ -130,6 +130,11 @@ class BatchConfig(_Strict):
     selection: ProfileSelection = msgspec.field(default_factory=ProfileSelection)
     # Extension: when profiles cannot co-reside, the one profile this instance serves.
     instance_pool: BatchSize | None = None
+    # Extension (runtime capability prompt_logits, sim-next only): a prompt scored for
+    # ``prompt_logprobs`` / ``echo`` + ``logprobs`` takes every position's logits from its prefill,
+    # one job, when they fit in this many bytes (4 x prompt tokens x vocabulary); longer prompts,
+    # and 0, score by teacher forcing (a decode step per prompt token)
+    prompt_logits_max_bytes: NonNeg = 32 << 20
 
 
 class DegradeConfig(_Strict):

@@ -102,7 +102,10 @@ class BackendCalbin(Protocol):
 
     async def committed_len(self, seq_id: int) -> int: ...
 
-    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> JobTicket: ...
+    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine,
+                             all_logits: bool = False) -> JobTicket:
+        """``all_logits`` (``capabilities.prompt_logits``): every position's logits, a lane each."""
+        ...
 
     async def submit_decode(
         self,
@@ -138,10 +141,10 @@ class BackendCalbin(Protocol):
 
     async def submit_prefill_wait(
         self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float,
-        after_submit: Callable[[], None] | None = None,
+        after_submit: Callable[[], None] | None = None, all_logits: bool = False,
     ) -> tuple[JobTicket, JobResult | None]:
         """Submit + first wait of a prefill; default as for :meth:`submit_decode_wait`."""
-        t = await self.submit_prefill(seq_id, tokens, engine)
+        t = await self.submit_prefill(seq_id, tokens, engine, all_logits)
         if after_submit is not None:
             after_submit()
         return t, await self.wait(t, timeout_s)
@@ -253,8 +256,9 @@ class _RuntimeCalbin:
     async def committed_len(self, seq_id: int) -> int:
         return int(await self._t.run(self._c.committed_len, seq_id))
 
-    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> JobTicket:
-        job = await self._t.run(self._c.submit_prefill, seq_id, tokens, engine)
+    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine,
+                             all_logits: bool = False) -> JobTicket:
+        job = await self._t.run(self._c.submit_prefill, seq_id, tokens, engine, all_logits)
         return _ticket(job, engine)
 
     async def submit_decode(
@@ -306,11 +310,11 @@ class _RuntimeCalbin:
 
     async def submit_prefill_wait(
         self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float,
-        after_submit: Callable[[], None] | None = None,
+        after_submit: Callable[[], None] | None = None, all_logits: bool = False,
     ) -> tuple[JobTicket, JobResult | None]:
         if self._faults is not None:
             self._faults.before_submit(engine)
-        job = self._c.submit_prefill(seq_id, tokens, engine)
+        job = self._c.submit_prefill(seq_id, tokens, engine, all_logits)
         return await self._wait_hot(job, engine, timeout_s, after_submit)
 
     async def reconfigure(self) -> None:

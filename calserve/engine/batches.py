@@ -74,8 +74,9 @@ class JobBuilder:
 
     def prefill_job(self, gen: Generation, seq: Seq, now: float) -> DeviceJob:
         self.prefill_jobs_total += 1
+        whole = seq.score_whole_prompt(gen)  # before prefill_input: it may take the whole prompt
         return DeviceJob("prefill", gen, [seq], seq.prefill_input(), np.zeros(1, np.int32),
-                         np.ones(1, np.uint8), now)
+                         np.ones(1, np.uint8), now, all_logits=whole)
 
     def decode_batch(self, gen: Generation, ready: dict[int, Seq], now: float, B: int,
                      earliest: float | None) -> tuple[DeviceJob | None, list[tuple[int, str]] | str]:

@@ -17,7 +17,7 @@ from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch, s
 from calserve.engine.state import DeviceJob, Seq
 from calserve.engine.types import FinishReason, TokenLogprob
 
-__all__ = ["SAMPLE_FAILED", "ends", "expect", "sample"]
+__all__ = ["SAMPLE_FAILED", "ends", "expect", "out_lanes", "sample"]
 
 log = logging.getLogger("calserve.engine.completion")
 
@@ -47,12 +47,20 @@ def ends(s: Seq, tok: int, generated: int, position: int, now: float,
 
 
 def expect(job: DeviceJob) -> list[tuple[int, int]]:
-    """(seq_id, position) each active lane must echo: for a prefill, its last prompt position."""
+    """(seq_id, position) each active lane must echo (:func:`out_lanes`): for a prefill, its last
+    prompt position (every one, in order, for a prefill with every position's logits)."""
     if job.kind == "decode":
         return job.expect
     s = job.lanes[0]
     assert s is not None and s.seq_id is not None
+    if job.all_logits:
+        return [(s.seq_id, s.position + i) for i in range(len(job.tokens))]
     return [(s.seq_id, s.position + len(job.tokens) - 1)]
+
+
+def out_lanes(job: DeviceJob) -> list[int]:
+    """The output lanes of ``job`` that carry logits (checked against :func:`expect`)."""
+    return list(range(len(job.tokens))) if job.all_logits else job.active
 
 
 def _lane_sampling(s: Seq, logits: LaneLogits | None = None) -> LaneSampling:
@@ -77,6 +85,10 @@ def _lanes(seqs: list[Seq], vocab: int) -> list[LaneSampling]:
 def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
     """One token (and its logprobs when asked) per sequence of ``job``, from its logits rows."""
     if job.kind == "prefill":
+        if job.all_logits:  # the whole prompt scored: every position's logits, the last draws
+            if not _score_prompt(seqs[0], logits):
+                return [SAMPLE_FAILED], [None]
+            logits = logits[-1:]
         rows = logits[:1]
     else:
         # Active lanes are ascending: a contiguous prefix is a view, not a fancy-index copy.
@@ -91,6 +103,21 @@ def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
     if forced:
         return _with_scores(rows, seqs, forced)
     return _draw(rows, seqs)
+
+
+def _score_prompt(s: Seq, logits: np.ndarray) -> bool:
+    """A prefill's every position's logits score the prompt: row i scores ``prompt[i + 1]``
+    (appended to ``s.prompt_scores``, after the first token's null entry). False: scoring failed
+    (the request ends with an error; the engine carries on)."""
+    n = len(s.prompt)
+    assert s.prompt_scores is not None and len(s.prompt_scores) == 1 and len(logits) == n
+    k = s.req.sampling.prompt_logprobs or 0
+    try:
+        s.prompt_scores.extend(score_tokens(logits[:n - 1], s.prompt[1:].tolist(), [k] * (n - 1)))
+    except Exception:  # defence in depth: NaN logits, a numpy failure
+        log.exception("scoring the prompt failed for request %d", s.rid, extra={"request_id": s.rid})
+        return False
+    return True
 
 
 def _with_scores(rows: np.ndarray, seqs: list[Seq], forced: list[int]) -> Sampled:

@@ -187,6 +187,9 @@ class DeviceExecutor:
         if job.kind == "prefill":
             seq = job.seqs[0]
             assert seq.seq_id is not None
+            if job.all_logits:
+                return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, timeout,
+                                                    after_submit=after, all_logits=True)
             return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, timeout,
                                                 after_submit=after)
         assert job.seq_ids is not None

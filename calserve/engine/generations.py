@@ -70,6 +70,14 @@ class Generation:
     admit_waiting: bool = True
     # The drain deadline passed: whatever is left is cancelled, the jobs on the device still drain.
     drain_expired: bool = False
+    # Bytes of logits a prefill may return for every prompt position (a scored prompt in one job:
+    # runtime capability prompt_logits, scheduler.batch.prompt_logits_max_bytes); 0: none
+    prompt_logits_max: int = 0
+
+    def scores_in_prefill(self, prompt_len: int) -> bool:
+        """Whether a scored prompt of ``prompt_len`` tokens takes its scores from its prefill."""
+        return 1 < prompt_len and prompt_len * self.source.model_config.vocab_size * 4 <= (
+            self.prompt_logits_max)
 
     def __post_init__(self) -> None:
         if not self.calbins:
@@ -263,6 +271,8 @@ class ModelManager:
             calbins=calbins,
             package=package,
             weight=entry.weight if entry is not None else 1.0,
+            prompt_logits_max=(self.cfg.scheduler.batch.prompt_logits_max_bytes
+                               if self.backend.capabilities.prompt_logits else 0),
         )
         gen.fire(ModelEvent.LOAD)
         gen.fire(ModelEvent.VALIDATED)

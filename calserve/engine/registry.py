@@ -92,12 +92,13 @@ _INT32_MAX = 2**31 - 1
 
 
 def work_item(rid: int, req: GenerateRequest, now: float, deadline: float | None,
-              gen_id: int) -> WorkItem:
+              gen_id: int, scores_in_prefill: bool = False) -> WorkItem:
     """What admission weighs of ``req``: its prefill's tokens and its decode steps (a scored
-    prompt, ``prompt_logprobs``: a one-token prefill, then a step per further prompt token)."""
+    prompt, ``prompt_logprobs``: a one-token prefill, then a step per further prompt token,
+    unless ``scores_in_prefill``: the prefill returns every position's logits)."""
     n, mt = len(req.prompt_tokens), req.sampling.max_tokens
-    if req.sampling.prompt_logprobs is None:
-        return WorkItem(rid, req.tenant, n, mt, now, deadline, gen_id)
+    if req.sampling.prompt_logprobs is None or scores_in_prefill:
+        return WorkItem(rid, req.tenant, n, max(1, mt), now, deadline, gen_id)
     return WorkItem(rid, req.tenant, 1, max(1, n - 1 + mt), now, deadline, gen_id)
 
 
@@ -195,7 +196,8 @@ class RequestRegistry:
             self.cfg.scheduler.admission.deadline_default_ms / 1000.0)
         deadline = now + rel
         prompt = np.asarray(req.prompt_tokens, np.int32)
-        item = work_item(rid, req, now, deadline, gen.id)
+        item = work_item(rid, req, now, deadline, gen.id, req.sampling.prompt_logprobs is not None
+                         and gen.scores_in_prefill(len(req.prompt_tokens)))
         # Recovering with re-admission on (issue 15): a new request waits for the reset like the
         # re-admitted ones instead of a 503 (its waiting budget and deadline still hold).
         accepting = accepts_requests(gen.state) or (

@@ -136,6 +136,17 @@ class Seq:
             self.score_upto = 1  # the prefill takes the first prompt token, which has no score
             self.prompt_scores = [TokenLogprob(int(self.prompt[0]), math.nan)]
 
+    def score_whole_prompt(self, gen: Any) -> bool:
+        """Right before its prefill: whether the prefill scores the whole prompt at once (every
+        position's logits, :meth:`Generation.scores_in_prefill`) — only while nothing is scored
+        yet; then it takes the whole prompt (``score_upto`` = its length), else the first token
+        (teacher forcing)."""
+        if self.prompt_scores is None or len(self.prompt_scores) != 1:
+            return False
+        whole = bool(gen.scores_in_prefill(len(self.prompt)))
+        self.score_upto = len(self.prompt) if whole else 1
+        return whole
+
     def prefill_input(self) -> np.ndarray:
         """What its prefill computes: the prompt, plus the generated tokens after a fault lost its
         KV (the next token sampled from it continues the request exactly); while the prompt is
@@ -192,6 +203,8 @@ class DeviceJob:
     # The hung-job timeout once computed from the package's modeled decode step (constant for the
     # profile: continuations copy it, see FaultWatch.hang_timeout); None: computed per job.
     hang_timeout_s: float | None = None
+    # prefill: every position's logits, a lane each (its request scores the whole prompt)
+    all_logits: bool = False
     # Derived once at construction (the hot path reads them several times per step):
     # Invariant: seqs == the non-None lanes in lane order; active == their lane indices (ascending).
     seqs: list[Seq] = dataclasses.field(init=False)

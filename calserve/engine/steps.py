@@ -15,7 +15,7 @@ import logging
 
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.request_state import TRANSITIONS, RequestEvent, RequestState
-from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample
+from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, out_lanes, sample
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import RequestTable, exhausted
 from calserve.engine.state import STATUS_NAMES, DeviceJob, Fault, JobOutcome, Scored, Seq, Tokens
@@ -85,11 +85,11 @@ class StepHandler:
     def _check(self, job: DeviceJob, r: object) -> str | None:
         """None when every active lane's echo and checksum match; else "crosstalk" (spec §7.4: no
         lane-level isolation is promised, the whole batch fails)."""
-        bad = job.calbin.verify_lanes(r, job.job_id, job.active, expect(job))
+        bad = job.calbin.verify_lanes(r, job.job_id, out_lanes(job), expect(job))
         if not bad:
             return None
         self.stats.crosstalk_total += 1
-        rids = [job.seqs[k].rid for k in bad]
+        rids = [job.seqs[0 if job.all_logits else k].rid for k in bad]
         log.warning("crosstalk in job %d: lanes of requests %s", job.job_id, rids,
                     extra={"job_id": job.job_id, "request_ids": rids})
         return "crosstalk"

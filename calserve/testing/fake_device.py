@@ -77,7 +77,7 @@ class _Job:
     job_id: int
     engine: JobEngine
     calbin: FakeCalbin
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "prefill_all" (every position's logits, lane i = position i) | "decode"
     seq_ids: np.ndarray
     new_tokens: list[list[int]]  # per lane (empty for invalid lanes)
     positions: np.ndarray
@@ -159,11 +159,19 @@ class FakeCalbin(BackendCalbin):
         return self._seqs[seq_id].length
 
     # Jobs -----------------------------------------------------------------------------------------
-    def _prefill_args(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> tuple[Any, ...]:
+    def _prefill_args(self, seq_id: int, tokens: np.ndarray, engine: JobEngine,
+                      all_logits: bool = False) -> tuple[Any, ...]:
         toks = [int(t) for t in np.asarray(tokens).reshape(-1)]
         seq = self._seqs.get(seq_id)
         pos = (seq.length if seq is not None else 0) + len(toks) - 1  # echo: last position
         dur = self.timing.prefill_base_us + self.timing.prefill_us_per_token * len(toks)
+        if all_logits:  # lane i: the logits after toks[:i + 1] (runtime: submit_prefill_all)
+            if not self._dev.capabilities.prompt_logits:
+                raise NotSupported("all_logits: this runtime profile has no prompt logits")
+            first = pos - len(toks) + 1
+            return (self, "prefill_all", np.full(len(toks), seq_id),
+                    [toks] + [[] for _ in toks[1:]], np.arange(first, pos + 1),
+                    np.ones(len(toks), np.int64), engine, dur * 1e-6)
         return (self, "prefill", np.array([seq_id]), [toks], np.array([pos]), np.array([1]), engine,
                 dur * 1e-6)
 
@@ -177,15 +185,16 @@ class FakeCalbin(BackendCalbin):
         return (self, "decode", np.asarray(seq_ids), new, np.asarray(positions), np.asarray(valid), engine,
                 dur * 1e-6)
 
-    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine) -> JobTicket:
-        return await self._dev._submit(*self._prefill_args(seq_id, tokens, engine))
+    async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine,
+                             all_logits: bool = False) -> JobTicket:
+        return await self._dev._submit(*self._prefill_args(seq_id, tokens, engine, all_logits))
 
     async def submit_prefill_wait(
         self, seq_id: int, tokens: np.ndarray, engine: JobEngine, timeout_s: float,
-        after_submit: Callable[[], None] | None = None,
+        after_submit: Callable[[], None] | None = None, all_logits: bool = False,
     ) -> tuple[JobTicket, JobResult | None]:
-        return await self._submit_now_wait(self._prefill_args(seq_id, tokens, engine), timeout_s,
-                                           after_submit)
+        return await self._submit_now_wait(self._prefill_args(seq_id, tokens, engine, all_logits),
+                                           timeout_s, after_submit)
 
     async def submit_decode_wait(
         self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
@@ -248,6 +257,8 @@ class FakeCalbin(BackendCalbin):
         status = JobStatus.ABORTED if aborted else JobStatus.OK
         if not aborted and job.fault in (FaultKind.CCU_FAULT, FaultKind.DMA_UNKNOWN):
             status = JobStatus.CCU_FAULT if job.fault is FaultKind.CCU_FAULT else JobStatus.DMA_UNKNOWN
+        if job.kind == "prefill_all":  # one sequence, a lane per position
+            return self._finish_all(job, status, logits, echo)
         if status is JobStatus.OK:
             for lane in range(B):
                 if not job.valid[lane]:
@@ -275,12 +286,42 @@ class FakeCalbin(BackendCalbin):
                 seq = self._seqs.get(int(job.seq_ids[lane]))
                 if seq is not None and job.valid[lane]:
                     seq.valid = False
-        checksum = row_checksums(logits)
-        checksum[echo[:, 1] < 0] = 0
-        if status is JobStatus.OK and job.fault is FaultKind.CROSSTALK:
-            lane = job.fault_lane % B
-            logits[lane] = logits[(lane + 1) % B] if B > 1 else -logits[lane] + 1.0
-        return JobResult(job.job_id, job.engine, status, logits, echo, checksum, 0.0)
+        return _result(job, status, logits, echo)
+
+    def _finish_all(self, job: _Job, status: JobStatus, logits: np.ndarray,
+                    echo: np.ndarray) -> JobResult:
+        """A prefill returning every position's logits: lane i holds the logits after the first
+        i + 1 tokens (what a prefill of those alone would return), echo (job, seq, position)."""
+        toks, n, V = job.new_tokens[0], len(job.seq_ids), self.config.vocab_size
+        seq = self._seqs.get(int(job.seq_ids[0]))
+        start = int(job.positions[0])
+        if status is JobStatus.OK and (seq is None or not seq.valid or seq.length != start):
+            status = JobStatus.INVALID
+        if status is JobStatus.OK:
+            assert seq is not None
+            h = seq.hash
+            for i, t in enumerate(toks):
+                h = _mix(h, t)
+                logits[i] = fake_logits(h, V)
+            echo[:, 1] = job.seq_ids
+            echo[:, 2] = job.positions
+            seq.hash = h
+            seq.length += n
+        elif status in (JobStatus.CCU_FAULT, JobStatus.DMA_UNKNOWN) and seq is not None:
+            seq.valid = False
+        return _result(job, status, logits, echo)
+
+
+def _result(job: _Job, status: JobStatus, logits: np.ndarray, echo: np.ndarray) -> JobResult:
+    """The job's result: each lane's checksum (0 for lanes without a sequence), then a crosstalk
+    fault's corruption of a lane's logits after the checksum was taken."""
+    checksum = row_checksums(logits)
+    checksum[echo[:, 1] < 0] = 0
+    if status is JobStatus.OK and job.fault is FaultKind.CROSSTALK:
+        n = len(logits)
+        lane = job.fault_lane % n
+        logits[lane] = logits[(lane + 1) % n] if n > 1 else -logits[lane] + 1.0
+    return JobResult(job.job_id, job.engine, status, logits, echo, checksum, 0.0)
 
 
 class FakeBackend:

@@ -6,7 +6,12 @@ The fake device's model is a pure function of the sequence so far
 (:func:`calserve.testing.fake_device.fake_logits` of its history hash), so each prompt token's
 expected logprob is computed here independently of the engine: the scores must be exactly those
 numbers (float32 logits, float64 log-sum-exp), whatever the batch, the faults on the way and the
-other requests beside it."""
+other requests beside it.
+
+Every test runs both ways the engine scores a prompt: from its prefill (the runtime returns every
+position's logits, ``capabilities.prompt_logits``: the fake device's sim-next) and by teacher
+forcing (a decode step per prompt token: runtimes without it, prompts past
+``scheduler.batch.prompt_logits_max_bytes``)."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from hypothesis import strategies as st
 
 import calserve.engine.completion as completion_mod
 import calserve.engine.sampler as sampler_mod
+from calserve.engine.generations import Generation
 from calserve.engine.requests import RequestTable
 from calserve.runtime.types import FaultKind, JobEngine
 from calserve.testing.fake_device import fake_logits, history_hash
@@ -31,6 +37,14 @@ from .sse_util import parse_sse, stream_post
 
 C = "/v1/completions"
 TOK = ChatCharTokenizer()
+
+
+@pytest.fixture(autouse=True, params=["prefill", "teacher"])
+def scoring(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How prompts are scored in this test: "teacher" turns the prefill path off."""
+    if request.param == "teacher":
+        monkeypatch.setattr(Generation, "scores_in_prefill", lambda self, n: False)
+    return str(request.param)
 V = TOK.vocab_size
 
 
@@ -86,6 +100,26 @@ async def test_echo_logprobs_scores_the_prompt_then_generates_as_without() -> No
         assert lp["token_logprobs"][n:] == gen["token_logprobs"]
         assert lp["top_logprobs"][n:] == gen["top_logprobs"]
         assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 5, "total_tokens": n + 5}
+
+
+async def test_how_a_prompt_is_scored_prefill_or_teacher_forcing(scoring: str) -> None:
+    """From the prefill, a scored request's decode steps are only its completion's; by teacher
+    forcing, one more per prompt token after the first. Prompts whose logits exceed
+    ``scheduler.batch.prompt_logits_max_bytes`` (here 5 positions) take teacher forcing."""
+    cfg = make_config(scheduler={"batch": {"prompt_logits_max_bytes": 4 * V * 5}})
+    async with real_app(cfg) as h:
+        for text in ("abcde", "abcdefghij"):
+            ids = TOK.encode(text)
+            body = await post_ok(h, {"prompt": ids, "max_tokens": 3, "logprobs": 1, "echo": True,
+                                     "temperature": 0, "ignore_eos": True})
+            check_scored(body["choices"][0]["logprobs"], ids, 1)
+            trace = h.real_engine.core.requests.trace
+            rid = next(r[0] for kind, r in reversed(trace) if kind == "prefill")
+            prefills = [r for kind, r in trace if kind == "prefill" and rid in r]
+            steps = sum(1 for kind, r in trace if kind == "decode" and rid in r)
+            whole = scoring == "prefill" and len(ids) <= 5
+            assert len(prefills) == 1
+            assert steps == (2 if whole else len(ids) - 1 + 2), (text, scoring, steps)
 
 
 async def test_max_tokens_zero_scores_only_and_needs_echo_with_logprobs() -> None:
@@ -231,17 +265,19 @@ def test_scores_are_the_models_for_any_prompt(text: str, k: int, mt: int) -> Non
     trio.run(main)
 
 
-async def test_a_scoring_failure_fails_that_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_scoring_failure_fails_that_request_alone(monkeypatch: pytest.MonkeyPatch,
+                                                          scoring: str) -> None:
     """Defence in depth: scoring that raises for one request's lane (here: asked for 4
     alternatives) ends that request with an error; the others in its batches and the engine
-    carry on."""
+    carry on. (From its prefill: the one scoring call of that request's prefill fails.)"""
     real = sampler_mod.score_tokens
     calls = [0]
+    teacher = scoring == "teacher"
 
     def flaky(rows: Any, tokens: Any, ks: Any) -> Any:
-        if 4 in ks:  # from its fourth step on, once it is in batches with the others
+        if 4 in ks:  # teacher forcing: from its fourth step on, once in batches with the others
             calls[0] += 1
-            if calls[0] > 3:
+            if calls[0] > (3 if teacher else 0):
                 raise FloatingPointError("injected")
         return real(rows, tokens, ks)
 
@@ -260,8 +296,11 @@ async def test_a_scoring_failure_fails_that_request_alone(monkeypatch: pytest.Mo
             for i in range(len(ks)):
                 n.start_soon(one, i)
         trace = h.real_engine.core.requests.trace
-        assert any(kind == "decode" and len(r) >= 3 for kind, r in trace), trace  # batched
-        assert calls[0] > 4  # it failed in a batch, then alone
+        if teacher:
+            assert any(kind == "decode" and len(r) >= 3 for kind, r in trace), trace  # batched
+            assert calls[0] > 4  # it failed in a batch, then alone
+        else:
+            assert calls[0] == 1  # its prefill's scoring, once
         for i, k in enumerate(ks):
             status, body = results[i]
             if k == 4:

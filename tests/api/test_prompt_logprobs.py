@@ -16,6 +16,7 @@ from calserve.testing.fake_device import fake_logits, history_hash
 
 from .conftest import make_config
 from .real_engine import ChatCharTokenizer, real_app
+from .test_echo_logprobs import scoring  # noqa: F401 (autouse: each test both ways of scoring)
 
 C = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -56,6 +56,24 @@ def client(smol_server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=smol_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def smol_next(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The same package on the software runtime's sim-next profile: a scored prompt takes every
+    position's logits from its prefill (capability ``prompt_logits``)."""
+    home, cwd = tmp_path_factory.mktemp("smol-next-home"), tmp_path_factory.mktemp("smol-next-cwd")
+    conf = cwd / "next.yaml"
+    conf.write_text("runtime:\n  profile: sim-next\n")
+    proc = start_calserve_serve(
+        home, "--config", str(conf), "--model", str(smollm2.package), "--alias", "smollm2",
+        "--trusted-key", str(smollm2.pub), cwd=cwd,
+    )
+    try:
+        proc.wait_ready(timeout=300)
+        yield proc
+    finally:
+        proc.stop()
+
+
 def _package_tokenizer(smollm2: Any) -> tuple[Tokenizer, dict]:  # type: ignore[type-arg]
     manifest = json.loads((smollm2.package / "manifest.json").read_text())
     st = manifest["special_tokens"]
@@ -180,6 +198,36 @@ def test_prompt_scores_equal_an_independent_numpy_forward(client: openai.OpenAI,
         assert got["decoded_token"] == tok.decode([prompt[i]])
         (first,) = [e for e in plp[i].values() if e["rank"] == 1]
         assert abs(first["logprob"] - best) <= 1e-3
+
+
+def _jobs_submitted(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("calserve_executor_jobs_submitted_total{"))
+
+
+def test_prompt_scored_from_one_prefill_on_sim_next(smol_next: ServerProcess, smollm2: Any) -> None:
+    """sim-next: the whole prompt scored by its prefill alone (one job, every position's logits),
+    the same numbers as the independent numpy forward, through ``echo`` + ``logprobs`` and
+    through ``prompt_logprobs``."""
+    cases = json.loads(FIXTURE.read_text())["cases"]
+    prompt = next(c["ids"] for c in cases if 12 <= len(c["ids"]) <= 24)
+    ref = GGUFLlama(smollm2.gguf).scores(prompt)
+    client = openai.OpenAI(base_url=smol_next.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    before = _jobs_submitted(smol_next.url)
+    c = client.completions.create(model="smollm2", prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0)
+    assert _jobs_submitted(smol_next.url) - before == 1  # the prefill, no decode step
+    lp = c.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.token_logprobs[0] is None
+    for i, (want, _) in enumerate(ref, start=1):
+        assert abs(lp.token_logprobs[i] - want) <= 1e-3, (i, lp.token_logprobs[i], want)
+    c = client.completions.create(model="smollm2", prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 0})
+    plp = (c.choices[0].model_extra or {})["prompt_logprobs"]
+    for i, (want, _) in enumerate(ref, start=1):
+        assert abs(plp[i][str(prompt[i])]["logprob"] - want) <= 1e-3, (i, plp[i], want)
 
 
 WEATHER_TOOLS: Any = [
