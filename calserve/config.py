@@ -133,7 +133,8 @@ class BatchConfig(_Strict):
     # Extension (runtime capability prompt_logits, sim-next only): a prompt scored for
     # ``prompt_logprobs`` / ``echo`` + ``logprobs`` takes every position's logits from its prefill,
     # one job, when they fit in this many bytes (4 x prompt tokens x vocabulary); longer prompts,
-    # and 0, score by teacher forcing (a decode step per prompt token)
+    # and 0, score by teacher forcing (a decode step per prompt token). The scores are computed
+    # on the event loop at once: ~41 ms at the default on a 2-vCPU box (README)
     prompt_logits_max_bytes: NonNeg = 32 << 20
 
 
