@@ -294,6 +294,7 @@ def _sampling(
         min_tokens=min_tokens,
         ignore_eos=bool(body.ignore_eos),
         stop=_stop(body),
+        include_stop_str=bool(body.include_stop_str_in_output),
         stop_token_ids=frozenset(check_token_ids(body.stop_token_ids or (), vocab, "stop_token_ids")),
         logprobs=logprobs,
         presence_penalty=float(body.presence_penalty or 0.0),
@@ -302,6 +303,8 @@ def _sampling(
         logit_bias=_logit_bias(body, vocab),
         min_p=float(body.min_p or 0.0),
         grammar=grammar,
+        allowed_token_ids=tuple(sorted(set(check_token_ids(
+            body.allowed_token_ids or (), vocab, "allowed_token_ids")))),
     )
 
 

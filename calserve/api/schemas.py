@@ -52,6 +52,9 @@ MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI's own cap is lower)
 RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=10.0)]  # below: logits overflow
 StopTokenIds = Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # vLLM's allowed_token_ids (the largest vocabularies: 262,144)
+AllowedTokenIds = Annotated[list[NonNegInt], msgspec.Meta(min_length=1,
+                                                          max_length=MAX_ALLOWED_TOKEN_IDS)]
 User = Annotated[str, msgspec.Meta(max_length=MAX_USER_CHARS)]
 MAX_REGEX_CHARS = 4096  # a guided regex (its automaton is bounded again when compiled)
 MAX_GRAMMAR_CHARS = 65536  # a Lark/GBNF grammar (likewise)
@@ -85,6 +88,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None  # vLLM extension
     min_p: MinP | None = None  # vLLM extension
+    # vLLM extensions: only these tokens may be drawn; the matched stop string kept in the text
+    allowed_token_ids: AllowedTokenIds | None = None
+    include_stop_str_in_output: bool | None = None
     response_format: Any = None  # text | json_object | json_schema (engine/grammar.py)
     # vLLM's and llama.cpp's structured outputs (api/structured.py: at most one constraint)
     structured_outputs: dict[str, Any] | None = None

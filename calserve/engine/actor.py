@@ -59,7 +59,7 @@ class _TokenStep:
     parked. ``stop_wanted`` is for the task: a reason the engine must be told (``sink.stop``)."""
 
     __slots__ = ("completion", "stopped", "stop_wanted", "on_tokens", "_detok", "_stops",
-                 "_min_tokens", "_writer", "_push", "_put")
+                 "_min_tokens", "_writer", "_push", "_put", "_include_stop")
 
     def __init__(self, seq: Seq, writer: StreamWriter, tokenizer: Any) -> None:
         self.completion = 0
@@ -68,6 +68,7 @@ class _TokenStep:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopMatcher(seq.req.sampling.stop) if seq.req.sampling.stop else None
         self._min_tokens = seq.req.sampling.min_tokens
+        self._include_stop = seq.req.sampling.include_stop_str
         self._writer = writer
         self._push = self._detok.push_one  # the per-token calls, bound once per request
         self._put = writer.put_token
@@ -106,6 +107,8 @@ class _TokenStep:
                 self.stopped = True
                 self.stop_wanted = FinishReason.STOP
                 wanted = True
+                if self._include_stop:  # vLLM's include_stop_str_in_output
+                    text += stops.matched or ""
         if self._put(token_id, text, logprob) and self.stop_wanted is None:
             self.stop_wanted = FinishReason.CANCELLED
             wanted = True

@@ -127,9 +127,9 @@ class LaneHistory:
 class SeqSamplingState:
     """A request's processor state (``Seq.sampling_state``): its history, bias arrays, grammar."""
 
-    __slots__ = ("params", "history", "bias_ids", "bias_vals", "grammar")
+    __slots__ = ("params", "history", "bias_ids", "bias_vals", "grammar", "allowed")
 
-    def __init__(self, prompt: npt.NDArray[Any], params: SamplingParams) -> None:
+    def __init__(self, prompt: npt.NDArray[Any], params: SamplingParams, vocab: int = 0) -> None:
         self.params = params
         penal = (params.presence_penalty or params.frequency_penalty
                  or params.repetition_penalty != 1.0)
@@ -138,10 +138,16 @@ class SeqSamplingState:
         self.bias_ids, self.bias_vals = _bias_arrays(params.logit_bias)
         self.grammar: GrammarState | None = (params.grammar.new_state()
                                              if params.grammar is not None else None)
+        # allowed_token_ids as a mask row like the grammar's (bit t % 32 of word t // 32)
+        self.allowed: npt.NDArray[np.int32] | None = (
+            _id_mask(params.allowed_token_ids, vocab) if params.allowed_token_ids else None)
 
     def lane(self, tokens: Sequence[int], allowed: npt.NDArray[np.int32] | None) -> LaneLogits:
+        """``allowed``: the grammar's mask row this step (None: no grammar)."""
         p = self.params
         h = self.history
+        if self.allowed is not None:  # both: a token must pass both
+            allowed = self.allowed if allowed is None else np.bitwise_and(allowed, self.allowed)
         if h is None:
             return LaneLogits(bias_ids=self.bias_ids, bias_vals=self.bias_vals, allowed=allowed)
         h.sync(tokens)
@@ -163,7 +169,7 @@ def lane_logits(prompts: Sequence[npt.NDArray[Any]], params: Sequence[SamplingPa
             continue
         st = states[i]
         if st is None:
-            st = states[i] = SeqSamplingState(prompts[i], sp)
+            st = states[i] = SeqSamplingState(prompts[i], sp, vocab)
         if st.grammar is not None:
             st.grammar.sync(tokens[i])
             gram.append((i, st.grammar))
@@ -174,6 +180,13 @@ def lane_logits(prompts: Sequence[npt.NDArray[Any]], params: Sequence[SamplingPa
             k = mask_of.get(i)
             out[i] = states[i].lane(tokens[i], None if masks is None or k is None else masks[k])
     return out
+
+
+def _id_mask(ids: Sequence[int], vocab: int) -> npt.NDArray[np.int32]:
+    """The bitmask row (``ceil(vocab / 32)`` int32 words) allowing exactly ``ids``."""
+    bits = np.zeros(-(-vocab // 32) * 32, np.uint8)
+    bits[np.asarray(ids, np.int64)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 def _gather(idx: list[int], arrays: list[npt.NDArray[Any]]) -> tuple[npt.NDArray[np.int64],

@@ -124,7 +124,7 @@ def _validate(req: GenerateRequest, vocab: int) -> None:
     if sp.seed is not None and not -(2**63) <= sp.seed < 2**63:
         raise RequestError("seed must be a signed 64-bit integer", param="seed")
     if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= 20:
-        raise RequestError("prompt_logprobs must be in [0, 20]", param="logprobs")
+        raise RequestError("prompt_logprobs must be in [0, 20]", param="prompt_logprobs")
     if not (0 if sp.prompt_logprobs is not None else 1) <= sp.max_tokens <= _INT32_MAX:
         raise RequestError("max_tokens must be >= 1 (0 only when the prompt is scored: `echo`"
                            " with `logprobs`)", param="max_tokens")
@@ -151,6 +151,9 @@ def _validate(req: GenerateRequest, vocab: int) -> None:
             for t, b in sp.logit_bias):
         raise RequestError(f"logit_bias must map distinct token ids in [0, {vocab}) to biases in"
                            " [-100, 100]", param="logit_bias")
+    if any(not (isinstance(t, int) and 0 <= t < vocab) for t in sp.allowed_token_ids):
+        raise RequestError(f"allowed_token_ids must be token ids in [0, {vocab})",
+                           param="allowed_token_ids")
     if sp.grammar is not None and (sp.min_tokens or sp.ignore_eos):
         raise RequestError("a grammar (response_format) ends where it may: no min_tokens or"
                            " ignore_eos with it", param="response_format")

@@ -51,14 +51,16 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop strings are ignored before this many tokens
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # stop strings; the stop text is not emitted
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: it is, then
     # checked once per sampled token: convert.py passes a frozenset (a lookup whatever its length)
     stop_token_ids: Collection[int] = ()
     logprobs: int | None = None  # None = no logprobs; k >= 0 = chosen token's + top-k alternatives
     # None = off; k >= 0: every prompt token's logprob and its position's top-k (``echo`` with
-    # ``logprobs``), computed by teacher forcing: the prefill takes the first prompt token and
-    # each later one is fed as a decode input (the device returns the last position's logits
-    # only); the stream's first token event then carries them, the first one's logprob NaN (it
-    # has no context). With it ``max_tokens`` may be 0 (score the prompt, generate nothing).
+    # ``logprobs``, ``prompt_logprobs``), from the prefill when the runtime returns every
+    # position's logits (capability prompt_logits), else by teacher forcing: the prefill takes
+    # the first prompt token and each later one is fed as a decode input; the stream's first
+    # token event then carries them, the first one's logprob NaN (it has no context). With it
+    # ``max_tokens`` may be 0 (score the prompt, generate nothing).
     prompt_logprobs: int | None = None
     # Logits processors (OpenAI / vLLM meaning; engine/logits.py): penalties over the generated
     # tokens (repetition: prompt and generated), additive biases, min-p; all off by default.
@@ -67,6 +69,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # [0.01, 10]: positive logits / p, negative * p, seen tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), unique ids
     min_p: float = 0.0  # [0, 1]: drop tokens less likely than min_p x the most likely one
+    # vLLM's allowed_token_ids: only these may be drawn (every other token's logit -inf)
+    allowed_token_ids: tuple[int, ...] = ()
     # Constrained decoding (response_format): an ``engine.grammar.Grammar``, or None
     grammar: Any = None
     # Derived: any processor above is on (the all-greedy fast path checks this one flag).
@@ -77,7 +81,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         processed = bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.min_p or self.grammar is not None)
+            or self.logit_bias or self.min_p or self.grammar is not None
+            or self.allowed_token_ids)
         object.__setattr__(self, "processed", processed)
         object.__setattr__(self, "plain_greedy", self.temperature == 0.0 and self.logprobs is None
                            and self.prompt_logprobs is None and not processed)

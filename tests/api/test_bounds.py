@@ -35,8 +35,8 @@ FLOAT_EXTREMES = [-1e308, -2.0000001, -2.0, -1e-300, -0.0, 0.0, 5e-324, 1e-300, 
                   1.0000001, 2.0, 2.0000001, 10.0, 10.000001, 1e308]
 FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs",
           "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-          "prompt_logprobs"]
-LIST_FIELDS = ["stop_token_ids", "stop"]
+          "prompt_logprobs", "include_stop_str_in_output"]
+LIST_FIELDS = ["stop_token_ids", "stop", "allowed_token_ids"]
 CHAT_FIELDS = ["max_completion_tokens", "top_logprobs"]
 
 
@@ -166,7 +166,7 @@ async def test_every_field_at_and_past_its_bounds() -> None:
             for v in ([2**63], [128], [-1], list(range(257)), list(range(100)), ["x" * 257],
                       ["x" * 256], ["a"] * 17, [""], "y" * 300):
                 doc = {"prompt": "hi", "max_tokens": 3, "temperature": 1.0, field: v}
-                if field == "stop_token_ids" and isinstance(v, str):
+                if field in ("stop_token_ids", "allowed_token_ids") and isinstance(v, str):
                     continue
                 if field == "stop" and v and isinstance(v, list) and isinstance(v[0], int):
                     continue
@@ -201,7 +201,8 @@ async def test_every_field_at_and_past_its_bounds() -> None:
                       "logprobs", "stop_token_ids", "stop", "n", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
                       "response_format", "prompt", "echo+logprobs", "echo+max_tokens",
-                      "echo+prompt", "prompt_logprobs", "score+prompt_logprobs"):
+                      "echo+prompt", "prompt_logprobs", "score+prompt_logprobs",
+                      "allowed_token_ids"):
             assert 200 in statuses[field], field
         assert h.real_engine.ready()
         assert await greedy_text(h) == before
