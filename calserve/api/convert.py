@@ -295,6 +295,7 @@ def _sampling(
         ignore_eos=bool(body.ignore_eos),
         stop=_stop(body),
         include_stop_str=bool(body.include_stop_str_in_output),
+        skip_special_tokens=body.skip_special_tokens is not False,
         stop_token_ids=frozenset(check_token_ids(body.stop_token_ids or (), vocab, "stop_token_ids")),
         logprobs=logprobs,
         presence_penalty=float(body.presence_penalty or 0.0),

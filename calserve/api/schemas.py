@@ -91,6 +91,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM extensions: only these tokens may be drawn; the matched stop string kept in the text
     allowed_token_ids: AllowedTokenIds | None = None
     include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None  # vLLM: false keeps special tokens in the text
     response_format: Any = None  # text | json_object | json_schema (engine/grammar.py)
     # vLLM's and llama.cpp's structured outputs (api/structured.py: at most one constraint)
     structured_outputs: dict[str, Any] | None = None

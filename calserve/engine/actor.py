@@ -65,7 +65,8 @@ class _TokenStep:
         self.completion = 0
         self.stopped = False  # a stop string matched: later tokens are dropped
         self.stop_wanted: FinishReason | None = None
-        self._detok = IncrementalDetokenizer(tokenizer)
+        self._detok = IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=seq.req.sampling.skip_special_tokens)
         self._stops = StopMatcher(seq.req.sampling.stop) if seq.req.sampling.stop else None
         self._min_tokens = seq.req.sampling.min_tokens
         self._include_stop = seq.req.sampling.include_stop_str

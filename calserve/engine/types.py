@@ -52,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # stop strings; the stop text is not emitted
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: it is, then
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text (not EOS's)
     # checked once per sampled token: convert.py passes a frozenset (a lookup whatever its length)
     stop_token_ids: Collection[int] = ()
     logprobs: int | None = None  # None = no logprobs; k >= 0 = chosen token's + top-k alternatives

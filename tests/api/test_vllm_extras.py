@@ -1,6 +1,6 @@
-"""vLLM's sampling extensions ``allowed_token_ids`` (only these tokens may be drawn) and
-``include_stop_str_in_output`` (the matched stop string stays in the text), completions and chat,
-streamed or not. Unknown fields are ignored, so before these were served a client sending them got
+"""vLLM's sampling extensions ``allowed_token_ids`` (only these tokens may be drawn),
+``include_stop_str_in_output`` (the matched stop string stays in the text) and
+``skip_special_tokens`` (false: special tokens' text kept), completions and chat, streamed or not. Unknown fields are ignored, so before these were served a client sending them got
 tokens outside its set, or text without its stop string, silently."""
 
 from __future__ import annotations
@@ -9,15 +9,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tokenizers
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calserve.engine.logits import SeqSamplingState
 from calserve.engine.types import SamplingParams
+from calserve.models.demo_model import demo_tokenizer_json
+from calserve.models.tokenizer import Tokenizer
 
 from .conftest import make_config
-from .real_engine import ChatCharTokenizer, real_app
+from .real_engine import ChatCharTokenizer, api_source, real_app
 from .sse_util import parse_sse, stream_post
 
 C = "/v1/completions"
@@ -129,3 +132,22 @@ async def test_bad_allowed_token_ids_name_the_field() -> None:
                            ([1.5], "allowed_token_ids")):
             status, err, _ = await h.post(C, {"prompt": "a", "allowed_token_ids": bad})
             assert status == 400 and err["error"]["param"].startswith(param), (bad, err)
+
+
+async def test_skip_special_tokens_false_keeps_their_text() -> None:
+    """The demo tokenizer's ChatML specials (id 1 is ``<|im_start|>``): skipped in the text by
+    default, written out with ``skip_special_tokens: false``, streamed and not."""
+    tok = Tokenizer(tokenizers.Tokenizer.from_str(demo_tokenizer_json()))
+    assert tok.id_to_token(1) == "<|im_start|>" and 1 in tok.special_token_ids
+    src = api_source(tokenizer=tok, vocab_size=tok.vocab_size)
+    async with real_app(make_config(), sources=[src]) as h:
+        doc = {"prompt": "hello", "max_tokens": 3, "temperature": 0, "logit_bias": {"1": 100}}
+        body = await h.post_ok(C, doc)
+        assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 3
+        body = await h.post_ok(C, {**doc, "skip_special_tokens": False})
+        assert body["choices"][0]["text"] == "<|im_start|>" * 3
+        status, raw = await stream_post(h.client, C, {**doc, "skip_special_tokens": False,
+                                                      "stream": True})
+        assert status == 200
+        assert "".join(e["choices"][0]["text"] for e in parse_sse(raw)[:-1]
+                       if e["choices"]) == "<|im_start|>" * 3

@@ -136,7 +136,8 @@ class _Registry:
 
 
 def _seq(stop: tuple[str, ...] = ()) -> types.SimpleNamespace:
-    sp = types.SimpleNamespace(stop=stop, min_tokens=0, include_stop_str=False)
+    sp = types.SimpleNamespace(stop=stop, min_tokens=0, include_stop_str=False,
+                               skip_special_tokens=True)
     return types.SimpleNamespace(req=types.SimpleNamespace(sampling=sp), prompt=(1, 2),
                                  arrival=0.0, admitted_at=0.0, first_token_at=0.0)
 
