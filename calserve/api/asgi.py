@@ -44,6 +44,8 @@ from calserve.api.choices import pump_choices, release_all, run_json_choices, su
 from calserve.api.convert import Kind, Prepared, prepare_body
 from calserve.api.errors import ApiError, to_api_error
 from calserve.api.hygiene import body_timeout, drain
+from calserve.api.infill import infill_json
+from calserve.api.infill_stream import InfillStreamEncoder
 from calserve.api.protocol import EngineLike
 from calserve.api.render import LogprobFormatter, encode
 from calserve.api.responses import json_response
@@ -61,6 +63,7 @@ __all__ = ["FastRoutes", "fast_route", "routed_path", "FAST_ROUTES"]
 # Exact paths served here (POST only; other methods get quart's 405/OPTIONS handling).
 FAST_ROUTES: Final[dict[str, Kind]] = {
     "/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "responses",
+    "/infill": "infill",
 }
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
@@ -208,6 +211,8 @@ class FastRoutes:
                 if prep.responses is not None:
                     enc = ResponsesStreamEncoder(prep.alias, prep.answer, prep.responses,
                                                  fmt if prep.logprobs is not None else None)
+                elif prep.infill is not None:
+                    enc = InfillStreamEncoder(prep.alias, prep.infill)
                 elif prep.answer is None:
                     enc = StreamEncoder.for_request(prep, fmt, fingerprint)
                 else:
@@ -229,9 +234,12 @@ class FastRoutes:
                         choice["logprobs"] and prep.answer is None) else None
                     body = json_response(prep.responses, prep.alias, choice["message"],
                                          choice["finish_reason"], usage, lps)
+                elif prep.infill is not None:
+                    choice, _ = await collect_choice(lease, metrics, prep, fmt, 0)
+                    body = infill_json(prep.alias, prep.infill, choice["text"], choice["terminal"])
                 else:
                     body = await run_json(lease, metrics, prep, fmt)
-                if fingerprint is not None and prep.responses is None:
+                if fingerprint is not None and prep.responses is None and prep.infill is None:
                     body["system_fingerprint"] = fingerprint
             except Exception as exc:  # an ErrorEvent (500/503) or a bug
                 await self._send_error(send, to_api_error(exc))

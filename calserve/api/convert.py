@@ -36,6 +36,7 @@ from typing import Any, Literal, Protocol
 from calserve import errors as E
 from calserve.api.bodies import decode
 from calserve.api.chat_prompt import chat_input, render_chat, template_variables
+from calserve.api.infill import InfillBody, InfillInfo, infill_request
 from calserve.api.protocol import TokenizerLike
 from calserve.api.schemas import (
     MAX_STOP_CHARS,
@@ -53,9 +54,10 @@ from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
 from calserve.models.fim import FimTokens
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
-           "prepare_chat", "prepare_responses", "prepare_body", "choice_seed", "Kind"]
+           "prepare_chat", "prepare_responses", "prepare_infill", "prepare_body", "choice_seed",
+           "Kind"]
 
-Kind = Literal["completion", "chat", "responses"]
+Kind = Literal["completion", "chat", "responses", "infill"]
 
 MAX_STOP_STRINGS = 16
 # A body holding one of these may ask for a grammar (compiling one can take milliseconds: it is
@@ -84,6 +86,8 @@ class Prepared:
     # (the prompt's entries come first in ``logprobs``). Either makes the engine score the prompt.
     prompt_logprobs: int | None = None
     echo_scored: bool = False
+    # llama.cpp's /infill: a completion answered in llama-server's shape (api/infill.py)
+    infill: InfillInfo | None = None
 
     @property
     def choices(self) -> int:
@@ -512,6 +516,14 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
                     prompt_logprobs=plp)
 
 
+def prepare_infill(engine: ModelsLike, body: InfillBody, tenant: str) -> Prepared:
+    """llama.cpp's ``/infill`` as the token-prompt completion it means (``api/infill.py``)."""
+    info = resolve_model(engine, body.model)
+    tok = engine.tokenizer(info.alias)
+    comp, infill = infill_request(tok, getattr(tok, "fim", None), info.alias, info.max_seq, body)
+    return dataclasses.replace(prepare_completion(engine, comp, tenant), infill=infill)
+
+
 def prepare_responses(engine: ModelsLike, body: ResponsesBody, tenant: str) -> Prepared:
     """The chat request a Responses body means, prepared as one; errors name the Responses
     field (``api/responses.py``)."""
@@ -529,6 +541,8 @@ def _prepare(kind: Kind, engine: ModelsLike, data: bytes, tenant: str, max_n: in
         return prepare_completion(engine, decode(CompletionBody, data), tenant, max_n, max_prompts)
     if kind == "responses":
         return prepare_responses(engine, decode(ResponsesBody, data), tenant)
+    if kind == "infill":
+        return prepare_infill(engine, decode(InfillBody, data), tenant)
     return prepare_chat(engine, decode(ChatBody, data), tenant, max_n)
 
 

@@ -189,6 +189,8 @@ async def collect_choice(lease: RequestLease, metrics: ApiMetrics, prep: Prepare
         choice = {"index": index, "message": message, "logprobs": chat_lp, "finish_reason": fr}
     if prep.prompt_logprobs is not None:  # null: the request ended before its prompt was scored
         choice["prompt_logprobs"] = prompt_lps
+    if prep.infill is not None:  # llama-server's answer reports more of the end (api/infill.py)
+        choice["terminal"] = terminal
     return choice, terminal.usage
 
 

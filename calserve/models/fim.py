@@ -37,6 +37,8 @@ class FimTokens:
     suf: int
     mid: int
     ends: tuple[int, ...] = ()  # pad, repo, file separator: each ends a FIM completion
+    rep: int | None = None  # the repository-name token (llama.cpp's repo-level context)
+    sep: int | None = None  # the file-separator token (ditto)
 
     def prompt(self, prefix: Sequence[int], suffix: Sequence[int]) -> list[int]:
         """The token ids of a FIM prompt (BOS, when the model wants one, is the caller's)."""
@@ -55,4 +57,5 @@ def find_fim(token_to_id: Callable[[str], int | None]) -> FimTokens | None:
     if not {"pre", "suf", "mid"} <= found.keys():
         return None
     ends = tuple(dict.fromkeys(found[r] for r in ("pad", "rep", "sep") if r in found))
-    return FimTokens(found["pre"], found["suf"], found["mid"], ends)
+    return FimTokens(found["pre"], found["suf"], found["mid"], ends, found.get("rep"),
+                     found.get("sep"))

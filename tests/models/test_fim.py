@@ -30,7 +30,9 @@ def test_each_familys_names(family: str) -> None:
     pre, suf, mid, ends = FAMILIES[family]
     vocab = {t: 1000 + i for i, t in enumerate([pre, suf, mid, *ends, "<|endoftext|>", "a"])}
     fim = find_fim(vocab.get)
-    assert fim == FimTokens(vocab[pre], vocab[suf], vocab[mid], tuple(vocab[e] for e in ends))
+    assert fim is not None
+    assert (fim.pre, fim.suf, fim.mid, fim.ends) == (vocab[pre], vocab[suf], vocab[mid],
+                                                     tuple(vocab[e] for e in ends))
     assert fim.prompt([1, 2], [3]) == [vocab[pre], 1, 2, vocab[suf], 3, vocab[mid]]
     for missing in (pre, suf, mid):  # all three or none
         assert find_fim({k: v for k, v in vocab.items() if k != missing}.get) is None
@@ -74,7 +76,7 @@ def test_gguf_tokenizer_with_fim_tokens(meta: dict[str, Any], tmp_path: Path, ad
     tokens[15] = "<fim_pad>"
     tok = _packed(meta, tmp_path, **{"tokenizer.ggml.tokens": tokens,
                                      "tokenizer.ggml.add_bos_token": add_bos})
-    assert tok.fim == FimTokens(11, 12, 13, (15, 4))  # pad, then <reponame> (the repo token)
+    assert tok.fim == FimTokens(11, 12, 13, (15, 4), rep=4)  # pad, then <reponame> (repo)
     prefix, suffix = "def add(a, b):\n    c = ", "\n    return c\n"
     ids = tok.with_bos(tok.fim.prompt(tok.encode(prefix), tok.encode(suffix)))
     text = f"<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"
