@@ -33,13 +33,14 @@ import msgspec
 from calserve import errors as E
 from calserve.api.schemas import (CompletionBody, MinP, Penalty, RepetitionPenalty, Seed,
                                   Temperature, TopP)
-from calserve.api.tokenizing import check_text_fits, encode_text
+from calserve.api.tokenizing import encode_text, max_text_chars
 from calserve.engine.types import FinishEvent, FinishReason, RequestTimings, Usage
 from calserve.models.fim import FimTokens
 
 __all__ = ["InfillBody", "InfillInfo", "infill_request", "infill_json", "infill_summary"]
 
 MAX_EXTRA_CHUNKS = 256
+_CUT_FACTOR = 4  # a text up to this many contexts' worth is tokenized, then cut to fit
 Filename = Annotated[str, msgspec.Meta(max_length=1024)]
 
 
@@ -98,10 +99,15 @@ def infill_request(tok: Any, fim: FimTokens | None, alias: str, max_seq: int, bo
             f"/infill needs a fill-in-the-middle model: {alias}'s vocabulary has no FIM"
             " prefix/suffix/middle tokens", param="input_suffix")
     chunks = body.input_extra or []
+    cap = max_text_chars(tok, max_seq)  # what the context could hold, in characters
     for name, n_chars in (("input_prefix", len(body.input_prefix)),
                           ("input_suffix", len(body.input_suffix)), ("prompt", len(body.prompt)),
                           ("input_extra", sum(len(c.text) + len(c.filename) for c in chunks))):
-        check_text_fits(tok, 4 * max_seq, n_chars, name, f"`{name}`")  # before any tokenizing
+        if cap is not None and n_chars > _CUT_FACTOR * cap:  # refused before any tokenizing
+            raise E.RequestError(
+                f"`{name}` has {n_chars} characters, more than {_CUT_FACTOR} x what this model's"
+                f" {max_seq}-token context can hold ({cap}); it would be cut to fit anyway",
+                param=name)
 
     def enc(text: str) -> list[int]:
         return list(encode_text(tok, text)) if text else []

@@ -10,8 +10,12 @@ import json
 from typing import Any
 
 import pytest
+import tokenizers
 
+from calserve.api.tokenizing import max_text_chars
+from calserve.models.demo_model import demo_tokenizer_json
 from calserve.models.fim import FimTokens
+from calserve.models.tokenizer import Tokenizer
 
 from .conftest import make_config
 from .real_engine import ChatCharTokenizer, RealHarness, api_source, real_app
@@ -146,3 +150,21 @@ async def test_every_numeric_field_at_and_past_its_bounds() -> None:
         assert all(s == {200, 400} for s in seen.values()), seen
         body = await h.post_ok("/infill", {"input_prefix": "a", "n_predict": 2, "temperature": 0})
         assert body["tokens_predicted"] == 2
+
+
+async def test_texts_far_past_the_context_are_refused_before_tokenizing() -> None:
+    """With a byte-level tokenizer the characters a context can hold are known: a text up to
+    4 contexts' worth is tokenized and cut; past it, a 400 naming the field."""
+    tok = Tokenizer(tokenizers.Tokenizer.from_str(demo_tokenizer_json()))
+    tok.fim = FimTokens(0, 1, 2)  # the demo vocabulary's specials stand in for FIM tokens
+    src = api_source(tokenizer=tok, vocab_size=tok.vocab_size)
+    cap = max_text_chars(tok, 256)
+    assert cap is not None
+    async with real_app(make_config(), sources=[src]) as h:
+        body = await h.post_ok("/infill", {"input_prefix": "a" * (2 * cap), "n_predict": 2})
+        assert body["truncated"] is True and body["tokens_evaluated"] <= 256 - 2
+        for field in ("input_prefix", "input_suffix", "prompt"):
+            status, err, _ = await h.post("/infill", {field: "a" * (4 * cap + 1), "n_predict": 2})
+            assert status == 400 and err["error"]["param"] == field, err
+        status, err, _ = await h.post("/infill", {"input_extra": [{"text": "a" * (4 * cap + 1)}]})
+        assert status == 400 and err["error"]["param"] == "input_extra", err
