@@ -40,6 +40,7 @@ from calserve.api.infill import InfillBody, InfillInfo, infill_request
 from calserve.api.protocol import TokenizerLike
 from calserve.api.schemas import (
     MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     ChatBody,
     CompletionBody,
     SamplingFields,
@@ -59,7 +60,6 @@ __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_comp
 
 Kind = Literal["completion", "chat", "responses", "infill"]
 
-MAX_STOP_STRINGS = 16
 # A body holding one of these may ask for a grammar (compiling one can take milliseconds: it is
 # prepared in the worker thread)
 _GRAMMAR_MARKS = (b"json_", b'"tools"', b"guided_", b"structured_outputs", b'"grammar"')

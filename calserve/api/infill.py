@@ -31,8 +31,8 @@ from typing import Annotated, Any
 import msgspec
 
 from calserve import errors as E
-from calserve.api.schemas import (CompletionBody, MinP, Penalty, RepetitionPenalty, Seed,
-                                  Temperature, TopP)
+from calserve.api.schemas import (MAX_STOP_STRINGS, CompletionBody, MinP, Penalty,
+                                  RepetitionPenalty, Seed, Temperature, TopP)
 from calserve.api.tokenizing import encode_text, max_text_chars
 from calserve.engine.types import FinishEvent, FinishReason, RequestTimings, Usage
 from calserve.models.fim import FimTokens
@@ -61,7 +61,7 @@ class InfillBody(msgspec.Struct, kw_only=True):
     top_p: TopP | None = None
     min_p: MinP | None = None
     seed: Seed | None = None  # llama.cpp's -1 (random) is any negative seed here: a seed too
-    stop: Annotated[list[str], msgspec.Meta(max_length=16)] | None = None
+    stop: Annotated[list[str], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
     repeat_penalty: RepetitionPenalty | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -122,12 +122,13 @@ def infill_request(tok: Any, fim: FimTokens | None, alias: str, max_seq: int, bo
     if fim.sep is not None:
         extra += [fim.sep, *enc("filename\n")]
     prefix, suffix, typed = enc(body.input_prefix), enc(body.input_suffix), enc(body.prompt)
-    bos = getattr(tok, "bos_token_id", None) if getattr(tok, "add_bos_token", False) else None
-    fixed = 3 + len(typed) + (bos is not None)
+    with_bos = getattr(tok, "with_bos", None)  # BOS first when the model expects it
+    bos: list[int] = list(with_bos([])) if with_bos is not None else []
+    fixed = 3 + len(typed) + len(bos)
     n = body.n_predict if body.n_predict is not None and body.n_predict >= 0 else None
     want = n if n is not None else min(256, max_seq // 4)  # the room the answer is given
     extra, prefix, suffix, cut = _fit(extra, prefix, suffix, max_seq - fixed - max(1, want))
-    ids = [*([bos] if bos is not None else []), *extra, *fim.prompt(prefix, suffix), *typed]
+    ids = [*bos, *extra, *fim.prompt(prefix, suffix), *typed]
     room = max_seq - len(ids)
     if room < 1:
         raise E.RequestError(f"This model's maximum context length is {max_seq} tokens; the"

@@ -33,25 +33,25 @@ class InfillStreamEncoder:
             return failure_chunk(RuntimeError("the engine ended the request without a terminal event"))
         texts: list[str] = []
         n = 0
-        out = b""
+        terminal: FinishEvent | ErrorEvent | None = None
         for ev in batch:
             if isinstance(ev, TokenEvent):
                 n += len(ev.token_ids)
                 texts.append(ev.text)
                 continue
-            self.terminal = ev
-            self.finished = True
-            if texts and "".join(texts):
-                out += sse({"content": "".join(texts), "stop": False})
-            texts = []
-            if isinstance(ev, FinishEvent):
-                out += sse({"content": ev.text, **infill_summary(self._alias, self._info, ev)})
-            else:
-                out += stream_error_chunk(ev)
+            terminal = ev
             break
         self.tokens = n
         text = "".join(texts)
-        return out + (sse({"content": text, "stop": False}) if text else b"")
+        out = sse({"content": text, "stop": False}) if text else b""
+        if terminal is None:
+            return out
+        self.terminal = terminal
+        self.finished = True
+        if isinstance(terminal, FinishEvent):
+            return out + sse({"content": terminal.text,
+                              **infill_summary(self._alias, self._info, terminal)})
+        return out + stream_error_chunk(terminal)
 
     def failure(self, exc: BaseException) -> bytes:
         return failure_chunk(exc)

@@ -49,6 +49,7 @@ Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+MAX_STOP_STRINGS = 16  # stop strings of a request (convert.py checks them; /infill's schema too)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI's own cap is lower)
 RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=10.0)]  # below: logits overflow
 StopTokenIds = Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]

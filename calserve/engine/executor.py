@@ -187,11 +187,8 @@ class DeviceExecutor:
         if job.kind == "prefill":
             seq = job.seqs[0]
             assert seq.seq_id is not None
-            if job.all_logits:
-                return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, timeout,
-                                                    after_submit=after, all_logits=True)
             return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, timeout,
-                                                after_submit=after)
+                                                after_submit=after, all_logits=job.all_logits)
         assert job.seq_ids is not None
         # The previous completion's deferred per-token work runs once this job is on its way.
         return await cb.submit_decode_wait(

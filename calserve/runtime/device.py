@@ -374,14 +374,12 @@ class Device:
             pingpong=bool(caps["pingpong"]),
             do_shift=bool(caps["do_shift"]),
         )
-        # shared_kv is also a property of the build: a runtime without calrt_calbin_share_kv lacks it.
-        has_shared = bool(caps.get("shared_kv", False))
-        if self.capabilities.shared_kv != has_shared:
-            self.capabilities = dataclasses.replace(self.capabilities, shared_kv=has_shared)
-        # prompt_logits likewise: a runtime without calrt_job_create_prefill_all lacks it.
-        has_prompt_logits = bool(caps.get("prompt_logits", False))
-        if self.capabilities.prompt_logits != has_prompt_logits:
-            self.capabilities = dataclasses.replace(self.capabilities, prompt_logits=has_prompt_logits)
+        # Properties of the build too: a runtime without calrt_calbin_share_kv lacks shared_kv, one
+        # without calrt_job_create_prefill_all lacks prompt_logits, whatever its profile says.
+        built: dict[str, Any] = {name: bool(caps.get(name, False))
+                                 for name in ("shared_kv", "prompt_logits")}
+        if any(getattr(self.capabilities, k) != v for k, v in built.items()):
+            self.capabilities = dataclasses.replace(self.capabilities, **built)
         self.chips: int = int(caps["chips"])
         # The board this process opened (runtime.device) and its identity as the runtime reports it.
         self.device: int = int(caps.get("device", 0))
