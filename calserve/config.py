@@ -260,6 +260,20 @@ class ServerConfig(_Strict):
     # token-id lists): each prompt is served as its own request (n choices each), all admitted and
     # charged like that many requests.
     max_prompts: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 32
+    # Stored responses of POST /v1/responses (calserve/api/response_store.py): `store` (true unless
+    # the request says false) keeps a response for `previous_response_id` follow-ups and GET /
+    # DELETE /v1/responses/{id}. false: nothing is kept (a `store: true` answer says `store: false`;
+    # `previous_response_id` is a 400).
+    responses_store: bool = True
+    # Their SQLite file. None = CALSERVE_HOME/state/responses.sqlite3 for the server (shared by the
+    # calserve processes of one host: a follow-up may land on any replica); an app built with an
+    # injected engine (tests, tools) keeps them in memory unless a path is set. ":memory:": this
+    # process only.
+    responses_store_path: str | None = None
+    # A stored response is gone this long after it was created (s; OpenAI keeps them 30 days) ...
+    responses_ttl_s: PosFloat = 30 * 24 * 3600.0
+    # ... and past this many stored responses the oldest go first.
+    responses_max_stored: Pos = 10_000
     # --- Connections and protocol limits (calserve/api/listener.py, calserve/api/hygiene.py) ---
     # Both launchers unless marked "calserve serve only" (the hypercorn CLI owns its own Config:
     # there, --keep-alive (default 5 s) is both the idle and the header timeout, no connection cap).

@@ -32,6 +32,7 @@ from calserve.api.hygiene import (RateLimitedLog, body_timeout, head_error, refu
                                   shield_final_send)
 from calserve.api.lifecycle import EngineFactory, EngineHost, describe
 from calserve.api.request_ids import REQUEST_ID, echo_request_id, request_id_of
+from calserve.api.responses_routes import register_response_routes
 from calserve.api.routes import error_response, register_routes
 from calserve.api.state import ApiState
 from calserve.config import CalserveConfig, ServerConfig
@@ -213,6 +214,7 @@ def create_app(
         state.holds.stop()
         if state.host is not None:
             await state.host.stop(_STOP_TIMEOUT_S)
+        state.close_store()
 
     # The error mapping of the quart routes: the same function as the generation routes'.
     @app.errorhandler(ApiError)
@@ -245,6 +247,7 @@ def create_app(
         return resp
 
     register_routes(app, state)
+    register_response_routes(app, state)
     register_admin_routes(app, state, [status_routes, trace_routes, model_routes])
     app.fast = FastRoutes(state)
     return app

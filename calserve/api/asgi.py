@@ -33,6 +33,7 @@ cancelled there.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, final
 from urllib.parse import urlparse
 
@@ -184,7 +185,8 @@ class FastRoutes:
         body_read[0] = True
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         # Decode + prepare: a big body in the prompt worker thread (convert.prepare_body).
-        return eng, await prepare_body(kind, eng, data, tenant, server.max_n, server.max_prompts)
+        return eng, await prepare_body(kind, eng, data, tenant, server.max_n, server.max_prompts,
+                                       state.responses_store() if kind == "responses" else None)
 
     async def _generate(self, eng: EngineLike, prep: Prepared, send: Send, scope: Scope,
                         nursery: trio.Nursery) -> None:
@@ -223,7 +225,10 @@ class FastRoutes:
                 probe = self._probe(scope, send)
                 out = watched_send(probe, chunked_send(send), [handle], nursery,
                                    self._state.config.server.send_timeout_s)
-                await pump_stream(lease, enc, out, metrics, prep, self._state.pacer, probe)
+                keep = None
+                if isinstance(enc, ResponsesStreamEncoder) and prep.responses is not None:
+                    keep = self._keeper(prep, enc)
+                await pump_stream(lease, enc, out, metrics, prep, self._state.pacer, probe, keep)
                 _close_if_cut(probe, [enc.terminal], nursery)
                 await out(_END_BODY)
                 return
@@ -234,6 +239,8 @@ class FastRoutes:
                         choice["logprobs"] and prep.answer is None) else None
                     body = json_response(prep.responses, prep.alias, choice["message"],
                                          choice["finish_reason"], usage, lps)
+                    await self._state.keep_response(prep.request.tenant, body,
+                                                    prep.responses.stored_input)
                 elif prep.infill is not None:
                     choice, _ = await collect_choice(lease, metrics, prep, fmt, 0)
                     body = infill_json(prep.alias, prep.infill, choice["text"], choice["terminal"])
@@ -247,6 +254,18 @@ class FastRoutes:
             await self._send_json(send, 200, encode(body), [])
         finally:
             await lease.release()  # no-op once ended; else cancels, shielded
+
+    def _keeper(self, prep: Prepared, enc: ResponsesStreamEncoder
+                ) -> Callable[[], Awaitable[None]]:
+        """What stores a streamed response before its terminal event is sent."""
+        echo = prep.responses
+        assert echo is not None
+
+        async def keep() -> None:
+            if enc.response is not None:
+                await self._state.keep_response(prep.request.tenant, enc.response,
+                                                echo.stored_input)
+        return keep
 
     def _probe(self, scope: Scope, send: Send) -> SocketProbe | None:
         """The connection's socket probe (None: the launcher gives none)."""

@@ -47,6 +47,8 @@ from calserve.api.schemas import (
 )
 from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
 from calserve.api.reasoning import Answer, Reasoning
+from calserve.api.errors import ApiError
+from calserve.api.response_store import ResponseStore
 from calserve.api.responses import ResponseEcho, ResponsesBody, chat_body, renamed
 from calserve.api.structured import answer_grammar, constraint_of
 from calserve.engine.grammar import Grammar
@@ -63,6 +65,7 @@ Kind = Literal["completion", "chat", "responses", "infill"]
 # A body holding one of these may ask for a grammar (compiling one can take milliseconds: it is
 # prepared in the worker thread)
 _GRAMMAR_MARKS = (b"json_", b'"tools"', b"guided_", b"structured_outputs", b'"grammar"')
+_OFF_LOOP_MARKS = (*_GRAMMAR_MARKS, b"previous_response_id")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,10 +527,25 @@ def prepare_infill(engine: ModelsLike, body: InfillBody, tenant: str) -> Prepare
     return dataclasses.replace(prepare_completion(engine, comp, tenant), infill=infill)
 
 
-def prepare_responses(engine: ModelsLike, body: ResponsesBody, tenant: str) -> Prepared:
+def prepare_responses(engine: ModelsLike, body: ResponsesBody, tenant: str,
+                      store: ResponseStore | None = None) -> Prepared:
     """The chat request a Responses body means, prepared as one; errors name the Responses
-    field (``api/responses.py``)."""
-    chat, echo = chat_body(body)
+    field (``api/responses.py``). ``store``: the stored responses (None: none are kept), where
+    ``previous_response_id`` is looked up (file I/O: :func:`prepare_body` runs this in the
+    prompt worker thread then)."""
+    previous = None
+    rid = body.previous_response_id
+    if rid is not None:
+        if store is None:
+            raise E.UnsupportedParameter(
+                "`previous_response_id` is not supported: responses are not stored on this server"
+                " (server.responses_store is off); send the whole conversation in `input`",
+                param="previous_response_id")
+        previous = store.context(tenant, rid)
+        if previous is None:
+            raise ApiError(400, f"Previous response with id '{rid}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")
+    chat, echo = chat_body(body, previous, store is not None and body.store is not False)
     try:
         prep = prepare_chat(engine, chat, tenant)
     except E.CalserveError as exc:
@@ -536,23 +554,26 @@ def prepare_responses(engine: ModelsLike, body: ResponsesBody, tenant: str) -> P
 
 
 def _prepare(kind: Kind, engine: ModelsLike, data: bytes, tenant: str, max_n: int,
-             max_prompts: int) -> Prepared:
+             max_prompts: int, store: ResponseStore | None) -> Prepared:
     if kind == "completion":
         return prepare_completion(engine, decode(CompletionBody, data), tenant, max_n, max_prompts)
     if kind == "responses":
-        return prepare_responses(engine, decode(ResponsesBody, data), tenant)
+        return prepare_responses(engine, decode(ResponsesBody, data), tenant, store)
     if kind == "infill":
         return prepare_infill(engine, decode(InfillBody, data), tenant)
     return prepare_chat(engine, decode(ChatBody, data), tenant, max_n)
 
 
 async def prepare_body(kind: Kind, engine: ModelsLike, data: bytes,
-                       tenant: str, max_n: int = 1, max_prompts: int = 1) -> Prepared:
+                       tenant: str, max_n: int = 1, max_prompts: int = 1,
+                       store: ResponseStore | None = None) -> Prepared:
     """Decode and prepare a generation body (400/404 raise here): on the trio thread when it is
-    small (:data:`~calserve.api.tokenizing.INLINE_BODY_BYTES`) and asks for no constrained
-    decoding (``response_format`` or ``tools``: compiling a grammar can take milliseconds), else in the prompt worker thread over a
-    :class:`ModelView` of the engine."""
-    if len(data) <= INLINE_BODY_BYTES and not any(m in data for m in _GRAMMAR_MARKS):
-        return _prepare(kind, engine, data, tenant, max_n, max_prompts)
+    small (:data:`~calserve.api.tokenizing.INLINE_BODY_BYTES`), asks for no constrained
+    decoding (``response_format`` or ``tools``: compiling a grammar can take milliseconds) and
+    names no stored response (``previous_response_id``: a read of the ``store``'s file), else in
+    the prompt worker thread over a :class:`ModelView` of the engine."""
+    if len(data) <= INLINE_BODY_BYTES and not any(m in data for m in _OFF_LOOP_MARKS):
+        return _prepare(kind, engine, data, tenant, max_n, max_prompts, store)
     view = ModelView.of(engine)
-    return await run_in_worker(lambda: _prepare(kind, view, data, tenant, max_n, max_prompts))
+    return await run_in_worker(lambda: _prepare(kind, view, data, tenant, max_n, max_prompts,
+                                                store))

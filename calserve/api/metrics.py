@@ -229,6 +229,10 @@ class ApiMetrics:
                                ["alias"], buckets=_LATENCY_BUCKETS, registry=r)
         self.responses = Counter("calserve_http_responses", "HTTP responses by status code",
                                  ["outcome"], registry=r)
+        self.responses_stored = Counter(
+            "calserve_responses_stored", "POST /v1/responses answers stored for"
+            " previous_response_id and GET /v1/responses/{id}, by outcome (stored, error)",
+            ["outcome"], registry=r)
         self.streams_disconnected = Counter(
             "calserve_stream_disconnects", "Streams whose client went away before the end",
             ["alias"], registry=r)

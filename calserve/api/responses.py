@@ -25,11 +25,16 @@ decoding, a thinking model's reasoning); only the request's and the answer's sha
   for a plain text answer (an answer shaped by tools or a thinking model's reasoning carries
   none: its tokens are not all the text's).
 
-Nothing is stored: ``store`` is accepted and ignored (there is no ``GET /v1/responses/{id}``),
-and what needs a stored response or a hosted tool is a 400 naming the field
-(``previous_response_id``, ``conversation``, ``background``, ``prompt``, built-in tools such as
-``web_search``, ``item_reference`` items, non-text input parts, ``include`` values other than
-``message.output_text.logprobs``,
+- ``store`` (true unless false) keeps the response (``api/response_store.py``): a follow-up names
+  it with ``previous_response_id`` instead of resending the conversation (its input items and
+  output items come before the new ``input``; its ``instructions`` do not carry over, as on
+  OpenAI), and ``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` read
+  and forget it. An unknown (expired, deleted, another tenant's) ``previous_response_id`` is a 400
+  naming it.
+
+What needs a hosted feature is a 400 naming the field (``conversation``, ``background``,
+``prompt``, built-in tools such as ``web_search``, ``item_reference`` items, non-text input
+parts, ``include`` values other than ``message.output_text.logprobs``,
 ``truncation: "auto"``, ``max_tool_calls``). Errors found while preparing the chat request name
 the Responses field (``max_output_tokens``, ``text.format``, ``tools[1].parameters``,
 ``input[3]``).
@@ -39,17 +44,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Final
 
 import msgspec
 
 from calserve import errors as E
 from calserve.api.render import new_id, now_s
+from calserve.api.response_store import with_ids
 from calserve.api.schemas import ChatBody, ChatMessage, ContentPart, PosInt, Seed, Temperature, TopP, User
 from calserve.engine.types import Usage
 
 __all__ = ["ResponsesBody", "ResponseEcho", "chat_body", "output_items", "response_object",
-           "usage_object", "responses_param"]
+           "usage_object", "responses_param", "own_items"]
 
 MAX_METADATA = 16  # OpenAI's bound on ``metadata`` pairs
 LOGPROBS: Final = "message.output_text.logprobs"
@@ -73,9 +80,9 @@ class ResponsesBody(msgspec.Struct, kw_only=True):
     reasoning: dict[str, Any] | None = None  # accepted; a model thinks as its template says
     metadata: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_METADATA)] | None = None
     user: User | None = None
-    store: bool | None = None  # accepted, nothing is stored
+    store: bool | None = None  # None: true (OpenAI's default)
+    previous_response_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     # Known, and refused when set (module docstring)
-    previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
     prompt: Any = None
@@ -101,6 +108,14 @@ class ResponseEcho:
     user: str | None
     sources: tuple[str, ...]  # chat message k came from this Responses field (``input[3]``)
     top_logprobs: int | None = None  # logprobs asked for (``include``): the alternatives' count
+    previous_response_id: str | None = None
+    #: What is stored as the answer's input items (the previous response's context, then this
+    #: request's ``input``, each with an id); None: the answer is not stored.
+    stored_input: list[dict[str, Any]] | None = None
+
+    @property
+    def store(self) -> bool:
+        return self.stored_input is not None
 
 
 def _unsupported(param: str, why: str) -> E.UnsupportedParameter:
@@ -108,11 +123,10 @@ def _unsupported(param: str, why: str) -> E.UnsupportedParameter:
 
 
 def _refuse_unserved(b: ResponsesBody) -> None:
-    stored = "nothing is stored on this server; send the whole conversation in `input`"
-    if b.previous_response_id is not None:
-        raise _unsupported("previous_response_id", stored)
     if b.conversation is not None:
-        raise _unsupported("conversation", stored)
+        raise _unsupported("conversation", "no Conversations API on this server; name the last"
+                           " response in `previous_response_id`, or send the whole conversation"
+                           " in `input`")
     if b.background:
         raise _unsupported("background", "responses run in the foreground")
     if b.prompt is not None:
@@ -159,19 +173,40 @@ def _str_field(item: dict[str, Any], key: str, where: str) -> str:
     return v
 
 
-def _messages(b: ResponsesBody) -> tuple[list[ChatMessage], list[str]]:
-    """The chat turns of ``instructions`` + ``input``, and the field each came from."""
+def own_items(b: ResponsesBody) -> list[dict[str, Any]]:
+    """The request's ``input`` as items (a string is one user message)."""
+    if isinstance(b.input, str):
+        return [{"type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": b.input}]}]
+    return b.input
+
+
+def _messages(b: ResponsesBody, previous: list[dict[str, Any]] | None
+              ) -> tuple[list[ChatMessage], list[str]]:
+    """The chat turns of ``instructions``, the ``previous`` response's context (its input and
+    output items) and ``input``, and the field each came from."""
     msgs: list[ChatMessage] = []
     src: list[str] = []
     if b.instructions:
         msgs.append(ChatMessage(role="system", content=b.instructions))
         src.append("instructions")
+    if previous:
+        _add_items(previous, lambda i: "previous_response_id", msgs, src)
     if isinstance(b.input, str):
         msgs.append(ChatMessage(role="user", content=b.input))
         src.append("input")
-        return msgs, src
-    for i, item in enumerate(b.input):
-        where = f"input[{i}]"
+    else:
+        _add_items(b.input, lambda i: f"input[{i}]", msgs, src)
+    if not msgs:
+        raise E.RequestError("`input` must hold at least one message", param="input")
+    return msgs, src
+
+
+def _add_items(items: list[dict[str, Any]], where_of: Callable[[int], str],
+               msgs: list[ChatMessage], src: list[str]) -> None:
+    """The chat turns of Responses items (``where_of(i)``: the field item ``i`` came from)."""
+    for i, item in enumerate(items):
+        where = where_of(i)
         kind = item.get("type") or ("message" if "role" in item else None)
         if not isinstance(kind, str) and kind is not None:
             raise E.RequestError(f"`{where}.type` must be a string", param=f"{where}.type")
@@ -189,7 +224,7 @@ def _messages(b: ResponsesBody) -> tuple[list[ChatMessage], list[str]]:
                     "function": {"name": _str_field(item, "name", where),
                                  "arguments": _str_field(item, "arguments", where)}}
             last = msgs[-1] if msgs else None
-            if last is not None and last.role == "assistant" and src[-1].startswith("input"):
+            if last is not None and last.role == "assistant":  # (instructions are a system turn)
                 last.tool_calls = [*(last.tool_calls or []), call]  # the same assistant turn
             else:
                 msgs.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
@@ -205,9 +240,6 @@ def _messages(b: ResponsesBody) -> tuple[list[ChatMessage], list[str]]:
         else:
             raise _unsupported(f"{where}.type", f"{kind!r} items (served: message, function_call,"
                                " function_call_output, reasoning)")
-    if not msgs:
-        raise E.RequestError("`input` must hold at least one message", param="input")
-    return msgs, src
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -244,10 +276,13 @@ def _format(text: dict[str, Any] | None) -> Any:
     return dict(fmt)  # text / json_object (others: engine/grammar.py names the field)
 
 
-def chat_body(b: ResponsesBody) -> tuple[ChatBody, ResponseEcho]:
-    """The chat request ``b`` means, and what its response repeats (module docstring)."""
+def chat_body(b: ResponsesBody, previous: list[dict[str, Any]] | None = None, store: bool = False
+              ) -> tuple[ChatBody, ResponseEcho]:
+    """The chat request ``b`` means, and what its response repeats (module docstring).
+    ``previous``: the context of the response ``b.previous_response_id`` names (its input and
+    output items); ``store``: the answer will be stored."""
     _refuse_unserved(b)
-    msgs, src = _messages(b)
+    msgs, src = _messages(b, previous)
     logprobs = LOGPROBS in (b.include or ())
     chat = ChatBody(
         messages=msgs, model=b.model, max_completion_tokens=b.max_output_tokens,
@@ -263,7 +298,9 @@ def chat_body(b: ResponsesBody) -> tuple[ChatBody, ResponseEcho]:
         parallel_tool_calls=b.parallel_tool_calls is not False,
         text={"format": (b.text or {}).get("format") or {"type": "text"}},
         metadata=dict(b.metadata or {}), user=b.user, sources=tuple(src),
-        top_logprobs=(b.top_logprobs or 0) if logprobs else None)
+        top_logprobs=(b.top_logprobs or 0) if logprobs else None,
+        previous_response_id=b.previous_response_id,
+        stored_input=[*(previous or ()), *with_ids(own_items(b))] if store else None)
     return chat, echo
 
 
@@ -373,8 +410,8 @@ def response_object(echo: ResponseEcho, rid: str, created: int, model: str, stat
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": echo.instructions, "max_output_tokens": echo.max_output_tokens,
         "model": model, "output": output, "parallel_tool_calls": echo.parallel_tool_calls,
-        "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-        "store": False, "temperature": echo.temperature, "text": echo.text,
+        "previous_response_id": echo.previous_response_id,
+        "reasoning": {"effort": None, "summary": None}, "store": echo.store, "temperature": echo.temperature, "text": echo.text,
         "tool_choice": echo.tool_choice, "tools": echo.tools, "top_p": echo.top_p,
         "truncation": "disabled", "usage": None if usage is None else usage_object(usage),
         "user": echo.user, "metadata": echo.metadata,

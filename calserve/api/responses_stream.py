@@ -42,7 +42,7 @@ class ResponsesStreamEncoder:
 
     __slots__ = ("_model", "_answer", "_echo", "_rid", "_created", "_seq", "_text", "_all", "_items",
                  "_open", "_open_text", "_fmt", "_lps", "_lps_sent", "_call", "_calls", "tokens",
-                 "terminal", "finished")
+                 "terminal", "finished", "response")
 
     def __init__(self, model: str, answer: Answer | None, echo: ResponseEcho,
                  logprobs: LogprobFormatter | None = None) -> None:
@@ -68,6 +68,8 @@ class ResponsesStreamEncoder:
         self.tokens = 0
         self.terminal: FinishEvent | ErrorEvent | None = None
         self.finished = False
+        #: The response of the terminal event, once encoded (what ``store`` keeps)
+        self.response: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------ events
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -93,7 +95,8 @@ class ResponsesStreamEncoder:
     def _failed(self, err: ApiError) -> bytes:
         out = self._close("incomplete") + self._close_call("incomplete")
         error = {"code": err.code or err.type, "message": err.message}
-        return out + self._event("response.failed", response=self._response("failed", None, error))
+        self.response = self._response("failed", None, error)
+        return out + self._event("response.failed", response=self.response)
 
     # ------------------------------------------------------------------------------ items
     def _begin(self, kind: str) -> bytes:
@@ -257,7 +260,8 @@ class ResponsesStreamEncoder:
                 out += self._call_args(unsent(args, self._call[2]))
             out += self._close_call(status if k == len(calls) - 1 else "completed")
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return out + self._event(kind, response=self._response(status, terminal.usage))
+        self.response = self._response(status, terminal.usage)
+        return out + self._event(kind, response=self.response)
 
     def _sent(self, kind: str) -> str:
         """The text streamed so far in the items of ``kind`` (the open one included)."""

@@ -218,7 +218,8 @@ def _unread_reporter(handle: HandleLike, probe: SocketProbe | None) -> Callable[
 
 async def pump_stream(lease: RequestLease, enc: SseEncoder, send: Send, metrics: ApiMetrics,
                       prep: Prepared, pacer: StreamPacer | None = None,
-                      probe: SocketProbe | None = None) -> None:
+                      probe: SocketProbe | None = None,
+                      before_end: Callable[[], Awaitable[None]] | None = None) -> None:
     """The SSE body, after the response head: read the handle's events, encode (``enc``), write one
     ASGI body message per batch. Returns when the stream ended (terminal event, end of the events,
     or the engine's event stream failed); a disconnect arrives as ``trio.Cancelled`` from a read, a
@@ -234,7 +235,10 @@ async def pump_stream(lease: RequestLease, enc: SseEncoder, send: Send, metrics:
     serve``): after each write, what the client has not read of it is reported to the request's
     stream (``report_unread``), where it counts in the backlog bound: a client that never reads
     is found out once ~``server.stream_buffer_bytes`` of it sit unread in the kernels' buffers,
-    not only once they are full."""
+    not only once they are full.
+
+    ``before_end``: awaited once the terminal event is encoded, before it is sent (a Responses
+    answer is stored then: a client that read the end may name it at once)."""
 
     def held_until() -> float:
         """When the read after the chunk just written may happen (0: at once)."""
@@ -273,6 +277,8 @@ async def pump_stream(lease: RequestLease, enc: SseEncoder, send: Send, metrics:
                 lease.ended = True
                 if enc.terminal is not None:
                     obs.end(enc.terminal)
+                if before_end is not None:
+                    await before_end()
                 await send({"type": "http.response.body", "body": out, "more_body": True})
                 return
             if out:

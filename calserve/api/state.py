@@ -21,7 +21,8 @@ from calserve.api.lifecycle import EngineFactory, EngineHost
 from calserve.api.metrics import ApiMetrics
 from calserve.api.pacing import HoldTimer, StreamPacer
 from calserve.api.protocol import EngineLike
-from calserve.config import CalserveConfig, load_config
+from calserve.api.response_store import ResponseStore, run_store
+from calserve.config import CalserveConfig, calserve_home, load_config
 from calserve.errors import AuthError, EngineError
 
 __all__ = ["ApiState", "resolve_default_packages"]
@@ -43,6 +44,7 @@ class ApiState:
         self.api_keys: dict[str, str] = {}  # key -> tenant; empty = one "default" tenant
         self.startup_error: BaseException | None = None  # why before_serving failed, if it did
         self._pacer: StreamPacer | None = None
+        self._store: ResponseStore | None = None
         #: How the streams wait out the pacer's holds: one task wakes them all (started and
         #: stopped with the app; until then a hold is ``trio.sleep_until``).
         self.holds = HoldTimer()
@@ -73,6 +75,44 @@ class ApiState:
         if p is None:
             p = self._pacer = StreamPacer.from_config(self.config.server, self.holds)
         return p
+
+    def responses_store(self) -> ResponseStore | None:
+        """The stored responses (``api/response_store.py``; None: ``server.responses_store`` is
+        off). Opened at first use: the server's (no injected engine) in
+        ``CALSERVE_HOME/state/responses.sqlite3`` unless ``server.responses_store_path`` says
+        where, an app with an injected engine in memory."""
+        server = self.config.server
+        if not server.responses_store:
+            return None
+        st = self._store
+        if st is None:
+            path = server.responses_store_path or (
+                str(calserve_home() / "state" / "responses.sqlite3") if self._factory is None
+                else ":memory:")
+            st = self._store = ResponseStore(path, server.responses_ttl_s,
+                                             server.responses_max_stored)
+        return st
+
+    async def keep_response(self, tenant: str, response: dict[str, Any],
+                            input_items: list[dict[str, Any]] | None) -> None:
+        """Store an answered response (``input_items`` None: it asked not to be; a failed one is
+        not kept). Called before its last byte is sent; a store that fails is logged and counted,
+        the answer goes out all the same (``api/response_store.py``)."""
+        store = self.responses_store()
+        if input_items is None or store is None or response.get("status") == "failed":
+            return
+        try:
+            await run_store(lambda: store.put(tenant, response, input_items))
+        except Exception:  # sqlite3.Error, OSError: the file, not the request
+            log.exception("could not store response %s", response.get("id"))
+            self.metrics.responses_stored.labels("error").inc()
+            return
+        self.metrics.responses_stored.labels("stored").inc()
+
+    def close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def engine(self) -> EngineLike:
         """The running engine, or EngineError (503 ``engine_unavailable`` + Retry-After)."""

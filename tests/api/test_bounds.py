@@ -371,7 +371,7 @@ RESPONSES_FIELDS: dict[str, list[Any]] = {
               [{"type": "function", "name": "x" * 65}]],
     "tool_choice": ["none", "auto", "x", {}, {"type": "function"}, 2**63, []],
     "parallel_tool_calls": [True, False, 2**63, "x"],
-    "previous_response_id": [None, "r", 2**63],
+    "previous_response_id": [None, "r", 2**63, "", "x" * 257, []],
     "include": [None, [], ["x"], "x", ["message.output_text.logprobs"], ["x"] * 17],
     "top_logprobs": [None, 0, 20, 21, -1, 2**63, "x"],
     "truncation": [None, "disabled", "auto", "x", 2**63],

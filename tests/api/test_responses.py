@@ -82,7 +82,6 @@ def test_the_other_fields_become_the_chat_fields() -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),

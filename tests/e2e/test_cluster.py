@@ -183,6 +183,21 @@ async def test_cluster_serves_survives_kill_and_drains(calserve_home: Path, tmp_
             assert all(p > 0 for p in per) and sum(per) >= 12 * 12, per
             assert {o["server"] for o in outs} == {s0, s1}
 
+            # 1b. a stored response (POST /v1/responses) kept by one replica is continued and
+            # read through the other (they share CALSERVE_HOME's store), and through HAProxy
+            urls = [f"http://127.0.0.1:{r['port']}/v1/responses" for r in reps]
+            kw = {"model": "qwen3", "max_output_tokens": 3, "temperature": 0}
+            prev = None
+            for k in range(4):
+                r = await client.post(urls[k % 2], json={**kw, "input": f"turn {k}",
+                                                        "previous_response_id": prev})
+                assert r.status_code == 200, r.text
+                prev = r.json()["id"]
+            r = await client.get(f"{c.url}/v1/responses/{prev}/input_items?order=asc")
+            assert r.status_code == 200, r.text
+            turns = [i["content"][0]["text"] for i in r.json()["data"] if i["role"] == "user"]
+            assert turns == [f"turn {k}" for k in range(4)]
+
             # 2. kill -9 of replica 0 under load: only its streams end, none hangs
             victim = reps[0]["pid"]
 

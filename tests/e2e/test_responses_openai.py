@@ -136,3 +136,38 @@ def test_refusals_name_the_responses_field(client: openai.OpenAI, kw: dict[str, 
         client.responses.create(model="qwen3", input="Hi", **kw)
     body: Any = ei.value.body
     assert body["param"].startswith(param), body
+
+
+def test_stored_responses_and_follow_ups(client: openai.OpenAI) -> None:
+    """``store`` (on by default; the server's file in its CALSERVE_HOME), a follow-up naming the
+    stored response answered as the whole conversation sent again, its input items, retrieve
+    and delete — through the SDK's own calls."""
+    kw: Any = {"model": "qwen3", "max_output_tokens": 6, "temperature": 0}
+    r1 = client.responses.create(input="Hello", **kw)
+    assert r1.store is True
+    got = client.responses.retrieve(r1.id)
+    assert got.id == r1.id and got.output_text == r1.output_text and got.usage == r1.usage
+    r2 = client.responses.create(input="More", previous_response_id=r1.id, **kw)
+    assert r2.previous_response_id == r1.id
+    earlier = [i.model_dump(exclude_none=True) for i in r1.output]
+    again = client.responses.create(
+        input=[{"role": "user", "content": "Hello"}, *earlier, {"role": "user", "content": "More"}],
+        store=False, **kw)
+    assert again.store is False
+    assert r2.output_text == again.output_text
+    assert r2.usage is not None and again.usage is not None
+    assert r2.usage.input_tokens == again.usage.input_tokens
+    items = client.responses.input_items.list(r2.id, order="asc")
+    texts = [c.text for i in items.data for c in i.content]  # type: ignore[union-attr]
+    assert texts == ["Hello", r1.output_text, "More"]
+    streamed = list(client.responses.create(input="Again", previous_response_id=r2.id,
+                                            stream=True, **kw))
+    final = streamed[-1].response  # type: ignore[union-attr]
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+    client.responses.delete(r1.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r1.id)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(input="x", previous_response_id=r1.id, **kw)
+    body: Any = ei.value.body
+    assert body["code"] == "previous_response_not_found", body
