@@ -133,19 +133,21 @@ def template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def render_chat(tok: TokenizerLike, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                max_seq: int, tools: list[dict[str, Any]] | None = None,
+                max_seq: int | None, tools: list[dict[str, Any]] | None = None,
                 variables: dict[str, Any] | None = None) -> tuple[str | None, tuple[int, ...]]:
     """Render (the model's chat template, given ``tools`` to show when not None and the
     request's ``variables``) and tokenize: ``(prompt text, ids)``, the text None when the
     tokenizer renders straight to ids. A rendering longer than ``max_seq`` tokens can hold is
-    refused before it is tokenized (param ``messages``), as is a template that fails."""
+    refused before it is tokenized (param ``messages``; ``max_seq`` None: the caller keeps only
+    the end of the ids, any length is tokenized), as is a template that fails."""
     if isinstance(tok, Tokenizer):
         rendered: Any = tok.apply_chat_template(messages, add_generation_prompt, tools, variables)
     else:
         assert tools is None  # chat_input: only a package tokenizer's template shows tools
         rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     if isinstance(rendered, str):
-        check_text_fits(tok, max_seq, len(rendered), "messages", "the rendered conversation")
+        if max_seq is not None:
+            check_text_fits(tok, max_seq, len(rendered), "messages", "the rendered conversation")
         # message contents are text, never control tokens (Tokenizer.encode_chat)
         if not isinstance(tok, Tokenizer):
             return rendered, encode_text(tok, rendered)

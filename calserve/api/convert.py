@@ -10,8 +10,8 @@ completion's ``prompt`` as a list of prompts (strings or token-id lists, up to
 ``api/structured.py``, ``engine/grammar.py``), and on chat ``tools`` /
 ``tool_choice`` / ``parallel_tool_calls`` and tool messages (``api/tools.py``; the prompt:
 ``api/chat_prompt.py``). ``suffix``
-on a fill-in-the-middle model (its FIM tokens: ``models/fim.py``; the prompt is the prefix).
-Rejected because
+on a fill-in-the-middle model (its FIM tokens: ``models/fim.py``; the prompt is the prefix), and
+vLLM's ``truncate_prompt_tokens`` (a completion's prompts: ``api/prompts.py``). Rejected because
 they would change results: ``best_of``>1 (no fork), ``suffix`` on other models or with ``echo``, the
 legacy ``functions``/``function_call``, ``tools`` on completions or with another constraint,
 non-text content parts, and ``min_tokens``/``ignore_eos`` with a constraint or ``tools``
@@ -23,7 +23,8 @@ response; not streamed).
 
 Hostile sizes (README "Per-request limits and slow readers"): a prompt longer than the context can
 hold is refused before any tokenizing (text: :func:`calserve.api.tokenizing.check_text_fits`;
-token ids: their count), and :func:`prepare_body` decodes and prepares a big body in the prompt
+token ids: their count; unless ``truncate_prompt_tokens`` keeps only the end: then the body's
+size bounds it), and :func:`prepare_body` decodes and prepares a big body in the prompt
 worker thread, so the trio thread never tokenizes more than a small body.
 """
 
@@ -37,6 +38,9 @@ from calserve import errors as E
 from calserve.api.bodies import decode
 from calserve.api.chat_prompt import chat_input, render_chat, template_variables
 from calserve.api.infill import InfillBody, InfillInfo, infill_request
+from calserve.api.prompts import (
+    batched, check_token_ids, context_full, fim_of, prompt_ids, prompt_list, truncation, vocab_size,
+)
 from calserve.api.protocol import TokenizerLike
 from calserve.api.schemas import (
     MAX_STOP_CHARS,
@@ -45,7 +49,7 @@ from calserve.api.schemas import (
     CompletionBody,
     SamplingFields,
 )
-from calserve.api.tokenizing import INLINE_BODY_BYTES, check_text_fits, encode_text, run_in_worker
+from calserve.api.tokenizing import INLINE_BODY_BYTES, run_in_worker
 from calserve.api.reasoning import Answer, Reasoning
 from calserve.api.errors import ApiError
 from calserve.api.response_store import ResponseStore
@@ -54,7 +58,6 @@ from calserve.api.structured import answer_grammar, constraint_of
 from calserve.engine.grammar import Grammar
 from calserve.engine.sampler import MIN_TEMPERATURE
 from calserve.engine.types import GenerateRequest, ModelInfo, SamplingParams
-from calserve.models.fim import FimTokens
 
 __all__ = ["Prepared", "ModelsLike", "ModelView", "resolve_model", "prepare_completion",
            "prepare_chat", "prepare_responses", "prepare_infill", "prepare_body", "choice_seed",
@@ -232,25 +235,6 @@ def _stop(body: SamplingFields) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _vocab_size(tok: TokenizerLike, info: ModelInfo) -> int | None:
-    v = info.extra.get("vocab_size", getattr(tok, "vocab_size", None))
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def check_token_ids(ids: Sequence[Any], vocab: int | None, param: str) -> tuple[int, ...]:
-    out = []
-    for i, t in enumerate(ids):
-        if not isinstance(t, int) or isinstance(t, bool):
-            raise E.RequestError(f"`{param}[{i}]` must be a token id (int)", param=f"{param}[{i}]")
-        if t < 0 or (vocab is not None and t >= vocab):
-            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
-            raise E.RequestError(
-                f"`{param}[{i}]` = {t} is not a token id in {limit}", param=f"{param}[{i}]"
-            )
-        out.append(t)
-    return tuple(out)
-
-
 def _logit_bias(body: SamplingFields, vocab: int | None) -> tuple[tuple[int, float], ...]:
     """``{"50256": -100, ...}`` -> ((50256, -100.0), ...) sorted by id; ids in the vocabulary,
     biases finite in [-100, 100] (OpenAI's bounds)."""
@@ -321,7 +305,7 @@ def _max_tokens(body: SamplingFields, *, prompt_len: int, max_seq: int, max_toke
     """The completion's token budget for a prompt of ``prompt_len`` tokens (400 when the prompt
     leaves no room, or the asked budget does not fit, or ``min_tokens`` exceeds it)."""
     if prompt_len >= max_seq:
-        raise _context_full(max_seq, prompt_len, prompt_param)
+        raise context_full(max_seq, prompt_len, prompt_param)
     room = max_seq - prompt_len
     mt = max_tokens if max_tokens is not None else min(default_max, room)
     if mt > room:
@@ -349,12 +333,6 @@ def _stream_flags(body: SamplingFields) -> tuple[bool, bool]:
     return stream, usage
 
 
-def _context_full(max_seq: int, prompt_len: int, param: str) -> E.RequestError:
-    return E.RequestError(
-        f"This model's maximum context length is {max_seq} tokens; the prompt has {prompt_len}"
-        " tokens, leaving no room for a completion (context length exceeded)", param=param)
-
-
 def prepare_completion(
     engine: ModelsLike, body: CompletionBody, tenant: str, max_n: int = 1, max_prompts: int = 1
 ) -> Prepared:
@@ -370,17 +348,22 @@ def prepare_completion(
                              param="max_tokens")
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
-    fim = _fim(tok, info, body.suffix) if body.suffix else None
-    items = _prompt_list(body.prompt, max_prompts)
-    params = [f"prompt[{i}]" for i in range(len(items))] if _batched(body.prompt) else ["prompt"]
-    prompts = [(_prompt_ids(tok, info, p, param, body.echo, fim), param)
+    fim = fim_of(tok, info, body.suffix) if body.suffix else None
+    items = prompt_list(body.prompt, max_prompts)
+    params = [f"prompt[{i}]" for i in range(len(items))] if batched(body.prompt) else ["prompt"]
+    keep = truncation(body, info)
+    if keep is not None and fim is not None:
+        raise E.RequestError("`truncate_prompt_tokens` cannot be combined with `suffix` (the"
+                             " fill-in-the-middle prompt is the prefix and the suffix together)",
+                             param="truncate_prompt_tokens")
+    prompts = [(prompt_ids(tok, info, p, param, body.echo, fim, keep), param)
                for p, param in zip(items, params)]
     stream, usage = _stream_flags(body)
     (ids, _), param = prompts[0]
     sampling = _sampling(
         body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=body.max_tokens,
         default_max=16, logprobs=body.logprobs, prompt_param=param,
-        vocab=_vocab_size(tok, info), tok=tok,
+        vocab=vocab_size(tok, info), tok=tok,
     )
     if fim is not None and fim[0].ends and not body.ignore_eos:  # they end a FIM completion
         sampling = dataclasses.replace(
@@ -408,74 +391,6 @@ def _prompt_logprobs(body: SamplingFields) -> int | None:
     return body.prompt_logprobs
 
 
-def _batched(prompt: str | list[Any]) -> bool:
-    """A list of prompts (strings or token-id lists), not one prompt."""
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
-
-
-def _prompt_list(prompt: str | list[Any], max_prompts: int) -> Sequence[str | list[Any]]:
-    """``prompt`` as the list of its prompts: a string or a list of token ids is one prompt; a list
-    of strings, or of token-id lists, is one prompt each (OpenAI's four forms; not mixed), at most
-    ``server.max_prompts`` of them."""
-    if not _batched(prompt):
-        return [prompt]
-    assert isinstance(prompt, list)
-    if len(prompt) > max_prompts:
-        raise E.RequestError(
-            f"`prompt` holds {len(prompt)} prompts; at most {max_prompts} are allowed in one"
-            " request (server.max_prompts)", param="prompt")
-    kind = str if isinstance(prompt[0], str) else list
-    for i, p in enumerate(prompt):
-        if not isinstance(p, kind):
-            raise E.RequestError(
-                f"`prompt[{i}]` must be a {'string' if kind is str else 'list of token ids'} like"
-                " `prompt[0]`: a list of prompts holds strings or token-id lists, not both",
-                param=f"prompt[{i}]")
-    return prompt
-
-
-def _fim(tok: TokenizerLike, info: ModelInfo, suffix: str) -> tuple[FimTokens, tuple[int, ...]]:
-    """The model's fill-in-the-middle tokens and the suffix's ids, or a 400 naming ``suffix``."""
-    fim: FimTokens | None = getattr(tok, "fim", None)
-    if fim is None:
-        raise E.UnsupportedParameter(
-            f"`suffix` needs a fill-in-the-middle model: {info.alias}'s vocabulary has no FIM"
-            " prefix/suffix/middle tokens", param="suffix")
-    check_text_fits(tok, info.max_seq, len(suffix), "suffix", "the suffix")
-    return fim, encode_text(tok, suffix)
-
-
-def _prompt_ids(tok: TokenizerLike, info: ModelInfo, prompt: str | list[Any], param: str,
-                echo: bool | None, fim: tuple[FimTokens, tuple[int, ...]] | None = None,
-                ) -> tuple[tuple[int, ...], str]:
-    """One prompt's token ids and text (the text only when echoed), or a 400 naming ``param``.
-    ``fim``: the prompt is the prefix of a fill-in-the-middle prompt with that suffix (may be
-    empty: the cursor at the start of the file)."""
-    if fim is not None and isinstance(prompt, str):
-        check_text_fits(tok, info.max_seq, len(prompt), param)
-        fim_ids = fim[0].prompt(encode_text(tok, prompt) if prompt else (), fim[1])
-        with_bos = getattr(tok, "with_bos", None)  # BOS first when the model expects it
-        return tuple(with_bos(fim_ids) if with_bos is not None else fim_ids), ""
-    if isinstance(prompt, str):
-        if prompt == "":
-            raise E.RequestError(f"`{param}` must not be empty", param=param)
-        check_text_fits(tok, info.max_seq, len(prompt), param)
-        ids = encode_text(tok, prompt, prompt=True)
-        text = prompt
-    else:
-        if not prompt:
-            raise E.RequestError(f"`{param}` must not be empty", param=param)
-        if len(prompt) >= info.max_seq:  # before checking each id: the count alone decides
-            raise _context_full(info.max_seq, len(prompt), param)
-        ids = check_token_ids(prompt, _vocab_size(tok, info), param)
-        text = tok.decode(ids) if echo else ""
-        if fim is not None:  # token ids: the prefix's, as given
-            ids = tuple(fim[0].prompt(ids, fim[1]))
-    if not ids:
-        raise E.RequestError(f"`{param}` encodes to zero tokens", param=param)
-    return ids, text
-
-
 def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1) -> Prepared:
     n = _reject_unsupported(body, max_n)
     if body.top_logprobs is not None and not body.logprobs:
@@ -483,10 +398,14 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
     info = resolve_model(engine, body.model)
     tok = engine.tokenizer(info.alias)
     tools, msgs, shown = chat_input(tok, body)
-    prompt, ids = render_chat(tok, msgs, body.add_generation_prompt is not False, info.max_seq,
-                              shown, template_variables(body.chat_template_kwargs))
+    keep = truncation(body, info)
+    prompt, ids = render_chat(tok, msgs, body.add_generation_prompt is not False,
+                              info.max_seq if keep is None else None, shown,
+                              template_variables(body.chat_template_kwargs))
     if not ids:
         raise E.RequestError("`messages` render to zero tokens", param="messages")
+    if keep is not None and len(ids) > keep:
+        ids = ids[-keep:]  # vLLM's truncate_prompt_tokens: the rendered conversation's end
     reasoning = Reasoning.of(prompt, getattr(tok, "reasoning_tags", False), body.reasoning_format)
     grammar = None
     if tools is not None:
@@ -500,7 +419,7 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
                 raise E.UnsupportedParameter(f"`{name}` is not supported with `tools` (it would"
                                              " sample past the end of the answer)", param=name)
         think = None if reasoning is None else "open" if reasoning.opened else "optional"
-        grammar = tools.grammar(tok, _vocab_size(tok, info) or 0, think)
+        grammar = tools.grammar(tok, vocab_size(tok, info) or 0, think)
     stream, usage = _stream_flags(body)
     plp = _prompt_logprobs(body)
     k = (body.top_logprobs or 0) if body.logprobs else None
@@ -508,7 +427,7 @@ def prepare_chat(engine: ModelsLike, body: ChatBody, tenant: str, max_n: int = 1
     sampling = _sampling(
         body, prompt_len=len(ids), max_seq=info.max_seq, max_tokens=mt,
         default_max=info.max_seq, logprobs=k, prompt_param="messages",
-        vocab=_vocab_size(tok, info), tok=tok, grammar=grammar,
+        vocab=vocab_size(tok, info), tok=tok, grammar=grammar,
     )
     if plp is not None:
         sampling = dataclasses.replace(sampling, prompt_logprobs=plp)

@@ -24,11 +24,8 @@ from calserve import errors as E
 from calserve.api.asgi import FAST_ROUTES
 from calserve.api.bodies import check_declared, decode, too_large
 from calserve.api.chat_prompt import chat_input, render_chat, template_variables
-from calserve.api.convert import (
-    ModelView,
-    check_token_ids,
-    resolve_model,
-)
+from calserve.api.convert import ModelView, resolve_model
+from calserve.api.prompts import check_token_ids
 from calserve.api.errors import ApiError, retry_after_header
 from calserve.api.metrics import CONTENT_TYPE, version_info
 from calserve.api.protocol import TokenizerLike

@@ -112,6 +112,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # Extension (vLLM): each prompt token's logprob with the k most likely tokens at its position
     # (JSON answers only: refused with ``stream``, as vLLM does)
     prompt_logprobs: LogprobsK | None = None
+    # Extension (vLLM): only the prompt's last k tokens are served (-1: the model's context);
+    # checked in convert.py (_truncation)
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1, le=1 << 31)] | None = None
     # Known but not supported when they would change results (checked in convert.py):
     best_of: Count | None = None
     functions: Any = None

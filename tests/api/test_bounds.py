@@ -35,7 +35,8 @@ FLOAT_EXTREMES = [-1e308, -2.0000001, -2.0, -1e-300, -0.0, 0.0, 5e-324, 1e-300, 
                   1.0000001, 2.0, 2.0000001, 10.0, 10.000001, 1e308]
 FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs",
           "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-          "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens"]
+          "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens",
+          "truncate_prompt_tokens"]
 LIST_FIELDS = ["stop_token_ids", "stop", "allowed_token_ids"]
 CHAT_FIELDS = ["max_completion_tokens", "top_logprobs"]
 
@@ -202,7 +203,7 @@ async def test_every_field_at_and_past_its_bounds() -> None:
                       "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
                       "response_format", "prompt", "echo+logprobs", "echo+max_tokens",
                       "echo+prompt", "prompt_logprobs", "score+prompt_logprobs",
-                      "allowed_token_ids"):
+                      "allowed_token_ids", "truncate_prompt_tokens"):
             assert 200 in statuses[field], field
         assert h.real_engine.ready()
         assert await greedy_text(h) == before

@@ -96,6 +96,9 @@ async def test_suffix_refused_without_fim_tokens_or_with_echo() -> None:
     async with fim_app() as h:
         status, err, _ = await h.post(C, {"prompt": "a", "suffix": "b", "echo": True})
         assert status == 400 and err["error"]["param"] == "suffix", err
+        status, err, _ = await h.post(C, {"prompt": "a", "suffix": "b",
+                                          "truncate_prompt_tokens": 4})
+        assert status == 400 and err["error"]["param"] == "truncate_prompt_tokens", err
         body = await h.post_ok(C, {"prompt": "a", "suffix": "", "max_tokens": 2})  # "": no FIM
         assert body["usage"]["prompt_tokens"] == 1
     async with real_app(make_config()) as h:  # the plain char tokenizer has no FIM tokens

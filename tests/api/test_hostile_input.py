@@ -17,7 +17,7 @@ import pytest
 import tokenizers
 import trio
 
-from calserve.api import convert, tokenizing
+from calserve.api import tokenizing
 from calserve.api.tokenizing import INLINE_BODY_BYTES, max_text_chars, run_in_worker, worker_limiter
 from calserve.models.demo_model import demo_tokenizer_json
 from calserve.models.tokenizer import Tokenizer
@@ -34,7 +34,8 @@ def demo_tok() -> Tokenizer:
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """The threads ``encode_text`` ran in (convert's, chat_prompt's and the routes' references)."""
+    """The threads ``encode_text`` ran in (the prompts', chat_prompt's and the routes'
+    references)."""
     seen: list[str] = []
     real = tokenizing.encode_text
 
@@ -42,8 +43,8 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         seen.append(threading.current_thread().name)
         return real(tok, text, prompt)
 
-    monkeypatch.setattr(convert, "encode_text", spy)
-    from calserve.api import chat_prompt, routes
+    from calserve.api import chat_prompt, prompts, routes
+    monkeypatch.setattr(prompts, "encode_text", spy)
     monkeypatch.setattr(chat_prompt, "encode_text", spy)
     monkeypatch.setattr(routes, "encode_text", spy)
     yield seen
