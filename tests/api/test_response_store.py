@@ -297,3 +297,4 @@ async def test_the_bound_drops_the_oldest(stream: bool) -> None:
             assert status == 200
             ids.append((check_events(events(raw)) if stream else raw)["id"])
         assert [(await _get(h, f"{R}/{i}"))[0] for i in ids] == [404, 200, 200]
+

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
+import trio
 
 from .server import ServerProcess
 from .test_tools_openai import BY_NAME, TOOLS
@@ -171,3 +173,73 @@ def test_stored_responses_and_follow_ups(client: openai.OpenAI) -> None:
         client.responses.create(input="x", previous_response_id=r1.id, **kw)
     body: Any = ei.value.body
     assert body["code"] == "previous_response_not_found", body
+
+
+async def test_many_streams_some_cut_store_only_the_answered(server: ServerProcess) -> None:
+    """16 streamed answers at once with ``store`` on the real server, every other one's client
+    gone after its first event: exactly the answered ones are kept (each as its terminal event
+    had it), the cut ones never are, and the server ends idle (every lane back)."""
+    from . import rawhttp
+    from .server import scrape, value
+    from .test_load import wait_idle
+
+    stored_before = value(scrape(server.url), "calserve_responses_stored_total", outcome="stored")
+    kept: dict[str, Any] = {}
+    cut: list[str] = []
+    refused = [0]
+
+    def terminal(raw: str) -> Any:
+        datas = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:")]
+        assert datas[-1]["type"] == "response.incomplete" or datas[-1]["type"] == \
+            "response.completed", datas[-1]
+        return datas[-1]["response"]
+
+    async def answered(client: httpx.AsyncClient, k: int) -> None:
+        async with client.stream("POST", "/v1/responses", json={
+                "model": "qwen3", "input": f"q{k}", "stream": True, "max_output_tokens": 8,
+                "temperature": 0}) as r:
+            if r.status_code == 429:
+                refused[0] += 1
+                return
+            assert r.status_code == 200
+            final = terminal((await r.aread()).decode())
+        kept[final["id"]] = final
+
+    def gone_sync(k: int) -> None:
+        """A raw socket that reads up to the response's id, then closes (no client library
+        that would drain the body)."""
+        body = json.dumps({"model": "qwen3", "input": f"q{k}", "stream": True,
+                           "max_output_tokens": 400, "temperature": 0}).encode()
+        assert server.port is not None
+        s = rawhttp.connect(server.port)
+        try:
+            s.sendall(rawhttp.post("/v1/responses", body))
+            head = rawhttp.read_until(s, b"\r\n\r\n")
+            if b" 429 " in head.split(b"\r\n", 1)[0]:
+                refused[0] += 1
+                return
+            buf = rawhttp.read_until(s, b'"response.created"')
+            buf += rawhttp.read_until(s, b"\n\n")
+            line = next(ln for ln in buf.decode().splitlines() if '"response.created"' in ln)
+            cut.append(json.loads(line[line.index("{"):])["response"]["id"])
+        finally:
+            s.close()
+
+    async def gone(client: httpx.AsyncClient, k: int) -> None:
+        await trio.to_thread.run_sync(gone_sync, k)
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                 limits=httpx.Limits(max_connections=64)) as client:
+        with trio.fail_after(120):
+            async with trio.open_nursery() as n:
+                for k in range(16):
+                    n.start_soon(answered if k % 2 else gone, client, k)
+        m = await trio.to_thread.run_sync(wait_idle, server.url)
+        assert kept and cut and len(kept) + len(cut) + refused[0] == 16
+        for rid, final in kept.items():
+            r = await client.get(f"/v1/responses/{rid}")
+            assert r.status_code == 200 and r.json() == final
+        for rid in cut:
+            assert (await client.get(f"/v1/responses/{rid}")).status_code == 404
+    assert value(m, "calserve_requests_running") == 0
+    assert value(m, "calserve_responses_stored_total", outcome="stored") - stored_before == len(kept)
