@@ -24,8 +24,10 @@ worker thread (:func:`run_store`), never on the event loop.
 
 A response is stored before its last byte is sent (the JSON body, or the stream's terminal
 event), so a client that got it may name it at once. A store that fails (disk full, locked for
-longer than the timeout) is logged and counted (``calserve_responses_store_errors_total``); the
-answer still goes out, and a follow-up naming it gets the 400 of an unknown id.
+longer than the timeout) is logged and counted (``calserve_responses_stored_total{outcome="error"}``);
+the answer still goes out, and a follow-up naming it gets the 400 of an unknown id. A read that
+fails (``previous_response_id``, ``GET``, ``DELETE``) is a 503 ``store_unavailable`` with
+Retry-After, never a 500.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from typing import Any, Final, TypeVar, final
 import msgspec
 import trio
 
+from calserve.api.errors import ApiError
 from calserve.api.render import new_id
 
-__all__ = ["ResponseStore", "run_store", "with_ids"]
+__all__ = ["ResponseStore", "run_store", "with_ids", "store_unavailable"]
 
 log = logging.getLogger("calserve.api.responses")
 
@@ -88,6 +91,12 @@ def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def store_unavailable(exc: BaseException) -> ApiError:
+    """The store's file cannot be read or written: a 503 for the request that needed it."""
+    return ApiError(503, f"the stored responses cannot be read or written: {exc}",
+                    type="service_unavailable", code="store_unavailable", retry_after=1.0)
+
+
 @final
 class ResponseStore:
     """The stored responses (module docstring). Thread-safe: one connection, one lock (the
@@ -104,6 +113,12 @@ class ResponseStore:
         self.errors_total = 0
 
     def _conn(self) -> sqlite3.Connection:
+        try:
+            return self._open()
+        except (sqlite3.Error, OSError) as exc:
+            raise store_unavailable(exc) from exc
+
+    def _open(self) -> sqlite3.Connection:
         db = self._db
         if db is None:
             if self.path != ":memory:":
@@ -145,9 +160,13 @@ class ResponseStore:
 
     def _row(self, tenant: str, response_id: str) -> tuple[bytes, bytes] | None:
         with self._lock:
-            row = self._conn().execute(
-                "SELECT response, input_items FROM responses WHERE id = ? AND tenant = ?"
-                " AND created >= ?", (response_id, tenant, self._clock() - self.ttl_s)).fetchone()
+            try:
+                row = self._conn().execute(
+                    "SELECT response, input_items FROM responses WHERE id = ? AND tenant = ?"
+                    " AND created >= ?", (response_id, tenant, self._clock() - self.ttl_s)
+                ).fetchone()
+            except sqlite3.Error as exc:
+                raise store_unavailable(exc) from exc
         return None if row is None else (row[0], row[1])
 
     def get(self, tenant: str, response_id: str) -> dict[str, Any] | None:
@@ -171,9 +190,12 @@ class ResponseStore:
     def delete(self, tenant: str, response_id: str) -> bool:
         """Forget the response; False when there was none for this tenant (or it expired)."""
         with self._lock:
-            cur = self._conn().execute(
-                "DELETE FROM responses WHERE id = ? AND tenant = ? AND created >= ?",
-                (response_id, tenant, self._clock() - self.ttl_s))
+            try:
+                cur = self._conn().execute(
+                    "DELETE FROM responses WHERE id = ? AND tenant = ? AND created >= ?",
+                    (response_id, tenant, self._clock() - self.ttl_s))
+            except sqlite3.Error as exc:
+                raise store_unavailable(exc) from exc
         return cur.rowcount > 0
 
     def __len__(self) -> int:

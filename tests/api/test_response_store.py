@@ -298,3 +298,27 @@ async def test_the_bound_drops_the_oldest(stream: bool) -> None:
             ids.append((check_events(events(raw)) if stream else raw)["id"])
         assert [(await _get(h, f"{R}/{i}"))[0] for i in ids] == [404, 200, 200]
 
+
+
+async def test_a_store_that_fails_still_answers(tmp_path: Path) -> None:
+    """The store's file cannot be written (its directory is a file): the answer goes out all the
+    same, streamed or not, the error is counted; what needs to read it is a 503 that says so
+    (retryable), never a 500."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    cfg = make_config(server={"responses_store_path": str(blocker / "responses.sqlite3")})
+    async with real_app(cfg, sources=[api_source()]) as h:
+        r = await h.post_ok(R, _doc(input="Hi"))
+        assert r["status"] in ("completed", "incomplete") and _text(r)
+        status, raw, _ = await h.post(R, _doc(input="Hi", stream=True))
+        assert status == 200 and check_events(events(raw))["id"]
+        m = await h.metrics()
+        assert m[("calserve_responses_stored_total", (("outcome", "error"),))] == 2.0
+        status, err, headers = await h.post(R, _doc(input="x", previous_response_id=r["id"]))
+        assert status == 503 and err["error"]["code"] == "store_unavailable", err
+        assert headers.get("retry-after") is not None
+        for method in (h.client.get, h.client.delete):
+            resp = await method(f"{R}/{r['id']}")
+            assert resp.status_code == 503
+        status, got = await _get(h, f"{R}/{r['id']}/input_items")
+        assert status == 503 and got["error"]["code"] == "store_unavailable", got
