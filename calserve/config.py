@@ -272,7 +272,7 @@ class ServerConfig(_Strict):
     responses_store_path: str | None = None
     # A stored response is gone this long after it was created (s; OpenAI keeps them 30 days) ...
     responses_ttl_s: PosFloat = 30 * 24 * 3600.0
-    # ... and past this many stored responses the oldest go first.
+    # ... and only the last this many stored are kept (older ones go first).
     responses_max_stored: Pos = 10_000
     # --- Connections and protocol limits (calserve/api/listener.py, calserve/api/hygiene.py) ---
     # Both launchers unless marked "calserve serve only" (the hypercorn CLI owns its own Config:

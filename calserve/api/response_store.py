@@ -17,8 +17,8 @@ Where: one SQLite file (stdlib ``sqlite3``, WAL journal, a busy timeout), by def
 ``CALSERVE_HOME/state/responses.sqlite3`` for the server (``server.responses_store_path``;
 ``":memory:"`` keeps them in the process). Several calserve processes on one host (one per board
 behind HAProxy, ``deploy/``) share the file, so a follow-up may land on any of them. Bounded:
-entries older than ``server.responses_ttl_s`` are gone, and past ``server.responses_max_stored``
-the oldest go first. A response is seen only by the tenant that created it (another tenant's id
+entries older than ``server.responses_ttl_s`` are gone, and only the last
+``server.responses_max_stored`` stored are kept (older ones go first). A response is seen only by the tenant that created it (another tenant's id
 is "not found", as an unknown one). The methods block (file I/O): the routes call them in a trio
 worker thread (:func:`run_store`), never on the event loop.
 
@@ -52,7 +52,7 @@ log = logging.getLogger("calserve.api.responses")
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS responses (
-    seq INTEGER PRIMARY KEY,
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
     id TEXT NOT NULL UNIQUE,
     tenant TEXT NOT NULL,
     created REAL NOT NULL,
@@ -140,19 +140,21 @@ class ResponseStore:
 
     def put(self, tenant: str, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
         """Keep ``response`` (its ``id``) with the conversation it answered; then drop what is
-        past the TTL and what is over the count bound (oldest first)."""
+        past the TTL and what the last ``max_stored`` puts (of any process on the file) pushed
+        out, oldest first."""
         now = self._clock()
         with self._lock:
             db = self._conn()
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.execute("INSERT OR REPLACE INTO responses (id, tenant, created, response,"
-                           " input_items) VALUES (?, ?, ?, ?, ?)",
-                           (response["id"], tenant, now, _enc.encode(response),
-                            _enc.encode(input_items)))
+                cur = db.execute("INSERT OR REPLACE INTO responses (id, tenant, created, response,"
+                                 " input_items) VALUES (?, ?, ?, ?, ?)",
+                                 (response["id"], tenant, now, _enc.encode(response),
+                                  _enc.encode(input_items)))
                 db.execute("DELETE FROM responses WHERE created < ?", (now - self.ttl_s,))
-                db.execute("DELETE FROM responses WHERE seq <= (SELECT seq FROM responses ORDER BY"
-                           " seq DESC LIMIT 1 OFFSET ?)", (self.max_stored,))
+                # the last max_stored puts stay (seq never repeats: AUTOINCREMENT); an index range
+                db.execute("DELETE FROM responses WHERE seq <= ?",
+                           (cur.lastrowid - self.max_stored,))
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")

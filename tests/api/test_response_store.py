@@ -41,8 +41,8 @@ class Clock:
 
 
 class StoreMachine(RuleBasedStateMachine):
-    """The store is a dict by (tenant, id) of the responses put within the TTL, the newest
-    ``max_stored`` of them."""
+    """The store is a dict by (tenant, id) of the responses put within the TTL among the last
+    ``max_stored`` puts, less the deleted ones."""
 
     TTL = 100.0
     MAX = 5
@@ -70,8 +70,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.model[rid] = (tenant, self.clock.t, resp, items)
         self.order.append(rid)
         self._expire(self.clock.t)
-        while len(self.order) > self.MAX:
-            del self.model[self.order.pop(0)]
+        for old in [r for r in self.order if int(r.split("-")[1]) <= self.n - self.MAX]:
+            del self.model[old]
+            self.order.remove(old)
 
     @rule(dt=st.floats(0, 60))
     def tick(self, dt: float) -> None:
