@@ -153,8 +153,9 @@ class ResponseStore:
                                   _enc.encode(input_items)))
                 db.execute("DELETE FROM responses WHERE created < ?", (now - self.ttl_s,))
                 # the last max_stored puts stay (seq never repeats: AUTOINCREMENT); an index range
-                db.execute("DELETE FROM responses WHERE seq <= ?",
-                           (cur.lastrowid - self.max_stored,))
+                last = cur.lastrowid
+                assert last is not None  # an INSERT sets it
+                db.execute("DELETE FROM responses WHERE seq <= ?", (last - self.max_stored,))
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
