@@ -34,7 +34,8 @@ decoding, a thinking model's reasoning); only the request's and the answer's sha
 
 What needs a hosted feature is a 400 naming the field (``conversation``, ``background``,
 ``prompt``, built-in tools such as ``web_search``, ``item_reference`` items, non-text input
-parts, ``include`` values other than ``message.output_text.logprobs``,
+parts, ``include`` values other than ``message.output_text.logprobs`` and
+``reasoning.encrypted_content`` (accepted: :data:`ENCRYPTED_REASONING`),
 ``truncation: "auto"``, ``max_tool_calls``). Errors found while preparing the chat request name
 the Responses field (``max_output_tokens``, ``text.format``, ``tools[1].parameters``,
 ``input[3]``).
@@ -60,6 +61,10 @@ __all__ = ["ResponsesBody", "ResponseEcho", "chat_body", "output_items", "respon
 
 MAX_METADATA = 16  # OpenAI's bound on ``metadata`` pairs
 LOGPROBS: Final = "message.output_text.logprobs"
+#: Codex-style clients ask for it with ``store: false``, to send reasoning back as an opaque blob.
+#: Accepted: nothing is hidden here (a reasoning item's text is its ``content``), so a reasoning
+#: item's ``encrypted_content`` is null, and earlier reasoning items are dropped anyway.
+ENCRYPTED_REASONING: Final = "reasoning.encrypted_content"
 
 
 class ResponsesBody(msgspec.Struct, kw_only=True):
@@ -132,8 +137,9 @@ def _refuse_unserved(b: ResponsesBody) -> None:
     if b.prompt is not None:
         raise _unsupported("prompt", "no stored prompt templates; send `instructions` and `input`")
     for i, what in enumerate(b.include or ()):
-        if what != LOGPROBS:
-            raise _unsupported(f"include[{i}]", f"{what!r} (served: {LOGPROBS!r})")
+        if what not in (LOGPROBS, ENCRYPTED_REASONING):
+            raise _unsupported(f"include[{i}]", f"{what!r} (served: {LOGPROBS!r},"
+                               f" {ENCRYPTED_REASONING!r})")
     if b.truncation not in (None, "disabled"):
         raise _unsupported("truncation", "the conversation is never cut to fit: a prompt longer"
                            " than the context is a 400")
@@ -362,7 +368,7 @@ def text_part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
 def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
-            "status": status}
+            "encrypted_content": None, "status": status}
 
 
 def call_item(call: dict[str, Any], item_id: str, status: str = "completed") -> dict[str, Any]:

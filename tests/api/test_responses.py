@@ -84,7 +84,7 @@ def test_the_other_fields_become_the_chat_fields() -> None:
 @pytest.mark.parametrize(("fields", "param"), [
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
-    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"include": ["reasoning.encrypted_content", "code_interpreter_call.outputs"]}, "include[1]"),
     ({"truncation": "auto"}, "truncation"),
     ({"max_tool_calls": 2}, "max_tool_calls"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -284,3 +284,30 @@ async def test_responses_through_the_api() -> None:
         assert status == 400 and err["error"]["param"] == "input", err
         status, err, _ = await h.post("/v1/responses", {**doc, "model": "nope"})
         assert status == 404 and err["error"]["param"] == "model", err
+
+
+async def test_a_codex_style_request() -> None:
+    """What Codex-style clients send: ``store: false``, ``include:
+    ["reasoning.encrypted_content"]`` (the reasoning to send back as an opaque blob), reasoning
+    options, earlier reasoning items with their ``encrypted_content``: served, streamed and not;
+    a reasoning item's ``encrypted_content`` is null (nothing hidden), and an earlier one sent back
+    changes nothing (reasoning items are dropped)."""
+    async with real_app(make_config(), sources=[api_source()]) as h:
+        base: dict[str, Any] = {"max_output_tokens": 4, "temperature": 0, "store": False,
+                                "include": ["reasoning.encrypted_content"],
+                                "reasoning": {"effort": "medium", "summary": "auto"},
+                                "parallel_tool_calls": False}
+        plain = await h.post_ok("/v1/responses", {**base, "input": "Hi"})
+        assert plain["store"] is False
+        earlier = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"}
+        doc = {**base, "input": [{"role": "user", "content": "Hi"}, earlier]}
+        again = await h.post_ok("/v1/responses", doc)
+        assert again["output"][0]["content"] == plain["output"][0]["content"]
+        assert again["usage"] == plain["usage"]
+        status, raw, _ = await h.post("/v1/responses", {**doc, "stream": True})
+        assert status == 200
+        assert strip_ids(check_events(events(raw))["output"]) == strip_ids(again["output"])
+    item = json_response(chat_body(body())[1], "m", {"role": "assistant", "content": "x",
+                                                     "reasoning_content": "thought"}, "stop",
+                         Usage(1, 1))["output"][0]
+    assert item["type"] == "reasoning" and item["encrypted_content"] is None
