@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from calserve.api.infill import InfillInfo, infill_summary
 from calserve.api.render import sse
 from calserve.api.stream_encoder import failure_chunk, stream_error_chunk
-from calserve.engine.types import ErrorEvent, Event, FinishEvent, TokenEvent, Usage
+from calserve.api.tool_stream import token_texts
+from calserve.engine.types import ErrorEvent, Event, FinishEvent, Usage
 
 __all__ = ["InfillStreamEncoder"]
 
@@ -31,16 +32,7 @@ class InfillStreamEncoder:
         if not batch:  # the events ended without a terminal event: an engine bug
             self.finished = True
             return failure_chunk(RuntimeError("the engine ended the request without a terminal event"))
-        texts: list[str] = []
-        n = 0
-        terminal: FinishEvent | ErrorEvent | None = None
-        for ev in batch:
-            if isinstance(ev, TokenEvent):
-                n += len(ev.token_ids)
-                texts.append(ev.text)
-                continue
-            terminal = ev
-            break
+        n, texts, terminal = token_texts(batch, None, [])
         self.tokens = n
         text = "".join(texts)
         out = sse({"content": text, "stop": False}) if text else b""
