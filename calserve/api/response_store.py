@@ -32,11 +32,11 @@ Retry-After, never a 500.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final, TypeVar, final
 
@@ -47,8 +47,6 @@ from calserve.api.errors import ApiError
 from calserve.api.render import new_id
 
 __all__ = ["ResponseStore", "run_store", "with_ids", "store_unavailable"]
-
-log = logging.getLogger("calserve.api.responses")
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -110,13 +108,16 @@ class ResponseStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
-        self.errors_total = 0
 
-    def _conn(self) -> sqlite3.Connection:
-        try:
-            return self._open()
-        except (sqlite3.Error, OSError) as exc:
-            raise store_unavailable(exc) from exc
+    @contextlib.contextmanager
+    def _conn(self) -> Iterator[sqlite3.Connection]:
+        """The connection (opened at first use), under the lock; a failure of the file or the
+        database is :func:`store_unavailable`."""
+        with self._lock:
+            try:
+                yield self._open()
+            except (sqlite3.Error, OSError) as exc:
+                raise store_unavailable(exc) from exc
 
     def _open(self) -> sqlite3.Connection:
         db = self._db
@@ -143,8 +144,7 @@ class ResponseStore:
         past the TTL and what the last ``max_stored`` puts (of any process on the file) pushed
         out, oldest first."""
         now = self._clock()
-        with self._lock:
-            db = self._conn()
+        with self._conn() as db:
             db.execute("BEGIN IMMEDIATE")
             try:
                 cur = db.execute("INSERT OR REPLACE INTO responses (id, tenant, created, response,"
@@ -162,14 +162,10 @@ class ResponseStore:
                 raise
 
     def _row(self, tenant: str, response_id: str) -> tuple[bytes, bytes] | None:
-        with self._lock:
-            try:
-                row = self._conn().execute(
-                    "SELECT response, input_items FROM responses WHERE id = ? AND tenant = ?"
-                    " AND created >= ?", (response_id, tenant, self._clock() - self.ttl_s)
-                ).fetchone()
-            except sqlite3.Error as exc:
-                raise store_unavailable(exc) from exc
+        with self._conn() as db:
+            row = db.execute(
+                "SELECT response, input_items FROM responses WHERE id = ? AND tenant = ?"
+                " AND created >= ?", (response_id, tenant, self._clock() - self.ttl_s)).fetchone()
         return None if row is None else (row[0], row[1])
 
     def get(self, tenant: str, response_id: str) -> dict[str, Any] | None:
@@ -192,18 +188,14 @@ class ResponseStore:
 
     def delete(self, tenant: str, response_id: str) -> bool:
         """Forget the response; False when there was none for this tenant (or it expired)."""
-        with self._lock:
-            try:
-                cur = self._conn().execute(
-                    "DELETE FROM responses WHERE id = ? AND tenant = ? AND created >= ?",
-                    (response_id, tenant, self._clock() - self.ttl_s))
-            except sqlite3.Error as exc:
-                raise store_unavailable(exc) from exc
+        with self._conn() as db:
+            cur = db.execute("DELETE FROM responses WHERE id = ? AND tenant = ? AND created >= ?",
+                             (response_id, tenant, self._clock() - self.ttl_s))
         return cur.rowcount > 0
 
     def __len__(self) -> int:
-        with self._lock:
-            return int(self._conn().execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+        with self._conn() as db:
+            return int(db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
 
 async def run_store(fn: Callable[[], T]) -> T:
