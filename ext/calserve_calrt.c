@@ -32,6 +32,12 @@ static sharekv_fn p_sharekv;
  * NOT_SUPPORTED and the capabilities say prompt_logits False whatever the runtime profile claims. */
 typedef calrt_status (*prefill_all_fn)(calrt_calbin *, int32_t, const int32_t *, int32_t, calrt_job **);
 static prefill_all_fn p_prefill_all;
+/* C3-style calrt.h extension (multi-step greedy decode): optional likewise (both entry points). */
+typedef calrt_status (*decode_steps_fn)(calrt_calbin *, const int32_t *, const int32_t *, const int32_t *,
+                                        const uint8_t *, int32_t, int32_t, calrt_job **);
+typedef calrt_status (*step_tokens_fn)(calrt_job *, const int32_t **, int32_t *);
+static decode_steps_fn p_decode_steps;
+static step_tokens_fn p_step_tokens;
 /* Optional completion notification fd per job engine (calrt_sim_engine_completion_fd, spec §19 M1). */
 typedef calrt_status (*cfd_fn)(calrt_device *, int, calrt_engine, int *);
 static cfd_fn p_cfd;
@@ -47,6 +53,9 @@ static void resolve_sim(void) {
   p_sharekv = (sharekv_fn)dlsym(h, "calrt_calbin_share_kv");
   p_prefill_all = (prefill_all_fn)dlsym(h, "calrt_job_create_prefill_all");
   p_cfd = (cfd_fn)dlsym(h, "calrt_sim_engine_completion_fd");
+  p_decode_steps = (decode_steps_fn)dlsym(h, "calrt_job_create_decode_steps");
+  p_step_tokens = (step_tokens_fn)dlsym(h, "calrt_job_step_tokens");
+  if (!p_decode_steps || !p_step_tokens) p_decode_steps = NULL, p_step_tokens = NULL;
   /* keep the handle: the library stays loaded for the process anyway */
 }
 
@@ -163,12 +172,13 @@ static PyObject *Device_capabilities(DeviceObject *self, PyObject *noargs) {
   calrt_device_info i;
   memset(&i, 0, sizeof i); /* a runtime whose calrt_device_info ends before prompt_logits leaves it 0 */
   CALL(calrt_device_info_get(self->dev, &i));
-  return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s,s:i}", "profile", i.profile,
+  return Py_BuildValue("{s:s,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s,s:i,s:i}", "profile", i.profile,
                        "runtime", i.runtime, "chips", i.chips, "queue_depth", i.queue_depth, "batch_profiles",
                        i.batch_profiles, "multi_calbin", i.multi_calbin, "chip_scoped", i.chip_scoped,
                        "pingpong", i.pingpong, "do_shift", i.do_shift, "sim_debug", p_inject != NULL,
                        "shared_kv", p_sharekv != NULL && i.shared_kv, "device", i.device,
-                       "serial", i.serial, "prompt_logits", p_prefill_all != NULL && i.prompt_logits);
+                       "serial", i.serial, "prompt_logits", p_prefill_all != NULL && i.prompt_logits,
+                       "multi_step", p_decode_steps != NULL && i.multi_step);
 }
 
 static PyObject *Device_dram(DeviceObject *self, PyObject *args) {
@@ -635,11 +645,16 @@ static PyObject *Calbin_submit_prefill_all(CalbinObject *self, PyObject *args) {
   return submit_prefill(self, args, 1);
 }
 
+/* submit_decode(seq_ids, tokens, positions, valid, engine[, steps]): steps > 1 is a multi-step greedy
+ * decode (calrt_job_create_decode_steps, C3-style). */
 static PyObject *Calbin_submit_decode(CalbinObject *self, PyObject *args) {
   PyObject *so, *to, *po, *vo;
-  int engine;
-  if (!PyArg_ParseTuple(args, "OOOOi", &so, &to, &po, &vo, &engine)) return NULL;
+  int engine, steps = 1;
+  if (!PyArg_ParseTuple(args, "OOOOi|i", &so, &to, &po, &vo, &engine, &steps)) return NULL;
   NEED_CB(self);
+  if (steps != 1 && !p_decode_steps)
+    return raise_code(CALRT_E_NOT_SUPPORTED, "submit_decode: multi-step decode (calrt_job_create_decode_steps, "
+                      "C3) is not provided by this runtime build");
   Py_buffer bs, bt, bp, bv;
   if (as_i32(so, &bs, self->lanes, "seq_ids") < 0) return NULL;
   if (as_i32(to, &bt, self->lanes, "tokens") < 0) { PyBuffer_Release(&bs); return NULL; }
@@ -651,7 +666,10 @@ static PyObject *Calbin_submit_decode(CalbinObject *self, PyObject *args) {
   calrt_job *job = NULL;
   calrt_status st;
   char msg[256];
-  Py_BEGIN_ALLOW_THREADS st = calrt_job_create_decode(self->cb, bs.buf, bt.buf, bp.buf, bv.buf, self->lanes, &job);
+  Py_BEGIN_ALLOW_THREADS st = steps == 1 ? calrt_job_create_decode(self->cb, bs.buf, bt.buf, bp.buf, bv.buf,
+                                                                    self->lanes, &job)
+                                         : p_decode_steps(self->cb, bs.buf, bt.buf, bp.buf, bv.buf, self->lanes,
+                                                          steps, &job);
   snprintf(msg, sizeof msg, "%s", calrt_last_error());
   Py_END_ALLOW_THREADS PyBuffer_Release(&bs);
   PyBuffer_Release(&bt);
@@ -722,12 +740,27 @@ static PyObject *Job_wait(JobObject *self, PyObject *args) {
   return Py_BuildValue("(iNNNd)", (int)r.status, lg, ec, ck, r.device_us);
 }
 
+/* step_tokens() -> int32 [lanes, steps] view of a completed multi-step decode's tokens. */
+static PyObject *Job_step_tokens(JobObject *self, PyObject *noargs) {
+  if (!p_step_tokens) return raise_code(CALRT_E_NOT_SUPPORTED, "step_tokens: not provided by this runtime build");
+  const int32_t *t = NULL;
+  int32_t steps = 0;
+  calrt_job_result r;
+  /* both only read a completed job's fields (no wait): no GIL hand-over */
+  calrt_status st = p_step_tokens(self->job, &t, &steps);
+  if (st == CALRT_OK) st = calrt_job_result_get(self->job, &r);
+  if (st != CALRT_OK) return raise_code(st, calrt_last_error());
+  npy_intp d[2] = {r.lanes, steps};
+  return view(self, 2, d, NPY_INT32, t);
+}
+
 static PyObject *Job_done(JobObject *self, PyObject *noargs) { return PyBool_FromLong(calrt_job_done(self->job)); }
 static PyObject *Job_get_id(JobObject *self, void *c) { return PyLong_FromLongLong(self->id); }
 
 static PyMethodDef Job_methods[] = {
     {"wait", (PyCFunction)Job_wait, METH_VARARGS, "wait(timeout_us) (GIL released)."},
     {"done", (PyCFunction)Job_done, METH_NOARGS, ""},
+    {"step_tokens", (PyCFunction)Job_step_tokens, METH_NOARGS, "A multi-step decode's tokens [lanes, steps]."},
     {NULL}};
 static PyGetSetDef Job_getset[] = {{"job_id", (getter)Job_get_id, NULL, "job id", NULL}, {NULL}};
 

@@ -114,7 +114,11 @@ class BackendCalbin(Protocol):
         positions: np.ndarray,
         valid: np.ndarray,
         engine: JobEngine,
-    ) -> JobTicket: ...
+        steps: int = 1,
+    ) -> JobTicket:
+        """``steps`` > 1 (``capabilities.multi_step``): that many greedy steps in one job, the
+        result's ``step_tokens`` the tokens ``[lanes, steps]`` (runtime ``Calbin.submit_decode``)."""
+        ...
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None: ...
 
@@ -127,6 +131,7 @@ class BackendCalbin(Protocol):
         engine: JobEngine,
         timeout_s: float,
         after_submit: Callable[[], None] | None = None,
+        steps: int = 1,
     ) -> tuple[JobTicket, JobResult | None]:
         """Submit + first wait in one device round trip (the hot path: one thread hop per step).
 
@@ -134,7 +139,7 @@ class BackendCalbin(Protocol):
         overlaps the device step). The body is the default for implementations that subclass this
         protocol explicitly (the fake device: plain ``submit_decode`` then ``wait``);
         :class:`_RuntimeCalbin` overrides it with its inline-submit hot path."""
-        t = await self.submit_decode(seq_ids, tokens, positions, valid, engine)
+        t = await self.submit_decode(seq_ids, tokens, positions, valid, engine, steps)
         if after_submit is not None:
             after_submit()
         return t, await self.wait(t, timeout_s)
@@ -268,8 +273,9 @@ class _RuntimeCalbin:
         positions: np.ndarray,
         valid: np.ndarray,
         engine: JobEngine,
+        steps: int = 1,
     ) -> JobTicket:
-        job = await self._t.run(self._c.submit_decode, seq_ids, tokens, positions, valid, engine)
+        job = await self._t.run(self._c.submit_decode, seq_ids, tokens, positions, valid, engine, steps)
         return _ticket(job, engine)
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
@@ -287,13 +293,14 @@ class _RuntimeCalbin:
         engine: JobEngine,
         timeout_s: float,
         after_submit: Callable[[], None] | None = None,
+        steps: int = 1,
     ) -> tuple[JobTicket, JobResult | None]:
         # Submit inline: it only queues the job (DeviceBusy when the queue is full, never blocks), so
         # the device starts now instead of after a GIL hand-over to a worker thread; the blocking
         # wait runs on the engine's thread. Nothing between submit and wait can be cancelled.
         if self._faults is not None:
             self._faults.before_submit(engine, valid)
-        job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine)
+        job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine, steps)
         return await self._wait_hot(job, engine, timeout_s, after_submit)
 
     async def _wait_hot(self, job: Any, engine: JobEngine, timeout_s: float,

@@ -31,6 +31,10 @@ Contract in brief (the full C-level contract is documented in ``ext/calrt/includ
   hardware): ``submit_prefill(..., all_logits=True)`` returns the logits of every prompt position
   (``[len(tokens), vocab]``, one lane per token), so a host scores a whole prompt in one job instead of
   one decode step per prompt token. ``calrt-0.7.6`` (or a runtime build without it): :class:`NotSupported`.
+* Multi-step decode (C3-style, ``capabilities.multi_step``, sim-next only; not described as supported by
+  hardware): ``submit_decode(..., steps=N)`` runs N greedy steps in one job, each lane's argmax fed back
+  on the device; the result's ``step_tokens`` are the N tokens of each lane (bitwise those of N
+  single-step jobs). ``calrt-0.7.6`` (or a runtime build without it): :class:`NotSupported`.
 """
 
 from __future__ import annotations
@@ -109,10 +113,11 @@ class Job:
     Python object is safe (the C job is reference counted) but its outcome is then lost.
     """
 
-    __slots__ = ("_h", "job_id", "engine", "chip", "_result")
+    __slots__ = ("_h", "job_id", "engine", "chip", "_result", "steps")
 
-    def __init__(self, handle: Any, engine: JobEngine, chip: int) -> None:
+    def __init__(self, handle: Any, engine: JobEngine, chip: int, steps: int = 1) -> None:
         self._h = handle
+        self.steps = steps  # > 1: a multi-step decode (its result carries step_tokens)
         self.job_id: int = int(handle.job_id)
         # a member already on the hot path (``JobEngine(e)`` is ~1 µs of Enum machinery per job)
         self.engine = engine if type(engine) is JobEngine else JobEngine(engine)
@@ -139,6 +144,7 @@ class Job:
             echo=echo,
             checksum=checksum,
             device_us=float(device_us),
+            step_tokens=self._h.step_tokens() if self.steps > 1 else None,
         )
         return self._result
 
@@ -333,6 +339,7 @@ class Calbin:
         positions: Sequence[int] | np.ndarray,
         valid: Sequence[bool] | np.ndarray,
         engine: JobEngine = JobEngine.PING,
+        steps: int = 1,
     ) -> Job:
         """Submit one decode step over the compiled batch (all arrays of length ``compiled_batch``).
 
@@ -340,6 +347,11 @@ class Calbin:
         the job completes ``INVALID`` and writes nothing. Invalid lanes never write KV; their logits
         rows are zeros, echo ``(job_id, -1, -1)``, checksum 0. Valid lanes must name distinct
         sequences. Logits ``[compiled_batch, vocab]``.
+
+        ``steps`` > 1 (C3-style, ``capabilities.multi_step``, sim-next only): ``steps`` greedy steps
+        in one job, each lane's argmax fed back as its next input (``positions[i] + steps <=
+        max_seq``); ``committed_len`` grows by ``steps``; the result's ``step_tokens`` holds the
+        tokens ``[compiled_batch, steps]``, its logits, echo and checksums the last step's.
         """
         b = self.spec.compiled_batch
         s = _i32("seq_ids", seq_ids, b)
@@ -348,8 +360,13 @@ class Calbin:
         v = np.ascontiguousarray(valid, dtype=np.uint8).reshape(-1)
         if v.shape[0] != b:
             raise InvalidArgument(f"valid: expected {b} entries (compiled_batch), got {v.shape[0]}", 1)
-        h = call(self._h.submit_decode, s, t, p, v, int(engine))
-        return Job(h, engine, self.chip)
+        if steps == 1:
+            return Job(call(self._h.submit_decode, s, t, p, v, int(engine)), engine, self.chip)
+        if not self._device.capabilities.multi_step:
+            raise NotSupported("steps: multi-step decode needs the runtime capability multi_step "
+                               "(C3-style, sim-next only)", 2)
+        return Job(call(self._h.submit_decode, s, t, p, v, int(engine), int(steps)), engine, self.chip,
+                   int(steps))
 
     def __repr__(self) -> str:
         return f"Calbin(id={self.calbin_id}, chip={self.chip}, B={self.spec.compiled_batch})"
@@ -377,7 +394,7 @@ class Device:
         # Properties of the build too: a runtime without calrt_calbin_share_kv lacks shared_kv, one
         # without calrt_job_create_prefill_all lacks prompt_logits, whatever its profile says.
         built: dict[str, Any] = {name: bool(caps.get(name, False))
-                                 for name in ("shared_kv", "prompt_logits")}
+                                 for name in ("shared_kv", "prompt_logits", "multi_step")}
         if any(getattr(self.capabilities, k) != v for k, v in built.items()):
             self.capabilities = dataclasses.replace(self.capabilities, **built)
         self.chips: int = int(caps["chips"])

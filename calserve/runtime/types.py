@@ -92,6 +92,9 @@ class RuntimeCapabilities:
     # a prefill can return every position's logits (submit_prefill(all_logits=True)): a prompt
     # scored in one job; C3-style (whether a calbin can output them is a vendor question), sim only
     prompt_logits: bool = False
+    # a decode job may run several greedy steps, each lane's argmax fed back on the device
+    # (submit_decode(steps=N)): the host's per-job work paid once per N tokens; C3-style, sim only
+    multi_step: bool = False
 
 
 RUNTIME_PROFILES: dict[str, RuntimeCapabilities] = {
@@ -112,6 +115,7 @@ RUNTIME_PROFILES: dict[str, RuntimeCapabilities] = {
         do_shift=True,
         shared_kv=True,
         prompt_logits=True,
+        multi_step=True,
     ),
 }
 
@@ -154,6 +158,9 @@ class JobResult:
     echo: np.ndarray  # int64 [lanes, 3]: (job_id, seq_id, position) per lane, as the device saw it
     checksum: np.ndarray  # uint64 [lanes]: checksum of each lane's logits row
     device_us: float  # measured time on the engine
+    # a multi-step decode (submit_decode(steps=N > 1)): int32 [lanes, N], lane l's token k the argmax
+    # of step k's logits; logits/echo/checksum are then the last step's. None for any other job.
+    step_tokens: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,6 +88,7 @@ class _Job:
     fault_lane: int
     epoch: int  # device reset epoch at submit
     result: JobResult | None = None
+    steps: int = 1  # a decode's greedy steps (multi_step): each lane's argmax fed back
 
 
 @dataclasses.dataclass(eq=False)
@@ -176,14 +177,23 @@ class FakeCalbin(BackendCalbin):
                 dur * 1e-6)
 
     def _decode_args(self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                     engine: JobEngine) -> tuple[Any, ...]:
+                     engine: JobEngine, steps: int = 1) -> tuple[Any, ...]:
         B = self.spec.compiled_batch
         if not (len(seq_ids) == len(tokens) == len(positions) == len(valid) == B):
             raise InvalidArgument(f"decode arrays must have length compiled_batch={B}")
+        if steps != 1:
+            if not self._dev.capabilities.multi_step:
+                raise NotSupported("steps: multi-step decode needs the multi_step capability")
+            if not 1 <= steps <= 64:
+                raise InvalidArgument(f"steps: {steps} not in [1, 64]")
+            for i in range(B):
+                if valid[i] and int(positions[i]) + steps > self.spec.max_seq:
+                    raise InvalidArgument(f"positions[{i}]: {int(positions[i])} + {steps} steps exceed "
+                                          f"max_seq={self.spec.max_seq}")
         new = [[int(tokens[i])] if valid[i] else [] for i in range(B)]
-        dur = self.timing.decode_step_us.get(B, 1000.0)
+        dur = self.timing.decode_step_us.get(B, 1000.0) * steps
         return (self, "decode", np.asarray(seq_ids), new, np.asarray(positions), np.asarray(valid), engine,
-                dur * 1e-6)
+                dur * 1e-6, steps)
 
     async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine,
                              all_logits: bool = False) -> JobTicket:
@@ -199,8 +209,9 @@ class FakeCalbin(BackendCalbin):
     async def submit_decode_wait(
         self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
         engine: JobEngine, timeout_s: float, after_submit: Callable[[], None] | None = None,
+        steps: int = 1,
     ) -> tuple[JobTicket, JobResult | None]:
-        return await self._submit_now_wait(self._decode_args(seq_ids, tokens, positions, valid, engine),
+        return await self._submit_now_wait(self._decode_args(seq_ids, tokens, positions, valid, engine, steps),
                                            timeout_s, after_submit)
 
     async def _submit_now_wait(self, args: tuple[Any, ...], timeout_s: float,
@@ -219,8 +230,9 @@ class FakeCalbin(BackendCalbin):
         positions: np.ndarray,
         valid: np.ndarray,
         engine: JobEngine,
+        steps: int = 1,
     ) -> JobTicket:
-        return await self._dev._submit(*self._decode_args(seq_ids, tokens, positions, valid, engine))
+        return await self._dev._submit(*self._decode_args(seq_ids, tokens, positions, valid, engine, steps))
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
         return await self._dev._wait(ticket.native, timeout_s)
@@ -259,6 +271,8 @@ class FakeCalbin(BackendCalbin):
             status = JobStatus.CCU_FAULT if job.fault is FaultKind.CCU_FAULT else JobStatus.DMA_UNKNOWN
         if job.kind == "prefill_all":  # one sequence, a lane per position
             return self._finish_all(job, status, logits, echo)
+        if job.steps > 1:
+            return self._finish_steps(job, status, logits, echo)
         if status is JobStatus.OK:
             for lane in range(B):
                 if not job.valid[lane]:
@@ -287,6 +301,38 @@ class FakeCalbin(BackendCalbin):
                 if seq is not None and job.valid[lane]:
                     seq.valid = False
         return _result(job, status, logits, echo)
+
+    def _finish_steps(self, job: _Job, status: JobStatus, logits: np.ndarray,
+                      echo: np.ndarray) -> JobResult:
+        """A multi-step decode: per valid lane ``steps`` steps, each step's argmax the next input
+        (what ``steps`` single-step jobs with the argmax fed back give); the last step's logits."""
+        B, S, V = len(job.seq_ids), job.steps, self.config.vocab_size
+        step_tokens = np.zeros((B, S), np.int32)
+        lanes = [lane for lane in range(B) if job.valid[lane]]
+        if status is JobStatus.OK:
+            for lane in lanes:
+                seq = self._seqs.get(int(job.seq_ids[lane]))
+                if seq is None or not seq.valid or seq.length != int(job.positions[lane]):
+                    status = JobStatus.INVALID
+                    break
+        if status is JobStatus.OK:
+            for lane in lanes:
+                seq = self._seqs[int(job.seq_ids[lane])]
+                h, tok = seq.hash, job.new_tokens[lane][0]
+                for k in range(S):
+                    h = _mix(h, tok)
+                    logits[lane] = fake_logits(h, V)
+                    tok = step_tokens[lane, k] = int(np.argmax(logits[lane]))
+                echo[lane, 1] = job.seq_ids[lane]
+                echo[lane, 2] = int(job.positions[lane]) + S - 1
+                seq.hash = h
+                seq.length += S
+        elif status in (JobStatus.CCU_FAULT, JobStatus.DMA_UNKNOWN):
+            for lane in lanes:
+                seq = self._seqs.get(int(job.seq_ids[lane]))
+                if seq is not None:
+                    seq.valid = False
+        return dataclasses.replace(_result(job, status, logits, echo), step_tokens=step_tokens)
 
     def _finish_all(self, job: _Job, status: JobStatus, logits: np.ndarray,
                     echo: np.ndarray) -> JobResult:
@@ -480,6 +526,7 @@ class FakeBackend:
         valid: np.ndarray,
         engine: JobEngine,
         duration_s: float,
+        steps: int = 1,
     ) -> JobTicket:
         """Queue a job without a checkpoint (the runtime's submit only queues, too)."""
         c = self._counts[engine]
@@ -505,7 +552,7 @@ class FakeBackend:
         self._engine_free_at[engine] = end
         job = _Job(
             self._next_job, engine, calbin, kind, seq_ids, new_tokens, positions, valid, now,
-            math.inf if fault is FaultKind.TIMEOUT else end, fault, fault_lane, self._epoch,
+            math.inf if fault is FaultKind.TIMEOUT else end, fault, fault_lane, self._epoch, steps=steps,
         )
         self._next_job += 1
         self._inflight[job.job_id] = job

@@ -54,6 +54,9 @@
  *   8. whether a calbin can return the logits of every prompt position of a prefill (the final norm +
  *      lm_head on all rows, n x vocab output) and with which output layout, so a host scores a whole
  *      prompt in one job (calrt-sim: calrt_job_create_prefill_all, capability prompt_logits);
+ *   9. whether a calbin can run several greedy decode steps in one job, feeding each lane's argmax back
+ *      as its next input on the device, and with which output layout (calrt-sim:
+ *      calrt_job_create_decode_steps, capability multi_step);
  *   plus: the output checksum algorithm and echo layout used here (4-way word-interleaved FNV-1a 64 over the float32 row).
  */
 #ifndef CALRT_H
@@ -141,6 +144,7 @@ typedef struct calrt_device_info {
   /* Last, so a runtime built against the header without it fills the fields before it alike (a caller
    * that zeroes the struct first then reads 0: absent). */
   int prompt_logits; /* C3-style, sim-next only: calrt_job_create_prefill_all */
+  int multi_step;    /* C3-style, sim-next only: calrt_job_create_decode_steps */
 } calrt_device_info;
 
 typedef struct calrt_counters {
@@ -374,6 +378,38 @@ calrt_status calrt_job_create_prefill_all(calrt_calbin *cb, int32_t seq_id, cons
 calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
                                      const int32_t *positions, const uint8_t *valid, int32_t lanes,
                                      calrt_job **out);
+
+/* ---- multi-step greedy decode (C3-style: sim-next only, NOT described as hardware-supported) ------
+ *
+ * calrt_job_create_decode_steps(..., steps, out): one job that runs `steps` decode steps over the same
+ * lanes. Step 0 is exactly calrt_job_create_decode's step (tokens[l] at positions[l]); each following
+ * step feeds every valid lane the argmax of its previous step's logits (the first index of the
+ * largest value; a NaN counts as the largest, as numpy's argmax does) at the next position. So each
+ * valid lane writes KV at positions[l] .. positions[l] + steps - 1 and yields `steps` tokens, the
+ * greedy continuation a host would get from `steps` single-step jobs, bitwise (the kernels' rows do
+ * not depend on the job's other rows). A host pays its per-job work (pick, submit, wait, verify) once
+ * per `steps` tokens of every lane.
+ *
+ *   - arguments: those of calrt_job_create_decode, plus steps in [1, CALRT_MAX_DECODE_STEPS] and
+ *     positions[l] + steps <= max_seq for each valid lane (else CALRT_E_INVALID_ARGUMENT naming it).
+ *   - KV commit: committed_len += steps for each valid lane, only when the job completes CALRT_JOB_OK
+ *     (a fault leaves every sequence of the job unknown, as for any job).
+ *   - outputs: the logits rows, echo and checksums are the LAST step's (echo position = positions[l] +
+ *     steps - 1); calrt_job_step_tokens gives the tokens, [lanes, steps] int32, lane l's token k being
+ *     the argmax of step k's logits (so its last one is the argmax of the returned row). Invalid lanes
+ *     and a job that did not complete OK: all zeros.
+ *   - timing model: steps x decode_step_us; an abort (reset) stops it between steps or inside one.
+ *   - capability: calrt_device_info.multi_step; without it CALRT_E_NOT_SUPPORTED (calrt-0.7.6).
+ * Vendor confirmation needed (spec §20, item 9 above): on-device argmax and token feedback, and the
+ * formal API and output layout for it. */
+#define CALRT_MAX_DECODE_STEPS 64
+calrt_status calrt_job_create_decode_steps(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
+                                           const int32_t *positions, const uint8_t *valid, int32_t lanes,
+                                           int32_t steps, calrt_job **out);
+/* The step tokens of a completed job of calrt_job_create_decode_steps: *tokens = [lanes, steps] int32
+ * (valid until calrt_job_release), *steps. INVALID_ARGUMENT for any other job or one not completed. */
+calrt_status calrt_job_step_tokens(calrt_job *job, const int32_t **tokens, int32_t *steps);
+
 int64_t calrt_job_id(const calrt_job *job);
 /* Submit to an engine. BUSY (queue full), FAULTED (chip needs reset / resetting), NEEDS_RECONFIGURE,
  * INVALID_ARGUMENT (already submitted), NOT_SUPPORTED (PONG without ping/pong). */

@@ -107,6 +107,7 @@ calrt_status calrt_device_open(const calrt_open_params *params, calrt_device **o
   d->info.do_shift = 1;
   d->info.shared_kv = next;
   d->info.prompt_logits = next; /* C3-style: calrt_job_create_prefill_all */
+  d->info.multi_step = next;    /* C3-style: calrt_job_create_decode_steps */
   d->info.device = params->device;
   snprintf(d->info.serial, sizeof d->info.serial, "calrt-sim-board-%d", (int)params->device);
   pthread_mutex_init(&d->mu, NULL);

@@ -39,6 +39,7 @@ static calrt_job *job_alloc(calrt_calbin *cb, job_kind kind, int32_t lanes, int3
   j->lanes = lanes;
   j->fault = -1;
   j->engine = -1;
+  j->steps = 1;
   pthread_mutex_init(&j->mu, NULL);
   sim_cond_init(&j->cond);
   return j;
@@ -48,7 +49,7 @@ static void job_free(calrt_job *j) {
   pthread_mutex_destroy(&j->mu);
   pthread_cond_destroy(&j->cond);
   free(j->tokens); free(j->seq_ids); free(j->positions); free(j->valid);
-  free(j->logits); free(j->echo); free(j->checksum); free(j);
+  free(j->logits); free(j->echo); free(j->checksum); free(j->step_tokens); free(j);
 }
 
 void calrt_job_release(calrt_job *job) {
@@ -100,11 +101,16 @@ calrt_status calrt_job_create_prefill_all(calrt_calbin *cb, int32_t seq_id, cons
   return create_prefill(cb, seq_id, tokens, n, 1, out);
 }
 
-calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
-                                     const int32_t *positions, const uint8_t *valid, int32_t lanes,
-                                     calrt_job **out) {
+static calrt_status create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
+                                  const int32_t *positions, const uint8_t *valid, int32_t lanes, int32_t steps,
+                                  calrt_job **out) {
   if (!cb || !seq_ids || !tokens || !positions || !valid || !out)
     return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin/arrays/out is NULL");
+  if (steps != 1 && !cb->dev->info.multi_step)
+    return sim_err(CALRT_E_NOT_SUPPORTED, "multi-step decode (several greedy steps in one job, C3) is not "
+                   "supported by runtime profile %s", cb->dev->info.profile);
+  if (steps < 1 || steps > CALRT_MAX_DECODE_STEPS)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "steps: %d not in [1, %d]", steps, CALRT_MAX_DECODE_STEPS);
   if (lanes != cb->p.compiled_batch)
     return sim_err(CALRT_E_INVALID_ARGUMENT, "lanes: %d != compiled_batch %d", lanes, cb->p.compiled_batch);
   int any = 0;
@@ -125,6 +131,9 @@ calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, c
     if (positions[l] < 0 || positions[l] >= cb->p.max_seq)
       return sim_err(CALRT_E_INVALID_ARGUMENT, "positions[%d]: %d not in [0, max_seq=%d)", l, positions[l],
                      cb->p.max_seq);
+    if (positions[l] > cb->p.max_seq - steps)
+      return sim_err(CALRT_E_INVALID_ARGUMENT, "positions[%d]: %d + %d steps exceed max_seq=%d", l,
+                     positions[l], steps, cb->p.max_seq);
     for (int32_t o = 0; o < l; o++)
       if (valid[o] && seq_ids[o] == seq_ids[l])
         return sim_err(CALRT_E_INVALID_ARGUMENT, "seq_ids[%d]: sequence %d already in lane %d", l, seq_ids[l], o);
@@ -132,6 +141,14 @@ calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, c
   if (!any) return sim_err(CALRT_E_INVALID_ARGUMENT, "valid: a decode job needs at least one valid lane");
   calrt_job *j = job_alloc(cb, JOB_DECODE, lanes, lanes);
   if (!j) return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+  if (steps > 1) {
+    j->step_tokens = calloc((size_t)lanes * (size_t)steps, sizeof(int32_t));
+    if (!j->step_tokens) {
+      job_free(j);
+      return sim_err(CALRT_E_HOST_OOM, "out of host memory");
+    }
+  }
+  j->steps = steps;
   for (int32_t l = 0; l < lanes; l++) {
     j->valid[l] = valid[l] ? 1 : 0;
     j->seq_ids[l] = valid[l] ? seq_ids[l] : -1;
@@ -141,6 +158,18 @@ calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, c
   j->n_tok = 1;
   *out = j;
   return CALRT_OK;
+}
+
+calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
+                                     const int32_t *positions, const uint8_t *valid, int32_t lanes,
+                                     calrt_job **out) {
+  return create_decode(cb, seq_ids, tokens, positions, valid, lanes, 1, out);
+}
+
+calrt_status calrt_job_create_decode_steps(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
+                                           const int32_t *positions, const uint8_t *valid, int32_t lanes,
+                                           int32_t steps, calrt_job **out) {
+  return create_decode(cb, seq_ids, tokens, positions, valid, lanes, steps, out);
 }
 
 /* ---- submit / wait ---- */
@@ -265,6 +294,19 @@ calrt_status calrt_job_result_get(calrt_job *job, calrt_job_result *out) {
   return CALRT_OK;
 }
 
+calrt_status calrt_job_step_tokens(calrt_job *job, const int32_t **tokens, int32_t *steps) {
+  if (!job || !tokens || !steps) return sim_err(CALRT_E_INVALID_ARGUMENT, "job/tokens/steps is NULL");
+  if (!job->step_tokens)
+    return sim_err(CALRT_E_INVALID_ARGUMENT, "job %lld is not a multi-step decode", (long long)job->id);
+  pthread_mutex_lock(&job->mu);
+  int d = job->done;
+  pthread_mutex_unlock(&job->mu);
+  if (!d) return sim_err(CALRT_E_INVALID_ARGUMENT, "job %lld has not completed", (long long)job->id);
+  *tokens = job->step_tokens;
+  *steps = job->steps;
+  return CALRT_OK;
+}
+
 /* ---- the engine worker ---- */
 
 /* Validate at execution (chip->mu held). Prefill: its position is the sequence's committed_len (a
@@ -286,7 +328,7 @@ static int validate_at_execution(calrt_job *j) {
   for (int32_t l = 0; l < seq_lanes; l++) { /* the job may write up to here (even if it then faults) */
     if (!j->valid[l]) continue;
     sim_seq *s = &cb->seqs[j->seq_ids[l]];
-    int32_t end = (j->kind == JOB_PREFILL ? j->positions[0] : j->positions[l]) + j->n_tok;
+    int32_t end = (j->kind == JOB_PREFILL ? j->positions[0] : j->positions[l]) + sim_job_kv_tokens(j);
     if (end > s->hwm) s->hwm = end;
   }
   return 1;
@@ -305,6 +347,7 @@ static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, doubl
   if (status != CALRT_JOB_OK) {
     memset(j->logits, 0, sizeof(float) * V * (size_t)j->lanes);
     memset(j->checksum, 0, sizeof(uint64_t) * (size_t)j->lanes);
+    if (j->step_tokens) memset(j->step_tokens, 0, sizeof(int32_t) * (size_t)j->lanes * (size_t)j->steps);
   }
   for (int32_t l = 0; l < j->lanes; l++) {
     j->echo[3 * l + 0] = j->id;
@@ -345,6 +388,41 @@ static void complete(sim_engine *e, calrt_job *j, calrt_job_status status, doubl
   calrt_job_release(j); /* the engine's reference */
 }
 
+/* The first index of the row's largest value, a NaN counting as the largest (numpy's argmax). */
+static int32_t argmax_row(const float *row, int32_t n) {
+  int32_t best = 0;
+  for (int32_t i = 0; i < n; i++) {
+    if (row[i] != row[i]) return i; /* NaN */
+    if (row[i] > row[best]) best = i;
+  }
+  return best;
+}
+
+/* A multi-step decode (calrt_job_create_decode_steps): `steps` forward passes over the valid lanes,
+ * each lane's argmax fed back as its next input at the next position. The lanes' positions and
+ * tokens are the job's inputs for the step being run; after the last step positions[] are the last
+ * step's (what the echo reports) and the logits rows the last step's. Returns what sim_forward does
+ * (0, 1 aborted, < 0 host OOM), stopping at the first step that does not return 0. */
+static int forward_steps(calrt_calbin *cb, calrt_job *j, int null, sim_pool *pool) {
+  const int32_t V = cb->m.vocab_size, S = j->steps;
+  for (int32_t k = 0; k < S; k++) {
+    if (k > 0) {
+      if (atomic_load(&j->abort)) return 1;
+      for (int32_t l = 0; l < j->lanes; l++)
+        if (j->valid[l]) {
+          j->tokens[l] = j->step_tokens[(size_t)l * (size_t)S + (size_t)(k - 1)];
+          j->positions[l] += 1;
+        }
+    }
+    int rc = sim_forward(cb, j, null, pool);
+    if (rc != 0) return rc;
+    for (int32_t l = 0; l < j->lanes; l++)
+      if (j->valid[l])
+        j->step_tokens[(size_t)l * (size_t)S + (size_t)k] = argmax_row(j->logits + (size_t)l * (size_t)V, V);
+  }
+  return 0;
+}
+
 /* Run queue[0] (chip->mu held; released during compute and modeled time). Returns its status.
  * *start_io: in, when this worker took the job; out, its modeled start on the device. *device_us:
  * how long the job had the device (see below; < 0: until now). */
@@ -372,7 +450,7 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
   struct timespec c0 = {0, 0}, c1 = {0, 0};
   if (d > 0) clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
   if (computes) atomic_fetch_add(&cb->dev->computing, 1);
-  int rc = sim_forward(cb, j, null, e->pool);
+  int rc = j->steps > 1 ? forward_steps(cb, j, null, e->pool) : sim_forward(cb, j, null, e->pool);
   if (computes) atomic_fetch_sub(&cb->dev->computing, 1);
   size_t V = (size_t)cb->m.vocab_size;
   for (int32_t l = 0; l < j->lanes; l++)
@@ -429,7 +507,7 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
     return CALRT_JOB_CCU_FAULT;
   }
   for (int32_t l = 0; l < sim_job_seq_lanes(j); l++) /* a prefill-all commits its n_tok tokens once */
-    if (j->valid[l]) cb->seqs[j->seq_ids[l]].len += j->n_tok;
+    if (j->valid[l]) cb->seqs[j->seq_ids[l]].len += sim_job_kv_tokens(j);
   if (j->fault == CALRT_SIM_FAULT_CROSSTALK) sim_apply_crosstalk(j, j->fault_lane);
   return CALRT_JOB_OK;
 }

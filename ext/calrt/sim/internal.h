@@ -204,6 +204,10 @@ struct calrt_job {
   int done;
   int submitted; /* job->mu */
   int32_t vocab;
+  /* A decode of calrt_job_create_decode_steps: `steps` steps (1 for any other job), the argmax of each
+   * step's logits per lane in step_tokens[lanes, steps] (NULL unless steps > 1). */
+  int32_t steps;
+  int32_t *step_tokens;
 };
 
 /* The lanes of a job that name its sequences, each a distinct one when valid: every lane of a decode,
@@ -211,6 +215,12 @@ struct calrt_job {
  * take its users, KV commit and the like n times). */
 static inline int32_t sim_job_seq_lanes(const struct calrt_job *j) {
   return j->kind == JOB_PREFILL ? 1 : j->lanes;
+}
+
+/* The KV positions a job writes (and commits, when it completes OK) per sequence: a prefill's tokens,
+ * a decode's steps. */
+static inline int32_t sim_job_kv_tokens(const struct calrt_job *j) {
+  return j->kind == JOB_PREFILL ? j->n_tok : j->steps;
 }
 
 /* errors.c-ish helpers (device.c) */

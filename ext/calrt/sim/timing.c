@@ -42,5 +42,5 @@ uint64_t sim_rng_next(uint64_t *state) {
 double sim_modeled_us(const calrt_calbin *cb, const calrt_job *job) {
   if (job->kind == JOB_PREFILL)
     return cb->t.prefill_base_us + (double)job->n_tok * cb->t.prefill_us_per_token;
-  return cb->t.decode_step_us;
+  return cb->t.decode_step_us * (double)job->steps;
 }
