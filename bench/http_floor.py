@@ -190,22 +190,35 @@ def server_config() -> dict[str, Any]:
     return cfg
 
 
-def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
+def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8) -> dict[str, Any]:
     """calserve with its defaults (adaptive grouping: several tokens per event while the serving
     thread is saturated, which it is here) and with grouping off (one event per token), each against
-    the floor streaming events of the size calserve's had under this load."""
+    the floor streaming events of the size calserve's had under this load; then both again with
+    ``scheduler.batch.multi_step`` (this load is greedy: up to that many device steps a decode
+    job, the runtime's multi_step capability) where this calserve has it (0: not run)."""
     dur = 4.0 if quick else 8.0
     cfg = server_config()
-    from calserve.config import ServerConfig
+    from calserve.config import BatchConfig, ServerConfig
     variants: dict[str, dict[str, Any]] = {"calserve": {}}
+    batch_over: dict[str, dict[str, Any]] = {}
     if "stream_busy_interval_ms" in ServerConfig.__struct_fields__:
         variants["calserve_ungrouped"] = {"stream_busy_interval_ms": 0}
+    if multi_step > 1 and "multi_step" in BatchConfig.__struct_fields__:
+        variants["calserve_multi_step"] = {}
+        batch_over["calserve_multi_step"] = {"multi_step": multi_step}
+        if "calserve_ungrouped" in variants:
+            variants["calserve_multi_step_ungrouped"] = variants["calserve_ungrouped"]
+            batch_over["calserve_multi_step_ungrouped"] = {"multi_step": multi_step}
     if stream_interval_ms:  # what-if: a fixed interval
         variants[f"calserve_interval_{stream_interval_ms}ms"] = {"stream_interval_ms": stream_interval_ms}
     doc: dict[str, Any] = {"concurrency": CONCURRENCY, "variants": {}}
     floors: dict[tuple[int, float, float], dict[str, Any]] = {}
     for name, server in variants.items():
         vcfg = {**cfg, "server": server} if server else cfg
+        if name in batch_over:
+            sched = dict(vcfg["scheduler"])
+            sched["batch"] = {**sched["batch"], **batch_over[name]}
+            vcfg = {**vcfg, "scheduler": sched}
         with Server.calserve(vcfg, out / f"server-{name}") as srv:
             cal = _measure(srv, out / name, dur)
         size = max(64, round(cal["event_bytes"]))
@@ -222,7 +235,7 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0) -> dict[str, Any]:
                 floors[key] = _floor(out, key[0], dur, key[1], key[2])
         flo, same, paced = floors[(size, 1.0, 0.0)], floors[(size, tpe, 0.0)], floors[(size, tpe, rate)]
         doc["variants"][name] = {
-            "server": server, "calserve": cal, "floor_event_bytes": size,
+            "server": server, "batch": batch_over.get(name, {}), "calserve": cal, "floor_event_bytes": size,
             "floor_us_per_event": flo["us_per_event"],
             "ratio_per_event": cal["us_per_event"] / flo["us_per_event"],
             "ratio_per_token": cal["us_per_token"] / flo["us_per_token"],
@@ -267,9 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=BENCH_OUT / "http-floor")
     ap.add_argument("--stream-interval-ms", type=int, default=0,
                     help="also run calserve with a fixed server.stream_interval_ms (what-if)")
+    ap.add_argument("--multi-step", type=int, default=8,
+                    help="also run calserve with scheduler.batch.multi_step N (0: not)")
     a = ap.parse_args(argv)
     pin_self(1)
-    doc = run(a.out, a.quick, a.stream_interval_ms)
+    doc = run(a.out, a.quick, a.stream_interval_ms, a.multi_step)
     write_json(a.out / "summary.json", {"scenario": "http-floor", **doc})
     print(json.dumps(doc, indent=1))
     return 0

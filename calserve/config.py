@@ -136,6 +136,15 @@ class BatchConfig(_Strict):
     # and 0, score by teacher forcing (a decode step per prompt token). The scores are computed
     # on the event loop at once: ~41 ms at the default on a 2-vCPU box (README)
     prompt_logits_max_bytes: NonNeg = 32 << 20
+    # Extension (runtime capability multi_step, C3-style, sim-next only; 1 = off, and always off
+    # without the capability): a decode job whose lanes are all plain greedy (temperature 0, no
+    # logprobs, no logits processor, not scoring a prompt) runs up to this many steps on the
+    # device, each lane's argmax fed back, capped by every lane's remaining max_tokens and KV
+    # reservation. The host's per-job work (pick, submit, wait, verify, commit) is paid once per
+    # N tokens of each lane; a lane that stops on EOS or a stop token inside the job drops the
+    # steps after it (device work wasted, never shown). Costs: a stream's tokens arrive N at a
+    # time, a cancel, deadline or stop string takes effect after up to N steps.
+    multi_step: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 class DegradeConfig(_Strict):

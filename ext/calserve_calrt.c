@@ -34,7 +34,7 @@ typedef calrt_status (*prefill_all_fn)(calrt_calbin *, int32_t, const int32_t *,
 static prefill_all_fn p_prefill_all;
 /* C3-style calrt.h extension (multi-step greedy decode): optional likewise (both entry points). */
 typedef calrt_status (*decode_steps_fn)(calrt_calbin *, const int32_t *, const int32_t *, const int32_t *,
-                                        const uint8_t *, int32_t, int32_t, calrt_job **);
+                                        const uint8_t *, int32_t, int32_t, const int32_t *, calrt_job **);
 typedef calrt_status (*step_tokens_fn)(calrt_job *, const int32_t **, int32_t *);
 static decode_steps_fn p_decode_steps;
 static step_tokens_fn p_step_tokens;
@@ -645,12 +645,13 @@ static PyObject *Calbin_submit_prefill_all(CalbinObject *self, PyObject *args) {
   return submit_prefill(self, args, 1);
 }
 
-/* submit_decode(seq_ids, tokens, positions, valid, engine[, steps]): steps > 1 is a multi-step greedy
- * decode (calrt_job_create_decode_steps, C3-style). */
+/* submit_decode(seq_ids, tokens, positions, valid, engine[, steps[, lane_steps]]): steps > 1 is a
+ * multi-step greedy decode (calrt_job_create_decode_steps, C3-style), lane_steps (int32 per lane, or
+ * None: every lane `steps`) its lanes' own step counts. */
 static PyObject *Calbin_submit_decode(CalbinObject *self, PyObject *args) {
-  PyObject *so, *to, *po, *vo;
+  PyObject *so, *to, *po, *vo, *lo = Py_None;
   int engine, steps = 1;
-  if (!PyArg_ParseTuple(args, "OOOOi|i", &so, &to, &po, &vo, &engine, &steps)) return NULL;
+  if (!PyArg_ParseTuple(args, "OOOOi|iO", &so, &to, &po, &vo, &engine, &steps, &lo)) return NULL;
   NEED_CB(self);
   if (steps != 1 && !p_decode_steps)
     return raise_code(CALRT_E_NOT_SUPPORTED, "submit_decode: multi-step decode (calrt_job_create_decode_steps, "
@@ -663,18 +664,29 @@ static PyObject *Calbin_submit_decode(CalbinObject *self, PyObject *args) {
     PyBuffer_Release(&bs); PyBuffer_Release(&bt); PyBuffer_Release(&bp);
     return NULL;
   }
+  Py_buffer bl = {0};
+  const int have_ls = lo != Py_None;
+  if (have_ls && (as_i32(lo, &bl, self->lanes, "lane_steps") < 0 || bl.itemsize != 4)) {
+    if (!PyErr_Occurred()) {
+      PyBuffer_Release(&bl);
+      PyErr_SetString(PyExc_TypeError, "lane_steps: wrong dtype/length");
+    }
+    PyBuffer_Release(&bs); PyBuffer_Release(&bt); PyBuffer_Release(&bp); PyBuffer_Release(&bv);
+    return NULL;
+  }
   calrt_job *job = NULL;
   calrt_status st;
   char msg[256];
   Py_BEGIN_ALLOW_THREADS st = steps == 1 ? calrt_job_create_decode(self->cb, bs.buf, bt.buf, bp.buf, bv.buf,
                                                                     self->lanes, &job)
                                          : p_decode_steps(self->cb, bs.buf, bt.buf, bp.buf, bv.buf, self->lanes,
-                                                          steps, &job);
+                                                          steps, have_ls ? bl.buf : NULL, &job);
   snprintf(msg, sizeof msg, "%s", calrt_last_error());
   Py_END_ALLOW_THREADS PyBuffer_Release(&bs);
   PyBuffer_Release(&bt);
   PyBuffer_Release(&bp);
   PyBuffer_Release(&bv);
+  if (have_ls) PyBuffer_Release(&bl);
   if (st) return raise_code(st, msg);
   return submit_job(self, job, engine);
 }

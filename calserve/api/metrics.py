@@ -108,6 +108,8 @@ class EngineCollector(Collector):
         yield _labelled(C, "calserve_batches", "Decode batches run by compiled batch size", "compiled_batch", s.batches_total)
         yield _labelled(C, "calserve_batch_lanes_active", "Active lanes summed over batches", "compiled_batch", s.lanes_active_total)
         yield _labelled(C, "calserve_batch_lanes", "Compiled lanes summed over batches", "compiled_batch", s.lanes_total)
+        yield _labelled(C, "calserve_decode_steps", "Device steps run by decode batches (multi-step decode: "
+                        "several a batch)", "compiled_batch", s.decode_steps_total)
         fill = G("calserve_batch_fill_ratio", "Active / compiled lanes over all batches", labels=["compiled_batch"])
         waste = C("calserve_batch_lane_waste", "Inactive (wasted) lanes summed over batches", labels=["compiled_batch"])
         for b, total in sorted(s.lanes_total.items()):

@@ -172,12 +172,17 @@ class KvLaneManager:
         rec.pending = 0
         self._tokens_committed += n
 
-    def begin_decode(self, lanes: list[int], positions: list[int]) -> None:
-        """:meth:`begin_update` of one token for each ``lanes[k]`` at ``positions[k]``, in that
-        order (a decode batch's lanes: one call per batch, the same checks and moves per lane)."""
+    def begin_decode(self, lanes: list[int], positions: list[int], n: int | list[int] = 1) -> None:
+        """:meth:`begin_update` of ``n`` tokens (a multi-step decode's steps: one figure, or one per
+        lane; 1 by default) for each ``lanes[k]`` at ``positions[k]``, in that order (a decode
+        batch's lanes: one call per batch, the same checks and moves per lane)."""
         recs = self._lanes
         num = self.num_lanes
-        for lane, position in zip(lanes, positions, strict=True):
+        ns = [n] * len(lanes) if type(n) is int else n
+        assert isinstance(ns, list)
+        for lane, position, n in zip(lanes, positions, ns, strict=True):
+            if n < 1:
+                raise ValueError(f"lane {lane}: n must be >= 1")
             if not 0 <= lane < num:
                 raise ValueError(f"lane {lane} out of range 0..{num - 1}")
             rec = recs[lane]
@@ -185,29 +190,31 @@ class KvLaneManager:
                 raise IllegalTransition("kv", rec.state, KvEvent.BEGIN_UPDATE)
             if position != rec.committed_len:
                 raise ValueError(f"lane {lane}: position {position} != committed_len {rec.committed_len}")
-            if rec.committed_len + 1 > rec.reserved_len:
-                raise ValueError(f"lane {lane}: writing 1 tokens at {position} exceeds reserved_len "
+            if rec.committed_len + n > rec.reserved_len:
+                raise ValueError(f"lane {lane}: writing {n} tokens at {position} exceeds reserved_len "
                                  f"{rec.reserved_len}")
             rec.state = _BEGIN_UPDATE_TO
-            rec.pending = 1
+            rec.pending = n
 
-    def commit_decode(self, lanes: list[int]) -> None:
-        """:meth:`commit` of one token for each of ``lanes``, in that order (one call per decode
-        batch, the same checks and moves per lane)."""
+    def commit_decode(self, lanes: list[int], n: int | list[int] = 1) -> None:
+        """:meth:`commit` of ``n`` tokens (one figure, or one per lane) for each of ``lanes``, in
+        that order (one call per decode batch, the same checks and moves per lane)."""
         recs = self._lanes
         num = self.num_lanes
-        for lane in lanes:
+        ns = [n] * len(lanes) if type(n) is int else n
+        assert isinstance(ns, list)
+        for lane, n in zip(lanes, ns, strict=True):
             if not 0 <= lane < num:
                 raise ValueError(f"lane {lane} out of range 0..{num - 1}")
             rec = recs[lane]
             if rec.state is not _UPDATING:
                 raise IllegalTransition("kv", rec.state, KvEvent.COMMIT)
-            if rec.pending < 1:
-                raise ValueError(f"lane {lane}: commit of 1 tokens but {rec.pending} were submitted")
+            if rec.pending != n:
+                raise ValueError(f"lane {lane}: commit of {n} tokens but {rec.pending} were submitted")
             rec.state = _COMMIT_TO
-            rec.committed_len += 1
+            rec.committed_len += n
             rec.pending = 0
-            self._tokens_committed += 1
+            self._tokens_committed += n
 
     def rollback(self, lane: int) -> None:
         """Updating -> Active when the job was refused before running (nothing written)."""

@@ -115,9 +115,11 @@ class BackendCalbin(Protocol):
         valid: np.ndarray,
         engine: JobEngine,
         steps: int = 1,
+        lane_steps: np.ndarray | None = None,
     ) -> JobTicket:
-        """``steps`` > 1 (``capabilities.multi_step``): that many greedy steps in one job, the
-        result's ``step_tokens`` the tokens ``[lanes, steps]`` (runtime ``Calbin.submit_decode``)."""
+        """``steps`` > 1 (``capabilities.multi_step``): that many greedy steps in one job (lane
+        ``i`` only ``lane_steps[i]`` of them when given), the result's ``step_tokens`` the tokens
+        ``[lanes, steps]`` (runtime ``Calbin.submit_decode``)."""
         ...
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None: ...
@@ -132,6 +134,7 @@ class BackendCalbin(Protocol):
         timeout_s: float,
         after_submit: Callable[[], None] | None = None,
         steps: int = 1,
+        lane_steps: np.ndarray | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         """Submit + first wait in one device round trip (the hot path: one thread hop per step).
 
@@ -139,7 +142,7 @@ class BackendCalbin(Protocol):
         overlaps the device step). The body is the default for implementations that subclass this
         protocol explicitly (the fake device: plain ``submit_decode`` then ``wait``);
         :class:`_RuntimeCalbin` overrides it with its inline-submit hot path."""
-        t = await self.submit_decode(seq_ids, tokens, positions, valid, engine, steps)
+        t = await self.submit_decode(seq_ids, tokens, positions, valid, engine, steps, lane_steps)
         if after_submit is not None:
             after_submit()
         return t, await self.wait(t, timeout_s)
@@ -274,8 +277,10 @@ class _RuntimeCalbin:
         valid: np.ndarray,
         engine: JobEngine,
         steps: int = 1,
+        lane_steps: np.ndarray | None = None,
     ) -> JobTicket:
-        job = await self._t.run(self._c.submit_decode, seq_ids, tokens, positions, valid, engine, steps)
+        job = await self._t.run(self._c.submit_decode, seq_ids, tokens, positions, valid, engine, steps,
+                                lane_steps)
         return _ticket(job, engine)
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
@@ -294,13 +299,14 @@ class _RuntimeCalbin:
         timeout_s: float,
         after_submit: Callable[[], None] | None = None,
         steps: int = 1,
+        lane_steps: np.ndarray | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         # Submit inline: it only queues the job (DeviceBusy when the queue is full, never blocks), so
         # the device starts now instead of after a GIL hand-over to a worker thread; the blocking
         # wait runs on the engine's thread. Nothing between submit and wait can be cancelled.
         if self._faults is not None:
             self._faults.before_submit(engine, valid)
-        job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine, steps)
+        job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine, steps, lane_steps)
         return await self._wait_hot(job, engine, timeout_s, after_submit)
 
     async def _wait_hot(self, job: Any, engine: JobEngine, timeout_s: float,

@@ -2,7 +2,9 @@
 
 Spec §8: a decode batch is laid out for one compiled profile (``core.decode.build_decode_batch``
 with the fair lane order); a prefill runs one request's prompt; the continuation (the same
-sequences again, positions + 1) is built from the previous job without the candidate machinery.
+sequences again, at their next positions) is built from the previous job without the candidate
+machinery. A decode job runs :meth:`JobBuilder.decode_steps` greedy steps on the device (runtime
+capability multi_step: more than one when every lane allows it, see that method).
 Building a job changes no scheduling state except where a method says so (``decode_job`` takes the
 chosen sequences out of the ready set and opens their KV transactions); the core records the rest.
 """
@@ -24,13 +26,45 @@ from calserve.core.decode import (
     build_decode_batch,
     select_profile,
 )
+from operator import attrgetter
+
 from calserve.engine.batch_fast import single_tenant_lanes
 from calserve.engine.state import DeviceJob, Seq
 
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation
 
-__all__ = ["JobBuilder", "BatchStats"]
+__all__ = ["JobBuilder", "BatchStats", "decode_steps"]
+
+_PLAIN_GREEDY = attrgetter("req.sampling.plain_greedy")
+
+
+def decode_steps(limit: int, seqs: Sequence[Seq], positions: Sequence[int] | None = None,
+                 pending: int | Sequence[int] = 0) -> tuple[int, list[int] | None]:
+    """The greedy steps a decode job over ``seqs`` runs, and each sequence's own (None: all the
+    job's). One step unless ``limit`` > 1 (the generation's ``multi_step``) and every sequence is
+    plain greedy (nothing but the argmax decides its tokens, so the device's argmax is the
+    host's) and not scoring its prompt; then each sequence runs the least of ``limit``, its
+    remaining tokens (``max_tokens``) and its KV reservation's room, and the job the most of
+    those: no sequence's steps pass a length limit, so one ends inside a job only on EOS or a stop
+    token. ``positions`` (default: each ``Seq.position``) and ``pending`` (tokens a sequence has
+    produced that its bookkeeping has not counted yet, one figure or one per sequence): the fast
+    path builds the next job before the completion's bookkeeping, with the positions and token
+    counts after it."""
+    if limit <= 1 or not all(map(_PLAIN_GREEDY, seqs)):
+        return 1, None
+    per: list[int] = []
+    for i, s in enumerate(seqs):
+        if s.score_upto is not None:
+            return 1, None
+        left = s.req.sampling.max_tokens - s.generated - (pending if isinstance(pending, int) else pending[i])
+        room = s.lease.reserved_len - (s.position if positions is None else positions[i])
+        n = min(limit, left, room)
+        per.append(n if n > 1 else 1)
+    steps = max(per)
+    if steps == 1:
+        return 1, None
+    return steps, (None if min(per) == steps else per)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +75,7 @@ class BatchStats:
     prefill_jobs_total: int
     batch_wait_s_total: float  # summed time sequences waited in the ready set before a batch
     continuations_total: int  # decode jobs built by the continuation shortcut
+    decode_steps_total: dict[int, int]  # greedy steps those decode jobs ran (multi-step: > jobs)
 
 
 class JobBuilder:
@@ -51,6 +86,7 @@ class JobBuilder:
         self.batches_total: dict[int, int] = collections.Counter()
         self.lanes_active_total: dict[int, int] = collections.Counter()
         self.lanes_total: dict[int, int] = collections.Counter()
+        self.decode_steps_total: dict[int, int] = collections.Counter()
         self.prefill_jobs_total = 0
         self.batch_wait_s_total = 0.0
         self.continuations_total = 0
@@ -125,11 +161,14 @@ class JobBuilder:
                 continue
             seq = ready.pop(c.request_id)
             seq.passed_over = 0
-            gen.kv.begin_update(seq.lease.lane, seq.position, 1)
             wait += now - seq.ready_since
             lanes.append(seq)
+        chosen = [s for s in lanes if s is not None]
+        steps, per = decode_steps(gen.multi_step, chosen)
+        for k, seq in enumerate(chosen):
+            gen.kv.begin_update(seq.lease.lane, seq.position, steps if per is None else per[k])
         job = self._decode_job(gen, B, lanes, batch.token_ids, batch.positions, batch.valid_mask,
-                               batch.seq_ids, now)
+                               batch.seq_ids, now, steps, per)
         self.batch_wait_s_total += wait
         self.record_decode(job)
         return job, list(batch.skipped)
@@ -147,8 +186,9 @@ class JobBuilder:
             seq.passed_over = 0
             wait += now - seq.ready_since
         positions = [s.position for s in chosen]
+        steps, per = decode_steps(gen.multi_step, chosen)
         # every chosen lane's KV transaction opens, in lane order (begin_update per lane, one call)
-        gen.kv.begin_decode([s.lease.lane for s in chosen], positions)
+        gen.kv.begin_decode([s.lease.lane for s in chosen], positions, steps if per is None else per)
         sids = [-1 if s.seq_id is None else s.seq_id for s in chosen]
         # One int32 [3, B] array, its rows (contiguous views) are the job's tensors.
         host = np.array(([s.last_token for s in chosen] + [profile.inactive_token_id] * fill,
@@ -156,7 +196,12 @@ class JobBuilder:
                         np.int32)
         job = DeviceJob("decode", gen, [*chosen, *([None] * fill)], host[0], host[1],
                         self._valid(B, n), now, seq_ids=host[2], calbin=gen.calbins[B])
-        job.expect = list(zip(sids, positions))  # active == 0..n-1: the chosen lanes
+        if steps > 1:
+            job.steps = steps  # the device echoes each lane's last step's position
+            job.seq_steps = per
+            job.expect = [(sid, p + n - 1) for sid, p, n in zip(sids, positions, per or [steps] * n)]
+        else:
+            job.expect = list(zip(sids, positions))  # active == 0..n-1: the chosen lanes
         self.batch_wait_s_total += wait
         self.record_decode(job)
         return job, why  # every sequence left in ready was skipped for ``why``
@@ -185,25 +230,36 @@ class JobBuilder:
             return None
         return B
 
-    def continuation(self, done: DeviceJob, tokens: list[int], positions: list[int], now: float
-                     ) -> DeviceJob:
+    def continuation(self, done: DeviceJob, tokens: list[int], positions: list[int], now: float,
+                     pending: int | list[int] = 0) -> DeviceJob:
         """The job that runs ``done``'s sequences again in the same lanes with ``tokens`` at
         ``positions`` (one per sequence, in lane order); after a prefill, its sequence's first decode
         step in lane 0 of the profile :meth:`next_profile` picks (what the batch builder lays out
-        for one candidate). Changes no state: the core commits it."""
+        for one candidate). ``pending``: tokens of ``done`` not counted yet (:func:`decode_steps`).
+        Changes no state: the core commits it."""
+        steps, per = decode_steps(done.gen.multi_step, done.seqs, positions, pending)
         if done.kind == "prefill":
-            return self._first_decode_job(done, tokens[0], positions[0], now)
-        expect = [(sid, p) for (sid, _), p in zip(done.expect, positions, strict=True)]
+            return self._first_decode_job(done, tokens[0], positions[0], now, steps)
+        if per is None:
+            last = steps - 1
+            expect = [(sid, p + last) for (sid, _), p in zip(done.expect, positions, strict=True)]
+        else:
+            expect = [(sid, p + n - 1) for (sid, _), p, n in zip(done.expect, positions, per, strict=True)]
         if len(tokens) == len(done.lanes):  # every lane active (in lane order): no filler lanes
-            return done.successor(np.array(tokens, np.int32), np.array(positions, np.int32), now, expect)
-        toks = done.tokens.tolist()  # inactive lanes keep the declared filler token/position
-        pos = done.positions.tolist()
-        for i, t, p in zip(done.active, tokens, positions, strict=True):
-            toks[i] = t
-            pos[i] = p
-        return done.successor(np.array(toks, np.int32), np.array(pos, np.int32), now, expect)
+            job = done.successor(np.array(tokens, np.int32), np.array(positions, np.int32), now, expect)
+        else:
+            toks = done.tokens.tolist()  # inactive lanes keep the declared filler token/position
+            pos = done.positions.tolist()
+            for i, t, p in zip(done.active, tokens, positions, strict=True):
+                toks[i] = t
+                pos[i] = p
+            job = done.successor(np.array(toks, np.int32), np.array(pos, np.int32), now, expect)
+        job.steps = steps
+        job.seq_steps = per
+        return job
 
-    def _first_decode_job(self, done: DeviceJob, token: int, position: int, now: float) -> DeviceJob:
+    def _first_decode_job(self, done: DeviceJob, token: int, position: int, now: float,
+                          steps: int = 1) -> DeviceJob:
         gen = done.gen
         B = self.next_profile(done)
         assert B is not None
@@ -214,19 +270,22 @@ class JobBuilder:
         return self._decode_job(
             gen, B, [seq, *([None] * fill)], [token] + [profile.inactive_token_id] * fill,
             [position] + [profile.inactive_position] * fill, [1] + [0] * fill, [sid] + [-1] * fill,
-            now)
+            now, steps)
 
     def _decode_job(
         self, gen: Generation, B: int, lanes: list[Seq | None], token_ids: Sequence[int],
         positions: Sequence[int], valid: Sequence[int], seq_ids: Sequence[int], created: float,
+        steps: int = 1, per: list[int] | None = None,
     ) -> DeviceJob:
         """A decode job over ``B`` lanes (inactive ones: None, with the profile's filler token and
-        position) on the generation's member for ``B``; changes no scheduling state."""
+        position) on the generation's member for ``B``, running ``steps`` greedy steps (each active
+        lane its ``per`` entry of them, when given); changes no scheduling state."""
         # One int32 [3, B] array, its rows (contiguous views) are the job's tensors.
         host = np.array((token_ids, positions, seq_ids), np.int32)
         job = DeviceJob("decode", gen, lanes, host[0], host[1], np.asarray(valid, np.uint8), created,
-                        seq_ids=host[2], calbin=gen.calbins[B])
-        job.expect = [(seq_ids[i], positions[i]) for i in job.active]
+                        seq_ids=host[2], calbin=gen.calbins[B], steps=steps, seq_steps=per)
+        ns = per or [steps] * len(job.active)
+        job.expect = [(seq_ids[i], positions[i] + n - 1) for i, n in zip(job.active, ns)]
         return job
 
     def record_decode(self, job: DeviceJob) -> None:
@@ -235,8 +294,9 @@ class JobBuilder:
         self.batches_total[B] += 1
         self.lanes_active_total[B] += len(job.seqs)
         self.lanes_total[B] += B
+        self.decode_steps_total[B] += job.steps
 
     def statistics(self) -> BatchStats:
         return BatchStats(dict(self.batches_total), dict(self.lanes_active_total),
                           dict(self.lanes_total), self.prefill_jobs_total, self.batch_wait_s_total,
-                          self.continuations_total)
+                          self.continuations_total, dict(self.decode_steps_total))

@@ -17,7 +17,7 @@ from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch, s
 from calserve.engine.state import DeviceJob, Seq
 from calserve.engine.types import FinishReason, TokenLogprob
 
-__all__ = ["SAMPLE_FAILED", "ends", "expect", "out_lanes", "sample"]
+__all__ = ["SAMPLE_FAILED", "Sampled", "ends", "expect", "out_lanes", "sample", "step_rows"]
 
 log = logging.getLogger("calserve.engine.completion")
 
@@ -56,6 +56,33 @@ def expect(job: DeviceJob) -> list[tuple[int, int]]:
     if job.all_logits:
         return [(s.seq_id, s.position + i) for i in range(len(job.tokens))]
     return [(s.seq_id, s.position + len(job.tokens) - 1)]
+
+
+def step_rows(job: DeviceJob, logits: np.ndarray, step_tokens: np.ndarray | None) -> list[list[int]] | None:
+    """The tokens of a multi-step decode (``job.steps`` > 1), a list per active lane in lane order
+    (each as long as its steps: ``job.seq_steps``); None when the result has no such tokens or a
+    lane's last one is not the argmax of the logits row it returned (the device's argmax checked
+    against the host's on the row the checksum covers: an output the host cannot trust, handled as
+    crosstalk)."""
+    if step_tokens is None or step_tokens.ndim != 2 or step_tokens.shape[1] != job.steps:
+        return None
+    active = job.active
+    n = len(active)
+    if active[-1] == n - 1:  # ascending: a contiguous prefix is a view
+        toks, rows = step_tokens[:n], logits[:n]
+    else:
+        toks, rows = step_tokens[active], logits[active]
+    per = job.seq_steps
+    if per is None:
+        last = toks[:, -1]
+    else:
+        last = toks[np.arange(n), np.array(per) - 1]
+    if not np.array_equal(last, rows.argmax(axis=1)):
+        return None
+    out: list[list[int]] = toks.tolist()
+    if per is not None:
+        out = [r[:k] for r, k in zip(out, per, strict=True)]
+    return out
 
 
 def out_lanes(job: DeviceJob) -> list[int]:

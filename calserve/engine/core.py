@@ -37,7 +37,7 @@ from calserve.config import CalserveConfig
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.model_state import TRANSITIONS, ModelEvent, ModelState, is_loading
 from calserve.engine.batches import JobBuilder
-from calserve.engine.completion import SAMPLE_FAILED, ends, expect, sample
+from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample, step_rows
 from calserve.engine.core_stats import CoreState, CoreStatistics, CoreStats, FastStep
 from calserve.engine.parking import Parking
 from calserve.engine.planner import Planner
@@ -261,17 +261,36 @@ class EngineCore:
         if job.calbin.verify_lanes(r, job.job_id, job.active, expect(job)):
             return None  # crosstalk: _complete counts and reports it
         seqs = job.seqs
-        sampled = sample(job, seqs, r.logits)
-        tokens = sampled[0]
         eos = job.gen.source.eos_token_ids
-        n_new = len(job.tokens) if job.kind == "prefill" else 1
-        for tok, s in zip(tokens, seqs, strict=True):
-            if tok == SAMPLE_FAILED or ends(s, tok, s.generated + 1, s.position + n_new, now,
-                                            eos) is not None:
-                return FastStep(engine, job, outcome, None, sampled, now)
+        if job.steps > 1:  # a multi-step decode: every token of every lane against the finish rule
+            rows = step_rows(job, r.logits, r.step_tokens)
+            if rows is None:
+                return None  # not to be trusted: the general path's check reports it
+            tokens = [toks[-1] for toks in rows]
+            sampled: Sampled = (tokens, [None] * len(seqs))
+            for toks, s in zip(rows, seqs, strict=True):
+                g, p = s.generated, s.position
+                for tok in toks:
+                    g += 1
+                    p += 1
+                    if ends(s, tok, g, p, now, eos) is not None:
+                        return FastStep(engine, job, outcome, None, sampled, now)
+            counts = [len(toks) for toks in rows]
+            pending: int | list[int] = counts
+            positions = [s.position + n for s, n in zip(seqs, counts, strict=True)]
+        else:
+            sampled = sample(job, seqs, r.logits)
+            tokens = sampled[0]
+            n_new = len(job.tokens) if job.kind == "prefill" else 1
+            pending = 1
+            for tok, s in zip(tokens, seqs, strict=True):
+                if tok == SAMPLE_FAILED or ends(s, tok, s.generated + 1, s.position + n_new, now,
+                                                eos) is not None:
+                    return FastStep(engine, job, outcome, None, sampled, now)
+            positions = [s.position + n_new for s in seqs]
         nxt: DeviceJob | None
         if cont:
-            nxt = self.builder.continuation(job, tokens, [s.position + n_new for s in seqs], now)
+            nxt = self.builder.continuation(job, tokens, positions, now, pending)
         else:
             nxt = self.rotation.next(engine, job, now)
             if nxt is None:  # the pass decides, with the tokens drawn already
@@ -397,7 +416,7 @@ class EngineCore:
             queue_oldest_wait_s=oldest, batches_total=b.batches_total,
             lanes_active_total=b.lanes_active_total, lanes_total=b.lanes_total,
             prefill_jobs_total=b.prefill_jobs_total, batch_wait_s_total=b.batch_wait_s_total,
-            continuations_total=b.continuations_total,
+            continuations_total=b.continuations_total, decode_steps_total=b.decode_steps_total,
             kv_free_seconds_total=self.requests.kv_free_seconds_total, passes=st.passes,
             starvation_events_total=st.starvation_events_total, crosstalk_total=st.crosstalk_total,
             stale_total=st.stale_total, requeued_busy=st.requeued_busy,

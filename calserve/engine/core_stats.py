@@ -69,6 +69,7 @@ class CoreStatistics:
     prefill_jobs_total: int
     batch_wait_s_total: float
     continuations_total: int
+    decode_steps_total: dict[int, int]
     kv_free_seconds_total: float
     passes: int
     starvation_events_total: int

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import trio
 
 from calserve.engine.backend import BackendCalbin, JobTicket
@@ -190,10 +191,14 @@ class DeviceExecutor:
             return await cb.submit_prefill_wait(seq.seq_id, job.tokens, self.engine, timeout,
                                                 after_submit=after, all_logits=job.all_logits)
         assert job.seq_ids is not None
+        lane_steps = None
+        if job.seq_steps is not None:  # each lane its own steps (inactive lanes: ignored)
+            lane_steps = np.ones(len(job.lanes), np.int32)
+            lane_steps[job.active] = job.seq_steps
         # The previous completion's deferred per-token work runs once this job is on its way.
         return await cb.submit_decode_wait(
             job.seq_ids, job.tokens, job.positions, job.valid, self.engine, timeout,
-            after_submit=after,
+            after_submit=after, steps=job.steps, lane_steps=lane_steps,
         )
 
     def statistics(self) -> ExecutorStats:

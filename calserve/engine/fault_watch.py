@@ -38,7 +38,8 @@ QUEUE_DEPTH = 2
 
 
 def modeled_s(job: DeviceJob) -> float | None:
-    """The job's modeled device time from its package's timing figures (None: no timing)."""
+    """The job's modeled device time from its package's timing figures (None: no timing); a
+    multi-step decode's per step."""
     batch = job.calbin.spec.compiled_batch
     t = job.gen.source.timing.get(batch)
     if t is None:
@@ -80,7 +81,10 @@ class FaultWatch:
         with a modeled step keeps the figure: it depends only on its profile's timing and the
         executor's settings, and every continuation (a copy of its predecessor) reuses it instead of
         looking the timing up again on the critical path to its submit. Without a modeled time it
-        follows the observed P99 and is computed per job."""
+        follows the observed P99 and is computed per job; so is a multi-step decode's (its steps
+        vary from job to job)."""
+        if job.steps > 1:
+            return self.times.timeout("decode", job.calbin.spec.compiled_batch, modeled_s(job), job.steps)
         t = job.hang_timeout_s
         if t is not None:
             return t
@@ -107,12 +111,14 @@ class FaultWatch:
         if r.status is not JobStatus.OK or outcome.timed_out:
             return
         self.guard.job_ok()
-        # hung-job timeouts: the host-observed time (what a wait must allow)
-        self.times.add(job.kind, batch, now - t_submit)
+        # hung-job timeouts: the host-observed time (what a wait must allow), per step of a
+        # multi-step decode
+        steps = job.steps
+        self.times.add(job.kind, batch, (now - t_submit) / steps)
         if job.kind == "decode":
             # §14 P99 condition: the step on the device (the runtime's measured run time when it
             # reports one, not the host's round trip: a busy host is no device degradation)
-            dev = r.device_us / 1e6 if r.device_us > 0 else now - t_submit
+            dev = (r.device_us / 1e6 if r.device_us > 0 else now - t_submit) / steps
             p99 = self.times.add("device", batch, dev)
             if p99 is not None and self.guard.step_p99(
                     p99, self.times.samples("device", batch), self._expected_step(job), now):

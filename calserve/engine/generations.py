@@ -73,6 +73,9 @@ class Generation:
     # Bytes of logits a prefill may return for every prompt position (a scored prompt in one job:
     # runtime capability prompt_logits, scheduler.batch.prompt_logits_max_bytes); 0: none
     prompt_logits_max: int = 0
+    # Greedy decode steps a job may run on the device (runtime capability multi_step,
+    # scheduler.batch.multi_step); 1: one step a job
+    multi_step: int = 1
 
     def scores_in_prefill(self, prompt_len: int) -> bool:
         """Whether a scored prompt of ``prompt_len`` tokens takes its scores from its prefill."""
@@ -273,6 +276,8 @@ class ModelManager:
             weight=entry.weight if entry is not None else 1.0,
             prompt_logits_max=(self.cfg.scheduler.batch.prompt_logits_max_bytes
                                if self.backend.capabilities.prompt_logits else 0),
+            multi_step=(self.cfg.scheduler.batch.multi_step
+                        if self.backend.capabilities.multi_step else 1),
         )
         gen.fire(ModelEvent.LOAD)
         gen.fire(ModelEvent.VALIDATED)

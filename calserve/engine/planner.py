@@ -461,7 +461,8 @@ class Planner:
         seqs = job.seqs
         for s in seqs:
             del ready[s.rid]
-        gen.kv.begin_decode([s.lease.lane for s in seqs], [s.position for s in seqs])
+        gen.kv.begin_decode([s.lease.lane for s in seqs], [s.position for s in seqs],
+                            job.steps if job.seq_steps is None else job.seq_steps)
         self.requests.submitted_all(job)
         self.builder.continuations_total += 1
         self.builder.record_decode(job)

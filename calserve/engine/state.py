@@ -205,6 +205,11 @@ class DeviceJob:
     hang_timeout_s: float | None = None
     # prefill: every position's logits, a lane each (its request scores the whole prompt)
     all_logits: bool = False
+    # decode: greedy steps the device runs (runtime capability multi_step; batches.decode_steps),
+    # each active lane's argmax fed back; expect then holds each lane's last step's positions
+    steps: int = 1
+    # ... and each sequence's own steps (in ``seqs`` order; None: every one ``steps``)
+    seq_steps: list[int] | None = None
     # Derived once at construction (the hot path reads them several times per step):
     # Invariant: seqs == the non-None lanes in lane order; active == their lane indices (ascending).
     seqs: list[Seq] = dataclasses.field(init=False)

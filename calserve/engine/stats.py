@@ -77,6 +77,7 @@ def build_statistics(src: StatisticsSources) -> EngineStatistics:
         batches_total=core.batches_total,
         lanes_active_total=core.lanes_active_total,
         lanes_total=core.lanes_total,
+        decode_steps_total=core.decode_steps_total,
         current_compiled_batch=current_b,
         batch_wait_s_total=core.batch_wait_s_total,
         prefill_jobs_total=core.prefill_jobs_total,

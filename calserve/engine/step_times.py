@@ -80,12 +80,14 @@ class StepTimes:
         w = self._w.get((kind, batch))
         return 0 if w is None else len(w.times)
 
-    def timeout(self, kind: str, batch: int, modeled_s: float | None) -> float:
-        """How long a job of this key may take before it is a hung job (see the module doc)."""
+    def timeout(self, kind: str, batch: int, modeled_s: float | None, steps: int = 1) -> float:
+        """How long a job of this key may take before it is a hung job (see the module doc); a
+        multi-step decode of ``steps`` steps (its times are recorded per step) ``steps`` times a
+        step's base."""
         base = modeled_s if modeled_s is not None and modeled_s > 0 else self.p99(kind, batch)
         if base is None:
             return self.max_wait_s
-        return min(self.max_wait_s, max(self.hang_min_s, self.hang_factor * base))
+        return min(self.max_wait_s, max(self.hang_min_s, self.hang_factor * base * steps))
 
     def snapshot(self) -> Mapping[str, float]:
         """``kind/B`` -> the last computed P99 (seconds), for statistics."""

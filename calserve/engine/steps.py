@@ -15,7 +15,7 @@ import logging
 
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.request_state import TRANSITIONS, RequestEvent, RequestState
-from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, out_lanes, sample
+from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, out_lanes, sample, step_rows
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import RequestTable, exhausted
 from calserve.engine.state import STATUS_NAMES, DeviceJob, Fault, JobOutcome, Scored, Seq, Tokens
@@ -76,6 +76,13 @@ class StepHandler:
             reason: str | None = STATUS_NAMES[r.status]
         else:
             reason = None if verified else self._check(job, r)
+        if reason is None and job.steps > 1:
+            rows = step_rows(job, r.logits, r.step_tokens)
+            if rows is None:  # checked already when verified (EngineCore.fast_decode)
+                reason = self._crosstalk(job, list(range(len(job.seqs))))
+            else:
+                self._ok_steps(job, seqs, rows, now, continuing)
+                return
         if reason is None:
             self._ok(job, seqs, sampled if sampled is not None else sample(job, seqs, r.logits), now,
                      continuing)
@@ -88,6 +95,9 @@ class StepHandler:
         bad = job.calbin.verify_lanes(r, job.job_id, out_lanes(job), expect(job))
         if not bad:
             return None
+        return self._crosstalk(job, bad)
+
+    def _crosstalk(self, job: DeviceJob, bad: list[int]) -> str:
         self.stats.crosstalk_total += 1
         rids = [job.seqs[0 if job.all_logits else k].rid for k in bad]
         log.warning("crosstalk in job %d: lanes of requests %s", job.job_id, rids,
@@ -260,6 +270,62 @@ class StepHandler:
                 continue
             s.inbox.send_nowait(msg)
             reqs.end(s, reason, now=now)
+
+    def _ok_steps(self, job: DeviceJob, seqs: list[Seq], rows: list[list[int]], now: float,
+                  continuing: bool = False) -> None:
+        """:meth:`_ok_decode` for a multi-step decode (each lane's steps' tokens: ``rows``):
+        every lane's KV commit of all its steps (the device wrote and committed them); per lane,
+        the steps charged, then its tokens in order through the finish rule as if each had been a
+        step of its own. A lane that ends on a token drops the ones after it (never shown: they
+        follow its EOS / stop token, or an ending asked for while the job ran); a lane that
+        continues gets every token, its last one deferred on the general path as there."""
+        gen = job.gen
+        reqs = self.requests
+        eos = gen.source.eos_token_ids
+        charge = gen.admission.charge
+        timeline = reqs.timeline
+        stop = FinishReason.STOP
+        new = tuple.__new__
+        gen.kv.commit_decode([s.lease.lane for s in seqs], job.steps if job.seq_steps is None else job.seq_steps)
+        for s, toks in zip(seqs, rows, strict=True):
+            n = len(toks)  # its steps
+            position = s.position
+            s.position = position + n
+            charge(s.req.tenant, decode_tokens=n, request_id=s.rid)
+            if s.pending_reason is not None or s.pending_error is not None:
+                reqs.end(s, s.pending_reason, s.pending_error, now=now)  # output dropped (drained)
+                continue
+            s.retries = 0
+            reason = None
+            msg: Tokens | None = None
+            for tok in toks:
+                if msg is not None:
+                    s.inbox.send_nowait(msg)
+                generated = s.generated
+                first = generated == 0
+                generated = s.generated = generated + 1
+                position += 1
+                s.last_token = tok
+                s.tokens.append(tok)
+                if first:
+                    s.first_token_at = now
+                    timeline.request(now, "first_token", s.rid)
+                # (``continuing``: the fast step found that no sequence ends, with these values)
+                reason = None if continuing else ends(s, tok, generated, position, now, eos)
+                msg = new(Tokens, (tok, None, first, reason is stop))
+                if reason is not None:
+                    break
+            assert msg is not None
+            if reason is not None:
+                s.inbox.send_nowait(msg)
+                reqs.end(s, reason, now=now)
+                continue
+            reqs.set_ready(s, now, RequestEvent.DECODE_DONE)
+            if continuing:
+                s.inbox.send_nowait(msg)
+            else:
+                s.deferred = msg  # continues: delivered after the next submit (see flush)
+                self.st.deferred.append(s)
 
     def _ok(self, job: DeviceJob, seqs: list[Seq], sampled: Sampled, now: float,
             continuing: bool = False) -> None:

@@ -240,6 +240,8 @@ class EngineStatistics:
     batches_total: dict[int, int]  # compiled B -> decode batches run
     lanes_active_total: dict[int, int]  # compiled B -> active lanes summed over batches
     lanes_total: dict[int, int]  # compiled B -> compiled lanes summed over batches (fill = active/total)
+    # compiled B -> greedy steps the decode batches ran (scheduler.batch.multi_step: more than one a batch)
+    decode_steps_total: dict[int, int]
     current_compiled_batch: int
     batch_wait_s_total: float
     prefill_jobs_total: int

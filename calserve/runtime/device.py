@@ -71,23 +71,6 @@ QUEUE_DEPTH = 2
 _ARCH_CODES = {QWEN3: 0, LLAMA: 1, QWEN2: 2, GEMMA3: 3, GEMMA2: 4}
 
 
-def _decode_step_us(t: Timing, batch: int) -> float:
-    """The modeled decode step for ``batch``: exact figure, else linear interpolation between the
-    neighbouring batch sizes, else the nearest one (0 when there are no figures)."""
-    pts = sorted((int(k), float(v)) for k, v in t.decode_step_us.items())
-    if not pts:
-        return 0.0
-    for b, us in pts:
-        if b == batch:
-            return us
-    lo = [p for p in pts if p[0] < batch]
-    hi = [p for p in pts if p[0] > batch]
-    if lo and hi:
-        (b0, u0), (b1, u1) = lo[-1], hi[0]
-        return u0 + (u1 - u0) * (batch - b0) / (b1 - b0)
-    return (lo[-1] if lo else hi[0])[1]
-
-
 def _i32(name: str, values: Sequence[int] | np.ndarray, n: int | None = None) -> np.ndarray:
     if type(values) is np.ndarray and values.dtype == np.int32 and values.ndim == 1 and values.flags.c_contiguous:
         # Hot path (the engine passes int32 rows): already in range by type, no copy (~30 us/submit).
@@ -340,6 +323,7 @@ class Calbin:
         valid: Sequence[bool] | np.ndarray,
         engine: JobEngine = JobEngine.PING,
         steps: int = 1,
+        lane_steps: Sequence[int] | np.ndarray | None = None,
     ) -> Job:
         """Submit one decode step over the compiled batch (all arrays of length ``compiled_batch``).
 
@@ -352,6 +336,9 @@ class Calbin:
         in one job, each lane's argmax fed back as its next input (``positions[i] + steps <=
         max_seq``); ``committed_len`` grows by ``steps``; the result's ``step_tokens`` holds the
         tokens ``[compiled_batch, steps]``, its logits, echo and checksums the last step's.
+        ``lane_steps`` (None: every lane ``steps``): lane ``i`` runs only ``lane_steps[i]`` in ``[1,
+        steps]`` of them (its own last step's logits, echo and checksum; zeros in ``step_tokens``
+        after its steps; ``committed_len`` grows by its steps).
         """
         b = self.spec.compiled_batch
         s = _i32("seq_ids", seq_ids, b)
@@ -365,7 +352,8 @@ class Calbin:
         if not self._device.capabilities.multi_step:
             raise NotSupported("steps: multi-step decode needs the runtime capability multi_step "
                                "(C3-style, sim-next only)", 2)
-        return Job(call(self._h.submit_decode, s, t, p, v, int(engine), int(steps)), engine, self.chip,
+        ls = None if lane_steps is None else _i32("lane_steps", lane_steps, b)
+        return Job(call(self._h.submit_decode, s, t, p, v, int(engine), int(steps), ls), engine, self.chip,
                    int(steps))
 
     def __repr__(self) -> str:
@@ -527,7 +515,7 @@ class Device:
         if not 0.0 <= t.pingpong_overlap <= 1.0:
             raise InvalidArgument("timing.pingpong_overlap must be in [0, 1]", 1)
         tim = (float(t.prefill_base_us), float(t.prefill_us_per_token),
-               _decode_step_us(t, spec.compiled_batch), float(t.pingpong_overlap))
+               t.step_us(spec.compiled_batch), float(t.pingpong_overlap))
         owner_h = None
         if kv_owner is not None:
             if not self.capabilities.shared_kv:

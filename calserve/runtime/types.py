@@ -131,6 +131,22 @@ class Timing:
     # 0.0: PING and PONG serialise (one device); 1.0: they overlap fully
     pingpong_overlap: float = 0.0
 
+    def step_us(self, batch: int) -> float:
+        """The modeled decode step for ``batch``: exact figure, else linear interpolation between
+        the neighbouring batch sizes, else the nearest one (0 when there are no figures)."""
+        pts = sorted((int(k), float(v)) for k, v in self.decode_step_us.items())
+        if not pts:
+            return 0.0
+        for b, us in pts:
+            if b == batch:
+                return us
+        lo = [p for p in pts if p[0] < batch]
+        hi = [p for p in pts if p[0] > batch]
+        if lo and hi:
+            (b0, u0), (b1, u1) = lo[-1], hi[0]
+            return u0 + (u1 - u0) * (batch - b0) / (b1 - b0)
+        return (lo[-1] if lo else hi[0])[1]
+
 
 @dataclasses.dataclass(frozen=True)
 class ProfileSpec:

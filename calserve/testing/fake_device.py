@@ -89,6 +89,7 @@ class _Job:
     epoch: int  # device reset epoch at submit
     result: JobResult | None = None
     steps: int = 1  # a decode's greedy steps (multi_step): each lane's argmax fed back
+    lane_steps: list[int] | None = None  # each lane's own steps (None: all ``steps``)
 
 
 @dataclasses.dataclass(eq=False)
@@ -177,7 +178,8 @@ class FakeCalbin(BackendCalbin):
                 dur * 1e-6)
 
     def _decode_args(self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                     engine: JobEngine, steps: int = 1) -> tuple[Any, ...]:
+                     engine: JobEngine, steps: int = 1, lane_steps: np.ndarray | None = None
+                     ) -> tuple[Any, ...]:
         B = self.spec.compiled_batch
         if not (len(seq_ids) == len(tokens) == len(positions) == len(valid) == B):
             raise InvalidArgument(f"decode arrays must have length compiled_batch={B}")
@@ -187,13 +189,16 @@ class FakeCalbin(BackendCalbin):
             if not 1 <= steps <= 64:
                 raise InvalidArgument(f"steps: {steps} not in [1, 64]")
             for i in range(B):
-                if valid[i] and int(positions[i]) + steps > self.spec.max_seq:
-                    raise InvalidArgument(f"positions[{i}]: {int(positions[i])} + {steps} steps exceed "
+                n = steps if lane_steps is None else int(lane_steps[i])
+                if valid[i] and not 1 <= n <= steps:
+                    raise InvalidArgument(f"lane_steps[{i}]: {n} not in [1, steps={steps}]")
+                if valid[i] and int(positions[i]) + n > self.spec.max_seq:
+                    raise InvalidArgument(f"positions[{i}]: {int(positions[i])} + {n} steps exceed "
                                           f"max_seq={self.spec.max_seq}")
         new = [[int(tokens[i])] if valid[i] else [] for i in range(B)]
         dur = self.timing.decode_step_us.get(B, 1000.0) * steps
         return (self, "decode", np.asarray(seq_ids), new, np.asarray(positions), np.asarray(valid), engine,
-                dur * 1e-6, steps)
+                dur * 1e-6, steps, None if lane_steps is None else [int(n) for n in lane_steps])
 
     async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine,
                              all_logits: bool = False) -> JobTicket:
@@ -209,10 +214,11 @@ class FakeCalbin(BackendCalbin):
     async def submit_decode_wait(
         self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
         engine: JobEngine, timeout_s: float, after_submit: Callable[[], None] | None = None,
-        steps: int = 1,
+        steps: int = 1, lane_steps: np.ndarray | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
-        return await self._submit_now_wait(self._decode_args(seq_ids, tokens, positions, valid, engine, steps),
-                                           timeout_s, after_submit)
+        return await self._submit_now_wait(
+            self._decode_args(seq_ids, tokens, positions, valid, engine, steps, lane_steps), timeout_s,
+            after_submit)
 
     async def _submit_now_wait(self, args: tuple[Any, ...], timeout_s: float,
                                after_submit: Callable[[], None] | None) -> tuple[JobTicket, JobResult | None]:
@@ -231,8 +237,10 @@ class FakeCalbin(BackendCalbin):
         valid: np.ndarray,
         engine: JobEngine,
         steps: int = 1,
+        lane_steps: np.ndarray | None = None,
     ) -> JobTicket:
-        return await self._dev._submit(*self._decode_args(seq_ids, tokens, positions, valid, engine, steps))
+        return await self._dev._submit(*self._decode_args(seq_ids, tokens, positions, valid, engine, steps,
+                                                          lane_steps))
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
         return await self._dev._wait(ticket.native, timeout_s)
@@ -319,14 +327,15 @@ class FakeCalbin(BackendCalbin):
             for lane in lanes:
                 seq = self._seqs[int(job.seq_ids[lane])]
                 h, tok = seq.hash, job.new_tokens[lane][0]
-                for k in range(S):
+                n = S if job.lane_steps is None else job.lane_steps[lane]
+                for k in range(n):
                     h = _mix(h, tok)
                     logits[lane] = fake_logits(h, V)
                     tok = step_tokens[lane, k] = int(np.argmax(logits[lane]))
                 echo[lane, 1] = job.seq_ids[lane]
-                echo[lane, 2] = int(job.positions[lane]) + S - 1
+                echo[lane, 2] = int(job.positions[lane]) + n - 1
                 seq.hash = h
-                seq.length += S
+                seq.length += n
         elif status in (JobStatus.CCU_FAULT, JobStatus.DMA_UNKNOWN):
             for lane in lanes:
                 seq = self._seqs.get(int(job.seq_ids[lane]))
@@ -527,6 +536,7 @@ class FakeBackend:
         engine: JobEngine,
         duration_s: float,
         steps: int = 1,
+        lane_steps: list[int] | None = None,
     ) -> JobTicket:
         """Queue a job without a checkpoint (the runtime's submit only queues, too)."""
         c = self._counts[engine]
@@ -553,6 +563,7 @@ class FakeBackend:
         job = _Job(
             self._next_job, engine, calbin, kind, seq_ids, new_tokens, positions, valid, now,
             math.inf if fault is FaultKind.TIMEOUT else end, fault, fault_lane, self._epoch, steps=steps,
+            lane_steps=lane_steps,
         )
         self._next_job += 1
         self._inflight[job.job_id] = job

@@ -3,7 +3,8 @@
 - one request streams the package's golden tokens (default config: calrt-0.7.6, B1, package loaded
   through calserve.models from CALSERVE_HOME);
 - 16 concurrent requests of different lengths at B4/B8/B16 (sim-next) and B1 (calrt-0.7.6), each
-  equal to its solo greedy output from the numpy reference;
+  equal to its solo greedy output from the numpy reference (at B16 and B4 also with multi-step
+  decode: several greedy steps a job on the device);
 - a short request submitted while long ones run finishes first, and its lane is reused by the next
   waiting request at once (continuous batching), while the long ones keep running.
 """
@@ -53,14 +54,17 @@ _SOURCES: dict[int, ModelSource] = {}
 
 
 @pytest.mark.parametrize(
-    "profile,batch",
-    [("calrt-0.7.6", 1), ("sim-next", 4), ("sim-next", 8), ("sim-next", 16)],
-    ids=["B1-0.7.6", "B4", "B8", "B16"],
+    "profile,batch,multi_step",
+    [("calrt-0.7.6", 1, 1), ("sim-next", 4, 1), ("sim-next", 8, 1), ("sim-next", 16, 1), ("sim-next", 16, 8),
+     ("sim-next", 4, 3)],
+    ids=["B1-0.7.6", "B4", "B8", "B16", "B16-multi-step-8", "B4-multi-step-3"],
 )
-async def test_16_concurrent_equal_solo(demo_source: ModelSource, profile: str, batch: int) -> None:
+async def test_16_concurrent_equal_solo(demo_source: ModelSource, profile: str, batch: int,
+                                        multi_step: int) -> None:
+    """(With multi_step: the runtime's own argmax fed back on the device, N steps a job.)"""
     _SOURCES[id(demo_source)] = demo_source
     cfg = decode_config({"runtime": {"profile": profile},
-                         "scheduler": {"batch": {"profiles": [batch]}}})
+                         "scheduler": {"batch": {"profiles": [batch], "multi_step": multi_step}}})
     prompts = [tuple((7 * i + j * 13 + 5) % 500 + 3 for j in range(2 + (i * 5) % 23)) for i in range(16)]
     lengths = [4 + (i * 7) % 29 for i in range(16)]
     async with Engine.open(cfg, sources={"qwen3": demo_source}) as eng:
@@ -69,6 +73,8 @@ async def test_16_concurrent_equal_solo(demo_source: ModelSource, profile: str, 
         if batch > 1:
             # really batched: decode jobs carried several lanes
             assert st.lanes_active_total[batch] > st.batches_total[batch]
+        if multi_step > 1:  # and several steps a job
+            assert st.decode_steps_total[batch] > 2 * st.batches_total[batch]
     kv = demo_source.profiles[batch].kv_dtype
     for i in range(16):
         assert out[i] == _solo(id(demo_source), prompts[i], lengths[i], kv), f"request {i}"

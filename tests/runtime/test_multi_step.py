@@ -128,3 +128,31 @@ def test_fake_device_agrees_with_its_single_steps() -> None:
                                     JobEngine.PING, steps=2)
 
     trio.run(main)
+
+
+def test_lane_steps(next_device: Device, small_weights: dict) -> None:
+    """Each lane its own step count: lane i's tokens, last row, echo and commit are those of its own
+    ``lane_steps[i]`` single steps; zeros after them."""
+    cb = next_device.load_calbin(SMALL, small_weights, ProfileSpec(4, 40, 8))
+    prompts = [[3, 9, 27], [5, 1, 50, 7], [60, 2]]
+    multi = [_prefill(cb, p) for p in prompts]
+    ref = [_prefill(cb, p) for p in prompts]
+    ls = [5, 1, 3]
+    pos = [len(p) for p in prompts]
+    r = cb.submit_decode([s for s, _ in multi] + [0], [t for _, t in multi] + [0], pos + [0],
+                         [True] * 3 + [False], steps=5, lane_steps=ls + [1]).wait(30)
+    assert r.status is JobStatus.OK and r.step_tokens is not None
+    for i, ((s, t), (rs, rt)) in enumerate(zip(multi, ref)):
+        toks = []
+        for k in range(ls[i]):
+            rr = cb.submit_decode([rs, 0, 0, 0], [rt, 0, 0, 0], [pos[i] + k, 0, 0, 0],
+                                  [True, False, False, False]).wait(30)
+            rt = int(np.argmax(rr.logits[0]))
+            toks.append(rt)
+        assert r.step_tokens[i].tolist() == toks + [0] * (5 - ls[i])
+        assert np.array_equal(r.logits[i], rr.logits[0])
+        assert r.echo[i].tolist() == [r.job_id, s, pos[i] + ls[i] - 1]
+        assert cb.committed_len(s) == pos[i] + ls[i]
+    with pytest.raises(InvalidArgument, match="lane_steps"):
+        cb.submit_decode([multi[0][0], 0, 0, 0], [1, 0, 0, 0], [pos[0] + 5, 0, 0, 0], [True, False, False, False],
+                         steps=2, lane_steps=[3, 1, 1, 1])

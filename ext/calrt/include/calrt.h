@@ -381,23 +381,27 @@ calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, c
 
 /* ---- multi-step greedy decode (C3-style: sim-next only, NOT described as hardware-supported) ------
  *
- * calrt_job_create_decode_steps(..., steps, out): one job that runs `steps` decode steps over the same
- * lanes. Step 0 is exactly calrt_job_create_decode's step (tokens[l] at positions[l]); each following
+ * calrt_job_create_decode_steps(..., steps, lane_steps, out): one job that runs up to `steps` decode
+ * steps over the same lanes; lane l runs lane_steps[l] of them (NULL: every lane `steps`), then
+ * rests (as an invalid lane would) while the others go on. Step 0 is exactly calrt_job_create_decode's step (tokens[l] at positions[l]); each following
  * step feeds every valid lane the argmax of its previous step's logits (the first index of the
  * largest value; a NaN counts as the largest, as numpy's argmax does) at the next position. So each
- * valid lane writes KV at positions[l] .. positions[l] + steps - 1 and yields `steps` tokens, the
- * greedy continuation a host would get from `steps` single-step jobs, bitwise (the kernels' rows do
+ * valid lane writes KV at positions[l] .. positions[l] + n - 1 and yields n = lane_steps[l] tokens,
+ * the greedy continuation a host would get from n single-step jobs, bitwise (the kernels' rows do
  * not depend on the job's other rows). A host pays its per-job work (pick, submit, wait, verify) once
  * per `steps` tokens of every lane.
  *
- *   - arguments: those of calrt_job_create_decode, plus steps in [1, CALRT_MAX_DECODE_STEPS] and
- *     positions[l] + steps <= max_seq for each valid lane (else CALRT_E_INVALID_ARGUMENT naming it).
- *   - KV commit: committed_len += steps for each valid lane, only when the job completes CALRT_JOB_OK
- *     (a fault leaves every sequence of the job unknown, as for any job).
- *   - outputs: the logits rows, echo and checksums are the LAST step's (echo position = positions[l] +
- *     steps - 1); calrt_job_step_tokens gives the tokens, [lanes, steps] int32, lane l's token k being
- *     the argmax of step k's logits (so its last one is the argmax of the returned row). Invalid lanes
- *     and a job that did not complete OK: all zeros.
+ *   - arguments: those of calrt_job_create_decode, plus steps in [1, CALRT_MAX_DECODE_STEPS], each
+ *     valid lane's lane_steps[l] in [1, steps] and positions[l] + lane_steps[l] <= max_seq (else
+ *     CALRT_E_INVALID_ARGUMENT naming it). A host gives a lane fewer steps when its request has fewer
+ *     tokens left (max_tokens) or less KV room than the job's other lanes.
+ *   - KV commit: committed_len += lane_steps[l] for each valid lane, only when the job completes
+ *     CALRT_JOB_OK (a fault leaves every sequence of the job unknown, as for any job).
+ *   - outputs: each lane's logits row, echo and checksum are its LAST step's (echo position =
+ *     positions[l] + lane_steps[l] - 1); calrt_job_step_tokens gives the tokens, [lanes, steps]
+ *     int32, lane l's token k being the argmax of its step k's logits for k < lane_steps[l] (so its
+ *     last one is the argmax of its returned row), 0 after. Invalid lanes and a job that did not
+ *     complete OK: all zeros.
  *   - timing model: steps x decode_step_us; an abort (reset) stops it between steps or inside one.
  *   - capability: calrt_device_info.multi_step; without it CALRT_E_NOT_SUPPORTED (calrt-0.7.6).
  * Vendor confirmation needed (spec §20, item 9 above): on-device argmax and token feedback, and the
@@ -405,7 +409,7 @@ calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, c
 #define CALRT_MAX_DECODE_STEPS 64
 calrt_status calrt_job_create_decode_steps(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
                                            const int32_t *positions, const uint8_t *valid, int32_t lanes,
-                                           int32_t steps, calrt_job **out);
+                                           int32_t steps, const int32_t *lane_steps, calrt_job **out);
 /* The step tokens of a completed job of calrt_job_create_decode_steps: *tokens = [lanes, steps] int32
  * (valid until calrt_job_release), *steps. INVALID_ARGUMENT for any other job or one not completed. */
 calrt_status calrt_job_step_tokens(calrt_job *job, const int32_t **tokens, int32_t *steps);

@@ -49,7 +49,7 @@ static void job_free(calrt_job *j) {
   pthread_mutex_destroy(&j->mu);
   pthread_cond_destroy(&j->cond);
   free(j->tokens); free(j->seq_ids); free(j->positions); free(j->valid);
-  free(j->logits); free(j->echo); free(j->checksum); free(j->step_tokens); free(j);
+  free(j->logits); free(j->echo); free(j->checksum); free(j->step_tokens); free(j->lane_steps); free(j);
 }
 
 void calrt_job_release(calrt_job *job) {
@@ -103,7 +103,7 @@ calrt_status calrt_job_create_prefill_all(calrt_calbin *cb, int32_t seq_id, cons
 
 static calrt_status create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
                                   const int32_t *positions, const uint8_t *valid, int32_t lanes, int32_t steps,
-                                  calrt_job **out) {
+                                  const int32_t *lane_steps, calrt_job **out) {
   if (!cb || !seq_ids || !tokens || !positions || !valid || !out)
     return sim_err(CALRT_E_INVALID_ARGUMENT, "calbin/arrays/out is NULL");
   if (steps != 1 && !cb->dev->info.multi_step)
@@ -131,9 +131,12 @@ static calrt_status create_decode(calrt_calbin *cb, const int32_t *seq_ids, cons
     if (positions[l] < 0 || positions[l] >= cb->p.max_seq)
       return sim_err(CALRT_E_INVALID_ARGUMENT, "positions[%d]: %d not in [0, max_seq=%d)", l, positions[l],
                      cb->p.max_seq);
-    if (positions[l] > cb->p.max_seq - steps)
+    const int32_t n = lane_steps ? lane_steps[l] : steps;
+    if (n < 1 || n > steps)
+      return sim_err(CALRT_E_INVALID_ARGUMENT, "lane_steps[%d]: %d not in [1, steps=%d]", l, n, steps);
+    if (positions[l] > cb->p.max_seq - n)
       return sim_err(CALRT_E_INVALID_ARGUMENT, "positions[%d]: %d + %d steps exceed max_seq=%d", l,
-                     positions[l], steps, cb->p.max_seq);
+                     positions[l], n, cb->p.max_seq);
     for (int32_t o = 0; o < l; o++)
       if (valid[o] && seq_ids[o] == seq_ids[l])
         return sim_err(CALRT_E_INVALID_ARGUMENT, "seq_ids[%d]: sequence %d already in lane %d", l, seq_ids[l], o);
@@ -143,10 +146,12 @@ static calrt_status create_decode(calrt_calbin *cb, const int32_t *seq_ids, cons
   if (!j) return sim_err(CALRT_E_HOST_OOM, "out of host memory");
   if (steps > 1) {
     j->step_tokens = calloc((size_t)lanes * (size_t)steps, sizeof(int32_t));
-    if (!j->step_tokens) {
+    j->lane_steps = calloc((size_t)lanes, sizeof(int32_t));
+    if (!j->step_tokens || !j->lane_steps) {
       job_free(j);
       return sim_err(CALRT_E_HOST_OOM, "out of host memory");
     }
+    for (int32_t l = 0; l < lanes; l++) j->lane_steps[l] = !valid[l] ? 0 : lane_steps ? lane_steps[l] : steps;
   }
   j->steps = steps;
   for (int32_t l = 0; l < lanes; l++) {
@@ -163,13 +168,13 @@ static calrt_status create_decode(calrt_calbin *cb, const int32_t *seq_ids, cons
 calrt_status calrt_job_create_decode(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
                                      const int32_t *positions, const uint8_t *valid, int32_t lanes,
                                      calrt_job **out) {
-  return create_decode(cb, seq_ids, tokens, positions, valid, lanes, 1, out);
+  return create_decode(cb, seq_ids, tokens, positions, valid, lanes, 1, NULL, out);
 }
 
 calrt_status calrt_job_create_decode_steps(calrt_calbin *cb, const int32_t *seq_ids, const int32_t *tokens,
                                            const int32_t *positions, const uint8_t *valid, int32_t lanes,
-                                           int32_t steps, calrt_job **out) {
-  return create_decode(cb, seq_ids, tokens, positions, valid, lanes, steps, out);
+                                           int32_t steps, const int32_t *lane_steps, calrt_job **out) {
+  return create_decode(cb, seq_ids, tokens, positions, valid, lanes, steps, lane_steps, out);
 }
 
 /* ---- submit / wait ---- */
@@ -328,7 +333,7 @@ static int validate_at_execution(calrt_job *j) {
   for (int32_t l = 0; l < seq_lanes; l++) { /* the job may write up to here (even if it then faults) */
     if (!j->valid[l]) continue;
     sim_seq *s = &cb->seqs[j->seq_ids[l]];
-    int32_t end = (j->kind == JOB_PREFILL ? j->positions[0] : j->positions[l]) + sim_job_kv_tokens(j);
+    int32_t end = (j->kind == JOB_PREFILL ? j->positions[0] : j->positions[l]) + sim_job_kv_tokens(j, l);
     if (end > s->hwm) s->hwm = end;
   }
   return 1;
@@ -398,29 +403,41 @@ static int32_t argmax_row(const float *row, int32_t n) {
   return best;
 }
 
-/* A multi-step decode (calrt_job_create_decode_steps): `steps` forward passes over the valid lanes,
- * each lane's argmax fed back as its next input at the next position. The lanes' positions and
- * tokens are the job's inputs for the step being run; after the last step positions[] are the last
- * step's (what the echo reports) and the logits rows the last step's. Returns what sim_forward does
- * (0, 1 aborted, < 0 host OOM), stopping at the first step that does not return 0. */
+/* A multi-step decode (calrt_job_create_decode_steps): `steps` forward passes, lane l in the first
+ * lane_steps[l] of them, each lane's argmax fed back as its next input at the next position. The
+ * lanes' positions and tokens are the job's inputs for the step being run; a lane past its steps is
+ * left out of the later passes as an invalid lane is (its valid flag cleared meanwhile: nothing but
+ * this job's worker reads it between validation and completion, both under chip->mu), so its
+ * position stays at, and its logits row holds, its last step's (what the echo and checksum report).
+ * Returns what sim_forward does (0, 1 aborted, < 0 host OOM), stopping at the first step that does
+ * not return 0; the valid flags are restored either way. */
 static int forward_steps(calrt_calbin *cb, calrt_job *j, int null, sim_pool *pool) {
   const int32_t V = cb->m.vocab_size, S = j->steps;
-  for (int32_t k = 0; k < S; k++) {
+  int rc = 0;
+  for (int32_t k = 0; k < S && rc == 0; k++) {
     if (k > 0) {
-      if (atomic_load(&j->abort)) return 1;
-      for (int32_t l = 0; l < j->lanes; l++)
-        if (j->valid[l]) {
-          j->tokens[l] = j->step_tokens[(size_t)l * (size_t)S + (size_t)(k - 1)];
-          j->positions[l] += 1;
+      if (atomic_load(&j->abort)) {
+        rc = 1;
+        break;
+      }
+      for (int32_t l = 0; l < j->lanes; l++) {
+        if (!j->valid[l]) continue;
+        if (k >= j->lane_steps[l]) {
+          j->valid[l] = 0; /* this lane's steps are done */
+          continue;
         }
+        j->tokens[l] = j->step_tokens[(size_t)l * (size_t)S + (size_t)(k - 1)];
+        j->positions[l] += 1;
+      }
     }
-    int rc = sim_forward(cb, j, null, pool);
-    if (rc != 0) return rc;
-    for (int32_t l = 0; l < j->lanes; l++)
-      if (j->valid[l])
-        j->step_tokens[(size_t)l * (size_t)S + (size_t)k] = argmax_row(j->logits + (size_t)l * (size_t)V, V);
+    rc = sim_forward(cb, j, null, pool);
+    if (rc == 0)
+      for (int32_t l = 0; l < j->lanes; l++)
+        if (j->valid[l])
+          j->step_tokens[(size_t)l * (size_t)S + (size_t)k] = argmax_row(j->logits + (size_t)l * (size_t)V, V);
   }
-  return 0;
+  for (int32_t l = 0; l < j->lanes; l++) j->valid[l] = j->lane_steps[l] > 0;
+  return rc;
 }
 
 /* Run queue[0] (chip->mu held; released during compute and modeled time). Returns its status.
@@ -507,7 +524,7 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
     return CALRT_JOB_CCU_FAULT;
   }
   for (int32_t l = 0; l < sim_job_seq_lanes(j); l++) /* a prefill-all commits its n_tok tokens once */
-    if (j->valid[l]) cb->seqs[j->seq_ids[l]].len += sim_job_kv_tokens(j);
+    if (j->valid[l]) cb->seqs[j->seq_ids[l]].len += sim_job_kv_tokens(j, l);
   if (j->fault == CALRT_SIM_FAULT_CROSSTALK) sim_apply_crosstalk(j, j->fault_lane);
   return CALRT_JOB_OK;
 }

@@ -204,9 +204,11 @@ struct calrt_job {
   int done;
   int submitted; /* job->mu */
   int32_t vocab;
-  /* A decode of calrt_job_create_decode_steps: `steps` steps (1 for any other job), the argmax of each
-   * step's logits per lane in step_tokens[lanes, steps] (NULL unless steps > 1). */
+  /* A decode of calrt_job_create_decode_steps: `steps` steps (1 for any other job), lane l's own
+   * lane_steps[l] <= steps of them (NULL unless steps > 1: then every lane `steps`), the argmax of
+   * each step's logits per lane in step_tokens[lanes, steps] (NULL unless steps > 1). */
   int32_t steps;
+  int32_t *lane_steps;
   int32_t *step_tokens;
 };
 
@@ -217,10 +219,10 @@ static inline int32_t sim_job_seq_lanes(const struct calrt_job *j) {
   return j->kind == JOB_PREFILL ? 1 : j->lanes;
 }
 
-/* The KV positions a job writes (and commits, when it completes OK) per sequence: a prefill's tokens,
- * a decode's steps. */
-static inline int32_t sim_job_kv_tokens(const struct calrt_job *j) {
-  return j->kind == JOB_PREFILL ? j->n_tok : j->steps;
+/* The KV positions a job writes (and commits, when it completes OK) for the sequence of `lane`: a
+ * prefill's tokens, a decode lane's steps. */
+static inline int32_t sim_job_kv_tokens(const struct calrt_job *j, int32_t lane) {
+  return j->kind == JOB_PREFILL ? j->n_tok : j->lane_steps ? j->lane_steps[lane] : j->steps;
 }
 
 /* errors.c-ish helpers (device.c) */

@@ -2,7 +2,8 @@
  * ASan/UBSan by `make asan-test` and under TSan by `make tsan-test` (a reset aborting jobs in flight).
  *
  * What it checks: an N-step job gives, lane by lane, the tokens and the last step's logits rows (bitwise)
- * that N single-step jobs with the argmax fed back give; KV commit of N positions; invalid lanes and
+ * that N single-step jobs with the argmax fed back give, also with per-lane step counts (lane_steps);
+ * KV commit of each lane's steps; invalid lanes and
  * failed jobs all zeros; the argument refusals; CCU / crosstalk / hang-then-reset faults; null compute;
  * the timing model (N x decode_step_us); calrt-0.7.6's NOT_SUPPORTED. */
 #include <pthread.h>
@@ -52,9 +53,10 @@ static int32_t prefilled(calrt_calbin *cb, const int32_t *prompt, int n, int32_t
   return s;
 }
 
-/* The N-step job on B4 lanes {0, 1, 3} (lane 2 invalid) against N single-step jobs on sequences
- * prefilled alike, twice in a row (the second job continues where the first committed). */
-static void equivalence(calrt_device *dev, test_model *tm, int steps) {
+/* The N-step job on B4 lanes {0, 1, 3} (lane 2 invalid) against single-step jobs on sequences
+ * prefilled alike, twice in a row (the second job continues where the first committed). per_lane:
+ * lane 1 runs 1 step and lane 3 steps - 1 (lane_steps), lane 0 all of them. */
+static void equivalence(calrt_device *dev, test_model *tm, int steps, int per_lane) {
   calrt_calbin *cb = calbin(dev, tm, 4, 40, 0);
   const int32_t prompts[3][4] = {{3, 9, 27, 20}, {5, 1, 50, 7}, {60, 2, 2, 11}};
   const int lane_of[3] = {0, 1, 3};
@@ -71,12 +73,13 @@ static void equivalence(calrt_device *dev, test_model *tm, int steps) {
     pos[L] = 4;
     valid[L] = 1;
   }
+  int32_t ls[4] = {steps, per_lane ? 1 : steps, 0, per_lane ? steps - 1 : steps};
   for (int round = 0; round < 2; round++) {
     calrt_job *j;
     calrt_job_result r;
     const int32_t *st_tok;
     int32_t st_n = 0;
-    CHECK(calrt_job_create_decode_steps(cb, sm, tok_m, pos, valid, 4, steps, &j) == CALRT_OK);
+    CHECK(calrt_job_create_decode_steps(cb, sm, tok_m, pos, valid, 4, steps, per_lane ? ls : NULL, &j) == CALRT_OK);
     CHECK(calrt_job_step_tokens(j, &st_tok, &st_n) == CALRT_E_INVALID_ARGUMENT && ERR_HAS("has not completed"));
     CHECK(run(j, CALRT_ENGINE_PONG) == CALRT_JOB_OK);
     CHECK(calrt_job_result_get(j, &r) == CALRT_OK && r.lanes == 4 && r.vocab == V);
@@ -86,16 +89,20 @@ static void equivalence(calrt_device *dev, test_model *tm, int steps) {
     int32_t want[4][64];
     for (int k = 0; k < steps; k++) {
       int32_t p[4];
-      for (int l = 0; l < 4; l++) p[l] = pos[l] + k;
+      uint8_t on[4];
+      for (int l = 0; l < 4; l++) {
+        p[l] = pos[l] + k;
+        on[l] = valid[l] && k < ls[l]; /* the reference runs each lane its own steps */
+      }
       calrt_job *rj;
       calrt_job_result rr;
-      CHECK(calrt_job_create_decode(cb, sr, tok_r, p, valid, 4, &rj) == CALRT_OK);
+      CHECK(calrt_job_create_decode(cb, sr, tok_r, p, on, 4, &rj) == CALRT_OK);
       CHECK(run(rj, CALRT_ENGINE_PING) == CALRT_JOB_OK);
       CHECK(calrt_job_result_get(rj, &rr) == CALRT_OK);
       for (int l = 0; l < 4; l++) {
-        if (!valid[l]) continue;
+        if (!on[l]) continue;
         want[l][k] = tok_r[l] = argmax(rr.logits + (size_t)l * V, V);
-        if (k == steps - 1) memcpy(last[l], rr.logits + (size_t)l * V, sizeof last[l]);
+        if (k == ls[l] - 1) memcpy(last[l], rr.logits + (size_t)l * V, sizeof last[l]);
       }
       calrt_job_release(rj);
     }
@@ -105,18 +112,19 @@ static void equivalence(calrt_device *dev, test_model *tm, int steps) {
         CHECK(r.echo[3 * l + 1] == -1 && r.echo[3 * l + 2] == -1 && r.checksum[l] == 0);
         continue;
       }
-      for (int k = 0; k < steps; k++) CHECK(st_tok[l * steps + k] == want[l][k]);
+      const int n = ls[l];
+      for (int k = 0; k < steps; k++) CHECK(st_tok[l * steps + k] == (k < n ? want[l][k] : 0));
       CHECK(memcmp(r.logits + (size_t)l * V, last[l], sizeof last[l]) == 0);
-      CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == sm[l] && r.echo[3 * l + 2] == pos[l] + steps - 1);
+      CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == sm[l] && r.echo[3 * l + 2] == pos[l] + n - 1);
       CHECK(r.checksum[l] == calrt_checksum(r.logits + (size_t)l * V, sizeof(float) * V));
-      CHECK(st_tok[l * steps + steps - 1] == argmax(r.logits + (size_t)l * V, V));
+      CHECK(st_tok[l * steps + n - 1] == argmax(r.logits + (size_t)l * V, V));
       int32_t len;
-      CHECK(calrt_kv_committed_len(cb, sm[l], &len) == CALRT_OK && len == pos[l] + steps);
-      tok_m[l] = st_tok[l * steps + steps - 1];
+      CHECK(calrt_kv_committed_len(cb, sm[l], &len) == CALRT_OK && len == pos[l] + n);
+      tok_m[l] = st_tok[l * steps + n - 1];
     }
     calrt_job_release(j);
     for (int l = 0; l < 4; l++)
-      if (valid[l]) pos[l] += steps;
+      if (valid[l]) pos[l] += ls[l];
   }
   CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
 }
@@ -133,15 +141,21 @@ static void refusals_and_faults(calrt_device *dev, test_model *tm) {
   const int32_t *st_tok;
   int32_t st_n;
   calrt_job_status st;
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 0, &j) == CALRT_E_INVALID_ARGUMENT &&
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 0, NULL, &j) == CALRT_E_INVALID_ARGUMENT &&
         ERR_HAS("steps"));
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, CALRT_MAX_DECODE_STEPS + 1, &j) ==
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, CALRT_MAX_DECODE_STEPS + 1, NULL, &j) ==
             CALRT_E_INVALID_ARGUMENT && ERR_HAS("steps"));
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 22, &j) == CALRT_E_INVALID_ARGUMENT &&
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 22, NULL, &j) == CALRT_E_INVALID_ARGUMENT &&
         ERR_HAS("exceed max_seq"));
+  int32_t bad_ls = 3;
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 2, &bad_ls, &j) == CALRT_E_INVALID_ARGUMENT &&
+        ERR_HAS("lane_steps[0]"));
+  bad_ls = 0;
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 2, &bad_ls, &j) == CALRT_E_INVALID_ARGUMENT &&
+        ERR_HAS("lane_steps[0]"));
   CHECK(j == NULL);
   /* 21 steps from position 3 fill max_seq 24 exactly */
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 21, &j) == CALRT_OK);
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 21, NULL, &j) == CALRT_OK);
   CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
   CHECK(calrt_job_step_tokens(j, &st_tok, &st_n) == CALRT_OK && st_n == 21);
   calrt_job_release(j);
@@ -155,7 +169,7 @@ static void refusals_and_faults(calrt_device *dev, test_model *tm) {
   CHECK(calrt_kv_remove_tokens_at_end(cb, s, 1) == CALRT_OK);
   /* INVALID at execution (position != committed_len): nothing committed */
   int32_t wrong = 2;
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &wrong, &one, 1, 4, &j) == CALRT_OK);
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &wrong, &one, 1, 4, NULL, &j) == CALRT_OK);
   CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_INVALID);
   CHECK(calrt_job_step_tokens(j, &st_tok, &st_n) == CALRT_OK);
   for (int k = 0; k < 4; k++) CHECK(st_tok[k] == 0);
@@ -163,7 +177,7 @@ static void refusals_and_faults(calrt_device *dev, test_model *tm) {
   CHECK(calrt_kv_committed_len(cb, s, &len) == CALRT_OK && len == 3);
   /* Crosstalk: the last row no longer hashes to its checksum; the commit stands. */
   CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PING, CALRT_SIM_FAULT_CROSSTALK, 1, 0) == CALRT_OK);
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 3, &j) == CALRT_OK);
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 3, NULL, &j) == CALRT_OK);
   CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
   CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
   CHECK(calrt_checksum(r.logits, sizeof(float) * V) != r.checksum[0]);
@@ -172,7 +186,7 @@ static void refusals_and_faults(calrt_device *dev, test_model *tm) {
   CHECK(calrt_kv_remove_tokens_at_end(cb, s, 3) == CALRT_OK);
   /* A hung job holds its sequence; a reset aborts it: zeros, nothing committed, sequence invalid. */
   CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PING, CALRT_SIM_FAULT_TIMEOUT, 1, 0) == CALRT_OK);
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 5, &j) == CALRT_OK);
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 5, NULL, &j) == CALRT_OK);
   CHECK(calrt_job_submit(j, CALRT_ENGINE_PING) == CALRT_OK);
   CHECK(calrt_job_wait(j, 20000, &st) == CALRT_E_TIMEOUT);
   CHECK(calrt_kv_free_sequence(cb, s) == CALRT_E_IN_USE);
@@ -186,7 +200,7 @@ static void refusals_and_faults(calrt_device *dev, test_model *tm) {
   /* CCU fault: the sequence unknown, zeros, the chip faulted until reset. */
   s = prefilled(cb, prompt, 3, &first);
   CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PONG, CALRT_SIM_FAULT_CCU, 1, 0) == CALRT_OK);
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 6, &j) == CALRT_OK);
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 6, NULL, &j) == CALRT_OK);
   CHECK(run(j, CALRT_ENGINE_PONG) == CALRT_JOB_CCU_FAULT);
   CHECK(calrt_job_step_tokens(j, &st_tok, &st_n) == CALRT_OK);
   for (int k = 0; k < 6; k++) CHECK(st_tok[k] == 0);
@@ -206,7 +220,7 @@ static void timing(calrt_device *dev, test_model *tm) {
   int32_t s = prefilled(cb, prompt, 2, &first);
   calrt_job *j;
   calrt_job_result r;
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 6, &j) == CALRT_OK);
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 6, NULL, &j) == CALRT_OK);
   CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
   CHECK(calrt_job_result_get(j, &r) == CALRT_OK && r.device_us >= 18000.0);
   calrt_job_release(j);
@@ -256,7 +270,7 @@ static void resets(calrt_device *dev, test_model *tm) {
     if (!failed) {
       calrt_job *j;
       calrt_job_status st;
-      CHECK(calrt_job_create_decode_steps(cb, s, tok, pos, valid, 2, 8, &j) == CALRT_OK);
+      CHECK(calrt_job_create_decode_steps(cb, s, tok, pos, valid, 2, 8, NULL, &j) == CALRT_OK);
       if (calrt_job_submit(j, round % 2 ? CALRT_ENGINE_PONG : CALRT_ENGINE_PING) == CALRT_OK) {
         CHECK(calrt_job_wait(j, -1, &st) == CALRT_OK);
         if (st == CALRT_JOB_OK) {
@@ -288,8 +302,9 @@ int main(void) {
   CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
   calrt_device_info di;
   CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && di.multi_step == 1);
-  equivalence(dev, &tm, 1 + 1);
-  equivalence(dev, &tm, 7);
+  equivalence(dev, &tm, 1 + 1, 0);
+  equivalence(dev, &tm, 7, 0);
+  equivalence(dev, &tm, 5, 1);
   refusals_and_faults(dev, &tm);
   timing(dev, &tm);
   resets(dev, &tm);
@@ -301,7 +316,8 @@ int main(void) {
   test_model none;
   memset(&none, 0, sizeof none);
   none.m = tm.m;
-  equivalence(dev, &none, 5);
+  equivalence(dev, &none, 5, 0);
+  equivalence(dev, &none, 4, 1);
   CHECK(calrt_device_close(dev) == CALRT_OK);
 
   /* calrt-0.7.6: no multi-step decode (one step still goes). */
@@ -314,9 +330,9 @@ int main(void) {
   uint8_t one = 1;
   int32_t s = prefilled(cb, prompt, 2, &first);
   calrt_job *j = NULL;
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 2, &j) == CALRT_E_NOT_SUPPORTED &&
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 2, NULL, &j) == CALRT_E_NOT_SUPPORTED &&
         ERR_HAS("multi-step") && j == NULL);
-  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 1, &j) == CALRT_OK);
+  CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 1, NULL, &j) == CALRT_OK);
   CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
   calrt_job_release(j);
   CHECK(calrt_calbin_destroy(cb) == CALRT_OK);

@@ -1,0 +1,267 @@
+"""Multi-step decode in the engine (``scheduler.batch.multi_step``, runtime capability multi_step).
+
+A decode job whose lanes are all plain greedy runs up to N steps on the device, each lane's argmax
+fed back. Nothing a client sees may change: the same workload (greedy requests ending on EOS, stop
+token ids, stop strings and lengths; sampled and logprobs requests beside them, which keep their jobs at one step;
+arrivals at random instants) gives the same tokens and the same finish reasons with N = 1 and
+N > 1, every request ends with exactly one terminal event and every KV lane comes back. Multi-step
+jobs must actually run (``decode_steps_total`` above ``batches_total``), faults inside them stay
+transparent, cancels and deadlines end their requests once, and without the capability nothing
+changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from calserve.core.kv import KvLaneManager
+from calserve.engine.batches import decode_steps
+from calserve.engine.engine import Engine
+from calserve.engine.fault_watch import FaultWatch
+from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
+from calserve.runtime.types import FaultKind, JobEngine, JobStatus
+from calserve.testing.fake_device import FakeBackend, FakeCalbin
+
+from .helpers import config, fake_greedy, fake_source
+
+EOS = (5,)
+
+# (arrival offset s, prompt, max_tokens, kind) with kind: greedy | stop_ids | stop_str | sampled | logprobs |
+# ignore_eos
+Req = tuple[float, tuple[int, ...], int, str]
+
+
+def _params(kind: str, max_tokens: int, i: int) -> SamplingParams:
+    if kind == "sampled":
+        return SamplingParams(temperature=0.8, seed=100 + i, max_tokens=max_tokens)
+    if kind == "logprobs":
+        return SamplingParams(temperature=0.0, logprobs=2, max_tokens=max_tokens)
+    if kind == "stop_ids":
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=frozenset({7, 40, 99}))
+    if kind == "stop_str":  # the actor's stop strings (CharTokenizer: token 2 is "#", 6 is "'")
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=("#", "'*"), ignore_eos=True)
+    if kind == "ignore_eos":
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+async def _serve(work: Sequence[Req], multi_step: int, profiles: Sequence[int] = (1, 4, 8, 16),
+                 capability: str = "sim-next", faults: Sequence[tuple[FaultKind, int]] = (),
+                 max_seq: int = 512, executor: dict[str, Any] | None = None,
+                 ) -> tuple[dict[int, tuple[list[int], Any]], Engine, Any]:
+    """Run ``work`` on a fake sim-next device; request i -> (its tokens, its one terminal event)."""
+    be = FakeBackend(capability, seed=3, jitter_s=0.0003)
+    cfg = config(batch={"profiles": list(profiles), "multi_step": multi_step},
+                 executor={"max_inflight": 2, **(executor or {})})
+    out: dict[int, tuple[list[int], Any]] = {}
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(profiles=profiles, eos=EOS,
+                                                                              max_seq=max_seq)}) as eng:
+        for kind, nth in faults:
+            be.inject_fault(kind, JobEngine.PING, nth, lane=1)
+        t0 = trio.current_time()
+
+        async def one(i: int, at: float, prompt: tuple[int, ...], n: int, kind: str) -> None:
+            await trio.sleep_until(t0 + at)
+            h = await eng.submit(GenerateRequest(prompt, _params(kind, n, i)))
+            toks: list[int] = []
+            terms: list[Any] = []
+            async for ev in h.events():
+                if isinstance(ev, TokenEvent):
+                    assert not terms, "a token after the terminal event"
+                    toks.extend(ev.token_ids)
+                else:
+                    terms.append(ev)
+            assert len(terms) == 1, terms
+            out[i] = (toks, terms[0])
+
+        async with trio.open_nursery() as nursery:
+            for i, (at, prompt, n, kind) in enumerate(work):
+                nursery.start_soon(one, i, at, prompt, n, kind)
+        await trio.sleep(0.5)  # sequences are freed after their terminal events
+        k = eng.generation().kv.statistics()
+        assert k.unknown == 0 and k.free == k.num_lanes, k
+        stats = eng.statistics()
+    return out, eng, stats
+
+
+def _same(a: dict[int, tuple[list[int], Any]], b: dict[int, tuple[list[int], Any]]) -> None:
+    assert a.keys() == b.keys()
+    for i in a:
+        (ta, ea), (tb, eb) = a[i], b[i]
+        assert ta == tb, f"request {i}"
+        assert type(ea) is type(eb) and getattr(ea, "reason", None) == getattr(eb, "reason", None), (i, ea, eb)
+
+
+_reqs = st.lists(
+    st.tuples(st.floats(0.0, 0.04), st.lists(st.integers(0, 127), min_size=1, max_size=5).map(tuple),
+              st.integers(1, 30), st.sampled_from(["greedy", "greedy", "stop_ids", "stop_str", "ignore_eos",
+                                                   "sampled", "logprobs"])),
+    min_size=1, max_size=24)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(work=_reqs, n=st.sampled_from([2, 3, 8]))
+def test_outputs_equal_single_step(work: list[Req], n: int) -> None:
+    async def main() -> None:
+        one, _, s1 = await _serve(work, 1)
+        multi, _, sn = await _serve(work, n)
+        _same(one, multi)
+        assert sum(s1.decode_steps_total.values()) == sum(s1.batches_total.values())
+        greedy_long = any(kind != "sampled" and kind != "logprobs" and m >= 3 for _, _, m, kind in work)
+        if greedy_long and all(kind != "sampled" and kind != "logprobs" for *_, kind in work):
+            # every job plain greedy: the lanes' steps run several to a job
+            assert sum(sn.decode_steps_total.values()) > sum(sn.batches_total.values())
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def test_greedy_load_runs_several_steps_a_job(autojump_clock: object) -> None:
+    """24 greedy requests of 40 tokens at once (the common served load): the tokens of the fault-free
+    solo reference, ~8 device steps a job, a fraction of the single-step run's jobs."""
+    work = [(0.0, (i + 1, 2 * i + 3, 9), 40, "ignore_eos") for i in range(24)]
+    one, _, s1 = await _serve(work, 1)
+    multi, _, s8 = await _serve(work, 8)
+    _same(one, multi)
+    for i, (toks, fin) in multi.items():
+        assert isinstance(fin, FinishEvent) and fin.reason is FinishReason.LENGTH
+        assert toks == fake_greedy(work[i][1], 40)
+    jobs1, jobs8 = sum(s1.batches_total.values()), sum(s8.batches_total.values())
+    steps8 = sum(s8.decode_steps_total.values())
+    assert steps8 >= 6 * jobs8  # most jobs ran the full 8 steps (a length limit can cut the last)
+    assert jobs8 * 4 < jobs1
+
+
+@pytest.mark.parametrize("kind", [FaultKind.CCU_FAULT, FaultKind.CROSSTALK, FaultKind.TIMEOUT, FaultKind.DMA_UNKNOWN])
+async def test_fault_in_a_multi_step_job_is_transparent(autojump_clock: object, kind: FaultKind,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault in a multi-step job costs the clients nothing: every request is re-prefilled from
+    what it had and its output equals the fault-free one."""
+    failed: list[tuple[str, int]] = []
+    observe = FaultWatch.observe
+
+    def record(self: FaultWatch, engine: Any, job: Any, outcome: Any, t_submit: float, now: float) -> None:
+        r = outcome.result
+        if r is not None and (r.status is not JobStatus.OK or outcome.timed_out or kind is FaultKind.CROSSTALK):
+            failed.append((job.kind, job.steps))
+        observe(self, engine, job, outcome, t_submit, now)
+
+    monkeypatch.setattr(FaultWatch, "observe", record)
+    work = [(0.0, (i + 1, 2 * i + 3, 9), 30, "ignore_eos") for i in range(8)]
+    clean, _, _ = await _serve(work, 6)
+    failed.clear()
+    # the fault goes to the second multi-step job submitted (trio's scheduling order varies: a
+    # count of jobs per engine would not say which job that is)
+    submit = FakeCalbin.submit_decode_wait
+    multi_jobs = 0
+
+    async def faulting(self: FakeCalbin, *a: Any, steps: int = 1, **kw: Any) -> Any:
+        nonlocal multi_jobs
+        if steps > 1:
+            multi_jobs += 1
+            if multi_jobs == 2:
+                self._dev.inject_fault(kind, a[4], 1, lane=1)
+        return await submit(self, *a, steps=steps, **kw)
+
+    monkeypatch.setattr(FakeCalbin, "submit_decode_wait", faulting)
+    faulted, eng, st_ = await _serve(work, 6, executor={"wait_timeout_ms": 200})
+    _same(clean, faulted)
+    assert st_.resets_total == 1 and sum(st_.faults_total.values()) == 1
+    if kind is not FaultKind.CROSSTALK:
+        assert any(k == "decode" and n > 1 for k, n in failed), failed  # the fault hit a multi-step job
+
+
+async def test_cancels_and_deadlines_end_once(autojump_clock: object) -> None:
+    """Many streams, a third cancelled at staggered instants while multi-step jobs run, a third with
+    a deadline that passes mid-stream: each ends exactly once (cancelled / DEADLINE), the rest
+    finish as single-step would, and every lane comes back."""
+    be = FakeBackend("sim-next", seed=5, jitter_s=0.0003)
+    cfg = config(batch={"profiles": [1, 4, 8, 16], "multi_step": 8}, executor={"max_inflight": 2})
+    ends: dict[int, Any] = {}
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(eos=EOS)}) as eng:
+        async def one(i: int) -> None:
+            req = GenerateRequest((i + 1, 9), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                                  deadline_s=0.15 + 0.002 * i if i % 3 == 1 else None)
+            h = await eng.submit(req)
+            terms: list[Any] = []
+            n = 0
+            async for ev in h.events():
+                if isinstance(ev, TokenEvent):
+                    assert not terms
+                    n += len(ev.token_ids)
+                    if i % 3 == 0 and n >= 5 + i:
+                        eng.cancel(h.request_id)
+                else:
+                    terms.append(ev)
+            assert len(terms) == 1
+            ends[i] = (n, terms[0])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(30):
+                nursery.start_soon(one, i)
+        await trio.sleep(0.5)
+        k = eng.generation().kv.statistics()
+        assert k.unknown == 0 and k.free == k.num_lanes
+    for i, (n, term) in ends.items():
+        if i % 3 == 0:
+            assert isinstance(term, FinishEvent) and term.reason is FinishReason.CANCELLED, term
+        elif i % 3 == 1:
+            assert isinstance(term, FinishEvent) and term.reason is FinishReason.DEADLINE, term
+            assert n < 200
+        else:
+            assert isinstance(term, FinishEvent) and term.reason is FinishReason.LENGTH and n == 200
+
+
+async def test_without_the_capability_one_step_a_job(autojump_clock: object) -> None:
+    work = [(0.0, (i + 1, 4), 20, "ignore_eos") for i in range(3)]
+    out, _, s = await _serve(work, 8, profiles=(1,), capability="calrt-0.7.6")
+    assert s.decode_steps_total == s.batches_total
+    for i, (toks, _) in out.items():
+        assert toks == fake_greedy(work[i][1], 20)
+
+
+async def test_steps_stop_at_the_kv_reservation(autojump_clock: object) -> None:
+    """A request whose context fills the profile's max_seq: the steps never pass the reservation,
+    it ends by length where single-step ends it."""
+    work = [(0.0, tuple(range(1, 11)), 22, "ignore_eos"), (0.0, (3, 4), 13, "ignore_eos")]
+    one, _, _ = await _serve(work, 1, max_seq=32)
+    multi, _, _ = await _serve(work, 8, max_seq=32)
+    _same(one, multi)
+    assert len(multi[0][0]) == 32 - 10 and multi[0][1].reason is FinishReason.LENGTH
+
+
+def test_decode_steps_rule() -> None:
+    """The per-job step count: 1 unless every lane is plain greedy and not scoring; then each lane
+    the least of the limit, its tokens left and its KV room (after the pending tokens of the fast
+    path), and the job the most of those."""
+    kv = KvLaneManager(4, 64, 256)
+
+    class _S:
+        def __init__(self, generated: int, position: int, max_tokens: int, reserved: int, **kw: Any) -> None:
+            self.generated, self.position, self.score_upto = generated, position, None
+            self.req = GenerateRequest((1,), SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **kw}))
+            self.lease = type("L", (), {"reserved_len": reserved})()
+
+    a, b = _S(3, 10, 100, 64), _S(0, 5, 4, 64)
+    assert decode_steps(8, [a]) == (8, None)
+    assert decode_steps(8, [a, b]) == (8, [8, 4])  # b has 4 tokens left: its own 4 steps
+    assert decode_steps(8, [a, b], pending=1) == (8, [8, 3])
+    assert decode_steps(8, [a, b], pending=[0, 2]) == (8, [8, 2])
+    assert decode_steps(8, [a], positions=[61]) == (3, None)  # 3 KV slots left
+    assert decode_steps(8, [b, b]) == (4, None)
+    assert decode_steps(1, [a]) == (1, None)
+    assert decode_steps(8, [a, _S(0, 5, 50, 64, logprobs=1)]) == (1, None)
+    assert decode_steps(8, [a, _S(0, 5, 50, 64, temperature=0.5)]) == (1, None)
+    assert decode_steps(8, [a, _S(0, 5, 50, 64, presence_penalty=0.5)]) == (1, None)
+    c = _S(0, 5, 50, 64)
+    c.score_upto = 2
+    assert decode_steps(8, [a, c]) == (1, None)
+    assert decode_steps(8, [_S(0, 5, 1, 64)]) == (1, None)
+    assert decode_steps(8, [a, _S(0, 5, 1, 64)]) == (8, [8, 1])
+    del kv
