@@ -1,6 +1,6 @@
 """Micro-benchmark of the engine's per-token path inside one process, without HTTP.
 
-``python -m bench.engine_path [--streams 64] [--tokens 256] [--reps 3] [--hold-ms 0]``
+``python -m bench.engine_path [--streams 64] [--tokens 256] [--reps 3] [--hold-ms 0] [--multi-step 1]``
 
 The real engine (:meth:`calserve.engine.engine.Engine.open`) over the software runtime with null
 compute and timing ``none`` (the device costs ~nothing), the demo package, profiles B1..B16 with
@@ -38,7 +38,7 @@ import trio
 __all__ = ["main", "measure"]
 
 
-async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0
+async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0, multi_step: int = 1
                ) -> tuple[float, float, int]:
     """(the best rep's process CPU µs a token, tokens a read of the last rep, tokens the streams
     of the last rep received in all)."""
@@ -48,7 +48,10 @@ async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0
     from calserve.engine.engine import Engine
     from calserve.engine.types import FinishEvent, GenerateRequest, SamplingParams
 
-    cfg = decode_config(server_config())
+    raw = server_config()
+    if multi_step > 1:
+        raw["scheduler"]["batch"] = {**raw["scheduler"]["batch"], "multi_step": multi_step}
+    cfg = decode_config(raw)
     best = float("inf")
     timer = HoldTimer()
     hold_s = hold_ms / 1000.0
@@ -105,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hold-ms", type=float, default=0.0,
                     help="each consumer waits this long after a read (the HTTP pump's grouping)")
+    ap.add_argument("--multi-step", type=int, default=1,
+                    help="scheduler.batch.multi_step (greedy device steps a decode job)")
     a = ap.parse_args(argv)
     from bench.server import BENCH_OUT
 
     os.environ.setdefault("CALSERVE_HOME", str(BENCH_OUT / ".home"))
-    us, per_read, _ = trio.run(_run, a.streams, a.tokens, a.reps, a.hold_ms)
+    us, per_read, _ = trio.run(_run, a.streams, a.tokens, a.reps, a.hold_ms, a.multi_step)
     held = f", held {a.hold_ms:g} ms a read: {per_read:.1f} tokens a read" if a.hold_ms else ""
+    held += f", multi_step {a.multi_step}" if a.multi_step > 1 else ""
     print(f"{Path(__file__).stem}: {us:.2f} µs CPU per token (engine + actor + stream writer; "
           f"{a.streams} streams x {a.tokens} tokens, B1..B16, null compute{held})")
     return 0

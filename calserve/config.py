@@ -142,8 +142,9 @@ class BatchConfig(_Strict):
     # device, each lane's argmax fed back, capped by every lane's remaining max_tokens and KV
     # reservation. The host's per-job work (pick, submit, wait, verify, commit) is paid once per
     # N tokens of each lane; a lane that stops on EOS or a stop token inside the job drops the
-    # steps after it (device work wasted, never shown). Costs: a stream's tokens arrive N at a
-    # time, a cancel, deadline or stop string takes effect after up to N steps.
+    # steps after it (device work wasted, never shown). One step while a prompt waits for its
+    # prefill (time to first token). Costs: a stream's tokens arrive N at a time, a cancel,
+    # deadline or stop string takes effect after up to N steps.
     multi_step: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 

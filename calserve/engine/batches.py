@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -93,6 +93,15 @@ class JobBuilder:
         # the one-tenant decode batch without the candidate machinery (engine/batch_fast.py);
         # False: every batch through core.decode.build_decode_batch (tests compare the two)
         self.fast = True
+        # Whether a prompt of ``gen`` waits for its prefill (the core sets it): a decode job then
+        # runs one step, so the prefill is not held behind a multi-step job (time to first token)
+        self.prefill_waiting: Callable[[Generation], bool] = lambda gen: False
+
+    def step_limit(self, gen: Generation) -> int:
+        """The most greedy steps a decode job of ``gen`` may run now (:func:`decode_steps`'s
+        ``limit``): the generation's ``multi_step``, one while a prompt waits for its prefill."""
+        n = gen.multi_step
+        return n if n == 1 or not self.prefill_waiting(gen) else 1
 
     def profile(self, gen: Generation, B: int) -> BatchProfile:
         profile = self._profiles.get((gen.id, B))
@@ -164,7 +173,7 @@ class JobBuilder:
             wait += now - seq.ready_since
             lanes.append(seq)
         chosen = [s for s in lanes if s is not None]
-        steps, per = decode_steps(gen.multi_step, chosen)
+        steps, per = decode_steps(self.step_limit(gen), chosen)
         for k, seq in enumerate(chosen):
             gen.kv.begin_update(seq.lease.lane, seq.position, steps if per is None else per[k])
         job = self._decode_job(gen, B, lanes, batch.token_ids, batch.positions, batch.valid_mask,
@@ -186,7 +195,7 @@ class JobBuilder:
             seq.passed_over = 0
             wait += now - seq.ready_since
         positions = [s.position for s in chosen]
-        steps, per = decode_steps(gen.multi_step, chosen)
+        steps, per = decode_steps(self.step_limit(gen), chosen)
         # every chosen lane's KV transaction opens, in lane order (begin_update per lane, one call)
         gen.kv.begin_decode([s.lease.lane for s in chosen], positions, steps if per is None else per)
         sids = [-1 if s.seq_id is None else s.seq_id for s in chosen]
@@ -237,7 +246,7 @@ class JobBuilder:
         step in lane 0 of the profile :meth:`next_profile` picks (what the batch builder lays out
         for one candidate). ``pending``: tokens of ``done`` not counted yet (:func:`decode_steps`).
         Changes no state: the core commits it."""
-        steps, per = decode_steps(done.gen.multi_step, done.seqs, positions, pending)
+        steps, per = decode_steps(self.step_limit(done.gen), done.seqs, positions, pending)
         if done.kind == "prefill":
             return self._first_decode_job(done, tokens[0], positions[0], now, steps)
         if per is None:

@@ -112,6 +112,7 @@ class EngineCore:
         self.models = models
         self.requests = RequestTable(cfg.server.trace_events)
         self.builder = JobBuilder(cfg)
+        self.builder.prefill_waiting = self.requests.prefill_waiting
         self.st = CoreState({e: None for e in engines})
         self.stats = CoreStats()
         self.planner = Planner(cfg, models, self.requests, self.builder, self.st, self.stats)

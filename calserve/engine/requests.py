@@ -108,6 +108,14 @@ class RequestTable:
             q = self._queues[gen.id] = GenQueues()
         return q
 
+    def prefill_waiting(self, gen: Generation) -> bool:
+        """Whether an admitted prompt of ``gen`` waits for its prefill (JobBuilder.step_limit)."""
+        prefill = self.queues(gen).prefill
+        for c in PREFILL_CLASSES:
+            if prefill[c]:
+                return True
+        return False
+
     def forget(self, gen: Generation) -> None:
         """The generation was unloaded (nothing of it is left)."""
         self._queues.pop(gen.id, None)

@@ -73,8 +73,8 @@ async def test_16_concurrent_equal_solo(demo_source: ModelSource, profile: str, 
         if batch > 1:
             # really batched: decode jobs carried several lanes
             assert st.lanes_active_total[batch] > st.batches_total[batch]
-        if multi_step > 1:  # and several steps a job
-            assert st.decode_steps_total[batch] > 2 * st.batches_total[batch]
+        if multi_step > 1:  # and several steps a job (one while prompts wait for their prefill)
+            assert st.decode_steps_total[batch] > 1.25 * st.batches_total[batch]
     kv = demo_source.profiles[batch].kv_dtype
     for i in range(16):
         assert out[i] == _solo(id(demo_source), prompts[i], lengths[i], kv), f"request {i}"
