@@ -222,7 +222,7 @@ class EngineCore:
         verified and sampled it and found a sequence that ends). Then the next work: the same
         sequences again when they are all the work there is, else a full pass."""
         if fast is not None:
-            self.steps.complete(job, outcome, True, fast.sampled, fast.now)
+            self.steps.complete(job, outcome, True, fast.sampled, fast.now, rows=fast.rows)
         else:
             self.steps.complete(job, outcome, False, None, now)
         slots = self.st.slots
@@ -263,6 +263,7 @@ class EngineCore:
             return None  # crosstalk: _complete counts and reports it
         seqs = job.seqs
         eos = job.gen.source.eos_token_ids
+        rows: list[list[int]] | None = None
         if job.steps > 1:  # a multi-step decode: every token of every lane against the finish rule
             rows = step_rows(job, r.logits, r.step_tokens)
             if rows is None:
@@ -275,7 +276,7 @@ class EngineCore:
                     g += 1
                     p += 1
                     if ends(s, tok, g, p, now, eos) is not None:
-                        return FastStep(engine, job, outcome, None, sampled, now)
+                        return FastStep(engine, job, outcome, None, sampled, now, rows=rows)
             counts = [len(toks) for toks in rows]
             pending: int | list[int] = counts
             positions = [s.position + n for s, n in zip(seqs, counts, strict=True)]
@@ -300,7 +301,7 @@ class EngineCore:
         self.stats.fast_steps_total += 1
         self.st.slots[engine] = nxt
         nxt.epoch = self.st.epoch
-        return FastStep(engine, job, outcome, nxt, sampled, now, rotated=not cont)
+        return FastStep(engine, job, outcome, nxt, sampled, now, rotated=not cont, rows=rows)
 
     def flush(self) -> None:
         """Deliver the deferred token messages to their actors (the shell calls it after the next
@@ -314,7 +315,8 @@ class EngineCore:
         step.finished = True
         assert step.nxt is not None
         # every sequence continues: fast_decode applied the finish rule as of step.now
-        self.steps.complete(step.job, step.outcome, True, step.sampled, step.now, continuing=True)
+        self.steps.complete(step.job, step.outcome, True, step.sampled, step.now, continuing=True,
+                            rows=step.rows)
         if step.rotated:  # its sequences are decode-ready now: the rotation's batch passed them over
             self.planner.after_rotation(step.job)
         else:

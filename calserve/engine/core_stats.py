@@ -95,17 +95,20 @@ class FastStep:
     ``nxt`` is the job to submit now: the continuation, or with ``rotated`` another batch of the
     ready set (None: hand the step to ``EngineCore.on_completion`` with the tokens already
     sampled). ``EngineCore.finish_fast`` does the bookkeeping once ``nxt`` was submitted
-    (idempotent: ``finished``)."""
+    (idempotent: ``finished``). ``rows``: a multi-step decode's tokens per lane, checked already
+    (``completion.step_rows``), so the bookkeeping does not check and convert them again."""
 
-    __slots__ = ("engine", "job", "outcome", "nxt", "sampled", "now", "finished", "rotated")
+    __slots__ = ("engine", "job", "outcome", "nxt", "sampled", "now", "finished", "rotated", "rows")
 
     def __init__(self, engine: JobEngine, job: DeviceJob, outcome: JobOutcome,
-                 nxt: DeviceJob | None, sampled: Sampled, now: float, rotated: bool = False) -> None:
+                 nxt: DeviceJob | None, sampled: Sampled, now: float, rotated: bool = False,
+                 rows: list[list[int]] | None = None) -> None:
         self.engine = engine
         self.job = job
         self.outcome = outcome
         self.nxt = nxt
         self.sampled = sampled
+        self.rows = rows
         self.now = now  # the instant the decision was taken: the bookkeeping decides as of it too
         self.finished = False
         self.rotated = rotated

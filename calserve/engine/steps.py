@@ -54,11 +54,13 @@ class StepHandler:
                 s.inbox.send_nowait(msg)
 
     def complete(self, job: DeviceJob, outcome: JobOutcome, verified: bool,
-                  sampled: Sampled | None, now: float, continuing: bool = False) -> None:
+                  sampled: Sampled | None, now: float, continuing: bool = False,
+                  rows: list[list[int]] | None = None) -> None:
         """``job``'s completion as of ``now``. ``verified``: its echo and checksums were checked
-        already; ``sampled``: its tokens were drawn already; ``continuing``: the finish rule was
-        applied already, as of ``now``, and no sequence ends (``EngineCore.fast_decode`` decided the
-        next job on it: it is not evaluated twice)."""
+        already; ``sampled``: its tokens were drawn already (``rows``: a multi-step decode's, by
+        :func:`step_rows`); ``continuing``: the finish rule was applied already, as of ``now``, and
+        no sequence ends (``EngineCore.fast_decode`` decided the next job on it: it is not
+        evaluated twice)."""
         self.flush()
         seqs = job.seqs
         for s in seqs:
@@ -77,8 +79,9 @@ class StepHandler:
         else:
             reason = None if verified else self._check(job, r)
         if reason is None and job.steps > 1:
-            rows = step_rows(job, r.logits, r.step_tokens)
-            if rows is None:  # checked already when verified (EngineCore.fast_decode)
+            if rows is None:
+                rows = step_rows(job, r.logits, r.step_tokens)
+            if rows is None:
                 reason = self._crosstalk(job, list(range(len(job.seqs))))
             else:
                 self._ok_steps(job, seqs, rows, now, continuing)
