@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Iterable
+from itertools import repeat
 
 from calserve.core.fsm import IllegalTransition
 from calserve.core.kv_state import TRANSITIONS, KvEvent, KvSequenceState, fire
@@ -89,6 +91,11 @@ _COMMIT_TO = TRANSITIONS[_S.UPDATING][KvEvent.COMMIT]
 # lookup on the slow path), a global ~10.
 _ACTIVE = _S.ACTIVE
 _UPDATING = _S.UPDATING
+
+
+def _per_lane(n: int | list[int], lanes: list[int]) -> Iterable[int]:
+    """A decode batch's tokens per lane: ``n`` for every one of ``lanes``, or ``n`` itself."""
+    return repeat(n, len(lanes)) if isinstance(n, int) else n
 
 
 class KvLaneManager:
@@ -178,10 +185,8 @@ class KvLaneManager:
         batch's lanes: one call per batch, the same checks and moves per lane)."""
         recs = self._lanes
         num = self.num_lanes
-        ns = [n] * len(lanes) if type(n) is int else n
-        assert isinstance(ns, list)
-        for lane, position, n in zip(lanes, positions, ns, strict=True):
-            if n < 1:
+        for lane, position, k in zip(lanes, positions, _per_lane(n, lanes), strict=True):
+            if k < 1:
                 raise ValueError(f"lane {lane}: n must be >= 1")
             if not 0 <= lane < num:
                 raise ValueError(f"lane {lane} out of range 0..{num - 1}")
@@ -190,31 +195,29 @@ class KvLaneManager:
                 raise IllegalTransition("kv", rec.state, KvEvent.BEGIN_UPDATE)
             if position != rec.committed_len:
                 raise ValueError(f"lane {lane}: position {position} != committed_len {rec.committed_len}")
-            if rec.committed_len + n > rec.reserved_len:
-                raise ValueError(f"lane {lane}: writing {n} tokens at {position} exceeds reserved_len "
+            if rec.committed_len + k > rec.reserved_len:
+                raise ValueError(f"lane {lane}: writing {k} tokens at {position} exceeds reserved_len "
                                  f"{rec.reserved_len}")
             rec.state = _BEGIN_UPDATE_TO
-            rec.pending = n
+            rec.pending = k
 
     def commit_decode(self, lanes: list[int], n: int | list[int] = 1) -> None:
         """:meth:`commit` of ``n`` tokens (one figure, or one per lane) for each of ``lanes``, in
         that order (one call per decode batch, the same checks and moves per lane)."""
         recs = self._lanes
         num = self.num_lanes
-        ns = [n] * len(lanes) if type(n) is int else n
-        assert isinstance(ns, list)
-        for lane, n in zip(lanes, ns, strict=True):
+        for lane, k in zip(lanes, _per_lane(n, lanes), strict=True):
             if not 0 <= lane < num:
                 raise ValueError(f"lane {lane} out of range 0..{num - 1}")
             rec = recs[lane]
             if rec.state is not _UPDATING:
                 raise IllegalTransition("kv", rec.state, KvEvent.COMMIT)
-            if rec.pending != n:
-                raise ValueError(f"lane {lane}: commit of {n} tokens but {rec.pending} were submitted")
+            if rec.pending != k:
+                raise ValueError(f"lane {lane}: commit of {k} tokens but {rec.pending} were submitted")
             rec.state = _COMMIT_TO
-            rec.committed_len += n
+            rec.committed_len += k
             rec.pending = 0
-            self._tokens_committed += n
+            self._tokens_committed += k
 
     def rollback(self, lane: int) -> None:
         """Updating -> Active when the job was refused before running (nothing written)."""

@@ -26,17 +26,14 @@ from calserve.core.decode import (
     build_decode_batch,
     select_profile,
 )
-from operator import attrgetter
-
 from calserve.engine.batch_fast import single_tenant_lanes
+from calserve.engine.completion import PLAIN_GREEDY
 from calserve.engine.state import DeviceJob, Seq
 
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation
 
 __all__ = ["JobBuilder", "BatchStats", "decode_steps"]
-
-_PLAIN_GREEDY = attrgetter("req.sampling.plain_greedy")
 
 
 def decode_steps(limit: int, seqs: Sequence[Seq], positions: Sequence[int] | None = None,
@@ -51,7 +48,7 @@ def decode_steps(limit: int, seqs: Sequence[Seq], positions: Sequence[int] | Non
     produced that its bookkeeping has not counted yet, one figure or one per sequence): the fast
     path builds the next job before the completion's bookkeeping, with the positions and token
     counts after it."""
-    if limit <= 1 or not all(map(_PLAIN_GREEDY, seqs)):
+    if limit <= 1 or not all(map(PLAIN_GREEDY, seqs)):
         return 1, None
     per: list[int] = []
     for i, s in enumerate(seqs):

@@ -17,7 +17,7 @@ from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch, s
 from calserve.engine.state import DeviceJob, Seq
 from calserve.engine.types import FinishReason, TokenLogprob
 
-__all__ = ["SAMPLE_FAILED", "Sampled", "ends", "expect", "out_lanes", "sample", "step_rows"]
+__all__ = ["SAMPLE_FAILED", "PLAIN_GREEDY", "Sampled", "ends", "expect", "out_lanes", "sample", "step_rows"]
 
 log = logging.getLogger("calserve.engine.completion")
 
@@ -26,7 +26,8 @@ SAMPLE_FAILED = -1
 
 Sampled = tuple[list[int], list[TokenLogprob | None]]
 
-_PLAIN_GREEDY = attrgetter("req.sampling.plain_greedy")
+#: A sequence's ``plain_greedy`` (nothing but the argmax decides its tokens), read in C per batch
+PLAIN_GREEDY = attrgetter("req.sampling.plain_greedy")
 
 
 def ends(s: Seq, tok: int, generated: int, position: int, now: float,
@@ -122,7 +123,7 @@ def sample(job: DeviceJob, seqs: list[Seq], logits: np.ndarray) -> Sampled:
         active = job.active
         n = len(active)
         rows = logits[:n] if active[-1] == n - 1 else logits[active]
-    if all(map(_PLAIN_GREEDY, seqs)):
+    if all(map(PLAIN_GREEDY, seqs)):
         # what sample_batch returns for such lanes, minus its setup
         return greedy_argmax(rows), [None] * len(seqs)
     forced = [i for i, s in enumerate(seqs)
