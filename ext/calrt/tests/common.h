@@ -17,6 +17,24 @@
     }                                                                                   \
   } while (0)
 
+/* The last failing call's message names `s`. */
+#define ERR_HAS(s) (strstr(calrt_last_error(), (s)) != NULL)
+
+/* Submit `j` on `e` and wait for it (10 s at most): its completion status. */
+static inline calrt_job_status run(calrt_job *j, calrt_engine e) {
+  calrt_job_status st = CALRT_JOB_INVALID;
+  CHECK(calrt_job_submit(j, e) == CALRT_OK);
+  CHECK(calrt_job_wait(j, 10 * 1000 * 1000, &st) == CALRT_OK);
+  return st;
+}
+
+/* The first index of the largest of x[0..n) (the host's greedy token). */
+static inline int argmax(const float *x, int n) {
+  int b = 0;
+  for (int i = 1; i < n; i++) if (x[i] > x[b]) b = i;
+  return b;
+}
+
 typedef struct test_model {
   calrt_model_desc m;
   int n;

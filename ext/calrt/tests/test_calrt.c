@@ -7,19 +7,6 @@
 
 #include "common.h"
 
-static calrt_job_status run(calrt_job *j, calrt_engine e) {
-  calrt_job_status st = CALRT_JOB_INVALID;
-  CHECK(calrt_job_submit(j, e) == CALRT_OK);
-  CHECK(calrt_job_wait(j, 10 * 1000 * 1000, &st) == CALRT_OK);
-  return st;
-}
-
-static int argmax(const float *x, int n) {
-  int b = 0;
-  for (int i = 1; i < n; i++) if (x[i] > x[b]) b = i;
-  return b;
-}
-
 /* Greedy decode `steps` tokens of `seq` at `lane` of the calbin chosen per step (cbs[pick[k]]), after
  * a prefill on cbs[0]; logits rows into out[steps + 1][V]. */
 static void run_schedule(calrt_calbin **cbs, const int *lanes_of, const int *pick, int steps, int32_t seq,
@@ -49,7 +36,6 @@ static void run_schedule(calrt_calbin **cbs, const int *lanes_of, const int *pic
   }
 }
 
-#define ERR_HAS(s) (strstr(calrt_last_error(), (s)) != NULL)
 
 /* Shared KV groups (C3, sim-next): refusals, DRAM charged once, bitwise B1/B4 interleaving, release
  * in either order, reset invalidation, in-use rules across members. */

@@ -14,20 +14,6 @@
 #include "common.h"
 
 #define V 61 /* make_model's vocabulary */
-#define ERR_HAS(s) (strstr(calrt_last_error(), (s)) != NULL)
-
-static calrt_job_status run(calrt_job *j, calrt_engine e) {
-  calrt_job_status st = CALRT_JOB_INVALID;
-  CHECK(calrt_job_submit(j, e) == CALRT_OK);
-  CHECK(calrt_job_wait(j, 10 * 1000 * 1000, &st) == CALRT_OK);
-  return st;
-}
-
-static int argmax(const float *x, int n) {
-  int b = 0;
-  for (int i = 1; i < n; i++) if (x[i] > x[b]) b = i;
-  return b;
-}
 
 static calrt_calbin *calbin(calrt_device *dev, test_model *tm, int B, int max_seq, double step_us) {
   calrt_profile p = {B, max_seq, 8, CALRT_KV_FP32, 1, 0};
