@@ -32,10 +32,9 @@ from typing import Any, Final, Protocol, final
 import trio
 
 from calserve.engine.detok import IncrementalDetokenizer, StopMatcher
-from calserve.engine.state import ActorMsg, Admitted, End, Scored, Seq, Tokens
+from calserve.engine.state import ActorMsg, Admitted, End, Scored, Seq, TokenRun, Tokens
 from calserve.engine.stream import StreamWriter
-from calserve.engine.types import (ErrorEvent, FinishEvent, FinishReason, RequestTimings, TokenEvent,
-                                   Usage)
+from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, RequestTimings, Usage
 
 __all__ = ["run_actor", "ActorInbox", "open_actor_inbox", "ActorSink"]
 
@@ -58,7 +57,7 @@ class _TokenStep:
     actor task, or (with an :class:`ActorInbox`) the inbox on the actor's behalf while the task is
     parked. ``stop_wanted`` is for the task: a reason the engine must be told (``sink.stop``)."""
 
-    __slots__ = ("completion", "stopped", "stop_wanted", "on_tokens", "_detok", "_stops",
+    __slots__ = ("completion", "stopped", "stop_wanted", "on_tokens", "on_run", "_detok", "_stops",
                  "_min_tokens", "_writer", "_push", "_put", "_include_stop")
 
     def __init__(self, seq: Seq, writer: StreamWriter, tokenizer: Any) -> None:
@@ -78,6 +77,35 @@ class _TokenStep:
         #: the matcher's branch; ``tests/engine_parts/test_parts_actor.py`` runs both).
         self.on_tokens: Callable[[Tokens], bool] = (
             self._step_plain if self._stops is None else self._step)
+        #: The step for one ``TokenRun`` message (a multi-step job's tokens): the run at once
+        #: without stop strings, else each token through :meth:`_step`.
+        self.on_run: Callable[[TokenRun], bool] = (
+            self._run_plain if self._stops is None else self._run)
+
+    def _run_plain(self, msg: TokenRun) -> bool:
+        """:meth:`_step_plain` of each token of a run, the text of all of them in one write."""
+        ids, _, hidden = msg
+        self.completion += len(ids)
+        if hidden:
+            ids = ids[:-1]
+            if not ids:
+                return False
+        if (self._writer.put_tokens(ids, self._detok.push_many(ids))
+                and self.stop_wanted is None):
+            self.stop_wanted = FinishReason.CANCELLED  # the consumer is gone
+            return True
+        return False
+
+    def _run(self, msg: TokenRun) -> bool:
+        """:meth:`_step` of each token of a run, in order (stop strings are matched token by
+        token: ``min_tokens`` counts tokens, and a match drops the tokens after it)."""
+        ids, first, hidden = msg
+        last = len(ids) - 1
+        wanted = False
+        step = self._step
+        for i, tok in enumerate(ids):
+            wanted = step(Tokens(tok, None, first and i == 0, hidden and i == last)) or wanted
+        return wanted
 
     def _step_plain(self, msg: Tokens) -> bool:
         """:meth:`_step` of a request without stop strings."""
@@ -151,26 +179,36 @@ class ActorInbox:
     (single trio thread; the task is parked whenever the step runs inline).
     """
 
-    __slots__ = ("_q", "_waiter", "_step")
+    __slots__ = ("_q", "_waiter", "_step", "_run")
 
     def __init__(self) -> None:
         self._q: collections.deque[ActorMsg | _Poke] = collections.deque()
         self._waiter: trio.lowlevel.Task | None = None  # the actor task, parked in receive()
         self._step: Callable[[Tokens], bool] | None = None
+        self._run: Callable[[Any], bool] | None = None  # of a TokenRun (send_nowait's dispatch)
 
-    def attach(self, step: Callable[[Tokens], bool] | None) -> None:
-        """The actor's token step (None: detached — the actor is gone, messages just queue)."""
+    def attach(self, step: Callable[[Tokens], bool] | None,
+               run: Callable[[TokenRun], bool] | None = None) -> None:
+        """The actor's token step and run step (None: detached — the actor is gone, messages
+        just queue; a ``TokenRun`` without a run step is queued for the task)."""
         self._step = step
+        self._run = run if step is not None else None
 
     def send_nowait(self, msg: ActorMsg) -> None:
-        step = self._step
-        if step is not None and self._waiter is not None and not self._q and type(msg) is Tokens:
+        inline: Callable[[Any], bool] | None = self._step
+        if inline is not None and self._waiter is not None and not self._q:
+            kind = type(msg)
+            if kind is not Tokens:
+                inline = self._run if kind is TokenRun else None
+        else:
+            inline = None
+        if inline is not None:
             try:
-                if not step(msg):
+                if not inline(msg):
                     return
                 self._q.append(_POKE)
             except Exception as exc:  # an actor bug: raised in the actor task, as without inlining
-                self._step = None
+                self._step = self._run = None
                 self._q.append(_Poke(exc))
         else:
             self._q.append(msg)
@@ -222,10 +260,11 @@ async def run_actor(
 
     receive = recv.receive
     on_tokens = step.on_tokens
+    on_run = step.on_run
     inbox = recv if isinstance(recv, ActorInbox) else None
     try:
         if inbox is not None:
-            inbox.attach(on_tokens)
+            inbox.attach(on_tokens, on_run)
         while True:
             try:
                 msg = await receive()
@@ -234,13 +273,16 @@ async def run_actor(
             if type(msg) is Tokens:
                 if not on_tokens(msg):
                     continue
+            elif type(msg) is TokenRun:
+                if not on_run(msg):
+                    continue
             elif type(msg) is _Poke:
                 if msg.error is not None:
                     raise msg.error
             elif isinstance(msg, Admitted):
                 pass  # admission time is read from the request (timings)
             elif isinstance(msg, Scored):  # the prompt's scores: before any token, no text
-                writer.put(TokenEvent((), "", msg.logprobs))
+                writer.put_tokens((), "", msg.logprobs)
             elif isinstance(msg, End):
                 usage = Usage(len(seq.prompt), step.completion)
                 if msg.error is not None:

@@ -17,7 +17,7 @@ from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch, s
 from calserve.engine.state import DeviceJob, Seq
 from calserve.engine.types import FinishReason, TokenLogprob
 
-__all__ = ["SAMPLE_FAILED", "PLAIN_GREEDY", "Sampled", "ends", "expect", "out_lanes", "sample", "step_rows"]
+__all__ = ["SAMPLE_FAILED", "PLAIN_GREEDY", "Sampled", "ends", "ends_run", "expect", "out_lanes", "sample", "step_rows"]
 
 log = logging.getLogger("calserve.engine.completion")
 
@@ -45,6 +45,30 @@ def ends(s: Seq, tok: int, generated: int, position: int, now: float,
     if s.deadline is not None and s.deadline <= now:
         return FinishReason.DEADLINE
     return None
+
+
+def ends_run(s: Seq, toks: list[int], generated: int, position: int, now: float,
+             eos: Collection[int]) -> tuple[int, FinishReason | None]:
+    """:func:`ends` of each token of a multi-step job's run in turn (token ``i`` as the
+    ``generated + i + 1``-th at ``position + i + 1``): ``(k, reason)``, the first ``k`` tokens kept
+    and why the sequence ends with the ``k``-th, or ``(len(toks), None)`` when none ends it. The
+    length and deadline checks are arithmetic (the first token they end at), the stop check a scan
+    up to there; ``tests/engine/test_multi_step_fake.py`` checks it against :func:`ends`."""
+    sp = s.req.sampling
+    end = len(toks) - 1  # the last token that can end it, and why
+    why: FinishReason | None = None
+    if s.deadline is not None and s.deadline <= now:
+        end, why = 0, FinishReason.DEADLINE
+    length = min(sp.max_tokens - generated, s.lease.reserved_len - position) - 1
+    if length <= end:  # LENGTH before DEADLINE on the same token
+        end, why = max(0, length), FinishReason.LENGTH
+    stop_ids = sp.stop_token_ids
+    check_eos = not sp.ignore_eos
+    for i in range(max(0, sp.min_tokens - generated), end + 1):
+        t = toks[i]
+        if (check_eos and t in eos) or t in stop_ids:
+            return i + 1, FinishReason.STOP
+    return end + 1, why
 
 
 def expect(job: DeviceJob) -> list[tuple[int, int]]:

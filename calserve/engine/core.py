@@ -37,7 +37,7 @@ from calserve.config import CalserveConfig
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.model_state import TRANSITIONS, ModelEvent, ModelState, is_loading
 from calserve.engine.batches import JobBuilder
-from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, sample, step_rows
+from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, ends_run, expect, sample, step_rows
 from calserve.engine.core_stats import CoreState, CoreStatistics, CoreStats, FastStep
 from calserve.engine.parking import Parking
 from calserve.engine.planner import Planner
@@ -271,12 +271,8 @@ class EngineCore:
             tokens = [toks[-1] for toks in rows]
             sampled: Sampled = (tokens, [None] * len(seqs))
             for toks, s in zip(rows, seqs, strict=True):
-                g, p = s.generated, s.position
-                for tok in toks:
-                    g += 1
-                    p += 1
-                    if ends(s, tok, g, p, now, eos) is not None:
-                        return FastStep(engine, job, outcome, None, sampled, now, rows=rows)
+                if ends_run(s, toks, s.generated, s.position, now, eos)[1] is not None:
+                    return FastStep(engine, job, outcome, None, sampled, now, rows=rows)
             counts = [len(toks) for toks in rows]
             pending: int | list[int] = counts
             positions = [s.position + n for s, n in zip(seqs, counts, strict=True)]

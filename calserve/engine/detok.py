@@ -133,6 +133,59 @@ class IncrementalDetokenizer:
         self._read = len(ids)
         return out
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """``push(token_ids)`` for a run of tokens (a multi-step job's, :class:`TokenRun`): the
+        text they add and the state they leave, the same as their :meth:`push_one` calls, in one
+        call. On a byte-level tokenizer a token met while nothing is held is a table hit, and of
+        a row of such hits only the first and the last touch the window."""
+        clean = self._clean
+        if clean is None:
+            return self.push(token_ids)
+        if self._flushed:
+            raise RuntimeError("IncrementalDetokenizer.push after flush")
+        stream = self._stream
+        step = stream.step
+        hf = self._hf
+        ids = self._ids
+        read = self._read
+        pieces: list[str] = []
+        hit = -1  # the last of a row of table hits after its first, not yet the window (-1: none)
+        in_row = False  # the previous token was a table hit
+        for t in token_ids:
+            if not stream.held:
+                out = clean.get(t)
+                if out is not None:
+                    pieces.append(out)
+                    if in_row:
+                        hit = t
+                    else:  # the row's first hit: push_one's emit
+                        in_row = True
+                        if read:
+                            del ids[:read]
+                        ids.append(t)
+                        read = len(ids)
+                    continue
+            in_row = False
+            if hit >= 0:  # after a row of hits the window is its last one
+                ids[:] = (hit,)
+                read = 1
+                hit = -1
+            out = step(hf, t)
+            if out is None:
+                ids.append(t)  # held: decoded again by flush() if the stream ends here
+                continue
+            if read:
+                del ids[:read]
+            ids.append(t)
+            read = len(ids)
+            pieces.append(out)
+        if hit >= 0:
+            ids[:] = (hit,)
+            read = 1
+        self._read = read
+        self.tokens_seen += len(token_ids)
+        return "".join(pieces)
+
     def flush(self) -> str:
         """The held-back tail (possibly with replacement characters); the stream is over."""
         if self._flushed:

@@ -30,7 +30,7 @@ from calserve.runtime.types import JobEngine, JobResult, JobStatus
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation
 
-__all__ = ["Seq", "Admitted", "Tokens", "Scored", "End", "ActorMsg", "DeviceJob", "JobOutcome", "CoreOutput",
+__all__ = ["Seq", "Admitted", "Tokens", "TokenRun", "Scored", "End", "ActorMsg", "DeviceJob", "JobOutcome", "CoreOutput",
            "NO_OUTPUT", "Fault", "Release", "STATUS_NAMES"]
 
 #: ``status.name.lower()`` of every job status, the key of the per-status counts and fault
@@ -55,6 +55,17 @@ class Tokens(NamedTuple):
     hidden: bool = False
 
 
+class TokenRun(NamedTuple):
+    """The tokens one sequence drew in one multi-step decode job, in order (never with logprobs:
+    only plain greedy lanes run several steps a job): one message for all of them, so the actor
+    detokenises and writes them in one step. ``first``: the run holds the request's first token;
+    ``hidden``: its last token is an EOS / stop token id, counted in usage but never shown."""
+
+    token_ids: list[int]
+    first: bool
+    hidden: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class Scored:
     """Every prompt token's logprob (``SamplingParams.prompt_logprobs``), sent once, before the
@@ -73,7 +84,7 @@ class End:
     error: ErrorEvent | None = None
 
 
-ActorMsg = Admitted | Tokens | Scored | End
+ActorMsg = Admitted | Tokens | TokenRun | Scored | End
 
 
 class Inbox(Protocol):

@@ -15,10 +15,11 @@ import logging
 
 from calserve.core.kv_state import KvSequenceState
 from calserve.core.request_state import TRANSITIONS, RequestEvent, RequestState
-from calserve.engine.completion import SAMPLE_FAILED, Sampled, ends, expect, out_lanes, sample, step_rows
+from calserve.engine.completion import (SAMPLE_FAILED, Sampled, ends, ends_run, expect, out_lanes, sample,
+                                       step_rows)
 from calserve.engine.core_stats import CoreState, CoreStats
 from calserve.engine.requests import RequestTable, exhausted
-from calserve.engine.state import STATUS_NAMES, DeviceJob, Fault, JobOutcome, Scored, Seq, Tokens
+from calserve.engine.state import STATUS_NAMES, DeviceJob, Fault, JobOutcome, Scored, Seq, TokenRun, Tokens
 from calserve.engine.types import ErrorEvent, FinishReason, TokenLogprob
 from calserve.runtime.types import DeviceBusy, DeviceFaulted, JobStatus
 
@@ -278,10 +279,11 @@ class StepHandler:
                   continuing: bool = False) -> None:
         """:meth:`_ok_decode` for a multi-step decode (each lane's steps' tokens: ``rows``):
         every lane's KV commit of all its steps (the device wrote and committed them); per lane,
-        the steps charged, then its tokens in order through the finish rule as if each had been a
-        step of its own. A lane that ends on a token drops the ones after it (never shown: they
-        follow its EOS / stop token, or an ending asked for while the job ran); a lane that
-        continues gets every token, its last one deferred on the general path as there."""
+        the steps charged, then its tokens through the finish rule as if each had been a step of
+        its own (:func:`ends_run`), and those it keeps to its actor as one :class:`TokenRun`. A
+        lane that ends on a token drops the ones after it (never shown: they follow its EOS /
+        stop token, or an ending asked for while the job ran); a lane that continues gets every
+        token, deferred on the general path as there."""
         gen = job.gen
         reqs = self.requests
         eos = gen.source.eos_token_ids
@@ -299,26 +301,19 @@ class StepHandler:
                 reqs.end(s, s.pending_reason, s.pending_error, now=now)  # output dropped (drained)
                 continue
             s.retries = 0
-            reason = None
-            msg: Tokens | None = None
-            for tok in toks:
-                if msg is not None:
-                    s.inbox.send_nowait(msg)
-                generated = s.generated
-                first = generated == 0
-                generated = s.generated = generated + 1
-                position += 1
-                s.last_token = tok
-                s.tokens.append(tok)
-                if first:
-                    s.first_token_at = now
-                    timeline.request(now, "first_token", s.rid)
-                # (``continuing``: the fast step found that no sequence ends, with these values)
-                reason = None if continuing else ends(s, tok, generated, position, now, eos)
-                msg = new(Tokens, (tok, None, first, reason is stop))
-                if reason is not None:
-                    break
-            assert msg is not None
+            generated = s.generated
+            # (``continuing``: the fast step found that no sequence ends, with these values)
+            k, reason = (n, None) if continuing else ends_run(s, toks, generated, position, now, eos)
+            if k < n:
+                toks = toks[:k]
+            s.generated = generated + k
+            s.last_token = toks[-1]
+            s.tokens.extend(toks)
+            first = generated == 0
+            if first:
+                s.first_token_at = now
+                timeline.request(now, "first_token", s.rid)
+            msg = new(TokenRun, (toks, first, reason is stop))
             if reason is not None:
                 s.inbox.send_nowait(msg)
                 reqs.end(s, reason, now=now)

@@ -2,7 +2,7 @@
 
 The producer (the request actor, a trio task) must never block on a slow client: a stuck stream
 would stall its actor and, through it, the decode batch its lane sits in. It must never drop a token
-either. So :meth:`StreamWriter.put_token` / :meth:`StreamWriter.put` are synchronous and unbounded
+either. So :meth:`StreamWriter.put_token` / :meth:`StreamWriter.put_tokens` are synchronous and unbounded
 in tokens but bounded in *events*: every token written since the consumer's last read is coalesced
 into ONE pending token event (token ids, text pieces and logprobs appended in order), which the
 consumer takes whole when it next reads (consumer-side coalescing).
@@ -44,7 +44,7 @@ event; nothing ever waits on purpose — a consumer that keeps up gets each toke
 written. Building the :class:`TokenEvent` once per read (not once per token) also takes a frozen
 dataclass and a tuple concatenation per token off the actor's hot path.
 
-Lifecycle: ``put_token``/``put``* then exactly one ``close(terminal)``; the consumer iterates
+Lifecycle: ``put_token``/``put_tokens``* then exactly one ``close(terminal)``; the consumer iterates
 (``async for``) or calls :meth:`receive_many` until the terminal event, or gives up with
 ``aclose()`` (client disconnect), which marks the writer ``abandoned`` so the producer can cancel
 the request. The producer is not told otherwise (STACK.md: only the handler sees the disconnect).
@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final, final
 
 import trio
@@ -98,7 +98,7 @@ def token_bytes(text: str, logprob: TokenLogprob | None) -> int:
 class StreamStatistics:
     buffered: int  # token events waiting for the consumer (0 or 1: they are coalesced)
     coalesced: int  # tokens appended to an already pending token event so far
-    tokens_put: int  # tokens accepted by put()/put_token()
+    tokens_put: int  # tokens accepted by put_token() / put_tokens()
     events_delivered: int  # events handed to the consumer (terminal included)
     closed: bool  # close() was called
     abandoned: bool  # the consumer gave up (aclose), or the writer gave up on it (overflowed)
@@ -132,7 +132,7 @@ class StreamWriter:
         if max_bytes < 0 or grace_s < 0 or stall_s < 0:
             raise ValueError("StreamWriter max_bytes, grace_s and stall_s must be >= 0")
         # The pending token event, in parts. Invariant: something is pending <=> _texts is
-        # non-empty (one text piece per put/put_token, maybe ""); _ids and _lps (None or the
+        # non-empty (one text piece per put_token / put_tokens, maybe ""); _ids and _lps (None or the
         # pending tokens' logprobs that were not None) in put order; nothing is pending after the
         # consumer's read or after aclose().
         self._ids: list[int] = []
@@ -240,32 +240,36 @@ class StreamWriter:
             trio.lowlevel.reschedule(t)
         return self._abandoned
 
-    def put(self, event: TokenEvent) -> None:
-        """Queue a token event (several tokens possible). Same rules as :meth:`put_token`."""
+    def put_tokens(self, token_ids: Sequence[int], text: str,
+                   logprobs: Sequence[TokenLogprob] | None = None) -> bool:
+        """Queue several tokens and the text they add together (a multi-step job's run), with
+        the logprobs of those that have one; or none with logprobs only (a prompt's scores). For
+        tokens the same pending event, byte estimate and counts as :meth:`put_token` of each, the
+        first with ``text`` and the others with "". Same rules and return value."""
         if self._terminal is not None:
             raise RuntimeError("StreamWriter.put after close")
-        if not isinstance(event, TokenEvent):
-            raise TypeError(f"StreamWriter.put takes a TokenEvent, got {type(event).__name__}")
-        n = len(event.token_ids)
+        n = len(token_ids)
         self._tokens_put += n
-        if self._abandoned or (n == 0 and not event.text and not event.logprobs):
-            return
-        self._coalesced += n if self._texts else max(0, n - 1)
-        self._ids.extend(event.token_ids)
-        self._texts.append(event.text)
-        b = self._bytes + TOKEN_BYTES * max(1, n) + len(event.text)
-        if event.logprobs:
-            b += sum(LOGPROB_BYTES + TOP_LOGPROB_BYTES * len(lp.top) for lp in event.logprobs)
+        if self._abandoned or not (n or text or logprobs):
+            return self._abandoned
+        texts = self._texts
+        self._coalesced += n if texts else max(0, n - 1)
+        texts.append(text)
+        self._ids.extend(token_ids)
+        b = self._bytes + TOKEN_BYTES * max(1, n) + len(text)
+        if logprobs:
+            b += sum(LOGPROB_BYTES + TOP_LOGPROB_BYTES * len(lp.top) for lp in logprobs)
             if self._lps is None:
-                self._lps = list(event.logprobs)
+                self._lps = list(logprobs)
             else:
-                self._lps.extend(event.logprobs)
+                self._lps.extend(logprobs)
         self._bytes = b
         if b > self._room:
             self._over_bound()
         elif self._sending_since is not None:
             self._check_write_stall()
         self._wake()
+        return self._abandoned
 
     def _over_bound(self) -> None:
         """The backlog is over the bound (a put just made it so, or kept it so): start the grace

@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from calserve.core.kv import KvLaneManager
+from calserve.engine import actor as actor_mod
 from calserve.engine.batches import decode_steps
+from calserve.engine.completion import ends, ends_run
 from calserve.engine.engine import Engine
 from calserve.engine.fault_watch import FaultWatch
 from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
@@ -122,12 +124,28 @@ def test_outputs_equal_single_step(work: list[Req], n: int) -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-async def test_greedy_load_runs_several_steps_a_job(autojump_clock: object) -> None:
+async def test_greedy_load_runs_several_steps_a_job(autojump_clock: object,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """24 greedy requests of 40 tokens at once (the common served load): the tokens of the fault-free
     solo reference; one step a job while prompts wait for their prefill, then 8 (a length limit can
-    cut a lane's last job); a fraction of the single-step run's jobs."""
+    cut a lane's last job); a fraction of the single-step run's jobs; a lane's tokens of a job in
+    one actor message."""
     work = [(0.0, (i + 1, 2 * i + 3, 9), 40, "ignore_eos") for i in range(24)]
     one, _, s1 = await _serve(work, 1)
+    runs: list[int] = []  # the tokens of each TokenRun an actor rendered
+    singles = [0]  # Tokens messages (prefills, one-step jobs)
+    run_plain, step_plain = actor_mod._TokenStep._run_plain, actor_mod._TokenStep._step_plain
+
+    def counting_run(self: Any, msg: Any) -> bool:
+        runs.append(len(msg.token_ids))
+        return run_plain(self, msg)
+
+    def counting_step(self: Any, msg: Any) -> bool:
+        singles[0] += 1
+        return step_plain(self, msg)
+
+    monkeypatch.setattr(actor_mod._TokenStep, "_run_plain", counting_run)
+    monkeypatch.setattr(actor_mod._TokenStep, "_step_plain", counting_step)
     multi, _, s8 = await _serve(work, 8)
     _same(one, multi)
     for i, (toks, fin) in multi.items():
@@ -135,6 +153,10 @@ async def test_greedy_load_runs_several_steps_a_job(autojump_clock: object) -> N
         assert toks == fake_greedy(work[i][1], 40)
     jobs1, jobs8 = sum(s1.batches_total.values()), sum(s8.batches_total.values())
     steps8 = sum(s8.decode_steps_total.values())
+    # a lane's tokens of a multi-step job reach its actor as one message (one detokenizer step and
+    # one stream write for all of them): far fewer actor steps than tokens
+    assert runs and sum(runs) == sum(len(t) for t, _ in multi.values()) - singles[0]
+    assert len(runs) + singles[0] < steps8 * 16 // 3 and max(runs) == 8
     prefill_phase = [n for n in s8.decode_steps_total.values()]
     assert steps8 >= 3 * jobs8, (steps8, jobs8, prefill_phase)
     assert jobs8 * 2 < jobs1
@@ -236,6 +258,32 @@ async def test_steps_stop_at_the_kv_reservation(autojump_clock: object) -> None:
     multi, _, _ = await _serve(work, 8, max_seq=32)
     _same(one, multi)
     assert len(multi[0][0]) == 32 - 10 and multi[0][1].reason is FinishReason.LENGTH
+
+
+@settings(max_examples=400, deadline=None)
+@given(toks=st.lists(st.integers(0, 9), min_size=1, max_size=12), generated=st.integers(0, 12),
+       position=st.integers(3, 30), max_tokens=st.integers(1, 24), room=st.integers(1, 16),
+       min_tokens=st.integers(0, 6), stop_ids=st.frozensets(st.integers(0, 9), max_size=2),
+       ignore_eos=st.booleans(), deadline=st.sampled_from([None, 0.5, 1.0, 2.0]))
+def test_ends_run_is_ends_token_by_token(toks: list[int], generated: int, position: int, max_tokens: int,
+                                         room: int, min_tokens: int, stop_ids: frozenset[int],
+                                         ignore_eos: bool, deadline: float | None) -> None:
+    """The finish rule of a multi-step job's run is :func:`ends` applied to each token in turn,
+    stopping at the first that ends the sequence: the same tokens kept and the same reason (STOP
+    before LENGTH before DEADLINE on one token), also past a limit or a deadline already."""
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
+                        stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+    s: Any = type("S", (), {})()
+    s.req, s.deadline = GenerateRequest((1,), sp), deadline
+    s.lease = type("L", (), {"reserved_len": position + room})()
+    now, eos = 1.0, frozenset(EOS)
+    want: tuple[int, FinishReason | None] = (len(toks), None)
+    for i, tok in enumerate(toks):
+        reason = ends(s, tok, generated + i + 1, position + i + 1, now, eos)
+        if reason is not None:
+            want = (i + 1, reason)
+            break
+    assert ends_run(s, toks, generated, position, now, eos) == want
 
 
 def test_decode_steps_rule() -> None:

@@ -18,7 +18,7 @@ from calserve.engine import registry as registry_mod
 from calserve.engine.actor import ActorInbox, open_actor_inbox, run_actor
 from calserve.engine.engine import Engine
 from calserve.testing.fake_device import FakeBackend
-from calserve.engine.state import ActorMsg, Admitted, End, Tokens
+from calserve.engine.state import ActorMsg, Admitted, End, TokenRun, Tokens
 from calserve.engine.stream import StreamWriter
 from calserve.engine.types import (
     ErrorEvent,
@@ -189,6 +189,34 @@ async def test_actor_stop_string_across_tokens_tells_the_scheduler_and_hides_the
     assert reg.sched.stops == [FinishReason.STOP]
     # usage counts the tokens up to the one completing the match; later (in-flight) ones are dropped
     assert term.usage.completion_tokens == len("abXYZ")
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["channel", "inline"])
+@pytest.mark.parametrize("stop", [(), ("XYZ",), ("c",), ("g",)], ids=["plain", "across", "one", "last"])
+@pytest.mark.parametrize("cuts", [(1,), (3, 5), (2, 3, 4, 7), (9,)])
+@pytest.mark.parametrize("hidden", [False, True])
+async def test_token_runs_render_as_their_tokens_one_by_one(
+    inline: bool, stop: tuple[str, ...], cuts: tuple[int, ...], hidden: bool,
+) -> None:
+    """A multi-step job's tokens come as one TokenRun per lane and job: the stream a client sees
+    (ids, text, stop strings cut where they complete, the hidden EOS, usage, the terminal) and
+    what the scheduler is told are those of the same tokens sent one by one."""
+    ids = CharTokenizer().encode("abXYZcdefg")
+    last = len(ids) - 1
+    one: list[ActorMsg] = [Tokens(t, None, i == 0, hidden and i == last) for i, t in enumerate(ids)]
+    bounds = [0, *cuts, len(ids)]
+    runs: list[ActorMsg] = [TokenRun(ids[a:b], a == 0, hidden and b == len(ids))
+                            for a, b in zip(bounds, bounds[1:])]
+    got = []
+    for msgs in (one, runs):
+        events, reg = await _run([Admitted(0.0), *msgs, End(FinishReason.LENGTH)], stop, inline=inline)
+        toks = _token_events(events)
+        term = events[-1]
+        assert isinstance(term, FinishEvent)
+        got.append(([t for e in toks for t in e.token_ids], "".join(e.text for e in toks) + term.text,
+                    term.reason, term.usage, reg.sched.stops, reg.outcomes))
+    assert got[0] == got[1]
+    assert len(got[1][0]) < len(ids) or not hidden  # the hidden token is never shown
 
 
 class _BrokenTokenizer(CharTokenizer):

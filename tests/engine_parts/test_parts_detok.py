@@ -244,3 +244,32 @@ def test_flush_of_a_held_token_still_decodes_it(tok: Tokenizer) -> None:
     before = counting.calls
     assert d.flush() == tok.decode(emoji[:1]) != ""
     assert counting.calls - before >= 1
+
+
+@given(st.data())
+def test_push_many_is_push_one_of_each_token(tok: Tokenizer, data: st.DataObject) -> None:
+    """A multi-step job's run (``push_many``) adds the same text as its tokens' ``push_one`` calls,
+    whatever the runs' bounds (a character split across runs, held tokens at a run's end), and
+    leaves the same state behind: the same later pieces, flushed tail and token count."""
+    special = tok.encode("<|end|>")  # skipped when decoded: held, with nothing held in bytes
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1) | st.sampled_from(special), max_size=60))
+    cuts = data.draw(st.lists(st.integers(0, 64), max_size=12))
+    many, one = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+    assert many._clean is not None  # the byte-level table path really runs
+    for run in _chunks(ids, cuts):
+        assert many.push_many(run) == "".join(one.push_one(i) for i in run)
+        assert (many._ids[many._prefix:], many._read) == (one._ids[one._prefix:], one._read)
+    assert many.flush() == one.flush()
+    assert many.tokens_seen == one.tokens_seen == len(ids)
+
+
+def test_push_many_on_the_generic_path_and_after_flush(tok: Tokenizer) -> None:
+    ids = tok.encode("naïve café 🎉 ok")
+    generic = IncrementalDetokenizer(_DecodeOnly(tok))
+    assert generic._clean is None
+    assert generic.push_many(ids) + generic.flush() == tok.decode(ids)
+    d = IncrementalDetokenizer(tok)
+    d.push_many(ids[:2])
+    d.flush()
+    with pytest.raises(RuntimeError, match="after flush"):
+        d.push_many(ids[2:])

@@ -16,6 +16,10 @@ from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, TokenEv
 _FIN = FinishEvent(reason=FinishReason.STOP, usage=Usage(3, 5))
 
 
+def _put(w: StreamWriter, ev: TokenEvent) -> None:
+    w.put_tokens(ev.token_ids, ev.text, ev.logprobs)
+
+
 def _tok(i: int, with_lp: bool = True) -> TokenEvent:
     lp = (TokenLogprob(i, -float(i)),) if with_lp else None
     return TokenEvent(token_ids=(i,), text=f"<{i}>", logprobs=lp)
@@ -42,7 +46,7 @@ def test_slow_consumer_gets_every_token_in_order_and_one_terminal(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(consumer)
             for i in range(n_tokens):
-                w.put(_tok(i, with_lp))
+                _put(w, _tok(i, with_lp))
                 assert w.statistics().buffered <= max_events  # Invariant: bounded in events
                 await trio.sleep(0.001)
             w.close(_FIN)
@@ -66,7 +70,7 @@ def test_slow_consumer_gets_every_token_in_order_and_one_terminal(
 async def test_put_never_blocks_and_coalesces_everything_pending() -> None:
     w = StreamWriter(2)
     for i in range(10):
-        w.put(_tok(i))  # synchronous: no consumer at all
+        _put(w, _tok(i))  # synchronous: no consumer at all
     w.close(_FIN)
     s = w.statistics()
     assert (s.buffered, s.coalesced, s.closed) == (1, 9, True)
@@ -82,10 +86,10 @@ async def test_put_never_blocks_and_coalesces_everything_pending() -> None:
 
 async def test_receive_many_returns_everything_deliverable_as_one_token_event() -> None:
     w = StreamWriter(4)
-    w.put(_tok(1))
-    w.put(_tok(2))
+    _put(w, _tok(1))
+    _put(w, _tok(2))
     assert [e.token_ids for e in await w.receive_many() if isinstance(e, TokenEvent)] == [(1, 2)]
-    w.put(_tok(3))
+    _put(w, _tok(3))
     err = ErrorEvent(message="device fault", kind="device_error")
     w.close(err)
     batch = await w.receive_many()
@@ -123,6 +127,40 @@ def test_put_token_event_carries_every_token_text_and_logprob_in_order(
         s = w.statistics()
         assert (s.tokens_put, s.coalesced, s.events_delivered) == (len(toks), len(toks) - len(got),
                                                                    len(got) + 1)
+
+    trio.run(main)
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 999), st.text(max_size=3)), max_size=6), max_size=12),
+       st.lists(st.integers(0, 12), max_size=4), st.integers(0, 400))
+def test_put_tokens_is_put_token_of_each(runs: list[list[tuple[int, str]]], reads: list[int],
+                                         bound: int) -> None:
+    """A multi-step job's run (``put_tokens``: its ids and their text at once) leaves a writer as
+    putting each token with its text would: the same events read at the same points, the same
+    counts, the same byte estimate and the same bound crossed (``bound``: max_bytes, 0 = none).
+    The differences are an overflow's: its message gives the backlog when it was seen (after the
+    whole run, not after its first token over the bound), and the run's tokens count as coalesced."""
+    async def main() -> None:
+        a, b = StreamWriter(1, max_bytes=bound), StreamWriter(1, max_bytes=bound)
+        seen: list[tuple[list[object], list[object]]] = []
+        for i, run in enumerate(runs):
+            ids = [t for t, _ in run]
+            assert a.put_tokens(ids, "".join(x for _, x in run)) == any(
+                [b.put_token(t, x) for t, x in run] or [b.abandoned])
+            assert (a._bytes, a.abandoned) == (b._bytes, b.abandoned)
+            assert a.statistics().buffered == b.statistics().buffered
+            if i in reads and b.statistics().buffered and not b.abandoned:
+                seen.append((list(await a.receive_many()), list(await b.receive_many())))
+        a.close(_FIN)
+        b.close(_FIN)
+        seen.append((list(await a.receive_many()), list(await b.receive_many())))
+        for x, y in seen:  # (an overflow's message names the bytes when it crossed: a run's all)
+            assert [(e.kind, e.usage) if isinstance(e, ErrorEvent) else e for e in x] == [
+                (e.kind, e.usage) if isinstance(e, ErrorEvent) else e for e in y]
+        sa, sb = a.statistics(), b.statistics()
+        if sb.overflowed:  # one by one, the tokens after the one over the bound are not coalesced
+            sa = dataclasses.replace(sa, coalesced=sb.coalesced)
+        assert sa == sb
 
     trio.run(main)
 
@@ -173,7 +211,7 @@ async def test_consumer_waits_for_the_producer(autojump_clock: trio.testing.Mock
 
     async def produce() -> None:
         await trio.sleep(5)
-        w.put(_tok(7))
+        _put(w, _tok(7))
         await trio.sleep(5)
         w.close(_FIN)
 
@@ -191,22 +229,20 @@ async def test_close_exactly_once_and_no_put_after_close() -> None:
     with pytest.raises(RuntimeError, match="twice"):
         w.close(ErrorEvent(message="x", kind="internal"))
     with pytest.raises(RuntimeError, match="after close"):
-        w.put(_tok(1))
-    with pytest.raises(TypeError):
-        StreamWriter(1).put(_FIN)  # type: ignore[arg-type]
+        _put(w, _tok(1))
     with pytest.raises(ValueError, match="max_events"):
         StreamWriter(0)
 
 
 async def test_consumer_abandon_is_visible_to_the_producer(autojump_clock: trio.testing.MockClock) -> None:
     w = StreamWriter(3)
-    w.put(_tok(1))
+    _put(w, _tok(1))
     seen = trio.Event()
 
     async def producer() -> None:
         await w.wait_abandoned()
         assert w.abandoned
-        w.put(_tok(2))  # discarded, not an error: the producer may race the disconnect
+        _put(w, _tok(2))  # discarded, not an error: the producer may race the disconnect
         w.close(_FIN)
         seen.set()
 
