@@ -105,32 +105,35 @@ def _tool(name: str) -> str | None:
     return str(here) if here.is_file() and os.access(here, os.X_OK) else None
 
 
-def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
-    """Save a profile of calserve under the same load (py-spy attach, else pyinstrument)."""
+def _profile(cfg: dict[str, Any], out: Path, dur: float, stem: str = "calserve_profile") -> str | None:
+    """Save a profile of calserve under the same load (py-spy attach, else pyinstrument), as
+    ``out/<stem>.*`` (py-spy: its shares per part of the serving path beside it,
+    ``<stem>_categories.json``)."""
     pyspy = _tool("py-spy")
     if pyspy:
-        with Server.calserve(cfg, out / "server-profile") as srv:
+        with Server.calserve(cfg, out / f"server-{stem}") as srv:
             # collapsed stacks (flamegraph.pl / speedscope read them) + a top-frames summary
-            target = out / "calserve_profile.folded"
+            target = out / f"{stem}.folded"
             spy = subprocess.Popen([pyspy, "record", "--format", "raw", "--rate", "200", "-o",
                                     str(target), "--pid", str(srv.pid), "--duration",
                                     str(int(dur))], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.STDOUT)
-            run_point(srv, out / "profiled", concurrency=CONCURRENCY, duration=dur, prompt="16",
+            run_point(srv, out / f"{stem}-profiled", concurrency=CONCURRENCY, duration=dur, prompt="16",
                       output="256", scrape_interval_s=None, progress=False)
             spy.wait(30)
         if not target.exists():
             return None
-        from bench.profile_summary import summarize
-        write_json(out / "calserve_profile_top.json", summarize(target, 40))
+        from bench.profile_summary import categories, summarize
+        write_json(out / f"{stem}_top.json", summarize(target, 40))
+        write_json(out / f"{stem}_categories.json", categories(target))
         return str(target)
     try:
         import pyinstrument  # noqa: F401
     except ImportError:
         return None
-    session = out / "calserve_profile.pyisession"
-    target = out / "calserve_profile.html"
-    cfg_dir = out / "server-profile"
+    session = out / f"{stem}.pyisession"
+    target = out / f"{stem}.html"
+    cfg_dir = out / f"server-{stem}"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     import yaml
 
@@ -141,11 +144,11 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float) -> str | None:
     argv = [sys.executable, "-m", "pyinstrument", "-r", "pyisession", "-o", str(session), "-m", "bench.serve_entry", "--config", str(cfg_dir / "config.yaml"),
             "--port", "{port}"]
     with Server.start(argv, cfg_dir, port=port) as srv:
-        run_point(srv, out / "profiled", concurrency=CONCURRENCY, duration=dur, prompt="16",
+        run_point(srv, out / f"{stem}-profiled", concurrency=CONCURRENCY, duration=dur, prompt="16",
                   output="256", scrape_interval_s=None, progress=False)
     if not session.exists():
         return None
-    for renderer, path in (("html", target), ("text", out / "calserve_profile.txt")):
+    for renderer, path in (("html", target), ("text", out / f"{stem}.txt")):
         subprocess.run([sys.executable, "-m", "pyinstrument", "--load", str(session), "-r",
                         renderer, "-o", str(path)], check=False, timeout=120)
     return str(target) if target.exists() else None
@@ -190,6 +193,13 @@ def server_config() -> dict[str, Any]:
     return cfg
 
 
+def _with_batch(cfg: dict[str, Any], batch: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with ``scheduler.batch`` updated by ``batch`` (a copy)."""
+    sched = dict(cfg["scheduler"])
+    sched["batch"] = {**sched["batch"], **batch}
+    return {**cfg, "scheduler": sched}
+
+
 def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8) -> dict[str, Any]:
     """calserve with its defaults (adaptive grouping: several tokens per event while the serving
     thread is saturated, which it is here) and with grouping off (one event per token), each against
@@ -216,9 +226,7 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
     for name, server in variants.items():
         vcfg = {**cfg, "server": server} if server else cfg
         if name in batch_over:
-            sched = dict(vcfg["scheduler"])
-            sched["batch"] = {**sched["batch"], **batch_over[name]}
-            vcfg = {**vcfg, "scheduler": sched}
+            vcfg = _with_batch(vcfg, batch_over[name])
         with Server.calserve(vcfg, out / f"server-{name}") as srv:
             cal = _measure(srv, out / name, dur)
         size = max(64, round(cal["event_bytes"]))
@@ -254,10 +262,16 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
                                               "us_per_token": paced["us_per_token"]},
             "ratio_per_token_same_grouping_same_rate": cal["us_per_token"] / paced["us_per_token"]}
     doc["floors"] = {_tag(*k): v for k, v in floors.items()}
-    try:
-        prof = _profile(cfg, out, min(dur, 5.0))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # a profile is a bonus
-        prof = f"profiling failed: {e}"[:300]
+    profiles: dict[str, str | None] = {}
+    # the default configuration's profile, and the multi-step one's where that variant ran
+    for stem, pcfg in [("calserve_profile", cfg), *(
+            [("calserve_multi_step_profile", _with_batch(cfg, batch_over["calserve_multi_step"]))]
+            if "calserve_multi_step" in batch_over else [])]:
+        try:
+            profiles[stem] = _profile(pcfg, out, min(dur, 5.0), stem)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # a profile is a bonus
+            profiles[stem] = f"profiling failed: {e}"[:300]
+    prof = profiles["calserve_profile"]
     head = doc["variants"]["calserve"]
     doc.update({"calserve": head["calserve"], "floor": floors[(head["floor_event_bytes"], 1.0, 0.0)],
                 "ratio_per_event": head["ratio_per_event"], "ratio_per_token": head["ratio_per_token"],
@@ -269,7 +283,8 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
                     k: v["ratio_per_token_same_grouping_same_rate"]
                     for k, v in doc["variants"].items()},
                 "target_ratio_same_grouping": 2.0, "profile": prof or
-                "none saved: install py-spy or `pip install pyinstrument` to get one"})
+                "none saved: install py-spy or `pip install pyinstrument` to get one",
+                "profile_multi_step": profiles.get("calserve_multi_step_profile")})
     return doc
 
 
