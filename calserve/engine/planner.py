@@ -176,7 +176,7 @@ class Planner:
             if g is gen:
                 continue
             q = self.requests.queues(g)
-            if q.decode_ready or q.waiting or any(q.prefill[c] for c in PREFILL_CLASSES):
+            if q.decode_ready or q.waiting or q.prefill_waiting():
                 return True
         return False
 
@@ -427,9 +427,8 @@ class Planner:
         for e, job in self.st.slots.items():
             if job is not None and e is not engine:
                 return False
-        for c in PREFILL_CLASSES:
-            if q.prefill[c]:
-                return False
+        if q.prefill_waiting():
+            return False
         if q.deadlines and q.deadlines[0][0] <= now:
             return False  # let expire() end it
         for s in done.seqs:

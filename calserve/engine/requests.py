@@ -82,6 +82,14 @@ class GenQueues:
     # decode-ready requests whose client is behind, out of the ready set (engine/parking.py)
     parked: dict[int, Seq] = dataclasses.field(default_factory=dict)
 
+    def prefill_waiting(self) -> bool:
+        """Whether an admitted prompt waits for its prefill (in any queue class)."""
+        prefill = self.prefill
+        for c in PREFILL_CLASSES:
+            if prefill[c]:
+                return True
+        return False
+
 
 class RequestTable:
     def __init__(self, trace_events: int = 4096) -> None:
@@ -110,11 +118,7 @@ class RequestTable:
 
     def prefill_waiting(self, gen: Generation) -> bool:
         """Whether an admitted prompt of ``gen`` waits for its prefill (JobBuilder.step_limit)."""
-        prefill = self.queues(gen).prefill
-        for c in PREFILL_CLASSES:
-            if prefill[c]:
-                return True
-        return False
+        return self.queues(gen).prefill_waiting()
 
     def forget(self, gen: Generation) -> None:
         """The generation was unloaded (nothing of it is left)."""
