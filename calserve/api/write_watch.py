@@ -13,7 +13,7 @@ socket under it (:attr:`~calserve.api.socket_probe.SocketProbe.close`).
   closed :data:`CUT_CLOSE_S` later (time to write that last event to a client that reads again).
 
 And it watches the stream while the engine parked it (its client is behind while others wait:
-:mod:`calserve.engine.parking`), :meth:`WriteWatch.watch_parked`: every poll (:data:`POLL_S`
+:mod:`calserve.engine.parking`), :meth:`WriteWatch.follow`: every poll (:data:`POLL_S`
 doubling up to :data:`POLL_MAX_S`) it reports
 the socket's figure to the stream (which resumes it once the client caught up, or cuts it), and
 writes an SSE comment (``:`` and 4 KB of padding, ignored by SSE clients) when no write is under
@@ -119,42 +119,55 @@ class WriteWatch:
             self._nudging = None
             ev.set()
 
-    async def watch_parked(self, handle: Any, sample: Callable[[], tuple[int, float | None]]
-                           ) -> None:
-        """While ``handle``'s stream is parked: at every poll, ``sample()`` (the socket
-        probe's figure) goes to its ``report_unread``, and a comment to the client (module
-        docstring). Runs until cancelled (with the handler). ``handle`` needs ``watch``,
-        ``wait_parked``, ``parked`` and ``report_unread`` (else this returns: no parking)."""
-        if not all(hasattr(handle, a) for a in ("watch", "wait_parked", "parked")):
+    def follow(self, handle: Any, sample: Callable[[], tuple[int, float | None]],
+               nursery: trio.Nursery) -> None:
+        """Watch ``handle``'s stream, with no task until something happens: once the engine
+        gives up on its client, :meth:`cut`; each time it is parked, a task in ``nursery`` (the
+        handler's) that, while it stays parked, reports ``sample()`` (the socket probe's figure)
+        to its ``report_unread`` at every poll and writes a comment to the client (module
+        docstring). ``handle`` needs ``watch(on_parked, on_given_up)``, ``parked`` and
+        ``report_unread`` (else nothing is watched: no parking)."""
+        watch = getattr(handle, "watch", None)
+        if watch is None or not hasattr(handle, "parked"):
             return
+        polling = [False]  # a poll task of this stream's is running
+
+        def on_parked() -> None:
+            if polling[0]:
+                return
+            polling[0] = True
+            try:
+                nursery.start_soon(self._poll_parked, handle, sample, nursery, polling)
+            except RuntimeError:  # the handler is over: nothing left to watch
+                polling[0] = False
+
+        watch(on_parked=on_parked, on_given_up=self.cut)
+
+    async def _poll_parked(self, handle: Any, sample: Callable[[], tuple[int, float | None]],
+                           nursery: trio.Nursery, polling: list[bool]) -> None:
         report: Callable[[int, float | None], None] = handle.report_unread
-        handle.watch()
-        async with trio.open_nursery() as nursery:
-            while True:
-                await handle.wait_parked()
-                poll = POLL_S
-                while handle.parked:
-                    await trio.sleep(poll)
-                    poll = min(2 * poll, POLL_MAX_S)
-                    report(*sample())
-                    if handle.parked:
-                        nursery.start_soon(self._nudge)
+        poll = POLL_S
+        try:
+            while handle.parked:
+                await trio.sleep(poll)
+                poll = min(2 * poll, POLL_MAX_S)
+                report(*sample())
+                if handle.parked:
+                    nursery.start_soon(self._nudge)
+        finally:
+            polling[0] = False
 
     def cut(self) -> None:
         """The engine gave up on the client: close :data:`CUT_CLOSE_S` from now at the latest."""
         self._cut = True
         self._scope.deadline = min(self._scope.deadline, trio.current_time() + CUT_CLOSE_S)
 
-    async def run(self, given_up: Callable[[], Awaitable[None]] | None) -> None:
-        """Until a deadline passes (then close), or the handler cancels it. ``given_up()``
-        returns once the engine gave up on the client (None: not known)."""
-        async with trio.open_nursery() as nursery:
-            if given_up is not None:
-                nursery.start_soon(self._on_given_up, given_up)
-            with self._scope:
-                await self._until_stuck()
-            nursery.cancel_scope.cancel()
-            _close(self._close)
+    async def run(self) -> None:
+        """Until a deadline passes (a write stuck ``timeout_s``, or :data:`CUT_CLOSE_S` after
+        :meth:`cut`), then close; or until the handler cancels it."""
+        with self._scope:
+            await self._until_stuck()
+        _close(self._close)
 
     async def _until_stuck(self) -> None:
         """Return once one write of the stream has been under way ``timeout_s``: sleeps until the
@@ -170,40 +183,22 @@ class WriteWatch:
             else:
                 await trio.sleep(timeout)
 
-    async def _on_given_up(self, given_up: Callable[[], Awaitable[None]]) -> None:
-        await given_up()
-        self.cut()
-
-
-async def _any_given_up(handles: Sequence[Any]) -> None:
-    """Return once the engine gave up on any of ``handles``' clients (never without a
-    ``wait_given_up``)."""
-    waits = [w for w in (getattr(h, "wait_given_up", None) for h in handles) if w is not None]
-    if not waits:
-        await trio.sleep_forever()
-    async with trio.open_nursery() as nursery:
-        async def one(wait: Callable[[], Awaitable[None]]) -> None:
-            await wait()
-            nursery.cancel_scope.cancel()
-
-        for w in waits:
-            nursery.start_soon(one, w)
-
 
 def watched_send(probe: SocketProbe | None, send: Send, handles: Sequence[Any],
                  nursery: trio.Nursery, timeout_s: float) -> Send:
     """The send of a streamed response on one connection carrying ``handles``' streams (n
     choices share it): with a socket probe, a :class:`WriteWatch` closes the connection when a
     write is stuck ``timeout_s`` (``server.send_timeout_s``) or a stream was given up, and
-    watches each stream while it is parked; without one, ``send`` itself. The watch's tasks run
-    in ``nursery`` (the handler's: cancelled with it)."""
+    watches each stream while it is parked; without one, ``send`` itself. The watch runs one
+    task in ``nursery`` (the handler's: cancelled with it), and one more only while a stream is
+    parked (a streamed request's tasks and nurseries cost CPU at its start and end)."""
     if probe is None:
         return send
     watch = WriteWatch(probe.close, timeout_s)
-    nursery.start_soon(watch.run, lambda: _any_given_up(handles))
+    nursery.start_soon(watch.run)
     out = watch.wrap(send)
     clock = trio.current_time
     sample = probe.sample
     for h in handles:
-        nursery.start_soon(watch.watch_parked, h, lambda: sample(clock()))
+        watch.follow(h, lambda: sample(clock()), nursery)
     return out

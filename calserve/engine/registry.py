@@ -65,9 +65,10 @@ class RequestHandle:
         self.report_unread: Callable[[int, float | None], None] = writer.report_unread
         self.report_written: Callable[[], None] = writer.report_written
         self.wait_given_up: Callable[[], Awaitable[None]] = writer.wait_given_up
-        #: parking while the client is behind (engine/parking.py): ``watch()`` turns it on (the
-        #: consumer reports the socket while parked), ``wait_parked()``, ``parked``.
-        self.watch: Callable[[], None] = writer.parking.watch
+        #: parking while the client is behind (engine/parking.py): ``watch(on_parked,
+        #: on_given_up)`` turns it on (the consumer reports the socket while parked) and tells the
+        #: consumer when it parks or gives up the stream; ``wait_parked()``, ``parked``.
+        self.watch = writer.parking.watch
         self.wait_parked: Callable[[], Awaitable[None]] = writer.parking.wait_parked
 
     @property

@@ -323,7 +323,9 @@ class StreamWriter:
 
     def _give_up(self) -> None:
         """The consumer is gone (or treated as gone): nothing more is kept for it."""
-        self.parking.give_up()  # a parked request is stopped (no token comes to tell its actor)
+        # a parked request is stopped (no token comes to tell its actor); a cut is told to the
+        # consumer's watch (the HTTP side closes the connection of a client it gave up on)
+        self.parking.give_up(self._overflowed)
         self._abandoned = True
         self._ids, self._texts, self._lps = [], [], None
         self._bytes = self._below = 0

@@ -18,7 +18,8 @@ class StreamPark:
     it (given up while parked: no token will come for its actor to notice); parking is on only
     once the consumer :meth:`watch`\\ es (it reports the socket while parked)."""
 
-    __slots__ = ("_park", "_cut_s", "_watched", "since", "_event")
+    __slots__ = ("_park", "_cut_s", "_watched", "since", "_event", "_on_parked", "_on_given_up",
+                 "_given_up")
 
     def __init__(self, park: Callable[[bool | None], None] | None, cut_s: float) -> None:
         self._park = park
@@ -27,6 +28,10 @@ class StreamPark:
         # Invariant: since is not None <=> park(True) was the last call.
         self.since: float | None = None
         self._event: trio.Event | None = None  # wait_parked's (made on demand)
+        # the watching consumer's callbacks (watch()), and whether the stream was given up
+        self._on_parked: Callable[[], None] | None = None
+        self._on_given_up: Callable[[], None] | None = None
+        self._given_up = False
 
     def behind(self, now: float) -> bool:
         """The stream is behind while others wait: park it. True: parked (less than the cut
@@ -42,6 +47,8 @@ class StreamPark:
             if ev is not None:
                 self._event = None
                 ev.set()
+            if self._on_parked is not None:
+                self._on_parked()
             return True
         return now - since < self._cut_s
 
@@ -56,21 +63,36 @@ class StreamPark:
         """The stream ended: nothing to resume."""
         self.since = None
 
-    def give_up(self) -> None:
-        """The stream was given up: a parked request is stopped (cancelled)."""
+    def give_up(self, cut: bool = False) -> None:
+        """The stream ended for its consumer: a parked request is stopped (cancelled). ``cut``:
+        the writer gave up on the consumer (too slow), which the watching consumer is told
+        (:meth:`watch`); not when the consumer left by itself."""
         if self.since is not None:
             self.since = None
             assert self._park is not None
             self._park(None)
+        if cut:
+            self._given_up = True
+            if self._on_given_up is not None:
+                self._on_given_up()
 
     @property
     def parked(self) -> bool:
         return self.since is not None
 
-    def watch(self) -> None:
-        """The consumer reports the socket while parked (:meth:`wait_parked`, then the writer's
-        ``report_unread`` every ~50 ms): parking is on from now."""
+    def watch(self, on_parked: Callable[[], None] | None = None,
+              on_given_up: Callable[[], None] | None = None) -> None:
+        """The consumer reports the socket while parked (:meth:`wait_parked` or ``on_parked``,
+        then the writer's ``report_unread`` every ~50 ms): parking is on from now.
+        ``on_parked()`` is called each time the stream is parked, ``on_given_up()`` once the
+        writer gave up on the consumer (at once if it already had), both synchronously from
+        the engine's code (they must not block or raise): the consumer's watch needs no task
+        waiting for either (``calserve.api.write_watch``)."""
         self._watched = True
+        self._on_parked = on_parked
+        self._on_given_up = on_given_up
+        if self._given_up and on_given_up is not None:
+            on_given_up()
 
     async def wait_parked(self) -> None:
         """Return once the stream is parked (at once if it is)."""

@@ -20,13 +20,41 @@ async def _quick(message: dict[str, Any]) -> None:
     await trio.sleep(0.01)
 
 
+class _ParkedHandle:
+    """A stream's handle as the watcher sees it: parked while ``parked``; what it was told. Its
+    ``park`` and ``give_up`` call the watcher back as the engine's stream does."""
+
+    def __init__(self) -> None:
+        self.parked = False
+        self.watched = False
+        self.reports: list[tuple[float, int, float | None]] = []
+        self._on_parked: Any = None
+        self._on_given_up: Any = None
+
+    def watch(self, on_parked: Any = None, on_given_up: Any = None) -> None:
+        self.watched = True
+        self._on_parked, self._on_given_up = on_parked, on_given_up
+
+    def park(self) -> None:
+        self.parked = True
+        if self._on_parked is not None:
+            self._on_parked()
+
+    def give_up(self) -> None:
+        if self._on_given_up is not None:
+            self._on_given_up()
+
+    def report_unread(self, n: int, stalled: float | None) -> None:
+        self.reports.append((trio.current_time(), n, stalled))
+
+
 async def test_a_write_stuck_past_the_timeout_closes(autojump_clock: trio.testing.MockClock
                                                      ) -> None:
     closed: list[float] = []
     watch = WriteWatch(lambda: closed.append(trio.current_time()), timeout_s=5.0)
     t0 = trio.current_time()
     async with trio.open_nursery() as n:
-        n.start_soon(watch.run, None)
+        n.start_soon(watch.run)
         send = watch.wrap(_quick)
         for _ in range(100):  # 1 s of writes that complete: nothing happens
             await send({})
@@ -39,14 +67,15 @@ async def test_a_write_stuck_past_the_timeout_closes(autojump_clock: trio.testin
 
 async def test_given_up_closes_after_cut_close_s(autojump_clock: trio.testing.MockClock) -> None:
     closed: list[float] = []
-    gave_up = trio.Event()
+    h = _ParkedHandle()
     watch = WriteWatch(lambda: closed.append(trio.current_time()), timeout_s=30.0)
     async with trio.open_nursery() as n:
-        n.start_soon(watch.run, gave_up.wait)
+        n.start_soon(watch.run)
+        watch.follow(h, lambda: (0, None), n)
         send = watch.wrap(_quick)
         await send({})
         t = trio.current_time()
-        gave_up.set()
+        h.give_up()  # the engine's callback, from its own code
         await send({})  # writes that still complete do not put the close off
         await trio.sleep(10)
         n.cancel_scope.cancel()
@@ -58,7 +87,7 @@ async def test_cancelled_with_the_handler_closes_nothing(autojump_clock: trio.te
     closed: list[int] = []
     watch = WriteWatch(lambda: closed.append(1), timeout_s=1.0)
     async with trio.open_nursery() as n:
-        n.start_soon(watch.run, trio.sleep_forever)
+        n.start_soon(watch.run)
         await watch.wrap(_quick)({})
         n.cancel_scope.cancel()  # the response ended
     await trio.sleep(5)
@@ -69,31 +98,6 @@ async def test_cancelled_with_the_handler_closes_nothing(autojump_clock: trio.te
         async with trio.open_nursery() as n:
             n.start_soon(close_later, lambda: closed.append(2))
     assert closed == [2]
-
-
-class _ParkedHandle:
-    """A stream's handle as the watcher sees it: parked while ``parked``; what it was told."""
-
-    def __init__(self) -> None:
-        self.parked = False
-        self.watched = False
-        self.reports: list[tuple[float, int, float | None]] = []
-        self._event = trio.Event()
-
-    def watch(self) -> None:
-        self.watched = True
-
-    async def wait_parked(self) -> None:
-        while not self.parked:
-            await self._event.wait()
-            self._event = trio.Event()
-
-    def park(self) -> None:
-        self.parked = True
-        self._event.set()
-
-    def report_unread(self, n: int, stalled: float | None) -> None:
-        self.reports.append((trio.current_time(), n, stalled))
 
 
 async def test_a_parked_stream_is_polled_and_nudged_never_during_a_write(
@@ -117,7 +121,7 @@ async def test_a_parked_stream_is_polled_and_nudged_never_during_a_write(
     watch = WriteWatch(lambda: None, timeout_s=30.0)
     out = watch.wrap(send)
     async with trio.open_nursery() as n:
-        n.start_soon(watch.watch_parked, h, lambda: (123, 0.05))
+        watch.follow(h, lambda: (123, 0.05), n)
         await trio.sleep(1.0)
         assert h.watched and not h.reports  # not parked: nothing looked at
         t0 = trio.current_time()
@@ -143,3 +147,46 @@ async def test_a_parked_stream_is_polled_and_nudged_never_during_a_write(
         n.cancel_scope.cancel()
     w_at = next(t for t, b in sent if b == b"data: x\n\n")
     assert not [t for t, b in sent if b == NUDGE_BODY and w_at < t < w_at + 0.3]
+
+
+async def test_the_watch_runs_one_task_and_one_more_only_while_parked(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A streamed response's watch costs one task of the handler's (its write timer), whatever
+    its streams; a stream's poll task exists only while it is parked, and a second park while
+    one polls starts no second one."""
+    from calserve.api.write_watch import POLL_MAX_S, watched_send
+
+    class _Probe:
+        def __init__(self) -> None:
+            self.closed = 0
+
+        def close(self) -> None:
+            self.closed += 1
+
+        def sample(self, now: float) -> tuple[int, float | None]:
+            return 0, None
+
+    hs = [_ParkedHandle(), _ParkedHandle()]
+    probe = _Probe()
+    async with trio.open_nursery() as n:
+        out = watched_send(probe, _quick, hs, n, 30.0)  # type: ignore[arg-type]
+        await out({"type": "http.response.body", "body": b"x", "more_body": True})
+        assert all(h.watched for h in hs) and len(n.child_tasks) == 1
+        hs[0].park()
+        hs[0].park()
+        await trio.sleep(0)
+        assert len(n.child_tasks) == 2
+        hs[0].parked = False  # resumed: its poll task ends at its next look
+        await trio.sleep(2 * POLL_MAX_S)
+        assert len(n.child_tasks) == 1
+        looks = len(hs[0].reports)
+        hs[1].park()
+        await trio.sleep(0)
+        assert len(n.child_tasks) == 2 and hs[1].reports == []
+        await trio.sleep(0.05)
+        assert hs[1].reports and len(hs[0].reports) == looks
+        hs[1].parked = False
+        await trio.sleep(2 * POLL_MAX_S)
+        assert len(n.child_tasks) == 1 and probe.closed == 0
+        n.cancel_scope.cancel()
+    assert probe.closed == 0

@@ -46,17 +46,23 @@ async def test_behind_while_others_wait_parks_and_catching_up_resumes(
         autojump_clock: trio.testing.MockClock) -> None:
     waiting = [1]
     calls: list[bool | None] = []
-    w = _writer(waiting, calls)
+    w = _writer(waiting, calls, watch=False)
+    told: list[bool] = []  # the watcher's callback: once per park, while parked
+    w.parking.watch(on_parked=lambda: told.append(w.parking.parked))
     w.put_token(0, "ab")
     await w.receive_many()
     w.report_written()
     w.report_unread(3000, 0.03)  # stalled past 25 ms while others wait
-    assert calls == [True] and w.parking.parked and not w.abandoned
+    assert calls == [True] and w.parking.parked and not w.abandoned and told == [True]
     w.report_unread(3000, 0.2)  # still behind, parked for less than the cut time
-    assert calls == [True] and not w.abandoned
+    assert calls == [True] and not w.abandoned and told == [True]
     await trio.sleep(0.3)
     w.report_unread(0, None)  # it read everything: resumed (others may still wait)
     assert calls == [True, False] and not w.parking.parked
+    w.report_unread(3000, 0.03)  # behind again: parked again, told again
+    assert calls == [True, False, True] and told == [True, True]
+    w.report_unread(0, None)
+    assert calls == [True, False, True, False]
     for i in range(5):  # and it gets every token after
         w.put_token(i + 1, "ab")
     (ev,) = await w.receive_many()
@@ -64,7 +70,7 @@ async def test_behind_while_others_wait_parks_and_catching_up_resumes(
     # Nobody waiting: a stalled client is not parked (the byte bound and its grace apply).
     waiting.clear()
     w.report_unread(3000, 5.0)
-    assert calls == [True, False]
+    assert calls == [True, False, True, False]
 
 
 async def test_parked_past_the_cut_time_is_given_up_and_its_request_stopped(
