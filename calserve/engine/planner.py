@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ from calserve.runtime.types import JobEngine
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation, ModelManager
 
-__all__ = ["Planner", "STARVATION_PASSES", "job_device_s"]
+__all__ = ["Planner", "STARVATION_PASSES", "fair_prefill_pick", "job_device_s"]
 
 # A starvation event: a decode-ready sequence passed over (lanes full or its tenant at the lane cap)
 # by this many consecutive decode batches of its generation. Counted once per streak.
@@ -41,6 +41,21 @@ log = logging.getLogger("calserve.engine.planner")
 
 _DECODE_ONLY = frozenset((QueueClass.DECODE,))
 _RID = attrgetter("rid")
+_TENANT = attrgetter("req.tenant")
+
+
+def fair_prefill_pick(dq: collections.deque[Seq], vt_of: Callable[[str], float]) -> int:
+    """The index in a prefill queue (its head live) of the prompt the fair policy runs next: the
+    first live one of the tenant with the least delivered service (``vt_of``, the decode lanes'
+    VTC counter), :func:`~calserve.core.prefill.fair_prefill_index` over the live prompts. With
+    one tenant queued, the common case, that is the head: found with one C-level pass over the
+    tenants instead of a state test per queued prompt (~0.5 µs each; 64 queued prompts were ~2 %
+    of a short request's server CPU)."""
+    if len(set(map(_TENANT, dq))) == 1:
+        return 0
+    live = [i for i, s in enumerate(dq) if not s.ended and s.inflight is None]
+    names = [dq[i].tenant for i in live]
+    return live[fair_prefill_index(names, {t: vt_of(t) for t in set(names)})]
 
 
 def _live_head(dq: collections.deque[Seq]) -> bool:
@@ -233,10 +248,7 @@ class Planner:
         (:func:`~calserve.core.prefill.fair_prefill_index`)."""
         if len(dq) == 1 or dq[0].retries or self.cfg.scheduler.fairness.policy == "fcfs":
             return dq.popleft()
-        live = [i for i, s in enumerate(dq) if not s.ended and s.inflight is None]
-        adm = gen.admission
-        names = [dq[i].tenant for i in live]
-        pick = live[fair_prefill_index(names, {t: adm.lane_virtual_time(t) for t in set(names)})]
+        pick = fair_prefill_pick(dq, gen.admission.lane_virtual_time)
         seq = dq[pick]
         del dq[pick]
         return seq
