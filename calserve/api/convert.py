@@ -31,7 +31,7 @@ worker thread, so the trio thread never tokenizes more than a small body.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from calserve import errors as E
@@ -188,11 +188,19 @@ class ModelView:
 
 
 def resolve_model(engine: ModelsLike, name: str | None) -> ModelInfo:
-    """The ModelInfo of alias ``name`` (None/"" = the default alias); UnknownModel -> 404."""
+    """The ModelInfo of alias ``name`` (None/"" = the default alias); UnknownModel -> 404. An
+    engine with ``model_info(alias)`` (the real one) builds that entry alone, not every served
+    model's, on each request."""
     alias = name or engine.default_alias
-    for info in engine.models():
-        if info.alias == alias:
-            return info
+    one: Callable[[str], ModelInfo | None] | None = getattr(engine, "model_info", None)
+    if one is not None:
+        found = one(alias)
+        if found is not None:
+            return found
+    else:
+        for info in engine.models():
+            if info.alias == alias:
+                return info
     known = ", ".join(sorted(i.alias for i in engine.models()))
     raise E.UnknownModel(f"The model `{alias}` does not exist (served: {known})", param="model")
 

@@ -35,7 +35,7 @@ from calserve.core.model_state import ModelState
 from calserve.engine.backend import DeviceBackend, RuntimeBackend
 from calserve.engine.control import ModelControl
 from calserve.engine.drain import DrainReport, drain_engine
-from calserve.engine.timeswitch import Artifact
+from calserve.engine.timeswitch import Artifact, Parked
 from calserve.engine.driver import CoreDriver
 from calserve.engine.generations import (Generation, ModelManager, release_members,
                                          serving_profile)
@@ -249,30 +249,41 @@ class Engine:
 
     def models(self) -> list[ModelInfo]:
         """The published aliases, for ``/v1/models`` and ``/ready``."""
-        out = []
-        caps = self.backend.capabilities
-        for alias, gid in self.model_manager.aliases.items():
-            g = self.model_manager.generations.get(gid)
-            if g is None:
-                continue
-            profiles = tuple(
-                ProfileInfo(b, g.source.tiers.get(b, "C0" if b == 1 else "C3"),
-                            b == 1 or caps.batch_profiles)
-                for b in sorted(g.source.profiles)
-            )
-            out.append(ModelInfo(alias, gid, g.state.value, g.max_seq, profiles, g.source.sha256,
-                                 g.created, {"serving_batch": g.compiled_batch, "resident": True}))
-        for alias, p in sorted(self.control.switcher.parked.items()):  # loaded on demand
-            src = p.source
-            spec = src.profiles[serving_profile(self.cfg, src, self.backend)]
-            profiles = tuple(
-                ProfileInfo(b, src.tiers.get(b, "C0" if b == 1 else "C3"),
-                            b == 1 or caps.batch_profiles)
-                for b in sorted(src.profiles)
-            )
-            out.append(ModelInfo(alias, 0, ModelState.UNLOADED.value, spec.max_seq, profiles,
-                                 src.sha256, 0, {"resident": False}))
+        out = [info for alias, gid in self.model_manager.aliases.items()
+               if (info := self._resident_info(alias, gid)) is not None]
+        out += [self._parked_info(alias, p)
+                for alias, p in sorted(self.control.switcher.parked.items())]  # loaded on demand
         return out
+
+    def model_info(self, alias: str) -> ModelInfo | None:
+        """:meth:`models`' first entry of ``alias`` (None: not served), built alone: a request
+        resolves its model once, whatever the number of models served."""
+        gid = self.model_manager.aliases.get(alias)
+        info = self._resident_info(alias, gid) if gid is not None else None
+        if info is None:
+            p = self.control.switcher.parked.get(alias)
+            info = self._parked_info(alias, p) if p is not None else None
+        return info
+
+    def _profiles(self, src: ModelSource) -> tuple[ProfileInfo, ...]:
+        """A package's batch profiles as ``/v1/models`` lists them."""
+        batch = self.backend.capabilities.batch_profiles
+        return tuple(ProfileInfo(b, src.tiers.get(b, "C0" if b == 1 else "C3"), b == 1 or batch)
+                     for b in sorted(src.profiles))
+
+    def _resident_info(self, alias: str, gid: int) -> ModelInfo | None:
+        g = self.model_manager.generations.get(gid)
+        if g is None:
+            return None
+        return ModelInfo(alias, gid, g.state.value, g.max_seq, self._profiles(g.source),
+                         g.source.sha256, g.created,
+                         {"serving_batch": g.compiled_batch, "resident": True})
+
+    def _parked_info(self, alias: str, p: Parked) -> ModelInfo:
+        src = p.source
+        spec = src.profiles[serving_profile(self.cfg, src, self.backend)]
+        return ModelInfo(alias, 0, ModelState.UNLOADED.value, spec.max_seq, self._profiles(src),
+                         src.sha256, 0, {"resident": False})
 
     def trace_events(self) -> list[tuple[Any, ...]]:
         """The timed trace ring (device jobs, request phases), oldest first (GET /admin/v1/trace)."""

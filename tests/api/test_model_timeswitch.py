@@ -22,12 +22,21 @@ def switch_config(pk: Packages) -> Any:
                           switching={"min_residency_s": MIN_RES, "drain_timeout_s": 30})
 
 
+def _model_info_is_the_listed_entry(engine: Any) -> None:
+    """What a request resolves its model with (``Engine.model_info``, that entry alone) is what
+    ``/v1/models`` lists for it, resident or not; None for an alias not served."""
+    listed = engine.models()
+    for alias in ("m1", "m2", "nope"):
+        assert engine.model_info(alias) == next((i for i in listed if i.alias == alias), None)
+
+
 async def test_non_resident_alias_is_listed_and_switched_in_on_demand(packages: Packages) -> None:
     async with control_app(switch_config(packages)) as h:
         e1, e2 = await h.entry("m1"), await h.entry("m2")
         assert e1 is not None and e1["state"] == "Ready" and e1["resident"] is True
         assert e2 is not None and e2["state"] == "Unloaded" and e2["resident"] is False
         assert e2["generations"] == [] and e2["package"] == "b"
+        _model_info_is_the_listed_entry(h.real)
         dram_one = h.real.backend.dram()[1]
         r = await h.client.get("/ready")
         assert r.status_code == 200
@@ -40,6 +49,7 @@ async def test_non_resident_alias_is_listed_and_switched_in_on_demand(packages: 
         assert e1["state"] == "Unloaded" and e1["resident"] is False  # type: ignore[index]
         assert body["system_fingerprint"] == e2["generations"][0]["system_fingerprint"]  # type: ignore[index]
         assert h.real.backend.dram()[1] == dram_one  # one resident at a time
+        _model_info_is_the_listed_entry(h.real)
 
 
 async def test_mixed_load_on_both_aliases_loses_nothing_and_switches_boundedly(
