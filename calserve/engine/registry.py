@@ -64,12 +64,10 @@ class RequestHandle:
         #: ``report_unread(n, stalled_for)``: what the client has not read yet (slow readers).
         self.report_unread: Callable[[int, float | None], None] = writer.report_unread
         self.report_written: Callable[[], None] = writer.report_written
-        self.wait_given_up: Callable[[], Awaitable[None]] = writer.wait_given_up
         #: parking while the client is behind (engine/parking.py): ``watch(on_parked,
         #: on_given_up)`` turns it on (the consumer reports the socket while parked) and tells the
-        #: consumer when it parks or gives up the stream; ``wait_parked()``, ``parked``.
+        #: consumer when it parks or gives up the stream; ``parked``.
         self.watch = writer.parking.watch
-        self.wait_parked: Callable[[], Awaitable[None]] = writer.parking.wait_parked
 
     @property
     def parked(self) -> bool:

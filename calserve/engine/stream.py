@@ -193,14 +193,6 @@ class StreamWriter:
             self._abandoned_event = trio.Event()
         await self._abandoned_event.wait()
 
-    async def wait_given_up(self) -> None:
-        """Return once the writer gave up on its consumer (the backlog bound or a stall: its
-        request is cancelled as ``client_too_slow``); never when the consumer closed it itself
-        or the stream ended (cancel the waiter)."""
-        await self.wait_abandoned()
-        if not self._overflowed:
-            await trio.sleep_forever()
-
     def _wake(self) -> None:
         t = self._waiter
         if t is not None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import final
 
-import trio
-
 __all__ = ["StreamPark"]
 
 
@@ -18,7 +16,7 @@ class StreamPark:
     it (given up while parked: no token will come for its actor to notice); parking is on only
     once the consumer :meth:`watch`\\ es (it reports the socket while parked)."""
 
-    __slots__ = ("_park", "_cut_s", "_watched", "since", "_event", "_on_parked", "_on_given_up",
+    __slots__ = ("_park", "_cut_s", "_watched", "since", "_on_parked", "_on_given_up",
                  "_given_up")
 
     def __init__(self, park: Callable[[bool | None], None] | None, cut_s: float) -> None:
@@ -27,7 +25,6 @@ class StreamPark:
         self._watched = False
         # Invariant: since is not None <=> park(True) was the last call.
         self.since: float | None = None
-        self._event: trio.Event | None = None  # wait_parked's (made on demand)
         # the watching consumer's callbacks (watch()), and whether the stream was given up
         self._on_parked: Callable[[], None] | None = None
         self._on_given_up: Callable[[], None] | None = None
@@ -43,10 +40,6 @@ class StreamPark:
         if since is None:
             self.since = now
             park(True)
-            ev = self._event
-            if ev is not None:
-                self._event = None
-                ev.set()
             if self._on_parked is not None:
                 self._on_parked()
             return True
@@ -82,8 +75,8 @@ class StreamPark:
 
     def watch(self, on_parked: Callable[[], None] | None = None,
               on_given_up: Callable[[], None] | None = None) -> None:
-        """The consumer reports the socket while parked (:meth:`wait_parked` or ``on_parked``,
-        then the writer's ``report_unread`` every ~50 ms): parking is on from now.
+        """The consumer reports the socket while parked (told by ``on_parked``, then the
+        writer's ``report_unread`` every ~50 ms): parking is on from now.
         ``on_parked()`` is called each time the stream is parked, ``on_given_up()`` once the
         writer gave up on the consumer (at once if it already had), both synchronously from
         the engine's code (they must not block or raise): the consumer's watch needs no task
@@ -93,12 +86,3 @@ class StreamPark:
         self._on_given_up = on_given_up
         if self._given_up and on_given_up is not None:
             on_given_up()
-
-    async def wait_parked(self) -> None:
-        """Return once the stream is parked (at once if it is)."""
-        if self.since is None:
-            if self._event is None:
-                self._event = trio.Event()
-            await self._event.wait()
-        else:
-            await trio.lowlevel.checkpoint()

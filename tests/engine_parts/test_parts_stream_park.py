@@ -175,7 +175,8 @@ async def _run_stream(period: float, phase: float, step: float, contended: bool,
 
     w = StreamWriter(max_bytes=64 * 1024, grace_s=1.0, contended=lambda: bool(waiting),
                      stall_s=0.025, name="sim", park=park, park_cut_s=0.5)
-    w.parking.watch()
+    parked = [trio.Event()]  # set by each park (the watch's callback, as the HTTP side has)
+    w.parking.watch(on_parked=lambda: parked[0].set())
     client = _Client(period, phase)
     delivered = 0
 
@@ -205,7 +206,8 @@ async def _run_stream(period: float, phase: float, step: float, contended: bool,
 
     async def watcher() -> None:
         while not (w.closed or w.abandoned):
-            await w.parking.wait_parked()
+            await parked[0].wait()
+            parked[0] = trio.Event()
             poll = 0.01
             while w.parking.parked:
                 await trio.sleep(poll)

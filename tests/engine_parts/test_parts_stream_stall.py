@@ -126,8 +126,9 @@ async def test_stall_off_and_a_reader_that_keeps_up(autojump_clock: trio.testing
 
 async def test_the_watchers_given_up_callback_fires_on_a_cut_only(
         autojump_clock: trio.testing.MockClock) -> None:
-    """``parking.watch(on_given_up=...)``: called once the writer cuts its consumer (at once for
-    a watcher that registers after the cut), never when the consumer left by itself."""
+    """What the HTTP layer closes a too-slow client's connection on: ``parking.watch(
+    on_given_up=...)`` is called once the writer cuts its consumer (at once for a watcher that
+    registers after the cut), never when the consumer left by itself."""
     w = _writer([1], limit=10 * _TOK)
     told: list[str] = []
     w.parking.watch(on_given_up=lambda: told.append("cut"))
@@ -141,20 +142,3 @@ async def test_the_watchers_given_up_callback_fires_on_a_cut_only(
     closed.parking.watch(on_given_up=lambda: told.append("closed"))
     await closed.aclose()  # the consumer left by itself: not a cut
     assert told == ["cut"]
-
-
-async def test_wait_given_up_fires_on_a_cut_only(autojump_clock: trio.testing.MockClock) -> None:
-    """What the HTTP layer closes a too-slow client's connection on."""
-    w = _writer([1], limit=10 * _TOK)
-    with trio.fail_after(1):
-        async with trio.open_nursery() as n:
-            n.start_soon(w.wait_given_up)
-            await trio.sleep(0.1)
-            w.report_unread(50 * _TOK)  # cut
-    closed = _writer([1])
-    with trio.move_on_after(5) as waited:
-        async with trio.open_nursery() as n:
-            n.start_soon(closed.wait_given_up)
-            await trio.sleep(0.1)
-            await closed.aclose()  # the consumer left by itself: not a cut
-    assert waited.cancelled_caught
