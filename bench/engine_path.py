@@ -42,7 +42,7 @@ async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0, multi
                ) -> tuple[float, float, int]:
     """(the best rep's process CPU µs a token, tokens a read of the last rep, tokens the streams
     of the last rep received in all)."""
-    from bench.http_floor import server_config
+    from bench.http_floor import server_config, with_batch
     from calserve.api.pacing import HoldTimer
     from calserve.config import decode_config
     from calserve.engine.engine import Engine
@@ -50,7 +50,7 @@ async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0, multi
 
     raw = server_config()
     if multi_step > 1:
-        raw["scheduler"]["batch"] = {**raw["scheduler"]["batch"], "multi_step": multi_step}
+        raw = with_batch(raw, {"multi_step": multi_step})
     cfg = decode_config(raw)
     best = float("inf")
     timer = HoldTimer()

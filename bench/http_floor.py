@@ -44,7 +44,8 @@ from bench.httpclient import ConnectionPool, iter_sse
 from bench.scenario_lib import calserve_config, run_point, write_json
 from bench.server import BENCH_OUT, Server, pin_self
 
-__all__ = ["run", "main", "probe_event_size", "floor_point", "server_config"]
+__all__ = ["run", "main", "measure", "probe_event_size", "floor_point", "server_config",
+           "with_batch"]
 
 CONCURRENCY = 64
 
@@ -66,14 +67,18 @@ def probe_event_size(url: str) -> int:
     return round(trio.run(_probe, url))
 
 
-def _measure(srv: Server, out: Path, dur: float) -> dict[str, Any]:
-    run_point(srv, out.with_name(out.name + "-warmup"), concurrency=CONCURRENCY, duration=1.0,
-              prompt="16", output="256", progress=False, scrape_interval_s=None)
+def measure(srv: Server, out: Path, dur: float, output: int = 256, warmup: float = 1.0,
+            progress: bool = True) -> dict[str, Any]:
+    """The server's CPU over ``dur`` s of the scenario's load (64 streams of ``output`` tokens,
+    after ``warmup`` s of it): per event, per token, per completed request (``bench.request_cost``
+    reads the last), the software runtime's device threads apart."""
+    run_point(srv, out.with_name(out.name + "-warmup"), concurrency=CONCURRENCY, duration=warmup,
+              prompt="16", output=str(output), progress=False, scrape_interval_s=None)
     before = procstat.sample(srv.pid)
     dev0 = procstat.threads_cpu_s(srv.pid, procstat.SIM_DEVICE_THREADS)
     t0 = time.monotonic()
-    res = run_point(srv, out, concurrency=CONCURRENCY, duration=dur, prompt="16", output="256",
-                    scrape_interval_s=None)
+    res = run_point(srv, out, concurrency=CONCURRENCY, duration=dur, prompt="16",
+                    output=str(output), scrape_interval_s=None, progress=progress)
     after = procstat.sample(srv.pid)
     dev1 = procstat.threads_cpu_s(srv.pid, procstat.SIM_DEVICE_THREADS)
     wall = time.monotonic() - t0
@@ -81,6 +86,7 @@ def _measure(srv: Server, out: Path, dur: float) -> dict[str, Any]:
     events = sum(len(r.token_times) for r in res.records)
     tokens = sum(r.output_tokens if r.outcome == "ok" else len(r.token_times) for r in res.records)
     content_bytes = sum(r.content_bytes for r in res.records)
+    ok = [r for r in res.records if r.outcome == "ok"]
     cpu = after.cpu_s - before.cpu_s
     # The software CalRT's engine threads are the simulated NPU (null compute still allocates,
     # completes and checksums every job): a real device would not take that from the host, so it is
@@ -92,7 +98,10 @@ def _measure(srv: Server, out: Path, dur: float) -> dict[str, Any]:
             "device_threads_cpu_s": dev,
             "us_per_token_host_only": (cpu - dev) / max(1, tokens) * 1e6,
             "events_per_s": events / wall, "tokens_per_event": tokens / max(1, events),
-            "event_bytes": content_bytes / max(1, events), "outcomes": res.summary["outcomes"]}
+            "event_bytes": content_bytes / max(1, events), "outcomes": res.summary["outcomes"],
+            "requests": len(ok), "us_per_request": cpu / max(1, len(ok)) * 1e6,
+            "requests_per_s": len(ok) / wall,
+            "events_per_request": sum(len(r.token_times) for r in ok) / max(1, len(ok))}
 
 
 def _tool(name: str) -> str | None:
@@ -167,7 +176,7 @@ def _floor(out: Path, size: int, dur: float, tokens_per_event: float = 1.0,
         argv += ["--events-per-s", str(events_per_s)]
     tag = _tag(size, tokens_per_event, events_per_s)
     with Server.start(argv, out / f"server-floor-{tag}", ready_path="/health") as fsrv:
-        res = _measure(fsrv, out / f"floor-{tag}", dur)
+        res = measure(fsrv, out / f"floor-{tag}", dur)
         res["probe_event_bytes"] = probe_event_size(fsrv.url)
     return res
 
@@ -193,7 +202,7 @@ def server_config() -> dict[str, Any]:
     return cfg
 
 
-def _with_batch(cfg: dict[str, Any], batch: dict[str, Any]) -> dict[str, Any]:
+def with_batch(cfg: dict[str, Any], batch: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` with ``scheduler.batch`` updated by ``batch`` (a copy)."""
     sched = dict(cfg["scheduler"])
     sched["batch"] = {**sched["batch"], **batch}
@@ -226,9 +235,9 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
     for name, server in variants.items():
         vcfg = {**cfg, "server": server} if server else cfg
         if name in batch_over:
-            vcfg = _with_batch(vcfg, batch_over[name])
+            vcfg = with_batch(vcfg, batch_over[name])
         with Server.calserve(vcfg, out / f"server-{name}") as srv:
-            cal = _measure(srv, out / name, dur)
+            cal = measure(srv, out / name, dur)
         size = max(64, round(cal["event_bytes"]))
         # Three floors: one token per event (the floor of the per-token target); the same tokens
         # per event as calserve's streams had (issue 18: host work per token at the same grouping;
@@ -265,7 +274,7 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
     profiles: dict[str, str | None] = {}
     # the default configuration's profile, and the multi-step one's where that variant ran
     for stem, pcfg in [("calserve_profile", cfg), *(
-            [("calserve_multi_step_profile", _with_batch(cfg, batch_over["calserve_multi_step"]))]
+            [("calserve_multi_step_profile", with_batch(cfg, batch_over["calserve_multi_step"]))]
             if "calserve_multi_step" in batch_over else [])]:
         try:
             profiles[stem] = _profile(pcfg, out, min(dur, 5.0), stem)

@@ -22,50 +22,27 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from bench import procstat
-from bench.http_floor import CONCURRENCY, probe_event_size, server_config
-from bench.scenario_lib import run_point, write_json
+from bench.http_floor import CONCURRENCY, measure, probe_event_size, server_config, with_batch
+from bench.scenario_lib import write_json
 from bench.server import BENCH_OUT, Server
 
-__all__ = ["measure", "run", "main"]
-
-
-def measure(srv: Server, out: Path, output: int, duration: float, warmup: float = 1.0
-            ) -> dict[str, Any]:
-    """Server CPU µs a completed request of ``output`` streamed tokens, under the scenario's load."""
-    run_point(srv, out.with_name(out.name + "-warmup"), concurrency=CONCURRENCY, duration=warmup,
-              prompt="16", output=str(output), progress=False, scrape_interval_s=None)
-    before = procstat.sample(srv.pid)
-    t0 = time.monotonic()
-    res = run_point(srv, out, concurrency=CONCURRENCY, duration=duration, prompt="16",
-                    output=str(output), progress=False, scrape_interval_s=None)
-    after = procstat.sample(srv.pid)
-    wall = time.monotonic() - t0
-    assert before and after, "server process vanished"
-    ok = [r for r in res.records if r.outcome == "ok"]
-    cpu = after.cpu_s - before.cpu_s
-    return {"requests": len(ok), "cpu_s": cpu, "wall_s": wall,
-            "us_per_request": cpu / max(1, len(ok)) * 1e6,
-            "requests_per_s": len(ok) / wall,
-            "events_per_request": sum(len(r.token_times) for r in ok) / max(1, len(ok)),
-            "outcomes": res.summary["outcomes"]}
+__all__ = ["run", "main"]
 
 
 def run(out: Path, output: int = 1, duration: float = 4.0, multi_step: int = 0,
         warmup: float = 1.0) -> dict[str, Any]:
     cfg = server_config()
     if multi_step > 1:
-        cfg["scheduler"]["batch"] = {**cfg["scheduler"]["batch"], "multi_step": multi_step}
+        cfg = with_batch(cfg, {"multi_step": multi_step})
     with Server.calserve(cfg, out / "server-calserve") as srv:
-        cal = measure(srv, out / "calserve", output, duration, warmup)
+        cal = measure(srv, out / "calserve", duration, output, warmup, progress=False)
         size = max(64, probe_event_size(srv.url))
     argv = [sys.executable, "-m", "bench.floor_app", "--port", "{port}", "--chunk-bytes", str(size)]
     with Server.start(argv, out / "server-floor", ready_path="/health") as fsrv:
-        flo = measure(fsrv, out / "floor", output, duration, warmup)
+        flo = measure(fsrv, out / "floor", duration, output, warmup, progress=False)
     doc = {"scenario": "request-cost", "concurrency": CONCURRENCY, "output_tokens": output,
            "multi_step": multi_step, "event_bytes": size, "calserve": cal, "floor": flo,
            "ratio_per_request": cal["us_per_request"] / max(1e-9, flo["us_per_request"]),
