@@ -25,6 +25,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,6 +39,51 @@ CFG = ModelConfig(
 PROMPT = 32
 
 
+class Lanes:
+    """One loaded calbin of compiled batch ``batch`` (all lanes active), its lanes prefilled with
+    ``prompt`` random tokens each; :meth:`step` runs one greedy decode step of every lane (``engines``
+    = 2: one job of each of two groups of ``batch`` sequences in flight at once, on PING and on PONG)
+    and returns its wall-clock seconds. ``steps``: how many :meth:`step` calls the profile's length
+    must allow. Close with :meth:`release`."""
+
+    def __init__(self, dev: Device, w: dict[str, np.ndarray], batch: int, steps: int,
+                 cfg: ModelConfig = CFG, prompt: int = PROMPT, engines: int = 1) -> None:
+        self.cb = cb = dev.load_calbin(cfg, w, ProfileSpec(batch, prompt + steps + 9, batch * engines))
+        self.batch = batch
+        try:
+            rng = np.random.default_rng(batch)
+            self.groups: list[tuple[list[int], list[int]]] = []
+            for _ in range(engines):
+                seqs = [cb.create_sequence() for _ in range(batch)]
+                toks = []
+                for s in seqs:
+                    r = cb.submit_prefill(s, rng.integers(0, cfg.vocab_size, prompt)).wait(600)
+                    assert r.status is JobStatus.OK
+                    toks.append(int(np.argmax(r.logits[0])))
+                self.groups.append((seqs, toks))
+        except BaseException:
+            cb.release()
+            raise
+
+    def step(self) -> float:
+        cb = self.cb
+        t0 = time.perf_counter()
+        jobs = [cb.submit_decode(seqs, toks, [cb.committed_len(s) for s in seqs], [True] * self.batch,
+                                 JobEngine.PONG if g else JobEngine.PING)
+                for g, (seqs, toks) in enumerate(self.groups)]
+        for g, job in enumerate(jobs):
+            r = job.wait(600)
+            assert r.status is JobStatus.OK
+            # greedy, as the server draws a batch's tokens: one argmax over the rows
+            # (sampler.greedy_argmax), not one call per row (16 calls over SmolLM2's
+            # 49,152-entry rows: ~71 µs against ~47, warm, in a micro-benchmark)
+            self.groups[g][1][:] = r.logits.argmax(axis=1).tolist()
+        return time.perf_counter() - t0
+
+    def release(self) -> None:
+        self.cb.release()
+
+
 def bench_batch(dev: Device, w: dict[str, np.ndarray], batch: int, steps: int, cfg: ModelConfig = CFG,
                 reps: int = 1, prompt: int = PROMPT, engines: int = 1) -> tuple[float, float]:
     """Seconds per decode step at compiled batch ``batch`` (all lanes active), wall clock and CPU time
@@ -47,38 +93,47 @@ def bench_batch(dev: Device, w: dict[str, np.ndarray], batch: int, steps: int, c
     each step's attention reads). ``engines=2``: two groups of ``batch`` sequences, each step one
     job of each in flight at once, on PING and on PONG (sim-next's serving mode under load); the
     figures are then per ``batch`` tokens (the pair's time / 2), comparable with ``engines=1``."""
-    cb = dev.load_calbin(cfg, w, ProfileSpec(batch, prompt + reps * steps + 9, batch * engines))
+    lanes = Lanes(dev, w, batch, reps * steps, cfg, prompt, engines)
     try:
-        rng = np.random.default_rng(batch)
-        groups: list[tuple[list[int], list[int]]] = []
-        for _ in range(engines):
-            seqs = [cb.create_sequence() for _ in range(batch)]
-            toks = []
-            for s in seqs:
-                r = cb.submit_prefill(s, rng.integers(0, cfg.vocab_size, prompt)).wait(600)
-                assert r.status is JobStatus.OK
-                toks.append(int(np.argmax(r.logits[0])))
-            groups.append((seqs, toks))
         best, best_cpu = float("inf"), float("inf")
         for rep in range(-1, reps):  # rep -1: one warm-up step (first-touch of the pages)
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(1 if rep < 0 else steps):
-                jobs = [cb.submit_decode(seqs, toks, [cb.committed_len(s) for s in seqs], [True] * batch,
-                                         JobEngine.PONG if g else JobEngine.PING)
-                        for g, (seqs, toks) in enumerate(groups)]
-                for g, job in enumerate(jobs):
-                    r = job.wait(600)
-                    assert r.status is JobStatus.OK
-                    # greedy, as the server draws a batch's tokens: one argmax over the rows
-                    # (sampler.greedy_argmax), not one call per row (16 calls over SmolLM2's
-                    # 49,152-entry rows: ~71 µs against ~47, warm, in a micro-benchmark)
-                    groups[g][1][:] = r.logits.argmax(axis=1).tolist()
+                lanes.step()
             if rep >= 0:
                 best = min(best, (time.perf_counter() - t0) / steps / engines)
                 best_cpu = min(best_cpu, (time.process_time() - c0) / steps / engines)
         return best, best_cpu
     finally:
-        cb.release()
+        lanes.release()
+
+
+def paired_ratios(step1: Callable[[], float], step16: Callable[[], float], pairs: int,
+                  b1_steps: int = 1) -> list[tuple[float, float]]:
+    """B1 and B16 measured side by side at the finest grain: ``pairs`` times, ``b1_steps`` B1
+    steps, two B16 steps, ``b1_steps`` B1 steps (ABBA: a drift of the box's speed inside a pair
+    weighs on both sides alike). Each pair's ``(mean B1 step, mean B16 step)`` in seconds; its
+    B16 aggregate / B1 is ``16 * t1 / t16``. One B1 and one B16 warm-up step first."""
+    step1()
+    step16()
+    out = []
+    for _ in range(pairs):
+        t1 = sum(step1() for _ in range(b1_steps))
+        t16 = step16() + step16()
+        t1 += sum(step1() for _ in range(b1_steps))
+        out.append((t1 / (2 * b1_steps), t16 / 2))
+    return out
+
+
+def paired_line(pairs: list[tuple[float, float]], batch: int = 16, bar: float = 8.0) -> str:
+    """The per-pair B16 aggregate / B1 ratios of :func:`paired_ratios`: quartiles, extremes, and
+    how many pairs reach ``bar``."""
+    r = sorted(batch * t1 / t16 for t1, t16 in pairs)
+    n = len(r)
+    q = [r[min(n - 1, int(f * n))] for f in (0.25, 0.5, 0.75)]
+    return (f"B16 aggregate / B1, {n} ABBA pairs side by side (one job in flight): median {q[1]:.2f}x,"
+            f" quartiles {q[0]:.2f}x-{q[2]:.2f}x, min {r[0]:.2f}x, max {r[-1]:.2f}x;"
+            f" {sum(x >= bar for x in r)} of {n} pairs >= {bar:g}x")
 
 
 def matmul_weights(w: dict[str, np.ndarray]) -> int:
@@ -171,6 +226,9 @@ def main() -> None:
                          "print tokens/s at B1 and B16 with each")
     ap.add_argument("--rounds", type=int, default=1,
                     help="interleaved rounds of calrt-sim and llama.cpp runs (best of all rounds)")
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="also N ABBA pairs of B1 and B16 steps side by side (both calbins loaded at "
+                         "once): the B16 / B1 ratio pair by pair")
     args = ap.parse_args()
     cfg = CFG
     if args.package:
@@ -209,6 +267,18 @@ def main() -> None:
             for t in lcp:
                 tps, cps = bench_llama_cpp(args.llama_python, args.llama_cpp, t, 2 * args.steps, args.reps)
                 lcp[t], lcp_cpu[t] = max(lcp[t], tps), max(lcp_cpu[t], cps)
+        pairs: list[tuple[float, float]] = []
+        if args.paired > 0:
+            # one B1 step each side of a pair's two B16 steps: both sequences' contexts grow alike
+            one = Lanes(dev, w, 1, 1 + 2 * args.paired, cfg, args.prompt)
+            try:
+                sixteen = Lanes(dev, w, 16, 1 + 2 * args.paired, cfg, args.prompt)
+                try:
+                    pairs = paired_ratios(one.step, sixteen.step, args.paired)
+                finally:
+                    sixteen.release()
+            finally:
+                one.release()
     for b, s in per.items():
         vs = "" if ref is None else f"  speed-up vs numpy {b / s * ref:6.1f}x"
         print(f"calrt-sim B{b:<2}: {s * 1e3:8.2f} ms/step  {b / s:8.1f} tok/s  ({cpu[b] * 1e3:7.2f} ms CPU/step,"
@@ -228,6 +298,12 @@ def main() -> None:
               f"min {rr[0]:.1f}x, max {rr[-1]:.1f}x")
         rp = sorted(round_pp)
         print(f"  with PING/PONG: median {rp[len(rp) // 2]:.1f}x, min {rp[0]:.1f}x, max {rp[-1]:.1f}x")
+    if pairs:
+        t1s = sorted(t1 for t1, _ in pairs)
+        t16s = sorted(t16 for _, t16 in pairs)
+        print(f"paired: B1 {1 / t1s[len(t1s) // 2]:.1f} tok/s, B16 {16 / t16s[len(t16s) // 2]:.1f} tok/s"
+              " (median steps)")
+        print(paired_line(pairs))
     if args.sampler:
         from bench.sampler_cost import VOCAB, run as sampler_run
 

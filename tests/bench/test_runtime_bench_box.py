@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from bench.runtime_bench import CFG, box_line, matmul_weights, with_sampler
+from bench.runtime_bench import CFG, box_line, matmul_weights, paired_line, paired_ratios, with_sampler
 from calserve.runtime.reference import random_weights
 
 
@@ -52,3 +52,28 @@ def test_sampler_costs_add_to_each_step() -> None:
     assert t16 == pytest.approx(16 / 0.029)
     assert tr == pytest.approx(16 * 0.013 / 0.029)
     assert t1 < f1 and t16 < f16
+
+
+def test_pairs_run_abba_and_average_each_side() -> None:
+    """``--paired``: each pair is B1 steps, two B16 steps, B1 steps (after one warm-up step of
+    each), and reports each side's mean step."""
+    calls: list[str] = []
+    times = iter([9.0, 9.0] + [0.02, 0.05, 0.07, 0.04, 0.03, 0.06, 0.08, 0.01])
+
+    def step(name: str) -> float:
+        calls.append(name)
+        return next(times)
+
+    pairs = paired_ratios(lambda: step("b1"), lambda: step("b16"), 2)
+    assert calls == ["b1", "b16"] + ["b1", "b16", "b16", "b1"] * 2
+    assert pairs == [pytest.approx((0.03, 0.06)), pytest.approx((0.02, 0.07))]
+
+
+def test_paired_line_counts_pairs_at_the_bar() -> None:
+    # ratios 16 t1 / t16: 8.0, 6.4, 9.6, 12.0
+    pairs = [(0.02, 0.04), (0.02, 0.05), (0.03, 0.05), (0.03, 0.04)]
+    line = paired_line(pairs)
+    assert "4 ABBA pairs" in line
+    assert "min 6.40x" in line and "max 12.00x" in line
+    assert "median 9.60x" in line  # the upper median of an even count
+    assert "3 of 4 pairs >= 8x" in line
