@@ -21,11 +21,12 @@ box, both sides under the same load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -108,30 +109,30 @@ def bench_batch(dev: Device, w: dict[str, np.ndarray], batch: int, steps: int, c
         lanes.release()
 
 
-def paired_ratios(step1: Callable[[], float], step16: Callable[[], float], pairs: int,
-                  b1_steps: int = 1) -> list[tuple[float, float]]:
-    """B1 and B16 measured side by side at the finest grain: ``pairs`` times, ``b1_steps`` B1
-    steps, two B16 steps, ``b1_steps`` B1 steps (ABBA: a drift of the box's speed inside a pair
-    weighs on both sides alike). Each pair's ``(mean B1 step, mean B16 step)`` in seconds; its
-    B16 aggregate / B1 is ``16 * t1 / t16``. One B1 and one B16 warm-up step first."""
-    step1()
-    step16()
+def paired_ratios(steps: Sequence[Callable[[], float]], pairs: int) -> list[list[float]]:
+    """Several step kinds measured side by side at the finest grain (``steps[0]`` B1, then B16
+    ones): ``pairs`` times, each kind's step in order and then in reverse order (A B C C B A: a
+    drift of the box's speed inside a pair weighs on every kind alike, and every sequence's
+    context grows by two steps a pair). Each pair's mean step of each kind, in seconds (B16
+    aggregate / B1 = ``16 * t[0] / t[k]``). One warm-up step of each kind first."""
+    for step in steps:
+        step()
     out = []
     for _ in range(pairs):
-        t1 = sum(step1() for _ in range(b1_steps))
-        t16 = step16() + step16()
-        t1 += sum(step1() for _ in range(b1_steps))
-        out.append((t1 / (2 * b1_steps), t16 / 2))
+        ts = [step() for step in steps]
+        for k in range(len(steps) - 1, -1, -1):
+            ts[k] += steps[k]()
+        out.append([t / 2 for t in ts])
     return out
 
 
-def paired_line(pairs: list[tuple[float, float]], batch: int = 16, bar: float = 8.0) -> str:
-    """The per-pair B16 aggregate / B1 ratios of :func:`paired_ratios`: quartiles, extremes, and
-    how many pairs reach ``bar``."""
-    r = sorted(batch * t1 / t16 for t1, t16 in pairs)
+def paired_line(label: str, ratios: list[float], bar: float = 8.0) -> str:
+    """Per-pair B16 aggregate / B1 ratios of :func:`paired_ratios`: quartiles, extremes, and how
+    many pairs reach ``bar``."""
+    r = sorted(ratios)
     n = len(r)
     q = [r[min(n - 1, int(f * n))] for f in (0.25, 0.5, 0.75)]
-    return (f"B16 aggregate / B1, {n} ABBA pairs side by side (one job in flight): median {q[1]:.2f}x,"
+    return (f"B16 aggregate / B1, {label}, {n} pairs side by side: median {q[1]:.2f}x,"
             f" quartiles {q[0]:.2f}x-{q[2]:.2f}x, min {r[0]:.2f}x, max {r[-1]:.2f}x;"
             f" {sum(x >= bar for x in r)} of {n} pairs >= {bar:g}x")
 
@@ -267,18 +268,16 @@ def main() -> None:
             for t in lcp:
                 tps, cps = bench_llama_cpp(args.llama_python, args.llama_cpp, t, 2 * args.steps, args.reps)
                 lcp[t], lcp_cpu[t] = max(lcp[t], tps), max(lcp_cpu[t], cps)
-        pairs: list[tuple[float, float]] = []
+        pairs: list[list[float]] = []
         if args.paired > 0:
-            # one B1 step each side of a pair's two B16 steps: both sequences' contexts grow alike
-            one = Lanes(dev, w, 1, 1 + 2 * args.paired, cfg, args.prompt)
-            try:
-                sixteen = Lanes(dev, w, 16, 1 + 2 * args.paired, cfg, args.prompt)
-                try:
-                    pairs = paired_ratios(one.step, sixteen.step, args.paired)
-                finally:
-                    sixteen.release()
-            finally:
-                one.release()
+            # B1, B16, B16 PING/PONG, then the same backwards: every sequence's context grows alike
+            with contextlib.ExitStack() as stack:
+                held = []
+                for b, e in ((1, 1), (16, 1), (16, 2)):
+                    held.append(Lanes(dev, w, b, 1 + 2 * args.paired, cfg, args.prompt, e))
+                    stack.callback(held[-1].release)
+                one, sixteen, pp = held
+                pairs = paired_ratios([one.step, sixteen.step, lambda: pp.step() / 2], args.paired)
     for b, s in per.items():
         vs = "" if ref is None else f"  speed-up vs numpy {b / s * ref:6.1f}x"
         print(f"calrt-sim B{b:<2}: {s * 1e3:8.2f} ms/step  {b / s:8.1f} tok/s  ({cpu[b] * 1e3:7.2f} ms CPU/step,"
@@ -299,11 +298,11 @@ def main() -> None:
         rp = sorted(round_pp)
         print(f"  with PING/PONG: median {rp[len(rp) // 2]:.1f}x, min {rp[0]:.1f}x, max {rp[-1]:.1f}x")
     if pairs:
-        t1s = sorted(t1 for t1, _ in pairs)
-        t16s = sorted(t16 for _, t16 in pairs)
-        print(f"paired: B1 {1 / t1s[len(t1s) // 2]:.1f} tok/s, B16 {16 / t16s[len(t16s) // 2]:.1f} tok/s"
-              " (median steps)")
-        print(paired_line(pairs))
+        med = [sorted(p[k] for p in pairs)[len(pairs) // 2] for k in range(3)]
+        print(f"paired (median steps): B1 {1 / med[0]:.1f} tok/s, B16 {16 / med[1]:.1f} tok/s,"
+              f" B16 PING/PONG {16 / med[2]:.1f} tok/s")
+        print(paired_line("one job in flight", [16 * p[0] / p[1] for p in pairs]))
+        print(paired_line("PING/PONG", [16 * p[0] / p[2] for p in pairs]))
     if args.sampler:
         from bench.sampler_cost import VOCAB, run as sampler_run
 

@@ -4,6 +4,7 @@ box's multiply-add rate over its weight bandwidth (issue 17's figure, read again
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -54,26 +55,27 @@ def test_sampler_costs_add_to_each_step() -> None:
     assert t1 < f1 and t16 < f16
 
 
-def test_pairs_run_abba_and_average_each_side() -> None:
-    """``--paired``: each pair is B1 steps, two B16 steps, B1 steps (after one warm-up step of
-    each), and reports each side's mean step."""
+def test_pairs_run_each_kind_forth_and_back() -> None:
+    """``--paired``: each pair runs every kind's step in order, then in reverse order (after one
+    warm-up step of each), and reports each kind's mean step."""
     calls: list[str] = []
-    times = iter([9.0, 9.0] + [0.02, 0.05, 0.07, 0.04, 0.03, 0.06, 0.08, 0.01])
+    times = iter([9.0, 9.0, 9.0] + [0.02, 0.05, 0.08, 0.09, 0.07, 0.04]
+                 + [0.03, 0.06, 0.10, 0.12, 0.08, 0.01])
 
-    def step(name: str) -> float:
-        calls.append(name)
-        return next(times)
+    def kind(name: str) -> Callable[[], float]:
+        def step() -> float:
+            calls.append(name)
+            return next(times)
+        return step
 
-    pairs = paired_ratios(lambda: step("b1"), lambda: step("b16"), 2)
-    assert calls == ["b1", "b16"] + ["b1", "b16", "b16", "b1"] * 2
-    assert pairs == [pytest.approx((0.03, 0.06)), pytest.approx((0.02, 0.07))]
+    pairs = paired_ratios([kind("b1"), kind("b16"), kind("pp")], 2)
+    assert calls == ["b1", "b16", "pp"] + ["b1", "b16", "pp", "pp", "b16", "b1"] * 2
+    assert pairs == [pytest.approx([0.03, 0.06, 0.085]), pytest.approx([0.02, 0.07, 0.11])]
 
 
 def test_paired_line_counts_pairs_at_the_bar() -> None:
-    # ratios 16 t1 / t16: 8.0, 6.4, 9.6, 12.0
-    pairs = [(0.02, 0.04), (0.02, 0.05), (0.03, 0.05), (0.03, 0.04)]
-    line = paired_line(pairs)
-    assert "4 ABBA pairs" in line
+    line = paired_line("one job in flight", [8.0, 6.4, 9.6, 12.0])
+    assert "one job in flight, 4 pairs" in line
     assert "min 6.40x" in line and "max 12.00x" in line
     assert "median 9.60x" in line  # the upper median of an even count
     assert "3 of 4 pairs >= 8x" in line
