@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -45,7 +46,7 @@ from bench.scenario_lib import calserve_config, run_point, write_json
 from bench.server import BENCH_OUT, Server, pin_self
 
 __all__ = ["run", "main", "measure", "probe_event_size", "floor_point", "server_config",
-           "with_batch"]
+           "with_batch", "period_ratio"]
 
 CONCURRENCY = 64
 
@@ -163,6 +164,23 @@ def _profile(cfg: dict[str, Any], out: Path, dur: float, stem: str = "calserve_p
     return str(target) if target.exists() else None
 
 
+def period_ratio(cal: dict[str, Any], floor_us_per_event: float, streams: int = CONCURRENCY
+                 ) -> dict[str, float]:
+    """What decides the grouped ratio when calserve's thread is saturated (as it is here: null
+    compute, the device costs nothing). Its CPU per event is then its CPU share of the time between
+    one stream's events divided by the streams (``cpu_util * period / streams``, the period being
+    the hold of ``server.stream_busy_interval_ms`` plus the queueing after it), whatever the engine
+    costs a token: a cheaper engine gets more tokens into each event, and the floor at that
+    grouping gets as much cheaper a token. So the ratio to a floor sending the same events is
+    ``cpu_util * period / (streams * floor_us_per_event)``: ``ratio_from_period`` (it matches the
+    measured ratio up to rounding; session 44, bench/README). The engine's own cost a token shows in
+    the tokens an event and in ``bench.engine_path``, not in this ratio."""
+    eps = cal["events_per_s"]
+    period_s = streams / eps if eps else math.inf
+    return {"stream_period_ms": period_s * 1e3,
+            "ratio_from_period": cal["cpu_util"] * period_s / streams * 1e6 / floor_us_per_event}
+
+
 def _tag(size: int, tokens_per_event: float = 1.0, events_per_s: float = 0.0) -> str:
     return (f"{size}" + ("" if tokens_per_event == 1.0 else f"-tpe{tokens_per_event}")
             + (f"-at{events_per_s:.0f}" if events_per_s else ""))
@@ -269,7 +287,9 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
                                               "events_per_s": paced["events_per_s"],
                                               "us_per_event": paced["us_per_event"],
                                               "us_per_token": paced["us_per_token"]},
-            "ratio_per_token_same_grouping_same_rate": cal["us_per_token"] / paced["us_per_token"]}
+            "ratio_per_token_same_grouping_same_rate": cal["us_per_token"] / paced["us_per_token"],
+            "saturated": {"same_grouping": period_ratio(cal, same["us_per_event"]),
+                          "same_grouping_same_rate": period_ratio(cal, paced["us_per_event"])}}
     doc["floors"] = {_tag(*k): v for k, v in floors.items()}
     profiles: dict[str, str | None] = {}
     # the default configuration's profile, and the multi-step one's where that variant ran
