@@ -12,6 +12,11 @@ constrained decoding on and off) measured in the same run after the steps, and t
 and B16 with each feature: the step plus the host's sampling of that step, one after the other (one
 job in flight, the default configuration; with PING/PONG the sampling overlaps the next step).
 
+``--paired N``: the B16 / B1 ratio pair by pair: the B1, B16 and B16 PING/PONG calbins loaded at
+once, N times one step of each and the same backwards (:func:`paired_ratios`), so a pair's B1 and
+B16 steps see the same minute of the box (its memory's speed and its neighbours move between the
+rounds' separate runs); the per-pair ratios' quartiles and how many reach 8x.
+
 ``--llama-cpp GGUF [--llama-python PY]``: llama.cpp's single-stream decode rate on the same weights
 beside it (llama-cpp-python, run by the interpreter PY in a subprocess, 1 and 2 threads), interleaved
 with the calrt-sim runs round by round (``--rounds``), best of each, and the ratios: one run on one
