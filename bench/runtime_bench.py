@@ -233,8 +233,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="interleaved rounds of calrt-sim and llama.cpp runs (best of all rounds)")
     ap.add_argument("--paired", type=int, default=0, metavar="N",
-                    help="also N ABBA pairs of B1 and B16 steps side by side (both calbins loaded at "
-                         "once): the B16 / B1 ratio pair by pair")
+                    help="also N pairs of single steps side by side, B1, B16, B16 PING/PONG and back "
+                         "(the three calbins loaded at once): the B16 / B1 ratio pair by pair")
     args = ap.parse_args()
     cfg = CFG
     if args.package:
