@@ -99,6 +99,35 @@ def _check_lanes_equal_b1(next_device: Device, cfg: ModelConfig, weights: dict, 
         assert not kv[:, :, :, n + steps :].any()
 
 
+@pytest.mark.parametrize("null_compute", [False, True])
+def test_inactive_rows_are_zeros_in_a_reused_buffer(small_weights: dict, null_compute: bool) -> None:
+    """A job's logits buffer is not cleared when it is created (the submitting thread would clear
+    lanes x vocab floats a job): execution writes the valid lanes' rows and zeroes the others. So a
+    job with inactive lanes, created right after a full batch's job was released (the allocator
+    hands its buffer back), still returns all-zero rows and checksum 0 for them, computed or not."""
+    with Device.open("sim-next", dram_bytes=1 << 30, null_compute=null_compute) as dev:
+        cb = dev.load_calbin(SMALL, small_weights, ProfileSpec(16, 64, 16))
+        seqs = [cb.create_sequence() for _ in range(16)]
+        toks = [_prefill(cb, s, [1 + lane, 2, 3]) for lane, s in enumerate(seqs)]
+        for round_ in range(3):
+            full = cb.submit_decode(seqs, toks, [cb.committed_len(s) for s in seqs], [True] * 16).wait(30)
+            assert full.status is JobStatus.OK
+            assert all(full.logits[lane].any() for lane in range(16))
+            toks = full.logits.argmax(axis=1).tolist()
+            del full  # the job released: its buffer goes back to the allocator
+            valid = [(lane + round_) % 3 == 0 for lane in range(16)]
+            r = cb.submit_decode(seqs, toks, [cb.committed_len(s) for s in seqs], valid).wait(30)
+            assert r.status is JobStatus.OK
+            for lane in range(16):
+                if valid[lane]:
+                    assert r.logits[lane].any() and int(r.checksum[lane]) != 0
+                    toks[lane] = int(np.argmax(r.logits[lane]))
+                else:
+                    assert not r.logits[lane].any(), (round_, lane)
+                    assert int(r.checksum[lane]) == 0
+            del r
+
+
 def test_two_sequences_interleaved_match_alone(device: Device, small_weights: dict) -> None:
     cb = device.load_calbin(SMALL, small_weights, ProfileSpec(1, 64, 2))
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3]]

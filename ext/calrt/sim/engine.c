@@ -22,7 +22,11 @@ static calrt_job *job_alloc(calrt_calbin *cb, job_kind kind, int32_t lanes, int3
   j->seq_ids = calloc((size_t)lanes, sizeof(int32_t));
   j->positions = calloc((size_t)lanes, sizeof(int32_t));
   j->valid = calloc((size_t)lanes, 1);
-  j->logits = calloc((size_t)lanes * V, sizeof(float));
+  /* Not zeroed here: the submitting (host) thread would clear lanes x vocab floats a job (3 MB at B16
+   * on a 49,152-token vocabulary, ~100 us of it). Execution writes every valid lane's row and
+   * zeroes the others (execute), a failed job's rows are zeroed (complete); nothing reads the rows
+   * before the job is done (calrt_job_result). */
+  j->logits = malloc((size_t)lanes * V * sizeof(float));
   j->echo = calloc((size_t)lanes * 3, sizeof(int64_t));
   j->checksum = calloc((size_t)lanes, sizeof(uint64_t));
   if (!j->tokens || !j->seq_ids || !j->positions || !j->valid || !j->logits || !j->echo || !j->checksum) {
@@ -470,6 +474,8 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
   int rc = j->steps > 1 ? forward_steps(cb, j, null, e->pool) : sim_forward(cb, j, null, e->pool);
   if (computes) atomic_fetch_sub(&cb->dev->computing, 1);
   size_t V = (size_t)cb->m.vocab_size;
+  for (int32_t l = 0; l < j->lanes; l++) /* an invalid lane's row is all zeros (calrt.h; job_alloc) */
+    if (!j->valid[l]) memset(j->logits + (size_t)l * V, 0, V * sizeof(float));
   for (int32_t l = 0; l < j->lanes; l++)
     j->checksum[l] = j->valid[l] ? calrt_checksum(j->logits + (size_t)l * V, V * sizeof(float)) : 0;
   if (d > 0) clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
