@@ -474,10 +474,15 @@ static calrt_job_status run(sim_engine *e, calrt_job *j, double *start_io, doubl
   int rc = j->steps > 1 ? forward_steps(cb, j, null, e->pool) : sim_forward(cb, j, null, e->pool);
   if (computes) atomic_fetch_sub(&cb->dev->computing, 1);
   size_t V = (size_t)cb->m.vocab_size;
-  for (int32_t l = 0; l < j->lanes; l++) /* an invalid lane's row is all zeros (calrt.h; job_alloc) */
-    if (!j->valid[l]) memset(j->logits + (size_t)l * V, 0, V * sizeof(float));
-  for (int32_t l = 0; l < j->lanes; l++)
-    j->checksum[l] = j->valid[l] ? calrt_checksum(j->logits + (size_t)l * V, V * sizeof(float)) : 0;
+  for (int32_t l = 0; l < j->lanes; l++) {
+    float *row = j->logits + (size_t)l * V;
+    if (j->valid[l]) {
+      j->checksum[l] = calrt_checksum(row, V * sizeof(float));
+    } else { /* an invalid lane's row is all zeros (calrt.h; job_alloc) */
+      memset(row, 0, V * sizeof(float));
+      j->checksum[l] = 0;
+    }
+  }
   if (d > 0) clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
   const double compute_wall_us = sim_now_us() - start;
   const double compute_cpu_us =
