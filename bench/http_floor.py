@@ -18,6 +18,13 @@ clients always busy reading, its loop never asleep); a third one sends the same 
 own event rate (``floor_app --events-per-s``, ``ratio_per_token_same_grouping_same_rate``), where each
 event finds its client waiting to be woken as calserve's do: the stack's cost per event at that pace.
 
+Those runs saturate calserve (the device costs nothing, so it makes tokens as fast as its thread
+can), and then its CPU per event is its share of a stream's event period, whatever a token costs
+(:func:`period_ratio`). One more run puts it on a timed device (``calserve_device_paced``: a
+:data:`PACED_STEP_US` B16 step, an event every :data:`PACED_INTERVAL_MS` a stream), where its thread
+is idle part of the time and its CPU per token is what its events and tokens cost; against the
+floor at the same events and rate that is ``ratio_per_token_device_paced``.
+
 Server CPU comes from ``/proc/PID/stat`` (utime + stime of the serving process) over the load window;
 divided by the content events the client received it gives CPU µs per streamed event (and per token,
 when the server coalesces several tokens into one event). The ratio calserve / floor is the figure
@@ -46,7 +53,7 @@ from bench.scenario_lib import calserve_config, run_point, write_json
 from bench.server import BENCH_OUT, Server, pin_self
 
 __all__ = ["run", "main", "measure", "probe_event_size", "floor_point", "server_config",
-           "with_batch", "period_ratio"]
+           "with_batch", "period_ratio", "device_paced_config", "PACED_STEP_US", "PACED_INTERVAL_MS"]
 
 CONCURRENCY = 64
 
@@ -227,12 +234,35 @@ def with_batch(cfg: dict[str, Any], batch: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "scheduler": sched}
 
 
-def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8) -> dict[str, Any]:
+#: The device-paced variant: a timed device whose B16 step takes this long (``bench-step-N``
+#: timing, null compute) and events every PACED_INTERVAL_MS per stream, so calserve is *not*
+#: saturated (session 44: ~0.5 of its core, ~9 tokens an event, ~7,400 tokens/s).
+PACED_STEP_US = 2000
+PACED_INTERVAL_MS = 72
+
+
+def device_paced_config(cfg: dict[str, Any], step_us: int = PACED_STEP_US) -> dict[str, Any]:
+    """``cfg`` (:func:`server_config`) on a device that paces it: the demo model's timing replaced
+    by ``bench-step-<step_us>`` (a copy; still null compute: the step is a wait, not host work)."""
+    from bench.serve_entry import STEP_PREFIX
+    models = {name: {**m, "timing": f"{STEP_PREFIX}{step_us}"} for name, m in cfg["models"].items()}
+    return {**cfg, "models": models}
+
+
+def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8,
+        device_paced: bool = True) -> dict[str, Any]:
     """calserve with its defaults (adaptive grouping: several tokens per event while the serving
     thread is saturated, which it is here) and with grouping off (one event per token), each against
     the floor streaming events of the size calserve's had under this load; then both again with
     ``scheduler.batch.multi_step`` (this load is greedy: up to that many device steps a decode
-    job, the runtime's multi_step capability) where this calserve has it (0: not run)."""
+    job, the runtime's multi_step capability) where this calserve has it (0: not run).
+
+    ``device_paced``: also calserve on a timed device (:data:`PACED_STEP_US`, events every
+    :data:`PACED_INTERVAL_MS`), which leaves its thread idle part of the time. Saturated (the
+    variants above), calserve's CPU per event is pinned to the stream period's share whatever a
+    token costs (:func:`period_ratio`); below saturation it is what its events and tokens cost,
+    and its ratio to the floor sending the same events at the same rate
+    (``ratio_per_token_device_paced``) moves with the host's cost per token."""
     dur = 4.0 if quick else 8.0
     cfg = server_config()
     from calserve.config import BatchConfig, ServerConfig
@@ -248,10 +278,14 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
             batch_over["calserve_multi_step_ungrouped"] = {"multi_step": multi_step}
     if stream_interval_ms:  # what-if: a fixed interval
         variants[f"calserve_interval_{stream_interval_ms}ms"] = {"stream_interval_ms": stream_interval_ms}
+    if device_paced and "stream_interval_ms" in ServerConfig.__struct_fields__:
+        variants["calserve_device_paced"] = {"stream_interval_ms": PACED_INTERVAL_MS}
     doc: dict[str, Any] = {"concurrency": CONCURRENCY, "variants": {}}
     floors: dict[tuple[int, float, float], dict[str, Any]] = {}
     for name, server in variants.items():
         vcfg = {**cfg, "server": server} if server else cfg
+        if name == "calserve_device_paced":
+            vcfg = device_paced_config(vcfg)
         if name in batch_over:
             vcfg = with_batch(vcfg, batch_over[name])
         with Server.calserve(vcfg, out / f"server-{name}") as srv:
@@ -311,7 +345,11 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
                 "ratio_per_token_same_grouping_same_rate": {
                     k: v["ratio_per_token_same_grouping_same_rate"]
                     for k, v in doc["variants"].items()},
-                "target_ratio_same_grouping": 2.0, "profile": prof or
+                "target_ratio_same_grouping": 2.0,
+                "ratio_per_token_device_paced": (
+                    doc["variants"]["calserve_device_paced"]["ratio_per_token_same_grouping_same_rate"]
+                    if "calserve_device_paced" in doc["variants"] else None),
+                "profile": prof or
                 "none saved: install py-spy or `pip install pyinstrument` to get one",
                 "profile_multi_step": profiles.get("calserve_multi_step_profile")})
     return doc
@@ -326,9 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run calserve with a fixed server.stream_interval_ms (what-if)")
     ap.add_argument("--multi-step", type=int, default=8,
                     help="also run calserve with scheduler.batch.multi_step N (0: not)")
+    ap.add_argument("--no-device-paced", action="store_true",
+                    help="skip the variant on a timed device (calserve below saturation)")
     a = ap.parse_args(argv)
     pin_self(1)
-    doc = run(a.out, a.quick, a.stream_interval_ms, a.multi_step)
+    doc = run(a.out, a.quick, a.stream_interval_ms, a.multi_step, not a.no_device_paced)
     write_json(a.out / "summary.json", {"scenario": "http-floor", **doc})
     print(json.dumps(doc, indent=1))
     return 0
