@@ -57,7 +57,7 @@ async def _run(streams: int, tokens: int, reps: int, hold_ms: float = 0.0, multi
         raw = with_batch(raw, {"multi_step": multi_step})
     cfg = decode_config(raw)
     best = float("inf")
-    timer = HoldTimer()
+    timer = HoldTimer(cfg.server.stream_hold_coalesce_ms / 1000.0)  # as the app's (api/app.py)
     hold_s = hold_ms / 1000.0
     async with Engine.open(cfg) as eng, trio.open_nursery() as outer:
         if hold_s:

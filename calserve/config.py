@@ -237,6 +237,11 @@ class ServerConfig(_Strict):
     # stream throughput exactly when the host, not the device, is the bottleneck.
     stream_busy_interval_ms: NonNeg = 20
     stream_busy_fraction: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.9
+    # A held chunk due within this long (ms; 0 = off) after the serving loop wakes from idle (a
+    # device completion, a request) goes out with that wake-up, up to this much early and never
+    # late: on a device that paces the host, it no longer wakes the loop again on its own
+    # (calserve/api/pacing.py).
+    stream_hold_coalesce_ms: NonNeg = 2
     # Per-request limits and slow readers (README "Per-request limits and slow readers").
     # The backlog bound of one stream (bytes, estimated: text + ~2 KB per token with 20 top
     # logprobs): what the engine holds for its consumer plus what the HTTP pump took and has not

@@ -204,7 +204,9 @@ def create_app(
         # Listen first: the engine opens (the model loads) in the background; host.run returns
         # at once and never raises (a start-up failure is host.start_failure, logged once).
         await app.nursery.start(host.run)
-        # the streams' hold timer (pacing.HoldTimer): one task wakes every held stream
+        # the streams' hold timer (pacing.HoldTimer): one task wakes every held stream, and the
+        # holds due soon ride the loop's wake-ups from idle
+        state.holds.coalesce_s = host.config.server.stream_hold_coalesce_ms / 1000.0
         await app.nursery.start(state.holds.run)
         if exit_on_start_failure:
             app.nursery.start_soon(_exit_on_start_failure, host)

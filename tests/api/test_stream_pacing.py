@@ -194,3 +194,16 @@ async def test_disconnect_while_a_chunk_is_held_cancels_at_once(
         assert timer.holds >= 1  # it was held by the app's timer, and that hold was cancelled
         text = await (await h.client.get("/metrics")).get_data(as_text=True)
         assert "calserve_streams_active 0.0" in text
+
+
+@pytest.mark.parametrize("ms", [None, 0, 5])
+async def test_the_app_timer_takes_the_hold_coalescing_margin(
+    harness_factory: Any, autojump_clock: Any, ms: int | None
+) -> None:
+    """``server.stream_hold_coalesce_ms`` (default 2) is the app's hold timer's margin once it
+    serves (0: the timer installs no instrument; pacing.HoldTimer)."""
+    cfg = make_config(server={} if ms is None else {"stream_hold_coalesce_ms": ms})
+    async with harness_factory(cfg, token_delay=0.01, coalesce=True) as h:
+        timer = get_state(h.app).holds
+        assert timer.running
+        assert timer.coalesce_s == pytest.approx((2 if ms is None else ms) / 1000)
