@@ -42,7 +42,8 @@ halted vCPU; bench/README, session 44). A hold that expired on its own ~1 ms aft
 woke the loop a second time for one event; it now goes out with the completion's wake. A loop that
 never idles (saturated: the grouping's own case) is not touched: no hold is released early there.
 With 64 streams on a 2 ms B16 step and 72 ms holds, the serving thread went to sleep ~15 % fewer
-times a token in process and ~5-10 % fewer over HTTP (bench/README, session 47, with its CPU).
+times a token in process and ~5 % fewer over HTTP, where the host's CPU a token fell in 5 of 6
+alternated pairs (median ratio 0.88; bench/README, session 47).
 """
 
 from __future__ import annotations
