@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any, final
 
 import msgspec
 import trio
 from prometheus_client import Gauge
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from calserve.api.lifecycle import EngineFactory, EngineHost
 from calserve.api.metrics import ApiMetrics
@@ -55,6 +57,7 @@ class ApiState:
         Gauge("calserve_serving_thread_busy_ratio", "(run + runnable-waiting)/wall of the serving "
               "thread over the last pacing window (measured while streams write)",
               registry=reg).set_function(lambda: self._pacer.busy_fraction if self._pacer else 0.0)
+        reg.register(_HoldCounters(self.holds))
 
     @property
     def needs_thread(self) -> bool:
@@ -190,3 +193,20 @@ def resolve_default_packages(config: CalserveConfig) -> CalserveConfig:
         for alias, m in config.models.items()
     }
     return msgspec.structs.replace(config, models=models)
+
+
+class _HoldCounters(Collector):
+    """The app's hold timer's counters (api/pacing.py): holds taken, and those released early at a
+    wake-up of the serving loop from idle (``server.stream_hold_coalesce_ms``)."""
+
+    def __init__(self, timer: HoldTimer) -> None:
+        self._timer = timer
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        t = self._timer
+        yield CounterMetricFamily("calserve_stream_holds", "Stream chunks held by the app's hold "
+                                  "timer (server.stream_interval_ms / stream_busy_interval_ms)",
+                                  value=t.holds)
+        yield CounterMetricFamily("calserve_stream_holds_coalesced", "Holds released early, with "
+                                  "a wake-up of the serving loop from idle "
+                                  "(server.stream_hold_coalesce_ms)", value=t.coalesced)

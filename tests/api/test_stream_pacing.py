@@ -121,6 +121,10 @@ async def test_streams_group_tokens_only_while_saturated(
                                                       "stream": True})
         text = await (await h.client.get("/metrics")).get_data(as_text=True)
         assert f"calserve_stream_grouping {1.0 if busy else 0.0}" in text
+        # the hold timer's counters (no idle wake-up measured under the fake clock: none early)
+        assert f"calserve_stream_holds_total {float(timer.holds)}" in text
+        assert "calserve_stream_holds_coalesced_total 0.0" in text
+        assert (timer.holds > 0) == busy
     assert status == 200
     events = parse_sse(raw)
     assert events[-1] == "[DONE]"
