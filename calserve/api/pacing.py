@@ -148,13 +148,7 @@ class HoldTimer:
             if coalescer is not None:
                 trio.lowlevel.remove_instrument(coalescer)
             self._scope = self._stop = None
-            heap = self._heap
-            for _, _, entry in heap:
-                task = entry[0]
-                if task is not None:
-                    entry[0] = None
-                    trio.lowlevel.reschedule(task)
-            heap.clear()
+            self._release(math.inf)  # every hold at once: their reads happen, nothing is lost
 
     def _release(self, until: float) -> int:
         """Wake every hold due by ``until``; how many live ones it woke."""
