@@ -249,6 +249,45 @@ def device_paced_config(cfg: dict[str, Any], step_us: int = PACED_STEP_US) -> di
     return {**cfg, "models": models}
 
 
+def variant_configs(cfg: dict[str, Any], stream_interval_ms: int = 0, multi_step: int = 8,
+                    device_paced: bool = True
+                    ) -> dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """:func:`run`'s calserve variants of ``cfg`` (:func:`server_config`), in the order they run:
+    name -> (its ``server`` section overrides, its ``scheduler.batch`` overrides, its whole
+    configuration). ``multi_step`` > 1 adds the multi-step variants (grouped and not, and on the
+    timed device where ``device_paced``) where this calserve has ``scheduler.batch.multi_step``."""
+    from calserve.config import BatchConfig, ServerConfig
+    servers: dict[str, dict[str, Any]] = {"calserve": {}}
+    batches: dict[str, dict[str, Any]] = {}
+    grouping = "stream_busy_interval_ms" in ServerConfig.__struct_fields__
+    stepping = multi_step > 1 and "multi_step" in BatchConfig.__struct_fields__
+    if grouping:
+        servers["calserve_ungrouped"] = {"stream_busy_interval_ms": 0}
+    if stepping:
+        servers["calserve_multi_step"] = {}
+        batches["calserve_multi_step"] = {"multi_step": multi_step}
+        if grouping:
+            servers["calserve_multi_step_ungrouped"] = servers["calserve_ungrouped"]
+            batches["calserve_multi_step_ungrouped"] = {"multi_step": multi_step}
+    if stream_interval_ms:  # what-if: a fixed interval
+        servers[f"calserve_interval_{stream_interval_ms}ms"] = {"stream_interval_ms": stream_interval_ms}
+    paced = device_paced and "stream_interval_ms" in ServerConfig.__struct_fields__
+    if paced:
+        servers["calserve_device_paced"] = {"stream_interval_ms": PACED_INTERVAL_MS}
+    if paced and stepping:  # the host's cost a token with one job a multi_step tokens a lane
+        servers["calserve_device_paced_multi_step"] = {"stream_interval_ms": PACED_INTERVAL_MS}
+        batches["calserve_device_paced_multi_step"] = {"multi_step": multi_step}
+    out: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
+    for name, server in servers.items():
+        vcfg = {**cfg, "server": server} if server else cfg
+        if name.startswith("calserve_device_paced"):
+            vcfg = device_paced_config(vcfg)
+        if name in batches:
+            vcfg = with_batch(vcfg, batches[name])
+        out[name] = (server, batches.get(name, {}), vcfg)
+    return out
+
+
 def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8,
         device_paced: bool = True) -> dict[str, Any]:
     """calserve with its defaults (adaptive grouping: several tokens per event while the serving
@@ -262,32 +301,17 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
     variants above), calserve's CPU per event is pinned to the stream period's share whatever a
     token costs (:func:`period_ratio`); below saturation it is what its events and tokens cost,
     and its ratio to the floor sending the same events at the same rate
-    (``ratio_per_token_device_paced``) moves with the host's cost per token."""
+    (``ratio_per_token_device_paced``) moves with the host's cost per token. With ``multi_step``
+    too, that again with multi-step jobs (``ratio_per_token_device_paced_multi_step``: the device
+    paces the same tokens a second, each job ``multi_step`` of its steps, so the host's work a job
+    is spread over that many tokens a lane)."""
     dur = 4.0 if quick else 8.0
     cfg = server_config()
-    from calserve.config import BatchConfig, ServerConfig
-    variants: dict[str, dict[str, Any]] = {"calserve": {}}
-    batch_over: dict[str, dict[str, Any]] = {}
-    if "stream_busy_interval_ms" in ServerConfig.__struct_fields__:
-        variants["calserve_ungrouped"] = {"stream_busy_interval_ms": 0}
-    if multi_step > 1 and "multi_step" in BatchConfig.__struct_fields__:
-        variants["calserve_multi_step"] = {}
-        batch_over["calserve_multi_step"] = {"multi_step": multi_step}
-        if "calserve_ungrouped" in variants:
-            variants["calserve_multi_step_ungrouped"] = variants["calserve_ungrouped"]
-            batch_over["calserve_multi_step_ungrouped"] = {"multi_step": multi_step}
-    if stream_interval_ms:  # what-if: a fixed interval
-        variants[f"calserve_interval_{stream_interval_ms}ms"] = {"stream_interval_ms": stream_interval_ms}
-    if device_paced and "stream_interval_ms" in ServerConfig.__struct_fields__:
-        variants["calserve_device_paced"] = {"stream_interval_ms": PACED_INTERVAL_MS}
+    configs = variant_configs(cfg, stream_interval_ms, multi_step, device_paced)
+    batch_over = {name: batch for name, (_, batch, _) in configs.items() if batch}
     doc: dict[str, Any] = {"concurrency": CONCURRENCY, "variants": {}}
     floors: dict[tuple[int, float, float], dict[str, Any]] = {}
-    for name, server in variants.items():
-        vcfg = {**cfg, "server": server} if server else cfg
-        if name == "calserve_device_paced":
-            vcfg = device_paced_config(vcfg)
-        if name in batch_over:
-            vcfg = with_batch(vcfg, batch_over[name])
+    for name, (server, _, vcfg) in configs.items():
         with Server.calserve(vcfg, out / f"server-{name}") as srv:
             cal = measure(srv, out / name, dur)
         size = max(64, round(cal["event_bytes"]))
@@ -349,6 +373,10 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
                 "ratio_per_token_device_paced": (
                     doc["variants"]["calserve_device_paced"]["ratio_per_token_same_grouping_same_rate"]
                     if "calserve_device_paced" in doc["variants"] else None),
+                "ratio_per_token_device_paced_multi_step": (
+                    doc["variants"]["calserve_device_paced_multi_step"][
+                        "ratio_per_token_same_grouping_same_rate"]
+                    if "calserve_device_paced_multi_step" in doc["variants"] else None),
                 "profile": prof or
                 "none saved: install py-spy or `pip install pyinstrument` to get one",
                 "profile_multi_step": profiles.get("calserve_multi_step_profile")})
