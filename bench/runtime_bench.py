@@ -32,11 +32,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
-from calserve.runtime import Device, JobEngine, JobStatus, ProfileSpec
-from calserve.runtime.reference import ModelConfig, ReferenceModel, random_weights
+if not __package__:  # run as a script (``python bench/runtime_bench.py``, as documented): the
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repository's bench package
+
+from bench.sampler_cost import VOCAB, run as sampler_run  # noqa: E402
+from calserve.runtime import Device, JobEngine, JobStatus, ProfileSpec  # noqa: E402
+from calserve.runtime.reference import ModelConfig, ReferenceModel, random_weights  # noqa: E402
 
 CFG = ModelConfig(
     vocab_size=16000, hidden_size=512, intermediate_size=1536, num_hidden_layers=7,
@@ -309,8 +314,6 @@ def main() -> None:
         print(paired_line("one job in flight", [16 * p[0] / p[1] for p in pairs]))
         print(paired_line("PING/PONG", [16 * p[0] / p[2] for p in pairs]))
     if args.sampler:
-        from bench.sampler_cost import VOCAB, run as sampler_run
-
         print(f"\nsampler features, host CPU per sampling step on a {VOCAB:,}-token vocabulary"
               + ("" if cfg.vocab_size == VOCAB else f" (this model's: {cfg.vocab_size:,})") + ":")
         rows = sampler_run(None, quick=False)["rows"]

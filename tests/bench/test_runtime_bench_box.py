@@ -3,8 +3,12 @@ box's multiply-add rate over its weight bandwidth (issue 17's figure, read again
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,3 +83,14 @@ def test_paired_line_counts_pairs_at_the_bar() -> None:
     assert "min 6.40x" in line and "max 12.00x" in line
     assert "median 9.60x" in line  # the upper median of an even count
     assert "3 of 4 pairs >= 8x" in line
+
+
+def test_runs_as_the_script_it_is_documented_as(tmp_path: Path) -> None:
+    """``python bench/runtime_bench.py`` from anywhere, no PYTHONPATH: its ``bench.*`` imports
+    (``--sampler``'s ``bench.sampler_cost``) resolve to the repository's bench package."""
+    script = Path(__file__).resolve().parents[2] / "bench" / "runtime_bench.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--sampler" in r.stdout
