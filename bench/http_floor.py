@@ -308,10 +308,9 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
     dur = 4.0 if quick else 8.0
     cfg = server_config()
     configs = variant_configs(cfg, stream_interval_ms, multi_step, device_paced)
-    batch_over = {name: batch for name, (_, batch, _) in configs.items() if batch}
     doc: dict[str, Any] = {"concurrency": CONCURRENCY, "variants": {}}
     floors: dict[tuple[int, float, float], dict[str, Any]] = {}
-    for name, (server, _, vcfg) in configs.items():
+    for name, (server, batch, vcfg) in configs.items():
         with Server.calserve(vcfg, out / f"server-{name}") as srv:
             cal = measure(srv, out / name, dur)
         size = max(64, round(cal["event_bytes"]))
@@ -328,7 +327,7 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
                 floors[key] = _floor(out, key[0], dur, key[1], key[2])
         flo, same, paced = floors[(size, 1.0, 0.0)], floors[(size, tpe, 0.0)], floors[(size, tpe, rate)]
         doc["variants"][name] = {
-            "server": server, "batch": batch_over.get(name, {}), "calserve": cal, "floor_event_bytes": size,
+            "server": server, "batch": batch, "calserve": cal, "floor_event_bytes": size,
             "floor_us_per_event": flo["us_per_event"],
             "ratio_per_event": cal["us_per_event"] / flo["us_per_event"],
             "ratio_per_token": cal["us_per_token"] / flo["us_per_token"],
@@ -352,8 +351,8 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
     profiles: dict[str, str | None] = {}
     # the default configuration's profile, and the multi-step one's where that variant ran
     for stem, pcfg in [("calserve_profile", cfg), *(
-            [("calserve_multi_step_profile", with_batch(cfg, batch_over["calserve_multi_step"]))]
-            if "calserve_multi_step" in batch_over else [])]:
+            [("calserve_multi_step_profile", configs["calserve_multi_step"][2])]
+            if "calserve_multi_step" in configs else [])]:
         try:
             profiles[stem] = _profile(pcfg, out, min(dur, 5.0), stem)
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # a profile is a bonus
