@@ -38,14 +38,21 @@ def _ours(x: np.ndarray) -> np.ndarray:
     return y
 
 
-def _glibc_exp(x: np.ndarray) -> np.ndarray:
-    """libm's ``exp`` of every element, one call each (what calserve.vexp64 computes four at a time)."""
+def _libm_exp() -> np.ufunc:
     name = ctypes.util.find_library("m")
     assert name is not None, "no libm"
     f = ctypes.CDLL(name).exp
     f.restype, f.argtypes = ctypes.c_double, [ctypes.c_double]
+    return np.frompyfunc(f, 1, 1)
+
+
+_LIBM_EXP = _libm_exp()
+
+
+def _glibc_exp(x: np.ndarray) -> np.ndarray:
+    """libm's ``exp`` of every element, one call each (what calserve.vexp64 computes four at a time)."""
     x = np.ascontiguousarray(x, dtype=np.float64)
-    return np.frompyfunc(f, 1, 1)(x).astype(np.float64).reshape(x.shape)
+    return _LIBM_EXP(x).astype(np.float64).reshape(x.shape)
 
 
 def _numpy_exp_is_glibc() -> bool:
