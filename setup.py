@@ -123,7 +123,8 @@ setup(
     ext_modules=[
         Extension(
             "calserve._calrt",
-            sources=[os.path.join("ext", "calserve_calrt.c")],
+            # the binding, and the host-driven multi-step decode over calrt.h (ext/host_steps.c)
+            sources=[os.path.join("ext", "calserve_calrt.c"), os.path.join("ext", "host_steps.c")],
             include_dirs=include_dirs + [numpy.get_include()],
             library_dirs=library_dirs,
             libraries=libraries,

@@ -53,7 +53,8 @@ from bench.scenario_lib import calserve_config, run_point, write_json
 from bench.server import BENCH_OUT, Server, pin_self
 
 __all__ = ["run", "main", "measure", "probe_event_size", "floor_point", "server_config",
-           "with_batch", "period_ratio", "device_paced_config", "PACED_STEP_US", "PACED_INTERVAL_MS"]
+           "with_batch", "period_ratio", "device_paced_config", "PACED_STEP_US", "PACED_INTERVAL_MS",
+           "HOST_VARIANT"]
 
 CONCURRENCY = 64
 
@@ -239,6 +240,8 @@ def with_batch(cfg: dict[str, Any], batch: dict[str, Any]) -> dict[str, Any]:
 #: saturated (session 44: ~0.5 of its core, ~9 tokens an event, ~7,400 tokens/s).
 PACED_STEP_US = 2000
 PACED_INTERVAL_MS = 72
+#: The device-paced multi-step variant with the jobs driven by the host (runtime.host_multi_step).
+HOST_VARIANT = "calserve_device_paced_host_multi_step"
 
 
 def device_paced_config(cfg: dict[str, Any], step_us: int = PACED_STEP_US) -> dict[str, Any]:
@@ -255,8 +258,10 @@ def variant_configs(cfg: dict[str, Any], stream_interval_ms: int = 0, multi_step
     """:func:`run`'s calserve variants of ``cfg`` (:func:`server_config`), in the order they run:
     name -> (its ``server`` section overrides, its ``scheduler.batch`` overrides, its whole
     configuration). ``multi_step`` > 1 adds the multi-step variants (grouped and not, and on the
-    timed device where ``device_paced``) where this calserve has ``scheduler.batch.multi_step``."""
-    from calserve.config import BatchConfig, ServerConfig
+    timed device where ``device_paced``) where this calserve has ``scheduler.batch.multi_step``, and
+    on the timed device the same jobs driven by the host (``runtime.host_multi_step``: the device
+    runs one step a job) where it has that."""
+    from calserve.config import BatchConfig, RuntimeConfig, ServerConfig
     servers: dict[str, dict[str, Any]] = {"calserve": {}}
     batches: dict[str, dict[str, Any]] = {}
     grouping = "stream_busy_interval_ms" in ServerConfig.__struct_fields__
@@ -277,6 +282,10 @@ def variant_configs(cfg: dict[str, Any], stream_interval_ms: int = 0, multi_step
     if paced and stepping:  # the host's cost a token with one job a multi_step tokens a lane
         servers["calserve_device_paced_multi_step"] = {"stream_interval_ms": PACED_INTERVAL_MS}
         batches["calserve_device_paced_multi_step"] = {"multi_step": multi_step}
+    hosted = paced and stepping and "host_multi_step" in RuntimeConfig.__struct_fields__
+    if hosted:  # the same, the device running one step a job and the binding feeding tokens back
+        servers[HOST_VARIANT] = {"stream_interval_ms": PACED_INTERVAL_MS}
+        batches[HOST_VARIANT] = {"multi_step": multi_step}
     out: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
     for name, server in servers.items():
         vcfg = {**cfg, "server": server} if server else cfg
@@ -284,6 +293,8 @@ def variant_configs(cfg: dict[str, Any], stream_interval_ms: int = 0, multi_step
             vcfg = device_paced_config(vcfg)
         if name in batches:
             vcfg = with_batch(vcfg, batches[name])
+        if name == HOST_VARIANT:
+            vcfg = {**vcfg, "runtime": {**vcfg["runtime"], "host_multi_step": True}}
         out[name] = (server, batches.get(name, {}), vcfg)
     return out
 
@@ -376,6 +387,9 @@ def run(out: Path, quick: bool, stream_interval_ms: int = 0, multi_step: int = 8
                     doc["variants"]["calserve_device_paced_multi_step"][
                         "ratio_per_token_same_grouping_same_rate"]
                     if "calserve_device_paced_multi_step" in doc["variants"] else None),
+                "ratio_per_token_device_paced_host_multi_step": (
+                    doc["variants"][HOST_VARIANT]["ratio_per_token_same_grouping_same_rate"]
+                    if HOST_VARIANT in doc["variants"] else None),
                 "profile": prof or
                 "none saved: install py-spy or `pip install pyinstrument` to get one",
                 "profile_multi_step": profiles.get("calserve_multi_step_profile")})

@@ -351,6 +351,13 @@ class RuntimeConfig(_Strict):
     # Extension: a job wait first polls (yielding to trio) for up to this many µs, adaptively, before
     # it parks on the runtime's completion fd (calserve/engine/backend_waits.py); 0 = park at once.
     completion_poll_us: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 100
+    # Extension: decode jobs of scheduler.batch.multi_step > 1 driven by the host on any runtime
+    # (calrt-0.7.6 included): N one-step device jobs back to back on the job's engine, each lane's
+    # argmax fed back by the runtime binding in C on the engine's wait thread, with no Python
+    # between the steps (ext/host_steps.c). The device still runs one step a job; the host's
+    # Python work a job is paid once per N tokens a lane. Used instead of the device's own
+    # multi_step capability (sim-next) where both exist.
+    host_multi_step: bool = False
 
 
 class TrustConfig(_Strict):

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "calrt.h"
+#include "host_steps.h"
 
 static PyObject *Error;
 
@@ -104,6 +105,7 @@ typedef struct {
   PyObject_HEAD calrt_job *job;
   PyObject *calbin;
   int64_t id;
+  hs_run *run; /* a host-driven multi-step decode (host_steps.h): job is NULL */
 } JobObject;
 
 static PyTypeObject DeviceType, CalbinType, JobType;
@@ -594,6 +596,24 @@ static int as_i32(PyObject *o, Py_buffer *b, Py_ssize_t n, const char *what) {
   return 0;
 }
 
+/* The Job object of a submitted runtime job, or of a host-driven run (one of the two). On failure the
+ * caller's reference goes: a job completes and frees itself (the engine holds its own reference); a
+ * run's step in flight is released and no further step is submitted (nobody would drive it). */
+static PyObject *job_object(CalbinObject *self, calrt_job *job, hs_run *run) {
+  JobObject *jo = PyObject_New(JobObject, &JobType);
+  if (!jo) {
+    if (job) calrt_job_release(job);
+    if (run) hs_free(run);
+    return NULL;
+  }
+  jo->job = job;
+  jo->run = run;
+  jo->id = job ? calrt_job_id(job) : hs_id(run);
+  Py_INCREF(self);
+  jo->calbin = (PyObject *)self;
+  return (PyObject *)jo;
+}
+
 static PyObject *submit_job(CalbinObject *self, calrt_job *job, int engine) {
   calrt_status st;
   char msg[256];
@@ -603,17 +623,7 @@ static PyObject *submit_job(CalbinObject *self, calrt_job *job, int engine) {
     calrt_job_release(job);
     return raise_code(st, msg);
   }
-  JobObject *jo = PyObject_New(JobObject, &JobType);
-  if (!jo) {
-    /* the engine holds its own reference; the job completes and frees itself */
-    calrt_job_release(job);
-    return NULL;
-  }
-  jo->job = job;
-  jo->id = calrt_job_id(job);
-  Py_INCREF(self);
-  jo->calbin = (PyObject *)self;
-  return (PyObject *)jo;
+  return job_object(self, job, NULL);
 }
 
 /* submit_prefill(seq, tokens, engine) / submit_prefill_all(seq, tokens, engine): create (GIL released:
@@ -645,50 +655,93 @@ static PyObject *Calbin_submit_prefill_all(CalbinObject *self, PyObject *args) {
   return submit_prefill(self, args, 1);
 }
 
+/* The inputs of a decode submit: seq_ids, tokens, positions (int32), valid (uint8) and lane_steps
+ * (int32, or None), each compiled_batch entries, as C buffers (release with decode_in_release). */
+typedef struct {
+  Py_buffer b[5]; /* seq_ids, tokens, positions, valid, lane_steps */
+  int n;          /* buffers held */
+} decode_in;
+
+static void decode_in_release(decode_in *in) {
+  for (int i = 0; i < in->n; i++) PyBuffer_Release(&in->b[i]);
+  in->n = 0;
+}
+
+static int decode_in_get(CalbinObject *self, PyObject *const o[5], decode_in *in) {
+  static const char *names[5] = {"seq_ids", "tokens", "positions", "valid", "lane_steps"};
+  in->n = 0;
+  for (int i = 0; i < 5; i++) {
+    if (i == 4 && o[4] == Py_None) break;
+    if (as_i32(o[i], &in->b[i], self->lanes, names[i]) < 0) {
+      decode_in_release(in);
+      return -1;
+    }
+    in->n++;
+    if (in->b[i].itemsize != (i == 3 ? 1 : 4)) {
+      decode_in_release(in);
+      PyErr_Format(PyExc_TypeError, "%s: wrong dtype/length", names[i]);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+#define DECODE_ARGS(in) (in).b[0].buf, (in).b[1].buf, (in).b[2].buf, (in).b[3].buf
+#define LANE_STEPS(in) ((in).n == 5 ? (const int32_t *)(in).b[4].buf : NULL)
+
 /* submit_decode(seq_ids, tokens, positions, valid, engine[, steps[, lane_steps]]): steps > 1 is a
  * multi-step greedy decode (calrt_job_create_decode_steps, C3-style), lane_steps (int32 per lane, or
  * None: every lane `steps`) its lanes' own step counts. */
 static PyObject *Calbin_submit_decode(CalbinObject *self, PyObject *args) {
-  PyObject *so, *to, *po, *vo, *lo = Py_None;
+  PyObject *o[5] = {NULL, NULL, NULL, NULL, Py_None};
   int engine, steps = 1;
-  if (!PyArg_ParseTuple(args, "OOOOi|iO", &so, &to, &po, &vo, &engine, &steps, &lo)) return NULL;
+  if (!PyArg_ParseTuple(args, "OOOOi|iO", &o[0], &o[1], &o[2], &o[3], &engine, &steps, &o[4])) return NULL;
   NEED_CB(self);
   if (steps != 1 && !p_decode_steps)
     return raise_code(CALRT_E_NOT_SUPPORTED, "submit_decode: multi-step decode (calrt_job_create_decode_steps, "
                       "C3) is not provided by this runtime build");
-  Py_buffer bs, bt, bp, bv;
-  if (as_i32(so, &bs, self->lanes, "seq_ids") < 0) return NULL;
-  if (as_i32(to, &bt, self->lanes, "tokens") < 0) { PyBuffer_Release(&bs); return NULL; }
-  if (as_i32(po, &bp, self->lanes, "positions") < 0) { PyBuffer_Release(&bs); PyBuffer_Release(&bt); return NULL; }
-  if (as_i32(vo, &bv, self->lanes, "valid") < 0) {
-    PyBuffer_Release(&bs); PyBuffer_Release(&bt); PyBuffer_Release(&bp);
-    return NULL;
-  }
-  Py_buffer bl = {0};
-  const int have_ls = lo != Py_None;
-  if (have_ls && (as_i32(lo, &bl, self->lanes, "lane_steps") < 0 || bl.itemsize != 4)) {
-    if (!PyErr_Occurred()) {
-      PyBuffer_Release(&bl);
-      PyErr_SetString(PyExc_TypeError, "lane_steps: wrong dtype/length");
-    }
-    PyBuffer_Release(&bs); PyBuffer_Release(&bt); PyBuffer_Release(&bp); PyBuffer_Release(&bv);
-    return NULL;
-  }
+  decode_in in;
+  if (decode_in_get(self, o, &in) < 0) return NULL;
   calrt_job *job = NULL;
   calrt_status st;
   char msg[256];
-  Py_BEGIN_ALLOW_THREADS st = steps == 1 ? calrt_job_create_decode(self->cb, bs.buf, bt.buf, bp.buf, bv.buf,
-                                                                    self->lanes, &job)
-                                         : p_decode_steps(self->cb, bs.buf, bt.buf, bp.buf, bv.buf, self->lanes,
-                                                          steps, have_ls ? bl.buf : NULL, &job);
+  Py_BEGIN_ALLOW_THREADS st = steps == 1 ? calrt_job_create_decode(self->cb, DECODE_ARGS(in), self->lanes, &job)
+                                         : p_decode_steps(self->cb, DECODE_ARGS(in), self->lanes, steps,
+                                                          LANE_STEPS(in), &job);
   snprintf(msg, sizeof msg, "%s", calrt_last_error());
-  Py_END_ALLOW_THREADS PyBuffer_Release(&bs);
-  PyBuffer_Release(&bt);
-  PyBuffer_Release(&bp);
-  PyBuffer_Release(&bv);
-  if (have_ls) PyBuffer_Release(&bl);
+  Py_END_ALLOW_THREADS decode_in_release(&in);
   if (st) return raise_code(st, msg);
   return submit_job(self, job, engine);
+}
+
+/* submit_decode_host(seq_ids, tokens, positions, valid, engine, steps, lane_steps): a multi-step greedy
+ * decode driven by the host (host_steps.h): `steps` one-step jobs back to back on `engine`, each lane's
+ * argmax fed back in C by the thread that waits. Any runtime: calrt.h's core API only. */
+static PyObject *Calbin_submit_decode_host(CalbinObject *self, PyObject *args) {
+  PyObject *o[5] = {NULL, NULL, NULL, NULL, Py_None};
+  int engine, steps;
+  if (!PyArg_ParseTuple(args, "OOOOii|O", &o[0], &o[1], &o[2], &o[3], &engine, &steps, &o[4])) return NULL;
+  NEED_CB(self);
+  if (steps < 1 || steps > CALRT_MAX_DECODE_STEPS)
+    return raise_code(CALRT_E_INVALID_ARGUMENT, "steps: must be in [1, CALRT_MAX_DECODE_STEPS]");
+  if (engine != CALRT_ENGINE_PING && engine != CALRT_ENGINE_PONG)
+    return raise_code(CALRT_E_INVALID_ARGUMENT, "engine: not PING(0) or PONG(1)");
+  decode_in in;
+  if (decode_in_get(self, o, &in) < 0) return NULL;
+  const int32_t *ls = LANE_STEPS(in);
+  for (Py_ssize_t l = 0; ls && l < self->lanes; l++) /* hs_start's own check, here with a message */
+    if (((const uint8_t *)in.b[3].buf)[l] && (ls[l] < 1 || ls[l] > steps)) {
+      decode_in_release(&in);
+      return raise_code(CALRT_E_INVALID_ARGUMENT, "lane_steps: each valid lane's must be in [1, steps]");
+    }
+  hs_run *run = NULL;
+  calrt_status st;
+  char msg[256];
+  Py_BEGIN_ALLOW_THREADS st = hs_start(self->cb, (calrt_engine)engine, DECODE_ARGS(in), self->lanes, steps, ls, &run);
+  snprintf(msg, sizeof msg, "%s", calrt_last_error());
+  Py_END_ALLOW_THREADS decode_in_release(&in);
+  if (st) return raise_code(st, msg);
+  return job_object(self, NULL, run);
 }
 
 static PyObject *Calbin_get_id(CalbinObject *self, void *c) { return PyLong_FromLong(self->id); }
@@ -713,11 +766,14 @@ static PyMethodDef Calbin_methods[] = {
     {"submit_prefill_all", (PyCFunction)Calbin_submit_prefill_all, METH_VARARGS,
      "submit_prefill_all(seq, tokens, engine): a prefill returning every position's logits (C3-style)."},
     {"submit_decode", (PyCFunction)Calbin_submit_decode, METH_VARARGS, ""},
+    {"submit_decode_host", (PyCFunction)Calbin_submit_decode_host, METH_VARARGS,
+     "submit_decode_host(seq_ids, tokens, positions, valid, engine, steps[, lane_steps]): host-driven multi-step."},
     {NULL}};
 
 /* ------------------------------------------------------------------ Job */
 static void Job_dealloc(JobObject *self) {
   if (self->job) calrt_job_release(self->job);
+  if (self->run) hs_free(self->run);
   Py_XDECREF(self->calbin);
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -738,9 +794,17 @@ static PyObject *Job_wait(JobObject *self, PyObject *args) {
   long long timeout;
   if (!PyArg_ParseTuple(args, "L", &timeout)) return NULL;
   calrt_job_status js;
-  CALL(calrt_job_wait(self->job, timeout, &js));
   calrt_job_result r;
-  CALL(calrt_job_result_get(self->job, &r));
+  if (self->run) {
+    calrt_status st;
+    Py_BEGIN_ALLOW_THREADS st = hs_wait(self->run, timeout, &js);
+    Py_END_ALLOW_THREADS if (st != CALRT_OK) return raise_code(st, "wait timed out (host-driven multi-step decode)");
+    st = hs_result(self->run, &r, NULL);
+    if (st != CALRT_OK) return raise_code(st, "host-driven multi-step decode: no result");
+  } else {
+    CALL(calrt_job_wait(self->job, timeout, &js));
+    CALL(calrt_job_result_get(self->job, &r));
+  }
   npy_intp d2[2] = {r.lanes, r.vocab}, d3[2] = {r.lanes, 3}, d1[1] = {r.lanes};
   PyObject *lg = view(self, 2, d2, NPY_FLOAT32, r.logits);
   PyObject *ec = view(self, 2, d3, NPY_INT64, r.echo);
@@ -754,6 +818,14 @@ static PyObject *Job_wait(JobObject *self, PyObject *args) {
 
 /* step_tokens() -> int32 [lanes, steps] view of a completed multi-step decode's tokens. */
 static PyObject *Job_step_tokens(JobObject *self, PyObject *noargs) {
+  if (self->run) {
+    calrt_job_result r;
+    const int32_t *t = NULL;
+    if (hs_result(self->run, &r, &t) != CALRT_OK)
+      return raise_code(CALRT_E_INVALID_ARGUMENT, "step_tokens: the run has not finished");
+    npy_intp d[2] = {r.lanes, (npy_intp)hs_steps(self->run)};
+    return view(self, 2, d, NPY_INT32, t);
+  }
   if (!p_step_tokens) return raise_code(CALRT_E_NOT_SUPPORTED, "step_tokens: not provided by this runtime build");
   const int32_t *t = NULL;
   int32_t steps = 0;
@@ -766,12 +838,22 @@ static PyObject *Job_step_tokens(JobObject *self, PyObject *noargs) {
   return view(self, 2, d, NPY_INT32, t);
 }
 
-static PyObject *Job_done(JobObject *self, PyObject *noargs) { return PyBool_FromLong(calrt_job_done(self->job)); }
+/* A host-driven run advances here too (never blocking), so a caller polling done() sees it through. */
+static PyObject *Job_done(JobObject *self, PyObject *noargs) {
+  if (self->run) return PyBool_FromLong(hs_poll(self->run));
+  return PyBool_FromLong(calrt_job_done(self->job));
+}
+
+/* Steps a host-driven run submitted so far (1 for any other job). */
+static PyObject *Job_submitted(JobObject *self, PyObject *noargs) {
+  return PyLong_FromLong(self->run ? hs_submitted(self->run) : 1);
+}
 static PyObject *Job_get_id(JobObject *self, void *c) { return PyLong_FromLongLong(self->id); }
 
 static PyMethodDef Job_methods[] = {
     {"wait", (PyCFunction)Job_wait, METH_VARARGS, "wait(timeout_us) (GIL released)."},
     {"done", (PyCFunction)Job_done, METH_NOARGS, ""},
+    {"submitted", (PyCFunction)Job_submitted, METH_NOARGS, "Device jobs submitted (a host-driven run: its steps so far)."},
     {"step_tokens", (PyCFunction)Job_step_tokens, METH_NOARGS, "A multi-step decode's tokens [lanes, steps]."},
     {NULL}};
 static PyGetSetDef Job_getset[] = {{"job_id", (getter)Job_get_id, NULL, "job id", NULL}, {NULL}};

@@ -224,8 +224,12 @@ class _RuntimeCalbin:
         engine_threads: dict[JobEngine, EngineThread],
         fd_waiters: Mapping[JobEngine, CompletionFdWaiter] | None = None,
         faults: FaultPlan | None = None,
+        host_steps: bool = False,
     ) -> None:
         self._c = native
+        # multi-step decodes driven by the host binding (runtime.host_multi_step): waited for on the
+        # engine's thread, which drives their steps (a completion fd would wake trio every step)
+        self._host_steps = host_steps
         self._faults = faults  # runtime.faults: arms a fault on a drawn share of submits
         self._t = threads
         self._et = engine_threads
@@ -280,7 +284,7 @@ class _RuntimeCalbin:
         lane_steps: np.ndarray | None = None,
     ) -> JobTicket:
         job = await self._t.run(self._c.submit_decode, seq_ids, tokens, positions, valid, engine, steps,
-                                lane_steps)
+                                lane_steps, self._host_steps)
         return _ticket(job, engine)
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
@@ -306,7 +310,8 @@ class _RuntimeCalbin:
         # wait runs on the engine's thread. Nothing between submit and wait can be cancelled.
         if self._faults is not None:
             self._faults.before_submit(engine, valid)
-        job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine, steps, lane_steps)
+        job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine, steps, lane_steps,
+                                    self._host_steps)
         return await self._wait_hot(job, engine, timeout_s, after_submit)
 
     async def _wait_hot(self, job: Any, engine: JobEngine, timeout_s: float,
@@ -317,7 +322,7 @@ class _RuntimeCalbin:
         if after_submit is not None:
             after_submit()
         w = self._fw.get(engine)
-        if w is not None and not w.busy:
+        if w is not None and not w.busy and not job.host:
             return _ticket(job, engine), await w.wait(job, timeout_s)
         return await self._et[engine].run(lambda: self._submit_wait(job, engine, timeout_s))
 
@@ -392,13 +397,15 @@ class RuntimeBackend:
 
     def __init__(self, device: Any, threads: int = 4, completion_fd: bool = True, tune_gc: bool = False,
                  faults: FaultsConfig | None = None, gc_gen0: int = SERVING_GC_GEN0,
-                 completion_poll_us: float = 0.0) -> None:
+                 completion_poll_us: float = 0.0, host_multi_step: bool = False) -> None:
         """``completion_fd=False`` forces the engine-thread wait even when the runtime offers
         completion fds (the path a vendor runtime without them takes). ``completion_poll_us``: the
         cap of the completion waits' poll before they park on the fd (``runtime.completion_poll_us``;
         :class:`CompletionFdWaiter`; 0 = park at once). ``tune_gc``: call
         :func:`tune_gc_for_serving` after every model load (set by :meth:`open`). ``faults``:
-        ``runtime.faults`` (software runtime only; rate 0 = none)."""
+        ``runtime.faults`` (software runtime only; rate 0 = none). ``host_multi_step``
+        (``runtime.host_multi_step``): multi-step decode jobs driven by the host binding on any
+        runtime (the capabilities then say ``multi_step`` and ``host_multi_step``)."""
         self._tune_gc = tune_gc
         self._gc_gen0 = gc_gen0
         self.faults: FaultPlan | None = None
@@ -409,6 +416,9 @@ class RuntimeBackend:
         self._t = DeviceThreads(threads)  # control calls (sequences, reset, configure) and later waits
         self._et = {e: EngineThread(f"calrt-{e.name.lower()}") for e in JobEngine}
         self.capabilities: RuntimeCapabilities = device.capabilities
+        self._host_steps = host_multi_step
+        if host_multi_step:
+            self.capabilities = dataclasses.replace(self.capabilities, multi_step=True, host_multi_step=True)
         # Per chip: engine -> waiter on the runtime's completion fd (empty: the runtime has none).
         self._fw: dict[int, dict[JobEngine, CompletionFdWaiter]] = {}
         # On one CPU the poll would only take turns with the runtime's own threads (the device).
@@ -438,6 +448,7 @@ class RuntimeBackend:
         gc_gen0: int = SERVING_GC_GEN0,
         device: int = 0,
         completion_poll_us: float = 0.0,
+        host_multi_step: bool = False,
     ) -> RuntimeBackend:
         """Open board ``device`` (``runtime.device``). Each board draws its own injected faults:
         the fault seed is mixed with the board index (board 0 keeps ``faults.seed`` as it is)."""
@@ -455,7 +466,7 @@ class RuntimeBackend:
             faults = msgspec.structs.replace(faults, seed=faults.seed + 1_000_003 * device)
         log.info("opened board %d (%s, profile %s)", dev.device, dev.serial or "no serial", profile)
         return cls(dev, tune_gc=gc_gen0 > 0, faults=faults, gc_gen0=gc_gen0,
-                   completion_poll_us=completion_poll_us)
+                   completion_poll_us=completion_poll_us, host_multi_step=host_multi_step)
 
     async def load_calbin(
         self,
@@ -475,7 +486,7 @@ class RuntimeBackend:
         if self._tune_gc:
             tune_gc_for_serving(self._gc_gen0)  # after a model load: alive now = lives as long as the model
         return _RuntimeCalbin(native, self._t, self._et, self._fw.get(int(getattr(native, "chip", 0))),
-                              self.faults)
+                              self.faults, self._host_steps)
 
     async def reset(self) -> None:
         await self._t.run(self._dev.reset)

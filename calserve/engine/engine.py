@@ -105,6 +105,7 @@ class Engine:
             backend = await RuntimeBackend.open(
                 r.profile, r.dram_bytes, r.null_compute, r.completion_jitter_us, r.seed, r.faults,
                 r.gc_gen0_threshold, device=r.device, completion_poll_us=r.completion_poll_us,
+                host_multi_step=r.host_multi_step,
             )
         try:
             srcs = dict(sources) if sources is not None else await trio.to_thread.run_sync(

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from calserve.runtime.binding import binding, call, corrupted_lanes, logits_checksum
+from calserve.runtime.job import Job
 from calserve.runtime.reference import GEMMA2, GEMMA3, LLAMA, QWEN2, QWEN3, ModelConfig, weight_shapes
 from calserve.runtime.types import (
     RUNTIME_PROFILES,
@@ -55,8 +56,6 @@ from calserve.runtime.types import (
     FaultKind,
     InvalidArgument,
     JobEngine,
-    JobResult,
-    JobStatus,
     NotSupported,
     ProfileSpec,
     RuntimeCapabilities,
@@ -83,71 +82,6 @@ def _i32(name: str, values: Sequence[int] | np.ndarray, n: int | None = None) ->
     if a.size and (a.min() < -(2**31) or a.max() >= 2**31):
         raise InvalidArgument(f"{name}: values out of int32 range", 1)
     return a.astype(np.int32)
-
-
-# A job's status by its value: ``JobStatus(v)`` is ~1 µs of Enum machinery per job on the hot path.
-_STATUS: dict[int, JobStatus] = {st.value: st for st in JobStatus}
-
-
-class Job:
-    """One submitted job. Owns its input/output buffers until it completed and was waited for.
-
-    Invariant: a Job whose ``wait`` has not returned a result is still owned by the device; dropping the
-    Python object is safe (the C job is reference counted) but its outcome is then lost.
-    """
-
-    __slots__ = ("_h", "job_id", "engine", "chip", "_result", "steps")
-
-    def __init__(self, handle: Any, engine: JobEngine, chip: int, steps: int = 1) -> None:
-        self._h = handle
-        self.steps = steps  # > 1: a multi-step decode (its result carries step_tokens)
-        self.job_id: int = int(handle.job_id)
-        # a member already on the hot path (``JobEngine(e)`` is ~1 µs of Enum machinery per job)
-        self.engine = engine if type(engine) is JobEngine else JobEngine(engine)
-        self.chip = chip
-        self._result: JobResult | None = None
-
-    def wait(self, timeout_s: float) -> JobResult:
-        """Block (GIL released) until the job finished; return its :class:`JobResult`.
-
-        Raises :class:`WaitTimeout` if it did not finish within ``timeout_s`` — the job stays in flight
-        and must be waited for again or the chip reset. Repeated waits return the same result.
-        """
-        if self._result is not None:
-            return self._result
-        if not timeout_s >= 0:
-            raise InvalidArgument("timeout_s must be >= 0", 1)
-        status, logits, echo, checksum, device_us = call(self._h.wait, int(timeout_s * 1e6))
-        st = _STATUS.get(status)  # (not ``or``: OK is 0)
-        self._result = JobResult(
-            job_id=self.job_id,
-            engine=self.engine,
-            status=st if st is not None else JobStatus(status),
-            logits=logits,
-            echo=echo,
-            checksum=checksum,
-            device_us=float(device_us),
-            step_tokens=self._h.step_tokens() if self.steps > 1 else None,
-        )
-        return self._result
-
-    def done(self) -> bool:
-        """True once the job completed (any status); ``wait`` then returns without blocking."""
-        return self._result is not None or bool(self._h.done())
-
-    def result_nowait(self) -> JobResult | None:
-        """The result if the job completed, else ``None`` — never blocks, never counts a timeout.
-
-        The non-blocking half of the :meth:`Device.completion_fd` protocol (drain the fd, then call
-        this; ``None`` means wait for the fd again)."""
-        if self._result is not None:
-            return self._result
-        if not self._h.done():
-            return None
-        return self.wait(0.0)
-
-    def __repr__(self) -> str:
-        return f"Job(id={self.job_id}, engine={self.engine.name}, chip={self.chip})"
 
 
 class Calbin:
@@ -324,6 +258,7 @@ class Calbin:
         engine: JobEngine = JobEngine.PING,
         steps: int = 1,
         lane_steps: Sequence[int] | np.ndarray | None = None,
+        host: bool = False,
     ) -> Job:
         """Submit one decode step over the compiled batch (all arrays of length ``compiled_batch``).
 
@@ -339,6 +274,14 @@ class Calbin:
         ``lane_steps`` (None: every lane ``steps``): lane ``i`` runs only ``lane_steps[i]`` in ``[1,
         steps]`` of them (its own last step's logits, echo and checksum; zeros in ``step_tokens``
         after its steps; ``committed_len`` grows by its steps).
+
+        ``host`` (with ``steps`` > 1; any runtime, calrt-0.7.6 included): the same job driven by the
+        host instead of the device (``ext/host_steps.h``): ``steps`` one-step device jobs back to
+        back on ``engine``, each lane's argmax fed back by the binding in C while ``wait`` runs (and
+        by ``done``, never blocking), with no Python between the steps. The same result: each
+        lane's last step's logits, echo and checksum (the echo naming this job's id), the tokens
+        ``[compiled_batch, steps]``. Each step's output is checked before its tokens are fed back;
+        a step that fails the check or does not complete OK ends the job there (``host_steps.h``).
         """
         b = self.spec.compiled_batch
         s = _i32("seq_ids", seq_ids, b)
@@ -349,6 +292,10 @@ class Calbin:
             raise InvalidArgument(f"valid: expected {b} entries (compiled_batch), got {v.shape[0]}", 1)
         if steps == 1:
             return Job(call(self._h.submit_decode, s, t, p, v, int(engine)), engine, self.chip)
+        if host:
+            ls = None if lane_steps is None else _i32("lane_steps", lane_steps, b)
+            return Job(call(self._h.submit_decode_host, s, t, p, v, int(engine), int(steps), ls), engine,
+                       self.chip, int(steps), host=True)
         if not self._device.capabilities.multi_step:
             raise NotSupported("steps: multi-step decode needs the runtime capability multi_step "
                                "(C3-style, sim-next only)", 2)

@@ -95,6 +95,10 @@ class RuntimeCapabilities:
     # a decode job may run several greedy steps, each lane's argmax fed back on the device
     # (submit_decode(steps=N)): the host's per-job work paid once per N tokens; C3-style, sim only
     multi_step: bool = False
+    # the multi-step decode jobs are driven by the host (runtime.host_multi_step): N one-step
+    # device jobs back to back, each lane's argmax fed back by the binding in C (ext/host_steps.c),
+    # on any runtime; not a device capability (the engine's backend sets it with multi_step)
+    host_multi_step: bool = False
 
 
 RUNTIME_PROFILES: dict[str, RuntimeCapabilities] = {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 from bench.http_floor import (
+    HOST_VARIANT,
     PACED_INTERVAL_MS,
     PACED_STEP_US,
     device_paced_config,
@@ -49,7 +50,7 @@ def test_the_variants_and_what_each_changes() -> None:
     configs = variant_configs(cfg, multi_step=8)
     assert list(configs) == ["calserve", "calserve_ungrouped", "calserve_multi_step",
                              "calserve_multi_step_ungrouped", "calserve_device_paced",
-                             "calserve_device_paced_multi_step"]
+                             "calserve_device_paced_multi_step", HOST_VARIANT]
     assert configs["calserve"] == ({}, {}, cfg)
     paced = configs["calserve_device_paced"][2]
     server, batch, both = configs["calserve_device_paced_multi_step"]
@@ -57,6 +58,11 @@ def test_the_variants_and_what_each_changes() -> None:
     assert both["models"] == paced["models"] and both["server"] == paced["server"]
     assert both["scheduler"]["batch"] == {**paced["scheduler"]["batch"], "multi_step": 8}
     assert configs["calserve_multi_step_ungrouped"][0] == {"stream_busy_interval_ms": 0}
+    # the host-driven one: the device-paced multi-step configuration, the host feeding tokens back
+    hosted = configs[HOST_VARIANT][2]
+    assert hosted["runtime"] == {**both["runtime"], "host_multi_step": True}
+    assert {k: v for k, v in hosted.items() if k != "runtime"} == {k: v for k, v in both.items() if k != "runtime"}
+    assert "host_multi_step" not in both["runtime"]
     for _, _, vcfg in configs.values():
         decode_config(vcfg)
     # no multi-step, no timed device: neither of their variants

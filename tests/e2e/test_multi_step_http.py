@@ -1,10 +1,11 @@
 """Multi-step decode through the real server (hypercorn, sim-next, the demo model computed).
 
-Two servers on 127.0.0.1, the same configuration but ``scheduler.batch.multi_step`` (1 and 8): the
-same concurrent greedy requests (streamed and not, some with stop strings, some cut by the client
-mid-stream) give the same text on both; the multi-step server ran several device steps a decode
-batch (``calserve_decode_steps_total`` above ``calserve_batches_total``), and every lane and KV
-token came back once the cut streams were gone.
+Servers on 127.0.0.1, the same configuration but ``scheduler.batch.multi_step`` (1 and 8, the
+latter also driven by the host: ``runtime.host_multi_step``): the same concurrent greedy requests
+(streamed and not, some with stop strings, some cut by the client mid-stream) give the same text on
+each; a multi-step server ran several device steps a decode batch (``calserve_decode_steps_total``
+above ``calserve_batches_total``), and every lane and KV token came back once the cut streams were
+gone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .test_load import wait_idle
 
 _CONFIG = """runtime:
   profile: sim-next
+  host_multi_step: {host}
 scheduler:
   batch:
     profiles: [1, 4, 8, 16]
@@ -33,8 +35,10 @@ scheduler:
 """
 
 
-def _server(home: Path, factory: pytest.TempPathFactory, steps: int) -> Iterator[ServerProcess]:
-    with serving(home, factory.mktemp(f"ms{steps}"), _CONFIG.format(steps=steps)) as proc:
+def _server(home: Path, factory: pytest.TempPathFactory, steps: int, host: bool = False
+            ) -> Iterator[ServerProcess]:
+    cfg = _CONFIG.format(steps=steps, host="true" if host else "false")
+    with serving(home, factory.mktemp(f"ms{steps}{'h' if host else ''}"), cfg) as proc:
         yield proc
 
 
@@ -46,6 +50,11 @@ def single(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 @pytest.fixture(scope="module")
 def multi(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     yield from _server(calserve_home, tmp_path_factory, 8)
+
+
+@pytest.fixture(scope="module")
+def hosted(calserve_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from _server(calserve_home, tmp_path_factory, 8, host=True)
 
 
 def _body(i: int, stream: bool) -> dict[str, object]:
@@ -113,6 +122,15 @@ async def _cut(url: str, n: int) -> None:
 
 
 async def test_same_text_with_and_without_multi_step(single: ServerProcess, multi: ServerProcess) -> None:
+    await _same_text(single, multi)
+
+
+async def test_same_text_with_host_driven_multi_step(single: ServerProcess, hosted: ServerProcess) -> None:
+    """The device runs one step a job there: the binding feeds the tokens back (ext/host_steps.c)."""
+    await _same_text(single, hosted)
+
+
+async def _same_text(single: ServerProcess, multi: ServerProcess) -> None:
     before = await trio.to_thread.run_sync(scrape, multi.url)
     a = await _texts(single.url, 12)
     b = await _texts(multi.url, 12)

@@ -22,6 +22,7 @@ from calserve.engine.engine import Engine
 from calserve.models.source import ModelSource
 from calserve.engine.types import FinishReason, GenerateRequest, SamplingParams, TokenEvent
 from calserve.runtime.reference import greedy_generate
+from calserve.runtime.types import JobEngine
 
 from .helpers import greedy_concurrently, stream
 
@@ -54,16 +55,20 @@ _SOURCES: dict[int, ModelSource] = {}
 
 
 @pytest.mark.parametrize(
-    "profile,batch,multi_step",
-    [("calrt-0.7.6", 1, 1), ("sim-next", 4, 1), ("sim-next", 8, 1), ("sim-next", 16, 1), ("sim-next", 16, 8),
-     ("sim-next", 4, 3)],
-    ids=["B1-0.7.6", "B4", "B8", "B16", "B16-multi-step-8", "B4-multi-step-3"],
+    "profile,batch,multi_step,host",
+    [("calrt-0.7.6", 1, 1, False), ("sim-next", 4, 1, False), ("sim-next", 8, 1, False),
+     ("sim-next", 16, 1, False), ("sim-next", 16, 8, False), ("sim-next", 4, 3, False),
+     ("calrt-0.7.6", 1, 8, True), ("sim-next", 16, 8, True)],
+    ids=["B1-0.7.6", "B4", "B8", "B16", "B16-multi-step-8", "B4-multi-step-3", "B1-0.7.6-host-multi-step-8",
+         "B16-host-multi-step-8"],
 )
 async def test_16_concurrent_equal_solo(demo_source: ModelSource, profile: str, batch: int,
-                                        multi_step: int) -> None:
-    """(With multi_step: the runtime's own argmax fed back on the device, N steps a job.)"""
+                                        multi_step: int, host: bool) -> None:
+    """(With multi_step: the runtime's own argmax fed back on the device, N steps a job; with
+    ``host`` too, N one-step device jobs a job, the argmax fed back by the binding in C: on
+    calrt-0.7.6, which has no multi-step of its own, as well.)"""
     _SOURCES[id(demo_source)] = demo_source
-    cfg = decode_config({"runtime": {"profile": profile},
+    cfg = decode_config({"runtime": {"profile": profile, "host_multi_step": host},
                          "scheduler": {"batch": {"profiles": [batch], "multi_step": multi_step}}})
     prompts = [tuple((7 * i + j * 13 + 5) % 500 + 3 for j in range(2 + (i * 5) % 23)) for i in range(16)]
     lengths = [4 + (i * 7) % 29 for i in range(16)]
@@ -75,6 +80,9 @@ async def test_16_concurrent_equal_solo(demo_source: ModelSource, profile: str, 
             assert st.lanes_active_total[batch] > st.batches_total[batch]
         if multi_step > 1:  # and several steps a job (one while prompts wait for their prefill)
             assert st.decode_steps_total[batch] > 1.25 * st.batches_total[batch]
+        if host:  # the device ran every step as a job of its own (prefills are jobs too)
+            submitted = sum(eng.backend.counters(e).submitted for e in JobEngine)
+            assert submitted >= st.decode_steps_total[batch] + 16
     kv = demo_source.profiles[batch].kv_dtype
     for i in range(16):
         assert out[i] == _solo(id(demo_source), prompts[i], lengths[i], kv), f"request {i}"

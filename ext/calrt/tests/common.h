@@ -109,6 +109,33 @@ static inline void make_llama(test_model *tm, int tie, int arch) {
   make_model_desc(tm, (calrt_model_desc){300, 128, 1024, 2, 4, 2, 32, 1e-5f, 100000.0, tie, arch, 0, 0, 0, 0, 0, 0, 0});
 }
 
+/* A configured calbin of `tm` on chip 0: B lanes, max_seq positions, `seqs` KV sequences, a modeled
+ * decode step of step_us (0: as fast as the kernels go). */
+static inline calrt_calbin *test_calbin(calrt_device *dev, test_model *tm, int B, int max_seq, int seqs,
+                                        double step_us) {
+  calrt_profile p = {B, max_seq, seqs, CALRT_KV_FP32, 1, 0};
+  calrt_timing t = {0};
+  t.decode_step_us = step_us;
+  calrt_calbin *cb;
+  CHECK(calrt_calbin_create(dev, 0, &tm->m, tm->n ? tm->t : NULL, (size_t)tm->n, &p, &t, &cb) == CALRT_OK);
+  CHECK(calrt_calbin_configure(cb) == CALRT_OK);
+  return cb;
+}
+
+/* A new sequence with `n` prompt tokens prefilled (on PING); *first = the argmax of its logits. */
+static inline int32_t test_prefilled(calrt_calbin *cb, const int32_t *prompt, int n, int32_t *first) {
+  int32_t s;
+  calrt_job *j;
+  calrt_job_result r;
+  CHECK(calrt_kv_create_sequence(cb, &s) == CALRT_OK);
+  CHECK(calrt_job_create_prefill(cb, s, prompt, n, &j) == CALRT_OK);
+  CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+  CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
+  *first = argmax(r.logits, r.vocab);
+  calrt_job_release(j);
+  return s;
+}
+
 static void free_model(test_model *tm) {
   for (int i = 0; i < tm->n; i++) free(tm->data[i]);
 }

@@ -15,35 +15,11 @@
 
 #define V 61 /* make_model's vocabulary */
 
-static calrt_calbin *calbin(calrt_device *dev, test_model *tm, int B, int max_seq, double step_us) {
-  calrt_profile p = {B, max_seq, 8, CALRT_KV_FP32, 1, 0};
-  calrt_timing t = {0};
-  t.decode_step_us = step_us;
-  calrt_calbin *cb;
-  CHECK(calrt_calbin_create(dev, 0, &tm->m, tm->n ? tm->t : NULL, (size_t)tm->n, &p, &t, &cb) == CALRT_OK);
-  CHECK(calrt_calbin_configure(cb) == CALRT_OK);
-  return cb;
-}
-
-/* A sequence with `n` prompt tokens prefilled; *first = the argmax of its prefill's logits. */
-static int32_t prefilled(calrt_calbin *cb, const int32_t *prompt, int n, int32_t *first) {
-  int32_t s;
-  calrt_job *j;
-  calrt_job_result r;
-  CHECK(calrt_kv_create_sequence(cb, &s) == CALRT_OK);
-  CHECK(calrt_job_create_prefill(cb, s, prompt, n, &j) == CALRT_OK);
-  CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
-  CHECK(calrt_job_result_get(j, &r) == CALRT_OK);
-  *first = argmax(r.logits, V);
-  calrt_job_release(j);
-  return s;
-}
-
 /* The N-step job on B4 lanes {0, 1, 3} (lane 2 invalid) against single-step jobs on sequences
  * prefilled alike, twice in a row (the second job continues where the first committed). per_lane:
  * lane 1 runs 1 step and lane 3 steps - 1 (lane_steps), lane 0 all of them. */
 static void equivalence(calrt_device *dev, test_model *tm, int steps, int per_lane) {
-  calrt_calbin *cb = calbin(dev, tm, 4, 40, 0);
+  calrt_calbin *cb = test_calbin(dev, tm, 4, 40, 8, 0);
   const int32_t prompts[3][4] = {{3, 9, 27, 20}, {5, 1, 50, 7}, {60, 2, 2, 11}};
   const int lane_of[3] = {0, 1, 3};
   int32_t ms[3], rs[3], tok_m[4] = {0}, tok_r[4] = {0}, pos[4] = {0}, sm[4] = {-1, -1, -1, -1},
@@ -51,8 +27,8 @@ static void equivalence(calrt_device *dev, test_model *tm, int steps, int per_la
   uint8_t valid[4] = {0};
   for (int i = 0; i < 3; i++) {
     int L = lane_of[i];
-    ms[i] = prefilled(cb, prompts[i], 4, &tok_m[L]);
-    rs[i] = prefilled(cb, prompts[i], 4, &tok_r[L]);
+    ms[i] = test_prefilled(cb, prompts[i], 4, &tok_m[L]);
+    rs[i] = test_prefilled(cb, prompts[i], 4, &tok_r[L]);
     CHECK(tok_m[L] == tok_r[L]);
     sm[L] = ms[i];
     sr[L] = rs[i];
@@ -116,10 +92,10 @@ static void equivalence(calrt_device *dev, test_model *tm, int steps, int per_la
 }
 
 static void refusals_and_faults(calrt_device *dev, test_model *tm) {
-  calrt_calbin *cb = calbin(dev, tm, 1, 24, 0);
+  calrt_calbin *cb = test_calbin(dev, tm, 1, 24, 8, 0);
   const int32_t prompt[3] = {7, 8, 9};
   int32_t first, len;
-  int32_t s = prefilled(cb, prompt, 3, &first);
+  int32_t s = test_prefilled(cb, prompt, 3, &first);
   int32_t pos = 3;
   uint8_t one = 1;
   calrt_job *j = NULL;
@@ -184,7 +160,7 @@ static void refusals_and_faults(calrt_device *dev, test_model *tm) {
   calrt_job_release(j);
   CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK);
   /* CCU fault: the sequence unknown, zeros, the chip faulted until reset. */
-  s = prefilled(cb, prompt, 3, &first);
+  s = test_prefilled(cb, prompt, 3, &first);
   CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PONG, CALRT_SIM_FAULT_CCU, 1, 0) == CALRT_OK);
   CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 6, NULL, &j) == CALRT_OK);
   CHECK(run(j, CALRT_ENGINE_PONG) == CALRT_JOB_CCU_FAULT);
@@ -199,11 +175,11 @@ static void refusals_and_faults(calrt_device *dev, test_model *tm) {
 
 /* The timing model: a 6-step job at 3 ms a step has the device for >= 18 ms. */
 static void timing(calrt_device *dev, test_model *tm) {
-  calrt_calbin *cb = calbin(dev, tm, 1, 24, 3000.0);
+  calrt_calbin *cb = test_calbin(dev, tm, 1, 24, 8, 3000.0);
   const int32_t prompt[2] = {1, 2};
   int32_t first, pos = 2;
   uint8_t one = 1;
-  int32_t s = prefilled(cb, prompt, 2, &first);
+  int32_t s = test_prefilled(cb, prompt, 2, &first);
   calrt_job *j;
   calrt_job_result r;
   CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 6, NULL, &j) == CALRT_OK);
@@ -231,7 +207,7 @@ static void *resetter(void *p) {
 }
 
 static void resets(calrt_device *dev, test_model *tm) {
-  calrt_calbin *cb = calbin(dev, tm, 2, 400, 200.0);
+  calrt_calbin *cb = test_calbin(dev, tm, 2, 400, 8, 200.0);
   resetter_arg a;
   a.dev = dev;
   atomic_init(&a.stop, 0);
@@ -310,11 +286,11 @@ int main(void) {
   calrt_open_params old = {.profile = "calrt-0.7.6", .dram_bytes = 64u << 20};
   CHECK(calrt_device_open(&old, &dev) == CALRT_OK);
   CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && di.multi_step == 0);
-  calrt_calbin *cb = calbin(dev, &tm, 1, 24, 0);
+  calrt_calbin *cb = test_calbin(dev, &tm, 1, 24, 8, 0);
   const int32_t prompt[2] = {1, 2};
   int32_t first, pos = 2;
   uint8_t one = 1;
-  int32_t s = prefilled(cb, prompt, 2, &first);
+  int32_t s = test_prefilled(cb, prompt, 2, &first);
   calrt_job *j = NULL;
   CHECK(calrt_job_create_decode_steps(cb, &s, &first, &pos, &one, 1, 2, NULL, &j) == CALRT_E_NOT_SUPPORTED &&
         ERR_HAS("multi-step") && j == NULL);

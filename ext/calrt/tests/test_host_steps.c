@@ -1,0 +1,276 @@
+/* Host-driven multi-step decode (../../host_steps.c, the binding's runs over calrt.h's core API):
+ * run under ASan/UBSan by `make asan-test` and under TSan by `make tsan-test`.
+ *
+ * What it checks: a run gives, lane by lane, exactly what the device's own multi-step job gives
+ * (sim-next: the same step tokens, the same last rows bitwise, the same echo positions and
+ * checksums, the same commits), also with per-lane step counts, and the same as single steps on
+ * calrt-0.7.6, which has no multi-step of its own; one device job a step; the run's failures (a CCU
+ * fault, a crosstalk, a refused submit, a hang ended by a reset from another thread); hs_poll
+ * driving a run alone and beside a thread blocked in hs_wait (TSan's case). */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "host_steps.h"
+
+#define V 61 /* make_model's vocabulary */
+
+static uint64_t submitted(calrt_device *dev, calrt_engine e) {
+  calrt_counters c;
+  CHECK(calrt_engine_counters(dev, 0, e, &c) == CALRT_OK);
+  return c.submitted;
+}
+
+/* The reference of lane l: single-step jobs with the argmax fed back (each lane its own steps). */
+static void reference(calrt_calbin *cb, int B, const int32_t *sr, int32_t *tok, const int32_t *pos,
+                      const uint8_t *valid, const int32_t *ls, int steps, int32_t want[4][64], float last[4][V]) {
+  for (int k = 0; k < steps; k++) {
+    int32_t p[4];
+    uint8_t on[4];
+    for (int l = 0; l < B; l++) {
+      p[l] = pos[l] + k;
+      on[l] = valid[l] && k < ls[l];
+    }
+    calrt_job *rj;
+    calrt_job_result rr;
+    CHECK(calrt_job_create_decode(cb, sr, tok, p, on, B, &rj) == CALRT_OK);
+    CHECK(run(rj, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+    CHECK(calrt_job_result_get(rj, &rr) == CALRT_OK);
+    for (int l = 0; l < B; l++) {
+      if (!on[l]) continue;
+      want[l][k] = tok[l] = argmax(rr.logits + (size_t)l * V, V);
+      if (k == ls[l] - 1) memcpy(last[l], rr.logits + (size_t)l * V, sizeof(float) * V);
+    }
+    calrt_job_release(rj);
+  }
+}
+
+/* B4 lanes {0, 1, 3} (lane 2 invalid; B1: lane 0), twice in a row: the run against single steps, and
+ * on a device with multi_step against its own multi-step job too. per_lane: lane 1 runs 1 step, lane
+ * 3 steps - 1 (B1: its one lane all of them). */
+static void equivalence(calrt_device *dev, test_model *tm, int B, int steps, int per_lane, int device_multi) {
+  calrt_calbin *cb = test_calbin(dev, tm, B, 48, 16, 0);
+  const int32_t prompts[3][4] = {{3, 9, 27, 20}, {5, 1, 50, 7}, {60, 2, 2, 11}};
+  const int lane_of[3] = {0, 1, 3}, used = B == 4 ? 3 : 1;
+  int32_t sh[4] = {-1, -1, -1, -1}, sr[4] = {-1, -1, -1, -1}, sd[4] = {-1, -1, -1, -1};
+  int32_t tok_h[4] = {0}, tok_r[4] = {0}, tok_d[4] = {0}, pos[4] = {0};
+  uint8_t valid[4] = {0};
+  for (int i = 0; i < used; i++) {
+    const int L = lane_of[i];
+    sh[L] = test_prefilled(cb, prompts[i], 4, &tok_h[L]);
+    sr[L] = test_prefilled(cb, prompts[i], 4, &tok_r[L]);
+    if (device_multi) sd[L] = test_prefilled(cb, prompts[i], 4, &tok_d[L]);
+    pos[L] = 4;
+    valid[L] = 1;
+  }
+  int32_t ls[4] = {steps, per_lane ? 1 : steps, 0, per_lane ? steps - 1 : steps};
+  int most = 0;
+  for (int l = 0; l < B; l++)
+    if (valid[l] && ls[l] > most) most = ls[l];
+  for (int round = 0; round < 2; round++) {
+    hs_run *h = NULL;
+    calrt_job_result r;
+    const int32_t *st_tok;
+    calrt_job_status st;
+    const uint64_t before = submitted(dev, CALRT_ENGINE_PONG);
+    CHECK(hs_start(cb, CALRT_ENGINE_PONG, sh, tok_h, pos, valid, B, steps, per_lane ? ls : NULL, &h) == CALRT_OK);
+    CHECK(hs_result(h, &r, &st_tok) == CALRT_E_INVALID_ARGUMENT); /* not finished yet */
+    CHECK(hs_wait(h, -1, &st) == CALRT_OK && st == CALRT_JOB_OK);
+    CHECK(hs_submitted(h) == most && submitted(dev, CALRT_ENGINE_PONG) - before == (uint64_t)most);
+    CHECK(hs_result(h, &r, &st_tok) == CALRT_OK && r.lanes == B && r.vocab == V && r.job_id == hs_id(h));
+    int32_t want[4][64];
+    float last[4][V];
+    reference(cb, B, sr, tok_r, pos, valid, ls, steps, want, last);
+    for (int l = 0; l < B; l++) {
+      if (!valid[l]) {
+        for (int k = 0; k < steps; k++) CHECK(st_tok[l * steps + k] == 0);
+        CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == -1 && r.echo[3 * l + 2] == -1 && r.checksum[l] == 0);
+        continue;
+      }
+      const int n = ls[l];
+      for (int k = 0; k < steps; k++) CHECK(st_tok[l * steps + k] == (k < n ? want[l][k] : 0));
+      CHECK(memcmp(r.logits + (size_t)l * V, last[l], sizeof last[l]) == 0);
+      CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == sh[l] && r.echo[3 * l + 2] == pos[l] + n - 1);
+      CHECK(r.checksum[l] == calrt_checksum(r.logits + (size_t)l * V, sizeof(float) * V));
+      int32_t len;
+      CHECK(calrt_kv_committed_len(cb, sh[l], &len) == CALRT_OK && len == pos[l] + n);
+      tok_h[l] = st_tok[l * steps + n - 1];
+    }
+    if (device_multi) { /* the device's own multi-step job: the same outputs */
+      calrt_job *j;
+      calrt_job_result d;
+      const int32_t *dt;
+      int32_t dn;
+      CHECK(calrt_job_create_decode_steps(cb, sd, tok_d, pos, valid, B, steps, per_lane ? ls : NULL, &j) == CALRT_OK);
+      CHECK(run(j, CALRT_ENGINE_PING) == CALRT_JOB_OK);
+      CHECK(calrt_job_result_get(j, &d) == CALRT_OK && calrt_job_step_tokens(j, &dt, &dn) == CALRT_OK);
+      CHECK(memcmp(dt, st_tok, sizeof(int32_t) * (size_t)B * (size_t)steps) == 0);
+      CHECK(memcmp(d.logits, r.logits, sizeof(float) * (size_t)B * V) == 0);
+      CHECK(memcmp(d.checksum, r.checksum, sizeof(uint64_t) * (size_t)B) == 0);
+      for (int l = 0; l < B; l++) CHECK(d.echo[3 * l + 2] == r.echo[3 * l + 2]);
+      for (int l = 0; l < B; l++)
+        if (valid[l]) tok_d[l] = dt[l * steps + ls[l] - 1];
+      calrt_job_release(j);
+    }
+    hs_free(h);
+    for (int l = 0; l < B; l++)
+      if (valid[l]) pos[l] += ls[l];
+  }
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+}
+
+/* A run's failures end it at the step that failed. */
+static void faults(calrt_device *dev, test_model *tm) {
+  calrt_calbin *cb = test_calbin(dev, tm, 1, 48, 16, 0);
+  const int32_t prompt[3] = {7, 8, 9};
+  int32_t first, len, pos = 3;
+  uint8_t one = 1;
+  hs_run *h;
+  calrt_job_result r;
+  const int32_t *st_tok;
+  calrt_job_status st;
+  int32_t s = test_prefilled(cb, prompt, 3, &first);
+  /* the step counts are checked */
+  int32_t bad = 0;
+  CHECK(hs_start(cb, CALRT_ENGINE_PING, &s, &first, &pos, &one, 1, 0, NULL, &h) == CALRT_E_INVALID_ARGUMENT);
+  CHECK(hs_start(cb, CALRT_ENGINE_PING, &s, &first, &pos, &one, 1, 2, &bad, &h) == CALRT_E_INVALID_ARGUMENT);
+  bad = 3;
+  CHECK(hs_start(cb, CALRT_ENGINE_PING, &s, &first, &pos, &one, 1, 2, &bad, &h) == CALRT_E_INVALID_ARGUMENT);
+  /* a CCU fault at the third step: that status, every token zero, three steps submitted */
+  CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PING, CALRT_SIM_FAULT_CCU, 3, 0) == CALRT_OK);
+  CHECK(hs_start(cb, CALRT_ENGINE_PING, &s, &first, &pos, &one, 1, 6, NULL, &h) == CALRT_OK);
+  CHECK(hs_wait(h, -1, &st) == CALRT_OK && st == CALRT_JOB_CCU_FAULT && hs_submitted(h) == 3);
+  CHECK(hs_result(h, &r, &st_tok) == CALRT_OK && r.status == CALRT_JOB_CCU_FAULT);
+  for (int k = 0; k < 6; k++) CHECK(st_tok[k] == 0);
+  hs_free(h);
+  CHECK(calrt_device_reset(dev, 0) == CALRT_OK);
+  CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK);
+  /* a crosstalk at the second step: the run stops there, OK, and its row names that step's job
+   * (not the run) and position (not the last one's): the host's own check finds the lane */
+  s = test_prefilled(cb, prompt, 3, &first);
+  CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PING, CALRT_SIM_FAULT_CROSSTALK, 2, 0) == CALRT_OK);
+  CHECK(hs_start(cb, CALRT_ENGINE_PING, &s, &first, &pos, &one, 1, 5, NULL, &h) == CALRT_OK);
+  CHECK(hs_wait(h, -1, &st) == CALRT_OK && st == CALRT_JOB_OK && hs_submitted(h) == 2);
+  CHECK(hs_result(h, &r, &st_tok) == CALRT_OK);
+  CHECK(r.echo[0] != r.job_id && r.echo[2] == pos + 1);
+  CHECK(calrt_checksum(r.logits, sizeof(float) * V) != r.checksum[0]);
+  hs_free(h);
+  CHECK(calrt_kv_committed_len(cb, s, &len) == CALRT_OK && len == pos + 2);
+  CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK);
+  /* a submit refused at the second step: ABORTED, one step run */
+  s = test_prefilled(cb, prompt, 3, &first);
+  CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PONG, CALRT_SIM_FAULT_BUSY, 2, 0) == CALRT_OK);
+  CHECK(hs_start(cb, CALRT_ENGINE_PONG, &s, &first, &pos, &one, 1, 4, NULL, &h) == CALRT_OK);
+  CHECK(hs_wait(h, -1, &st) == CALRT_OK && st == CALRT_JOB_ABORTED && hs_submitted(h) == 1);
+  hs_free(h);
+  CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK);
+  /* a hang: a timed-out wait leaves the run in flight; a reset ends it ABORTED */
+  s = test_prefilled(cb, prompt, 3, &first);
+  CHECK(calrt_sim_inject_fault(dev, 0, CALRT_ENGINE_PING, CALRT_SIM_FAULT_TIMEOUT, 2, 0) == CALRT_OK);
+  CHECK(hs_start(cb, CALRT_ENGINE_PING, &s, &first, &pos, &one, 1, 4, NULL, &h) == CALRT_OK);
+  CHECK(hs_wait(h, 20000, &st) == CALRT_E_TIMEOUT && !hs_poll(h) && hs_submitted(h) == 2);
+  CHECK(calrt_device_reset(dev, 0) == CALRT_OK);
+  CHECK(hs_wait(h, -1, &st) == CALRT_OK && st == CALRT_JOB_ABORTED && hs_poll(h));
+  hs_free(h);
+  CHECK(calrt_kv_free_sequence(cb, s) == CALRT_OK);
+  /* freed while a step is in flight: nothing further is submitted */
+  s = test_prefilled(cb, prompt, 3, &first);
+  const uint64_t before = submitted(dev, CALRT_ENGINE_PING);
+  CHECK(hs_start(cb, CALRT_ENGINE_PING, &s, &first, &pos, &one, 1, 8, NULL, &h) == CALRT_OK);
+  hs_free(h);
+  struct timespec ts = {0, 5 * 1000 * 1000};
+  nanosleep(&ts, NULL);
+  CHECK(submitted(dev, CALRT_ENGINE_PING) - before == 1);
+  while (calrt_kv_free_sequence(cb, s) == CALRT_E_IN_USE) nanosleep(&ts, NULL);
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+}
+
+/* hs_poll alone drives a run to its end, and beside a thread blocked in hs_wait it never blocks nor
+ * advances the run twice (TSan's case), on a timed device while another thread resets it. */
+typedef struct {
+  hs_run *h;
+  calrt_job_status st;
+} waiter_arg;
+
+static void *waiter(void *p) {
+  waiter_arg *a = p;
+  CHECK(hs_wait(a->h, -1, &a->st) == CALRT_OK);
+  return NULL;
+}
+
+static void polling(calrt_device *dev, test_model *tm) {
+  calrt_calbin *cb = test_calbin(dev, tm, 2, 400, 16, 1000.0);
+  int ok = 0, failed = 0;
+  for (int round = 0; round < 30; round++) {
+    const int32_t prompt[2] = {4, 5};
+    int32_t s[2], tok[2], pos[2] = {2, 2};
+    uint8_t valid[2] = {1, 1};
+    for (int l = 0; l < 2; l++) s[l] = test_prefilled(cb, prompt, 2, &tok[l]);
+    hs_run *h;
+    CHECK(hs_start(cb, round % 2 ? CALRT_ENGINE_PONG : CALRT_ENGINE_PING, s, tok, pos, valid, 2, 6, NULL, &h) ==
+          CALRT_OK);
+    if (round % 3 == 0) { /* polled alone */
+      struct timespec ts = {0, 100 * 1000};
+      while (!hs_poll(h)) nanosleep(&ts, NULL);
+    } else { /* a waiter thread, polled meanwhile, sometimes reset under it */
+      waiter_arg a = {h, CALRT_JOB_INVALID};
+      pthread_t th;
+      CHECK(pthread_create(&th, NULL, waiter, &a) == 0);
+      for (int i = 0; i < 20; i++) {
+        hs_poll(h);
+        struct timespec ts = {0, 50 * 1000};
+        nanosleep(&ts, NULL);
+      }
+      if (round % 3 == 2) CHECK(calrt_device_reset(dev, 0) == CALRT_OK);
+      CHECK(pthread_join(th, NULL) == 0);
+      CHECK(hs_poll(h));
+    }
+    calrt_job_result r;
+    const int32_t *st_tok;
+    CHECK(hs_result(h, &r, &st_tok) == CALRT_OK);
+    if (r.status == CALRT_JOB_OK) {
+      ok++;
+      CHECK(hs_submitted(h) == 6);
+      int32_t len;
+      for (int l = 0; l < 2; l++) { /* a reset after the run may have invalidated it since */
+        const calrt_status ls = calrt_kv_committed_len(cb, s[l], &len);
+        CHECK(ls == CALRT_E_SEQUENCE_INVALID || (ls == CALRT_OK && len == 8));
+      }
+    } else {
+      CHECK(r.status == CALRT_JOB_ABORTED || r.status == CALRT_JOB_INVALID);
+      failed++;
+    }
+    hs_free(h);
+    for (int l = 0; l < 2; l++) CHECK(calrt_kv_free_sequence(cb, s[l]) == CALRT_OK);
+  }
+  CHECK(ok >= 10);
+  fprintf(stderr, "host-driven runs polled: %d OK, %d ended by a reset\n", ok, failed);
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+}
+
+int main(void) {
+  test_model tm;
+  make_model(&tm, 0);
+  calrt_open_params op = {.profile = "sim-next", .dram_bytes = 64u << 20};
+  calrt_device *dev;
+  CHECK(calrt_device_open(&op, &dev) == CALRT_OK);
+  equivalence(dev, &tm, 4, 2, 0, 1);
+  equivalence(dev, &tm, 4, 7, 0, 1);
+  equivalence(dev, &tm, 4, 5, 1, 1);
+  equivalence(dev, &tm, 1, 4, 0, 1);
+  faults(dev, &tm);
+  polling(dev, &tm);
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+  /* calrt-0.7.6: no multi-step of its own, the host's runs all the same */
+  calrt_open_params old = {.profile = "calrt-0.7.6", .dram_bytes = 64u << 20};
+  CHECK(calrt_device_open(&old, &dev) == CALRT_OK);
+  calrt_device_info di;
+  CHECK(calrt_device_info_get(dev, &di) == CALRT_OK && di.multi_step == 0);
+  equivalence(dev, &tm, 1, 6, 0, 0);
+  CHECK(calrt_device_close(dev) == CALRT_OK);
+  free_model(&tm);
+  fprintf(stderr, "test_host_steps: OK\n");
+  return 0;
+}

@@ -1,0 +1,66 @@
+/* host_steps.h — multi-step greedy decode driven by the host, over calrt.h's core API only.
+ *
+ * A device with the multi_step capability (C3-style, sim-next) runs N greedy steps in one job and
+ * feeds each lane's argmax back itself. This does the same on any runtime (calrt-0.7.6 included):
+ * N one-step decode jobs back to back on one engine, each lane's argmax (the first index of the
+ * largest value, a NaN counting as the largest: numpy's argmax) fed back by this code in C, on the
+ * thread that waits, with no Python between the steps. The host's per-job work in Python (pick,
+ * submit, wait, verify, commit, hand each token on) is then paid once per N tokens of every lane,
+ * as with the device's multi-step, while the device still runs one step a job.
+ *
+ * Its outputs are the device multi-step's (calrt_job_create_decode_steps in calrt.h): each lane's
+ * logits row, echo and checksum are its last step's, with the echo naming the run's id (its first
+ * job's); the step tokens are [lanes, steps] int32, zeros after a lane's steps and for invalid
+ * lanes. Every step's output is checked before its tokens are fed back: each valid lane must echo
+ * (that step's job id, its sequence, its position) and its row must hash to its checksum. A step
+ * that fails that check, or completes other than OK, or cannot be submitted, ends the run there:
+ *   - not OK: the run's status is that step's (a submit refused after a reset: ABORTED), every
+ *     step token is zero, and the lanes of that step report its outputs as they are;
+ *   - a failed check: the run completes OK, and the lanes of that step report its outputs as they
+ *     are (another job's id in the echo, a position short of the last step's, or the bad row), so
+ *     the host's own check of the run's outputs finds them, as it would a crosstalk of any job.
+ * Unlike the device's multi-step, the steps before a failure have committed their KV; a failed
+ * job leaves its sequences unknown either way, and the host recovers them (reset, re-prefill).
+ *
+ * Threads: one thread drives a run at a time (hs_wait blocks; hs_poll only advances when no other
+ * thread holds the run, and never blocks). hs_free may be called at any time by the owner once no
+ * call is in progress: a step still in flight is released (the engine keeps its own reference) and
+ * no further step is submitted.
+ */
+#ifndef CALSERVE_HOST_STEPS_H
+#define CALSERVE_HOST_STEPS_H
+
+#include <stdint.h>
+
+#include "calrt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct hs_run hs_run;
+
+/* Create the run and submit its first step on `engine`. Arguments as calrt_job_create_decode_steps
+ * (steps in [1, CALRT_MAX_DECODE_STEPS], each valid lane's lane_steps[l] in [1, steps]; NULL: every
+ * lane `steps`). Errors: those of calrt_job_create_decode / calrt_job_submit, INVALID_ARGUMENT for
+ * the step counts, HOST_OOM. */
+calrt_status hs_start(calrt_calbin *cb, calrt_engine engine, const int32_t *seq_ids, const int32_t *tokens,
+                      const int32_t *positions, const uint8_t *valid, int32_t lanes, int32_t steps,
+                      const int32_t *lane_steps, hs_run **out);
+/* Drive the run until it finished (CALRT_OK, *status its status) or timeout_us passed (< 0: no
+ * limit; CALRT_E_TIMEOUT: a step is still in flight, call again). */
+calrt_status hs_wait(hs_run *r, int64_t timeout_us, calrt_job_status *status);
+/* Advance the run as far as it goes without blocking; 1 once it finished. */
+int hs_poll(hs_run *r);
+/* The run's outputs (valid until hs_free; CALRT_E_INVALID_ARGUMENT before it finished). */
+calrt_status hs_result(hs_run *r, calrt_job_result *out, const int32_t **step_tokens);
+int64_t hs_id(const hs_run *r);
+int32_t hs_steps(const hs_run *r);
+/* Steps the run submitted so far (for tests and statistics). */
+int32_t hs_submitted(const hs_run *r);
+void hs_free(hs_run *r);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CALSERVE_HOST_STEPS_H */

@@ -1,0 +1,119 @@
+"""Multi-step greedy decode driven by the host: ``submit_decode(..., steps=N, host=True)``.
+
+N one-step device jobs back to back, each lane's argmax fed back by the binding in C
+(``ext/host_steps.c``; its C tests run it under ASan and TSan). Through the Python API: the same
+result as the device's own multi-step job (sim-next) and as N single steps (calrt-0.7.6 too, which
+has no multi-step of its own), one device job a step, ``done`` driving a run without ``wait``, a
+timed-out wait then a reset, and the refusals.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from calserve.runtime import Calbin, Device, InvalidArgument, JobEngine, JobStatus, ProfileSpec, Timing
+from calserve.runtime import WaitTimeout, verify_lanes
+from calserve.runtime.reference import ModelConfig, random_weights
+
+from .conftest import SMALL, SMALL_LLAMA
+
+
+def _prefill(cb: Calbin, prompt: list[int]) -> tuple[int, int]:
+    s = cb.create_sequence()
+    r = cb.submit_prefill(s, prompt).wait(30)
+    assert r.status is JobStatus.OK
+    return s, int(np.argmax(r.logits[0]))
+
+
+def _submitted(dev: Device) -> int:
+    return sum(dev.counters(e).submitted for e in JobEngine)
+
+
+@pytest.mark.parametrize(("config", "batch", "steps", "lane_steps"),
+                         [(SMALL, 4, 6, None), (SMALL_LLAMA, 1, 3, None), (SMALL, 4, 5, [5, 1, 3, 1])])
+def test_host_run_equals_the_device_multi_step(next_device: Device, config: ModelConfig, batch: int,
+                                               steps: int, lane_steps: list[int] | None) -> None:
+    cb = next_device.load_calbin(config, random_weights(config, seed=7), ProfileSpec(batch, 40, 12))
+    prompts = [[3, 9, 27], [5, 1, 50, 7, 7], [60, 2]][: max(1, batch - 1)]
+    lanes = len(prompts)
+    pad = batch - lanes
+    valid = [True] * lanes + [False] * pad
+    pos = [len(p) for p in prompts] + [0] * pad
+    host = [_prefill(cb, p) for p in prompts]
+    dev = [_prefill(cb, p) for p in prompts]
+    for _round in range(2):
+        before = _submitted(next_device)
+        job = cb.submit_decode([s for s, _ in host] + [0] * pad, [t for _, t in host] + [0] * pad, pos, valid,
+                               JobEngine.PONG, steps=steps, lane_steps=lane_steps, host=True)
+        r = job.wait(30)
+        most = max((lane_steps or [steps] * batch)[i] for i in range(lanes))
+        assert job.submitted() == most == _submitted(next_device) - before  # one device job a step
+        d = cb.submit_decode([s for s, _ in dev] + [0] * pad, [t for _, t in dev] + [0] * pad, pos, valid,
+                             JobEngine.PING, steps=steps, lane_steps=lane_steps).wait(30)
+        assert r.status is d.status is JobStatus.OK
+        assert r.step_tokens is not None and d.step_tokens is not None
+        assert np.array_equal(r.step_tokens, d.step_tokens)
+        assert np.array_equal(r.logits, d.logits) and np.array_equal(r.checksum, d.checksum)
+        assert np.array_equal(r.echo[:, 2], d.echo[:, 2]) and (r.echo[:, 0] == r.job_id).all()
+        n = lane_steps or [steps] * batch
+        assert verify_lanes(r, r.job_id, range(lanes), [(s, p + n[i] - 1) for i, ((s, _), p) in
+                                                        enumerate(zip(host, pos))]) == []
+        for i, ((s, _), (ds, _)) in enumerate(zip(host, dev)):
+            assert cb.committed_len(s) == cb.committed_len(ds) == pos[i] + n[i]
+        host = [(s, int(r.step_tokens[i, n[i] - 1])) for i, (s, _) in enumerate(host)]
+        dev = [(s, int(d.step_tokens[i, n[i] - 1])) for i, (s, _) in enumerate(dev)]
+        pos = [p + n[i] if v else 0 for i, (p, v) in enumerate(zip(pos, valid))]
+
+
+def test_host_run_on_calrt_076_equals_single_steps(device: Device, small_weights: dict) -> None:
+    assert not device.capabilities.multi_step
+    cb = device.load_calbin(SMALL, small_weights, ProfileSpec(1, 40, 4))
+    (s, t), (rs, rt) = _prefill(cb, [1, 2, 3]), _prefill(cb, [1, 2, 3])
+    r = cb.submit_decode([s], [t], [3], [True], steps=7, host=True).wait(30)
+    assert r.status is JobStatus.OK and r.step_tokens is not None
+    want = []
+    for k in range(7):
+        rr = cb.submit_decode([rs], [rt], [3 + k], [True]).wait(30)
+        rt = int(np.argmax(rr.logits[0]))
+        want.append(rt)
+    assert r.step_tokens[0].tolist() == want
+    assert np.array_equal(r.logits, rr.logits) and r.echo[0].tolist() == [r.job_id, s, 9]
+    assert cb.committed_len(s) == 10
+    with pytest.raises(InvalidArgument, match="lane_steps"):
+        cb.submit_decode([s], [t], [10], [True], steps=2, lane_steps=[3], host=True)
+    with pytest.raises(InvalidArgument, match="steps"):
+        cb.submit_decode([s], [t], [10], [True], steps=65, host=True)
+
+
+def test_done_drives_a_run_alone(device: Device, small_weights: dict) -> None:
+    """Nobody waits: polling ``done`` advances the run step by step to its end (what the engine's
+    completion paths may do with any job)."""
+    cb = device.load_calbin(SMALL, small_weights, ProfileSpec(1, 40, 4))
+    (s, t), (rs, rt) = _prefill(cb, [4, 5]), _prefill(cb, [4, 5])
+    job = cb.submit_decode([s], [t], [2], [True], steps=5, host=True)
+    for _ in range(100_000):
+        if job.done():
+            break
+        time.sleep(1e-4)
+    assert job.done() and job.submitted() == 5
+    r = job.wait(0)
+    ref = cb.submit_decode([rs], [rt], [2], [True], steps=5, host=True).wait(30)
+    assert r.step_tokens is not None and ref.step_tokens is not None
+    assert np.array_equal(r.step_tokens, ref.step_tokens)
+
+
+def test_timed_out_wait_then_reset(device: Device, small_weights: dict) -> None:
+    """A wait that times out leaves the run in flight (WaitTimeout, counted); a reset aborts its step
+    in flight, and the run ends ABORTED with no tokens, having submitted no further step."""
+    cb = device.load_calbin(SMALL, small_weights, ProfileSpec(1, 40, 4), Timing(decode_step_us={1: 20_000.0}))
+    s, t = _prefill(cb, [1, 2])
+    job = cb.submit_decode([s], [t], [2], [True], steps=6, host=True)
+    with pytest.raises(WaitTimeout):
+        job.wait(0.005)
+    device.reset()
+    r = job.wait(30)
+    assert r.status is JobStatus.ABORTED and r.step_tokens is not None and not r.step_tokens.any()
+    assert job.submitted() < 6
