@@ -106,6 +106,7 @@ def saturation(out: Path, quick: bool) -> dict[str, Any]:
         "knee_efficiency_by_step_us": kdoc["efficiency_by_step_us"],
         "knee_host_only_efficiency_by_step_us": kdoc["host_only_efficiency_by_step_us"],
         "knee_multi_step_efficiency_by_step_us": kdoc.get("multi_step_efficiency_by_step_us", {}),
+        "knee_host_multi_step_efficiency_by_step_us": kdoc.get("host_multi_step_efficiency_by_step_us", {}),
         "box_floor_us_per_event": kdoc["box_floor_us_per_event"],
         "sweep": rows,
         "knee_points": knee_rows,
@@ -124,6 +125,9 @@ KNEE_SERIES, HOST_ONLY_SERIES = "c=64", "c=64, null compute (host only)"
 #: same load, computed, with up to this many greedy device steps a decode job, at the target steps.
 KNEE_MULTI_STEP = 8
 MULTI_STEP_SERIES = f"c=64, multi_step {KNEE_MULTI_STEP}"
+#: The same multi-step jobs driven by the host (runtime.host_multi_step): the device runs one step a
+#: job, the binding feeds each lane's argmax back in C.
+HOST_MULTI_STEP_SERIES = f"c=64, host-driven multi_step {KNEE_MULTI_STEP}"
 
 
 def knee(out: Path, quick: bool) -> dict[str, Any]:
@@ -140,22 +144,28 @@ def knee(out: Path, quick: bool) -> dict[str, Any]:
     # The knee proper (the demo model computed by the software runtime, whose threads share the
     # serving core), then the host path alone at issue 18's two target steps: the same load with the
     # runtime's math skipped (runtime.null_compute; an NPU would not compute on the host's core).
-    points = [(us, False, 1) for us in (KNEE_QUICK_US if quick else KNEE_STEPS_US)]
-    points += [(us, True, 1) for us in KNEE_HOST_ONLY_US]
-    from calserve.config import BatchConfig
+    points = [(us, False, 1, False) for us in (KNEE_QUICK_US if quick else KNEE_STEPS_US)]
+    points += [(us, True, 1, False) for us in KNEE_HOST_ONLY_US]
+    from calserve.config import BatchConfig, RuntimeConfig
     if "multi_step" in BatchConfig.__struct_fields__:
-        points += [(us, False, KNEE_MULTI_STEP) for us in KNEE_HOST_ONLY_US]
-    for us, null, steps in points:
+        points += [(us, False, KNEE_MULTI_STEP, False) for us in KNEE_HOST_ONLY_US]
+    if "host_multi_step" in RuntimeConfig.__struct_fields__:
+        points += [(us, False, KNEE_MULTI_STEP, True) for us in KNEE_HOST_ONLY_US]
+    for us, null, steps, host in points:
         lim = workload_limit(16, us, 16, 256, *sat_prefill_us(us))
-        tag = f"{us}us-null" if null else f"{us}us-ms{steps}" if steps > 1 else f"{us}us"
+        tag = (f"{us}us-null" if null else f"{us}us-{'h' if host else ''}ms{steps}" if steps > 1
+               else f"{us}us")
         cfg = calserve_config(profiles=[16], timing=f"{STEP_PREFIX}{us}", null_compute=null)
         if steps > 1:
             cfg["scheduler"]["batch"]["multi_step"] = steps
+        if host:
+            cfg["runtime"]["host_multi_step"] = True
         with Server.calserve(cfg, out / f"server-step-{tag}") as srv:
             run_point(srv, out / f"knee-{tag}-warmup", concurrency=64, duration=1.0, progress=False)
             res = run_point(srv, out / f"knee-{tag}", concurrency=64, duration=dur, output="256",
                             prompt="16")
-        series = HOST_ONLY_SERIES if null else MULTI_STEP_SERIES if steps > 1 else KNEE_SERIES
+        series = (HOST_ONLY_SERIES if null else HOST_MULTI_STEP_SERIES if host
+                  else MULTI_STEP_SERIES if steps > 1 else KNEE_SERIES)
         rows.append(point_row(res, step_us=us, device_limit=lim, series=series,
                               efficiency=_steady(res) / lim))
     floor = floor_point(out, 250, 2.0 if quick else 4.0)
@@ -169,6 +179,8 @@ def knee(out: Path, quick: bool) -> dict[str, Any]:
                                                 if r["series"] == HOST_ONLY_SERIES},
             "multi_step_efficiency_by_step_us": {str(r["step_us"]): r["efficiency"] for r in rows
                                                  if r["series"] == MULTI_STEP_SERIES},
+            "host_multi_step_efficiency_by_step_us": {str(r["step_us"]): r["efficiency"] for r in rows
+                                                      if r["series"] == HOST_MULTI_STEP_SERIES},
             "box_floor_us_per_event": floor["us_per_event"],
             "box_floor": {k: floor[k] for k in ("us_per_event", "events_per_s", "event_bytes")},
             "target": ">= 0.9 at 2000 and 1000 us", "knee_points": rows}
