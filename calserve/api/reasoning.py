@@ -101,6 +101,20 @@ class _Split:
             return reasoning, self._part(buf[end + len(CLOSE):])
         return "", self._part(buf)
 
+    def flush(self) -> tuple[str, str]:
+        """The text ended (the tool calls began: nothing more comes to the content): what the
+        split held back, as :func:`split_reasoning` takes it at the end of a text: a block not
+        opened is content, a partial ``</think>`` is reasoning."""
+        buf, self._buf = self._buf, ""
+        if not buf:
+            return "", ""
+        if self._state == "start":
+            self._state = "plain"
+            return "", buf
+        if self._state == "think":
+            return self._part(buf), ""
+        return "", self._part(buf)
+
     def _part(self, text: str) -> str:
         if not self._began:
             text = text.lstrip()
@@ -150,11 +164,19 @@ class AnswerText:
         what they add to the calls waits in :attr:`calls`."""
         if self._scan is not None:
             self.calls += self._scan.feed(text)
+        ended = False  # the content is complete: the tool calls began
         if self._tools is not None:
             text = self._tools.feed(text)
-        if not text:
+            ended = self._tools.mode != "text"
+        if self._split is None:
+            r, c = "", text
+        else:
+            r, c = self._split.feed(text) if text else ("", "")
+            if ended:  # what the split held back (a "<" that did not open a block) goes first
+                r2, c2 = self._split.flush()
+                r, c = r + r2, c + c2
+        if not (r or c):
             return "", ""
-        r, c = ("", text) if self._split is None else self._split.feed(text)
         if r:
             self.sent_reasoning.append(r)
         if c:

@@ -224,6 +224,25 @@ def test_streamed_events_add_up_to_the_unstreamed_response(
     assert resp["usage"]["input_tokens"] == 3
 
 
+@pytest.mark.parametrize("at", [[], [1], [1, 6], [3]])
+def test_text_held_back_before_a_call_streams_before_it(at: list[int]) -> None:
+    """Found by the ``long`` hypothesis profile (session 50): a thinking model's answer ``<`` then
+    a call. The reasoning split held the ``<`` (it may begin ``<think>``) and the call began, so
+    the ``<`` came out at the end, as a message item added while the call's item was open. The
+    split now gives up what it held once the content is complete (the calls began)."""
+    tools = parse_tools(TOOLS, None, None, "hermes")
+    answer = Answer(tools, Reasoning(False))
+    resp = check_events(run_stream(cut("<" + PARIS, at), answer, FinishReason.STOP))
+    assert [i["type"] for i in resp["output"]] == ["message", "function_call"]
+    assert resp["output"][0]["content"][0]["text"] == "<"
+    want, _ = answer.message("<" + PARIS, "stop")
+    assert want["content"] == "<" and len(want["tool_calls"]) == 1
+    # the answer's own stream gives the "<" as content as soon as the call begins
+    text = answer.stream()
+    assert text.feed("<") == ("", "")
+    assert text.feed(PARIS) == ("", "<") and text.take_calls()
+
+
 def test_an_error_ends_the_stream_as_a_failed_response() -> None:
     _, echo = chat_body(body())
     enc = ResponsesStreamEncoder("m", None, echo)
