@@ -292,16 +292,12 @@ class Calbin:
             raise InvalidArgument(f"valid: expected {b} entries (compiled_batch), got {v.shape[0]}", 1)
         if steps == 1:
             return Job(call(self._h.submit_decode, s, t, p, v, int(engine)), engine, self.chip)
-        if host:
-            ls = None if lane_steps is None else _i32("lane_steps", lane_steps, b)
-            return Job(call(self._h.submit_decode_host, s, t, p, v, int(engine), int(steps), ls), engine,
-                       self.chip, int(steps), host=True)
-        if not self._device.capabilities.multi_step:
+        if not host and not self._device.capabilities.multi_step:
             raise NotSupported("steps: multi-step decode needs the runtime capability multi_step "
                                "(C3-style, sim-next only)", 2)
         ls = None if lane_steps is None else _i32("lane_steps", lane_steps, b)
-        return Job(call(self._h.submit_decode, s, t, p, v, int(engine), int(steps), ls), engine, self.chip,
-                   int(steps))
+        submit = self._h.submit_decode_host if host else self._h.submit_decode
+        return Job(call(submit, s, t, p, v, int(engine), int(steps), ls), engine, self.chip, int(steps), host=host)
 
     def __repr__(self) -> str:
         return f"Calbin(id={self.calbin_id}, chip={self.chip}, B={self.spec.compiled_batch})"
