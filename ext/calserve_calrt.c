@@ -823,7 +823,7 @@ static PyObject *Job_step_tokens(JobObject *self, PyObject *noargs) {
     const int32_t *t = NULL;
     if (hs_result(self->run, &r, &t) != CALRT_OK)
       return raise_code(CALRT_E_INVALID_ARGUMENT, "step_tokens: the run has not finished");
-    npy_intp d[2] = {r.lanes, (npy_intp)hs_steps(self->run)};
+    npy_intp d[2] = {r.lanes, (npy_intp)hs_steps_run(self->run)}; /* fewer once stopped early */
     return view(self, 2, d, NPY_INT32, t);
   }
   if (!p_step_tokens) return raise_code(CALRT_E_NOT_SUPPORTED, "step_tokens: not provided by this runtime build");
@@ -848,6 +848,12 @@ static PyObject *Job_done(JobObject *self, PyObject *noargs) {
 static PyObject *Job_submitted(JobObject *self, PyObject *noargs) {
   return PyLong_FromLong(self->run ? hs_submitted(self->run) : 1);
 }
+/* A host-driven run ends with the step in flight (hs_stop; never blocks); any other job: no effect
+ * (a device job cannot be cut short). True when the job is a host-driven run. */
+static PyObject *Job_stop(JobObject *self, PyObject *noargs) {
+  if (self->run) hs_stop(self->run);
+  return PyBool_FromLong(self->run != NULL);
+}
 static PyObject *Job_get_id(JobObject *self, void *c) { return PyLong_FromLongLong(self->id); }
 
 static PyMethodDef Job_methods[] = {
@@ -855,6 +861,7 @@ static PyMethodDef Job_methods[] = {
     {"done", (PyCFunction)Job_done, METH_NOARGS, ""},
     {"submitted", (PyCFunction)Job_submitted, METH_NOARGS, "Device jobs submitted (a host-driven run: its steps so far)."},
     {"step_tokens", (PyCFunction)Job_step_tokens, METH_NOARGS, "A multi-step decode's tokens [lanes, steps]."},
+    {"stop", (PyCFunction)Job_stop, METH_NOARGS, "End a host-driven run with its step in flight."},
     {NULL}};
 static PyGetSetDef Job_getset[] = {{"job_id", (getter)Job_get_id, NULL, "job id", NULL}, {NULL}};
 

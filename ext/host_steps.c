@@ -14,6 +14,7 @@ struct hs_run {
   int32_t lanes, steps, vocab;
   int32_t k;         /* the step `cur` runs */
   int32_t submitted; /* steps submitted so far */
+  int32_t ran;       /* the steps the run's lanes ran, at most: `steps`, or fewer once stopped */
   int64_t id;        /* the first step's job id: the run's */
   /* the step in flight's inputs; valid[l] is cleared once lane l ran its steps */
   int32_t *seq_ids, *tokens, *positions, *lane_steps, *step_tokens;
@@ -26,6 +27,7 @@ struct hs_run {
   calrt_job_status status;
   double device_us;
   atomic_int finished;
+  atomic_int stop; /* hs_stop: end after the step in flight */
 };
 
 static int64_t now_us(void) {
@@ -99,6 +101,21 @@ static int lane_ok(const hs_run *r, const calrt_job_result *res, int32_t l) {
   return calrt_checksum(row, sizeof(float) * (size_t)res->vocab) == res->checksum[l];
 }
 
+/* End the run after its step `ran - 1`, whose result is `res` (mu held): each lane still running
+ * takes that step's outputs as its last, and the step tokens are compacted to [lanes, ran]. */
+static void cut(hs_run *r, int32_t ran, const calrt_job_result *res) {
+  for (int32_t l = 0; l < r->lanes; l++)
+    if (r->valid[l]) {
+      take_lane(r, res, l, r->id);
+      r->valid[l] = 0;
+      r->lane_steps[l] = ran;
+    }
+  for (int32_t l = 1; l < r->lanes; l++) /* row l moves down to l * ran (never past its own start) */
+    memmove(r->step_tokens + (size_t)l * (size_t)ran, r->step_tokens + (size_t)l * (size_t)r->steps,
+            sizeof(int32_t) * (size_t)ran);
+  r->ran = ran;
+}
+
 /* The step in flight completed: take its outputs, then submit the next step or finish (mu held). */
 static void step_done(hs_run *r) {
   calrt_job_result res;
@@ -134,7 +151,11 @@ static void step_done(hs_run *r) {
       more = 1;
     }
   }
-  calrt_job_release(r->cur);
+  if (more && atomic_load(&r->stop)) { /* stopped: every lane still running ends with this step */
+    cut(r, k + 1, &res);
+    more = 0;
+  }
+  calrt_job_release(r->cur); /* (after the last use of res: its buffers are the job's) */
   r->cur = NULL;
   if (!more) {
     finish(r, CALRT_JOB_OK);
@@ -162,6 +183,7 @@ calrt_status hs_start(calrt_calbin *cb, calrt_engine engine, const int32_t *seq_
   r->engine = engine;
   r->lanes = lanes;
   r->steps = steps;
+  r->ran = steps;
   r->vocab = info.model.vocab_size;
   const size_t n = (size_t)lanes;
   r->seq_ids = malloc(sizeof(int32_t) * n);
@@ -246,3 +268,7 @@ int64_t hs_id(const hs_run *r) { return r->id; }
 int32_t hs_steps(const hs_run *r) { return r->steps; }
 
 int32_t hs_submitted(const hs_run *r) { return r->submitted; }
+
+void hs_stop(hs_run *r) { atomic_store(&r->stop, 1); }
+
+int32_t hs_steps_run(const hs_run *r) { return atomic_load(&r->finished) ? r->ran : r->steps; }

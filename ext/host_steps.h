@@ -58,6 +58,16 @@ int64_t hs_id(const hs_run *r);
 int32_t hs_steps(const hs_run *r);
 /* Steps the run submitted so far (for tests and statistics). */
 int32_t hs_submitted(const hs_run *r);
+/* Ask the run to end early (any thread, any time, never blocks): once the step in flight completes
+ * and checks out, every lane still running ends with it, as if its lane_steps had been the steps run
+ * so far. A stop that comes after the last step was submitted changes nothing; a failing step ends
+ * the run as always. The engine's use: a prompt waits for its prefill, or a sequence of the batch
+ * was cancelled, while the run still had steps to go. */
+void hs_stop(hs_run *r);
+/* Once finished, the steps the run's lanes ran at most: hs_steps, or fewer after hs_stop. The step
+ * tokens are then [lanes, hs_steps_run] (each lane's own steps: min(its lane_steps, that)). Before it
+ * finished: hs_steps. */
+int32_t hs_steps_run(const hs_run *r);
 void hs_free(hs_run *r);
 
 #ifdef __cplusplus

@@ -68,6 +68,14 @@ class Job:
         """True once the job completed (any status); ``wait`` then returns without blocking."""
         return self._result is not None or bool(self._h.done())
 
+    def stop(self) -> bool:
+        """End a host-driven multi-step decode early (never blocks, any thread): its lanes end with
+        the step in flight, each having run the least of its own steps and the steps run so far;
+        the result's ``step_tokens`` are then ``[lanes, steps run]``. False (no effect) for any
+        other job: a device job cannot be cut short. A stop after the last step's submit, or after
+        the run finished, changes nothing."""
+        return bool(self._h.stop())
+
     def submitted(self) -> int:
         """Device jobs this job submitted so far: 1, or a host-driven multi-step decode's steps."""
         return int(self._h.submitted())

@@ -117,3 +117,41 @@ def test_timed_out_wait_then_reset(device: Device, small_weights: dict) -> None:
     r = job.wait(30)
     assert r.status is JobStatus.ABORTED and r.step_tokens is not None and not r.step_tokens.any()
     assert job.submitted() < 6
+
+
+def test_stop_ends_a_run_with_its_step_in_flight(next_device: Device, small_weights: dict) -> None:
+    """``Job.stop``: the run's lanes end with the step in flight, each having run the least of its
+    own steps and the steps run; the result is what a run of that many steps gives (tokens
+    ``[lanes, steps run]``, last rows, echo, KV). Nobody drives the run between the stop and the
+    wait here, so the steps run are the steps submitted at the stop. A device job: no effect."""
+    # a timed step (2 ms): each done() below advances the run by one step at most
+    cb = next_device.load_calbin(SMALL, small_weights, ProfileSpec(4, 40, 12), Timing(decode_step_us={4: 2000.0}))
+    prompts = [[3, 9, 27], [5, 1, 50, 7, 7], [60, 2]]
+    pos = [len(p) for p in prompts] + [0]
+    valid = [True, True, True, False]
+    lane_steps = [8, 2, 7, 1]
+    host = [_prefill(cb, p) for p in prompts]
+    ref = [_prefill(cb, p) for p in prompts]
+    job = cb.submit_decode([s for s, _ in host] + [0], [t for _, t in host] + [0], pos, valid,
+                           steps=8, lane_steps=lane_steps, host=True)
+    for _ in range(100_000):  # polled up to its third step (done() advances it without blocking)
+        if job.submitted() >= 3 or job.done():
+            break
+        time.sleep(1e-4)
+    assert job.stop() is True
+    m = job.submitted()
+    r = job.wait(30)
+    assert r.status is JobStatus.OK and job.submitted() == m and 3 <= m < 8
+    assert r.step_tokens is not None and r.step_tokens.shape == (4, m)
+    cut = [min(n, m) for n in lane_steps[:3]]
+    want = cb.submit_decode([s for s, _ in ref] + [0], [t for _, t in ref] + [0], pos, valid,
+                            steps=m, lane_steps=cut + [1], host=True).wait(30)
+    assert want.step_tokens is not None and np.array_equal(r.step_tokens, want.step_tokens)
+    assert np.array_equal(r.logits[:3], want.logits[:3]) and np.array_equal(r.checksum, want.checksum)
+    assert r.echo[:3, 2].tolist() == [p + n - 1 for p, n in zip(pos, cut)]
+    assert [cb.committed_len(s) for s, _ in host] == [p + n for p, n in zip(pos, cut)]
+    assert verify_lanes(r, r.job_id, range(3), [(s, p + n - 1) for (s, _), p, n in zip(host, pos, cut)]) == []
+    last = [int(r.step_tokens[i, n - 1]) for i, n in enumerate(cut)]
+    one = cb.submit_decode([s for s, _ in host] + [0], last + [0],
+                           [p + n for p, n in zip(pos, cut)] + [0], valid)
+    assert one.stop() is False and one.wait(30).status is JobStatus.OK

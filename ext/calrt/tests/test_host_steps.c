@@ -6,7 +6,9 @@
  * checksums, the same commits), also with per-lane step counts, and the same as single steps on
  * calrt-0.7.6, which has no multi-step of its own; one device job a step; the run's failures (a CCU
  * fault, a crosstalk, a refused submit, a hang ended by a reset from another thread); hs_poll
- * driving a run alone and beside a thread blocked in hs_wait (TSan's case). */
+ * driving a run alone and beside a thread blocked in hs_wait (TSan's case); hs_stop: a run stopped
+ * after its m-th step gives what a run of m steps gives (each lane min(its steps, m)), also from
+ * another thread while one waits. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
@@ -250,6 +252,96 @@ static void polling(calrt_device *dev, test_model *tm) {
   CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
 }
 
+/* hs_stop: the run ends with the step in flight; its outputs are an m-step run's. */
+static void stopping(calrt_device *dev, test_model *tm) {
+  calrt_calbin *cb = test_calbin(dev, tm, 4, 64, 16, 0);
+  const int32_t prompts[3][4] = {{3, 9, 27, 20}, {5, 1, 50, 7}, {60, 2, 2, 11}};
+  const int lane_of[3] = {0, 1, 3}, S = 8;
+  /* stopped after step `at` (driven by hs_poll up to there: nobody else advances it), at 0: before
+   * the first step completed; at S: after it finished (no effect) */
+  const int ats[4] = {3, 1, 0, S};
+  for (int t = 0; t < 4; t++) {
+    int32_t sh[4] = {-1, -1, -1, -1}, sr[4] = {-1, -1, -1, -1}, tok_h[4] = {0}, tok_r[4] = {0}, pos[4] = {0};
+    uint8_t valid[4] = {0};
+    for (int i = 0; i < 3; i++) {
+      const int L = lane_of[i];
+      sh[L] = test_prefilled(cb, prompts[i], 4, &tok_h[L]);
+      sr[L] = test_prefilled(cb, prompts[i], 4, &tok_r[L]);
+      pos[L] = 4;
+      valid[L] = 1;
+    }
+    int32_t ls[4] = {S, 2, 0, S - 1}; /* lane 1 ends after 2 steps by itself */
+    hs_run *h;
+    calrt_job_status st;
+    CHECK(hs_start(cb, CALRT_ENGINE_PING, sh, tok_h, pos, valid, 4, S, ls, &h) == CALRT_OK);
+    struct timespec ts = {0, 20 * 1000};
+    if (ats[t] == S)
+      CHECK(hs_wait(h, -1, &st) == CALRT_OK);
+    else
+      while (ats[t] > 0 && hs_submitted(h) < ats[t] && !hs_poll(h)) nanosleep(&ts, NULL);
+    hs_stop(h);
+    const int m = hs_submitted(h); /* the step in flight is the last (nobody drives it meanwhile) */
+    CHECK(hs_wait(h, -1, &st) == CALRT_OK && st == CALRT_JOB_OK && hs_submitted(h) == m);
+    CHECK(hs_steps(h) == S && hs_steps_run(h) == (ats[t] == S ? S : m));
+    if (ats[t] == 0) CHECK(m == 1);
+    const int ran = hs_steps_run(h);
+    calrt_job_result r;
+    const int32_t *st_tok;
+    CHECK(hs_result(h, &r, &st_tok) == CALRT_OK);
+    int32_t cut[4], want[4][64];
+    float last[4][V];
+    for (int l = 0; l < 4; l++) cut[l] = ls[l] < ran ? ls[l] : ran;
+    reference(cb, 4, sr, tok_r, pos, valid, cut, ran, want, last);
+    for (int l = 0; l < 4; l++) {
+      if (!valid[l]) {
+        for (int k = 0; k < ran; k++) CHECK(st_tok[l * ran + k] == 0);
+        continue;
+      }
+      for (int k = 0; k < ran; k++) CHECK(st_tok[l * ran + k] == (k < cut[l] ? want[l][k] : 0));
+      CHECK(memcmp(r.logits + (size_t)l * V, last[l], sizeof last[l]) == 0);
+      CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == sh[l] && r.echo[3 * l + 2] == pos[l] + cut[l] - 1);
+      CHECK(r.checksum[l] == calrt_checksum(r.logits + (size_t)l * V, sizeof(float) * V));
+      int32_t len;
+      CHECK(calrt_kv_committed_len(cb, sh[l], &len) == CALRT_OK && len == pos[l] + cut[l]);
+    }
+    hs_free(h);
+    for (int l = 0; l < 4; l++)
+      if (valid[l]) {
+        CHECK(calrt_kv_free_sequence(cb, sh[l]) == CALRT_OK);
+        CHECK(calrt_kv_free_sequence(cb, sr[l]) == CALRT_OK);
+      }
+  }
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+  /* stopped from another thread while one waits, on a timed device (TSan's case) */
+  cb = test_calbin(dev, tm, 2, 400, 16, 500.0);
+  int cuts = 0;
+  for (int round = 0; round < 12; round++) {
+    const int32_t prompt[2] = {4, 5};
+    int32_t s[2], tok[2], pos[2] = {2, 2};
+    uint8_t valid[2] = {1, 1};
+    for (int l = 0; l < 2; l++) s[l] = test_prefilled(cb, prompt, 2, &tok[l]);
+    hs_run *h;
+    CHECK(hs_start(cb, CALRT_ENGINE_PONG, s, tok, pos, valid, 2, 16, NULL, &h) == CALRT_OK);
+    waiter_arg a = {h, CALRT_JOB_INVALID};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, waiter, &a) == 0);
+    struct timespec ts = {0, (long)(round % 4) * 600 * 1000};
+    nanosleep(&ts, NULL);
+    hs_stop(h);
+    CHECK(pthread_join(th, NULL) == 0);
+    CHECK(a.st == CALRT_JOB_OK);
+    const int ran = hs_steps_run(h);
+    CHECK(ran >= 1 && ran <= 16 && ran == hs_submitted(h));
+    cuts += ran < 16;
+    int32_t len;
+    for (int l = 0; l < 2; l++) CHECK(calrt_kv_committed_len(cb, s[l], &len) == CALRT_OK && len == 2 + ran);
+    hs_free(h);
+    for (int l = 0; l < 2; l++) CHECK(calrt_kv_free_sequence(cb, s[l]) == CALRT_OK);
+  }
+  CHECK(cuts >= 6);
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+}
+
 int main(void) {
   test_model tm;
   make_model(&tm, 0);
@@ -262,6 +354,7 @@ int main(void) {
   equivalence(dev, &tm, 1, 4, 0, 1);
   faults(dev, &tm);
   polling(dev, &tm);
+  stopping(dev, &tm);
   CHECK(calrt_device_close(dev) == CALRT_OK);
   /* calrt-0.7.6: no multi-step of its own, the host's runs all the same */
   calrt_open_params old = {.profile = "calrt-0.7.6", .dram_bytes = 64u << 20};
