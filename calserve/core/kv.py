@@ -219,6 +219,20 @@ class KvLaneManager:
             rec.pending = 0
             self._tokens_committed += k
 
+    def shorten_decode(self, lanes: list[int], n: list[int]) -> None:
+        """Updating lanes whose job wrote fewer tokens than it was submitted for (a multi-step
+        decode driven by the host, ended early): ``n[k]`` tokens pending for ``lanes[k]`` from now
+        on, at least 1 and at most what was pending. Nothing is committed: :meth:`commit_decode`
+        follows with the same counts."""
+        recs = self._lanes
+        for lane, k in zip(lanes, n, strict=True):
+            rec = recs[lane]
+            if rec.state is not _UPDATING:
+                raise IllegalTransition("kv", rec.state, KvEvent.COMMIT)
+            if not 1 <= k <= rec.pending:
+                raise ValueError(f"lane {lane}: {k} tokens written but {rec.pending} were submitted")
+            rec.pending = k
+
     def rollback(self, lane: int) -> None:
         """Updating -> Active when the job was refused before running (nothing written)."""
         rec = self._lane(lane)

@@ -157,6 +157,13 @@ class BackendCalbin(Protocol):
             after_submit()
         return t, await self.wait(t, timeout_s)
 
+    def stop_steps(self, engine: JobEngine) -> None:
+        """End the multi-step decode in flight on ``engine`` with its step in flight, when the
+        host drives it (``capabilities.host_multi_step``; each lane then runs the least of its
+        steps and the steps run, and the result's ``step_tokens`` are ``[lanes, steps run]``).
+        Never blocks; no effect on any other job (a device job cannot be cut short), nor once
+        the run's last step was submitted. Default: nothing to stop."""
+
     async def reconfigure(self) -> None: ...
 
     async def release(self) -> None: ...
@@ -230,6 +237,8 @@ class _RuntimeCalbin:
         # multi-step decodes driven by the host binding (runtime.host_multi_step): waited for on the
         # engine's thread, which drives their steps (a completion fd would wake trio every step)
         self._host_steps = host_steps
+        # the host-driven run last submitted on each engine (stop_steps; a finished one: no effect)
+        self._runs: dict[JobEngine, Any] = {}
         self._faults = faults  # runtime.faults: arms a fault on a drawn share of submits
         self._t = threads
         self._et = engine_threads
@@ -288,7 +297,10 @@ class _RuntimeCalbin:
         return _ticket(job, engine)
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
-        return await self._t.run(wait_or_none, ticket.native, timeout_s)
+        r = await self._t.run(wait_or_none, ticket.native, timeout_s)
+        if r is not None:
+            self._ran(ticket.engine, ticket.native)
+        return r
 
     def _submit_wait(self, job: Any, engine: JobEngine, timeout_s: float) -> tuple[JobTicket, JobResult | None]:
         return _ticket(job, engine), wait_or_none(job, timeout_s)
@@ -312,7 +324,23 @@ class _RuntimeCalbin:
             self._faults.before_submit(engine, valid)
         job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine, steps, lane_steps,
                                     self._host_steps)
-        return await self._wait_hot(job, engine, timeout_s, after_submit)
+        if not job.host:
+            return await self._wait_hot(job, engine, timeout_s, after_submit)
+        self._runs[engine] = job
+        t, r = await self._wait_hot(job, engine, timeout_s, after_submit)
+        if r is not None:
+            self._ran(engine, job)
+        return t, r
+
+    def _ran(self, engine: JobEngine, job: Any) -> None:
+        """``job`` finished: no stop for it any more (nor its buffers kept alive here)."""
+        if self._runs.get(engine) is job:
+            del self._runs[engine]
+
+    def stop_steps(self, engine: JobEngine) -> None:
+        job = self._runs.get(engine)
+        if job is not None:
+            job.stop()
 
     async def _wait_hot(self, job: Any, engine: JobEngine, timeout_s: float,
                         after_submit: Callable[[], None] | None) -> tuple[JobTicket, JobResult | None]:

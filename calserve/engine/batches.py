@@ -29,6 +29,7 @@ from calserve.core.decode import (
 from calserve.engine.batch_fast import single_tenant_lanes
 from calserve.engine.completion import PLAIN_GREEDY
 from calserve.engine.state import DeviceJob, Seq
+from calserve.runtime.types import JobResult, JobStatus
 
 if TYPE_CHECKING:
     from calserve.engine.generations import Generation
@@ -99,6 +100,28 @@ class JobBuilder:
         ``limit``): the generation's ``multi_step``, one while a prompt waits for its prefill."""
         n = gen.multi_step
         return n if n == 1 or not self.prefill_waiting(gen) else 1
+
+    def ran_short(self, job: DeviceJob, r: JobResult) -> int:
+        """``job``, a run the host drives that was asked to stop (``Planner.stop_runs``), came
+        back ``r``: when OK with fewer steps than it was built for, from now on it is the job of
+        the ``ran`` steps it turned out to be, each sequence the least of its own steps and
+        ``ran`` (its echo, its KV transaction, the step count). Returns the steps it did not run
+        (0: anything else, left as it is; a short result it does not take, ``step_rows`` refuses
+        as a crosstalk)."""
+        t = r.step_tokens
+        if not (r.status is JobStatus.OK and job.steps > 1 and t is not None and t.ndim == 2
+                and 1 <= t.shape[1] < job.steps):
+            return 0
+        ran = int(t.shape[1])
+        per = job.seq_steps or [job.steps] * len(job.seqs)
+        new = [min(n, ran) for n in per]
+        job.expect = [(sid, p - n + k) for (sid, p), n, k in zip(job.expect, per, new, strict=True)]
+        job.gen.kv.shorten_decode([s.lease.lane for s in job.seqs], new)
+        cut = job.steps - ran
+        self.decode_steps_total[len(job.lanes)] -= cut
+        job.steps = ran
+        job.seq_steps = None if min(new) == ran else new
+        return cut
 
     def profile(self, gen: Generation, B: int) -> BatchProfile:
         profile = self._profiles.get((gen.id, B))

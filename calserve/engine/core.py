@@ -151,6 +151,7 @@ class EngineCore:
         """End ``seq`` early (cancel, stop string, shutdown); idempotent, the first reason wins.
         With a job on the device the ending is applied when it drains."""
         self.requests.stop(seq, reason, error, now=now)
+        self.planner.stop_for(seq)
         return self._take()
 
     def shutdown(self, now: float, message: str | None = None) -> CoreOutput:
@@ -184,7 +185,7 @@ class EngineCore:
         if self.requests.wake:
             self.requests.wake = False
             out.wake = True
-        elif not (out.jobs or out.faults or out.release_gens) and out.timer == math.inf:
+        elif not (out.jobs or out.faults or out.release_gens or out.stops) and out.timer == math.inf:
             return NOTHING  # the common per-token answer: no new record on the hot path
         st.out = CoreOutput()
         return out
@@ -200,6 +201,7 @@ class EngineCore:
         out.timer = min(out.timer, timer)
         if not paused:
             self.planner.dispatch(now)
+            self.planner.stop_runs()
 
     # ------------------------------------------------------------------------------ completions
     def begin_prefill(self, job: DeviceJob, seq_id: int | None) -> bool:
@@ -252,6 +254,8 @@ class EngineCore:
         is used; anything unusual returns None, or a step without ``nxt`` (a sequence ends: take
         :meth:`on_completion` with it, the tokens are drawn already)."""
         r = outcome.result
+        if r is not None and job.stop_asked:  # a run asked to stop: the job of the steps it ran
+            self.stats.steps_cut_total += self.builder.ran_short(job, r)
         if r is None or r.status is not JobStatus.OK or outcome.timed_out:
             return None
         if self.requests.scoring and self.requests.scoring_in(job.seqs):
@@ -425,4 +429,5 @@ class EngineCore:
             epoch=self.st.epoch, job_status_total=dict(st.job_status_total),
             parked=self.parking.parked(), parks_total=self.parking.parks_total,
             timeslices_total=self.parking.slices_total,
+            runs_stopped_total=st.runs_stopped_total, steps_cut_total=st.steps_cut_total,
         )

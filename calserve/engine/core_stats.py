@@ -50,6 +50,10 @@ class CoreStats:
     rotations_total: int = 0  # ... of them, another batch of the ready set (not a continuation)
     quarantined_jobs_total: int = 0  # jobs whose KV state a fault left unknown
     readmitted_total: int = 0  # requests re-prefilled after a fault lost their KV
+    # host-driven multi-step decodes asked to end with their step in flight (Planner.stop_runs),
+    # and the steps they did not run
+    runs_stopped_total: int = 0
+    steps_cut_total: int = 0
     # how each handed-back job ended (spec §16 executor "Wait rc/status"): ok, the JobStatus
     # names (aborted, ccu_fault, dma_unknown, invalid), timeout, refused (at submit)
     job_status_total: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -87,6 +91,8 @@ class CoreStatistics:
     parks_total: int = 0
     timeslices_total: int = 0
     rotations_total: int = 0  # decode jobs decided before the completion that freed their engine
+    runs_stopped_total: int = 0
+    steps_cut_total: int = 0
 
 
 class FastStep:

@@ -59,6 +59,8 @@ class CoreDriver:
         executors = self.executors
         for engine, job in out.jobs:
             executors[engine].start(job)
+        for engine, job in out.stops:
+            job.calbin.stop_steps(engine)
         if out.faults:
             for f in out.faults:
                 self.recovery.report(f)

@@ -138,6 +138,16 @@ class DeviceExecutor:
         after: Callable[[], None] = (self.core.flush if pending is None
                                      else lambda: self._finish(pending))
         cb: BackendCalbin = job.calbin  # the batch's profile member
+        if job.steps > 1 and job.gen.host_steps:
+            # a run the core asked to stop before it reached the device (Planner.stop_runs):
+            # stopped once submitted; later asks reach the calbin through the shell
+            first = after
+
+            def after() -> None:
+                first()
+                if job.stop_asked:
+                    cb.stop_steps(self.engine)
+
         watch = self.watch
         timeout = watch.hang_timeout(job)
         self._t_submit = trio.current_time()

@@ -76,6 +76,9 @@ class Generation:
     # Greedy decode steps a job may run on the device (runtime capability multi_step,
     # scheduler.batch.multi_step); 1: one step a job
     multi_step: int = 1
+    # ... driven by the host (runtime capability host_multi_step): a run in flight can be ended
+    # with its step in flight when other work waits for it (Planner.stop_runs)
+    host_steps: bool = False
 
     def scores_in_prefill(self, prompt_len: int) -> bool:
         """Whether a scored prompt of ``prompt_len`` tokens takes its scores from its prefill."""
@@ -278,6 +281,7 @@ class ModelManager:
                                if self.backend.capabilities.prompt_logits else 0),
             multi_step=(self.cfg.scheduler.batch.multi_step
                         if self.backend.capabilities.multi_step else 1),
+            host_steps=self.backend.capabilities.host_multi_step,
         )
         gen.fire(ModelEvent.LOAD)
         gen.fire(ModelEvent.VALIDATED)

@@ -183,6 +183,46 @@ class Planner:
             if not progressed:
                 return
 
+    def stop_runs(self) -> None:
+        """Ask a host-driven multi-step decode in flight to end with its step in flight
+        (``CoreOutput.stops``) when a prompt waits for its prefill and no engine is free or being
+        freed. A multi-step job keeps its engine for all its steps: without this, a prompt that
+        arrives meanwhile waits for them (time to first token: up to N steps more). The device's
+        own multi-step jobs cannot be cut short; a run driven by the host can, at a step's end
+        (``BackendCalbin.stop_steps``): the same tokens either way (greedy), the run shorter. One
+        engine is enough for the prompts: the run that began first (the nearest its end) is
+        stopped. Called after each pass's dispatch (an engine that was free took the work
+        already). A sequence that became ready meanwhile is not a reason: stopping for those cost
+        more than half of what the runs save (bench/README, session 51), and its first token came
+        from its prefill already."""
+        first: tuple[JobEngine, DeviceJob] | None = None
+        for engine, job in self.st.slots.items():
+            if job is None:
+                continue
+            if job.stop_asked:
+                return  # an engine is being freed already
+            if job.steps > 1 and job.gen.host_steps and (first is None or job.created_at < first[1].created_at):
+                first = (engine, job)
+        if first is None or self._free_engine() is not None:
+            return
+        if any(self.requests.queues(g).prefill_waiting() for g in self.models.generations.values()):
+            self._stop(*first)
+
+    def stop_for(self, seq: Seq) -> None:
+        """``seq`` ends early while in ``job``, a run the host drives: end the run with its step
+        in flight (its lane and admission slot come back a step later instead of its last)."""
+        job = seq.inflight
+        if job is None or job.steps == 1 or job.stop_asked or not job.gen.host_steps:
+            return
+        for engine, j in self.st.slots.items():
+            if j is job:
+                self._stop(engine, job)
+
+    def _stop(self, engine: JobEngine, job: DeviceJob) -> None:
+        job.stop_asked = True
+        self.stats.runs_stopped_total += 1
+        self.st.out.stops.append((engine, job))
+
     def _held(self, gen: Generation) -> int:
         return sum(1 for j in self.st.slots.values() if j is not None and j.gen is gen)
 

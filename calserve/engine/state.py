@@ -221,6 +221,9 @@ class DeviceJob:
     steps: int = 1
     # ... and each sequence's own steps (in ``seqs`` order; None: every one ``steps``)
     seq_steps: list[int] | None = None
+    # decode driven by the host: the core asked the run to end with its step in flight
+    # (Planner.stop_runs); its result may then have fewer steps (batches.cut_short)
+    stop_asked: bool = False
     # Derived once at construction (the hot path reads them several times per step):
     # Invariant: seqs == the non-None lanes in lane order; active == their lane indices (ascending).
     seqs: list[Seq] = dataclasses.field(init=False)
@@ -296,6 +299,9 @@ class CoreOutput:
 
     # jobs to hand to the executor of each job engine, in decision order
     jobs: list[tuple[JobEngine, DeviceJob]] = dataclasses.field(default_factory=list)
+    # host-driven multi-step decodes in flight to end with their step in flight (other work
+    # waits for them: Planner.stop_runs); the shell asks their calbins (BackendCalbin.stop_steps)
+    stops: list[tuple[JobEngine, DeviceJob]] = dataclasses.field(default_factory=list)
     # faults of the current epoch, for the recovery task (one reset covers several)
     faults: list[Fault] = dataclasses.field(default_factory=list)
     # generations with ended sequences whose free is a device round trip (the shell frees them on
@@ -316,7 +322,7 @@ class _ReadOnlyOutput(CoreOutput):
     ends)."""
 
     def __init__(self) -> None:
-        for name, value in (("jobs", ()), ("faults", ()), ("release_gens", ()), ("wake", False),
+        for name, value in (("jobs", ()), ("stops", ()), ("faults", ()), ("release_gens", ()), ("wake", False),
                             ("timer", float("inf"))):
             object.__setattr__(self, name, value)
 

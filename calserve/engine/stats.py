@@ -110,4 +110,6 @@ def build_statistics(src: StatisticsSources) -> EngineStatistics:
         requests_parked=core.parked,
         stream_parks_total=core.parks_total,
         timeslices_total=core.timeslices_total,
+        decode_runs_stopped_total=core.runs_stopped_total,
+        decode_steps_cut_total=core.steps_cut_total,
     )

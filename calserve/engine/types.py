@@ -284,6 +284,10 @@ class EngineStatistics:
     # decode jobs decided before their predecessor's bookkeeping (engine/core.py fast_decode):
     # "continuation" (the same sequences) or "rotation" (engine/rotation.py: another ready batch)
     decided_early_total: dict[str, int] = dataclasses.field(default_factory=dict)
+    # host-driven multi-step decodes asked to end early because other work waited for them
+    # (engine/planner.py stop_runs), and the device steps that saved
+    decode_runs_stopped_total: int = 0
+    decode_steps_cut_total: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

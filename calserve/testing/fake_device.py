@@ -90,6 +90,8 @@ class _Job:
     result: JobResult | None = None
     steps: int = 1  # a decode's greedy steps (multi_step): each lane's argmax fed back
     lane_steps: list[int] | None = None  # each lane's own steps (None: all ``steps``)
+    started_at: float = 0.0  # when the device began it (a multi-step decode's steps follow)
+    ran: int | None = None  # a host-driven run stopped early (stop_steps): the steps it ran
 
 
 @dataclasses.dataclass(eq=False)
@@ -245,6 +247,13 @@ class FakeCalbin(BackendCalbin):
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
         return await self._dev._wait(ticket.native, timeout_s)
 
+    def stop_steps(self, engine: JobEngine) -> None:
+        """As the runtime's host-driven runs (capability ``host_multi_step``): the multi-step decode
+        in flight on ``engine`` ends with its step in flight (each lane the least of its steps and
+        the steps run). Nothing else can be cut short."""
+        if self._dev.capabilities.host_multi_step:
+            self._dev._stop_steps(engine)
+
 
     async def reconfigure(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -314,7 +323,7 @@ class FakeCalbin(BackendCalbin):
                       echo: np.ndarray) -> JobResult:
         """A multi-step decode: per valid lane ``steps`` steps, each step's argmax the next input
         (what ``steps`` single-step jobs with the argmax fed back give); the last step's logits."""
-        B, S, V = len(job.seq_ids), job.steps, self.config.vocab_size
+        B, S, V = len(job.seq_ids), job.ran or job.steps, self.config.vocab_size
         step_tokens = np.zeros((B, S), np.int32)
         lanes = [lane for lane in range(B) if job.valid[lane]]
         if status is JobStatus.OK:
@@ -327,7 +336,7 @@ class FakeCalbin(BackendCalbin):
             for lane in lanes:
                 seq = self._seqs[int(job.seq_ids[lane])]
                 h, tok = seq.hash, job.new_tokens[lane][0]
-                n = S if job.lane_steps is None else job.lane_steps[lane]
+                n = S if job.lane_steps is None else min(S, job.lane_steps[lane])
                 for k in range(n):
                     h = _mix(h, tok)
                     logits[lane] = fake_logits(h, V)
@@ -418,7 +427,7 @@ class FakeBackend:
         }
         self._counts = {e: dict(submitted=0, completed=0, failed=0, busy=0, timeouts=0) for e in JobEngine}
         self._epoch = 0
-        self._reset_event = trio.Event()
+        self._reset_event = trio.Event()  # set (and replaced) to wake the waits: a reset, a stop
         self.faulted = False
         self._needs_reconfigure = False
         self.resets = 0
@@ -563,12 +572,30 @@ class FakeBackend:
         job = _Job(
             self._next_job, engine, calbin, kind, seq_ids, new_tokens, positions, valid, now,
             math.inf if fault is FaultKind.TIMEOUT else end, fault, fault_lane, self._epoch, steps=steps,
-            lane_steps=lane_steps,
+            lane_steps=lane_steps, started_at=start,
         )
         self._next_job += 1
         self._inflight[job.job_id] = job
         c["submitted"] += 1
         return JobTicket(job.job_id, engine, job)
+
+    def _stop_steps(self, engine: JobEngine) -> None:
+        now = trio.current_time()
+        for job in self._inflight.values():
+            if job.engine != engine or job.kind != "decode" or job.steps == 1 or job.result is not None:
+                continue
+            if job.ran is not None or not math.isfinite(job.complete_at) or job.complete_at <= now:
+                continue
+            step_s = (job.complete_at - job.started_at) / job.steps
+            ran = max(1, math.ceil((now - job.started_at) / step_s)) if step_s > 0 else 1
+            if ran >= job.steps:
+                continue
+            job.ran = ran
+            if self._engine_free_at[engine] == job.complete_at:  # nothing queued behind it
+                self._engine_free_at[engine] = job.started_at + ran * step_s
+            job.complete_at = job.started_at + ran * step_s
+            ev, self._reset_event = self._reset_event, trio.Event()
+            ev.set()  # its waiter looks at the new completion time
 
     async def _wait(self, job: _Job, timeout_s: float) -> JobResult | None:
         deadline = trio.current_time() + timeout_s

@@ -126,11 +126,13 @@ async def test_same_text_with_and_without_multi_step(single: ServerProcess, mult
 
 
 async def test_same_text_with_host_driven_multi_step(single: ServerProcess, hosted: ServerProcess) -> None:
-    """The device runs one step a job there: the binding feeds the tokens back (ext/host_steps.c)."""
-    await _same_text(single, hosted)
+    """The device runs one step a job there: the binding feeds the tokens back (ext/host_steps.c);
+    the runs the cut streams were in (cancelled) and those prompts arrived during were ended
+    early (``calserve_decode_runs_stopped_total``), the text the same."""
+    await _same_text(single, hosted, stoppable=True)
 
 
-async def _same_text(single: ServerProcess, multi: ServerProcess) -> None:
+async def _same_text(single: ServerProcess, multi: ServerProcess, stoppable: bool = False) -> None:
     before = await trio.to_thread.run_sync(scrape, multi.url)
     a = await _texts(single.url, 12)
     b = await _texts(multi.url, 12)
@@ -142,5 +144,11 @@ async def _same_text(single: ServerProcess, multi: ServerProcess) -> None:
     steps = total(after, "calserve_decode_steps_total") - total(before, "calserve_decode_steps_total")
     batches = total(after, "calserve_batches_total") - total(before, "calserve_batches_total")
     assert steps > 1.5 * batches, (steps, batches)
+    stopped = total(after, "calserve_decode_runs_stopped_total") - total(before, "calserve_decode_runs_stopped_total")
+    cut = total(after, "calserve_decode_steps_cut_total") - total(before, "calserve_decode_steps_cut_total")
+    if stoppable:
+        assert stopped >= 1 and cut >= stopped, (stopped, cut)
+    else:  # the device's own runs cannot be cut short
+        assert stopped == 0 == cut
     for name in ("calserve_requests_running", "calserve_kv_tokens_reserved", "calserve_executor_inflight_jobs"):
         assert total(after, name) == 0, name

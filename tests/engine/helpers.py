@@ -83,13 +83,17 @@ async def stream(eng: Engine, prompt: tuple[int, ...], max_tokens: int, **kw: An
 
 
 async def greedy_concurrently(
-    eng: Engine, prompts: Sequence[tuple[int, ...]], lengths: Sequence[int]
+    eng: Engine, prompts: Sequence[tuple[int, ...]], lengths: Sequence[int],
+    starts: Sequence[float] | None = None,
 ) -> dict[int, list[int]]:
     """Run request i (``prompts[i]``, exactly ``lengths[i]`` tokens, ignore_eos) concurrently for
-    every i; each must finish by LENGTH. Returns i -> its tokens."""
+    every i (``starts[i]`` s from now, when given); each must finish by LENGTH. Returns i -> its
+    tokens."""
     out: dict[int, list[int]] = {}
 
     async def one(i: int) -> None:
+        if starts is not None:
+            await trio.sleep(starts[i])
         toks, fin = await stream(eng, prompts[i], lengths[i], ignore_eos=True)
         assert fin.reason is FinishReason.LENGTH
         out[i] = toks

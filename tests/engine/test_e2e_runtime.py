@@ -5,12 +5,15 @@
 - 16 concurrent requests of different lengths at B4/B8/B16 (sim-next) and B1 (calrt-0.7.6), each
   equal to its solo greedy output from the numpy reference (at B16 and B4 also with multi-step
   decode: several greedy steps a job on the device);
+- prompts that arrive while host-driven multi-step runs decode end those runs early (calrt-0.7.6,
+  which has no multi-step of its own), the outputs unchanged;
 - a short request submitted while long ones run finishes first, and its lane is reused by the next
   waiting request at once (continuous batching), while the long ones keep running.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from calserve.engine.engine import Engine
 from calserve.models.source import ModelSource
 from calserve.engine.types import FinishReason, GenerateRequest, SamplingParams, TokenEvent
 from calserve.runtime.reference import greedy_generate
-from calserve.runtime.types import JobEngine
+from calserve.runtime.types import JobEngine, Timing
 
 from .helpers import greedy_concurrently, stream
 
@@ -85,6 +88,27 @@ async def test_16_concurrent_equal_solo(demo_source: ModelSource, profile: str, 
             assert submitted >= st.decode_steps_total[batch] + 16
     kv = demo_source.profiles[batch].kv_dtype
     for i in range(16):
+        assert out[i] == _solo(id(demo_source), prompts[i], lengths[i], kv), f"request {i}"
+
+
+async def test_prompts_end_host_runs_early(demo_source: ModelSource) -> None:
+    """calrt-0.7.6 (one step a device job), B1, ``runtime.host_multi_step`` with 16-step runs on a
+    timed device (2 ms a step): a long request decodes while short ones arrive every 9 ms; each
+    arrival ends the run in flight with its step in flight (a prefill waits), so runs are cut short
+    and the steps they did not run are counted; every output equals its solo greedy one."""
+    _SOURCES[id(demo_source)] = demo_source
+    step = Timing(prefill_base_us=300.0, prefill_us_per_token=5.0, decode_step_us={1: 2000.0})
+    source = dataclasses.replace(demo_source, timing={b: step for b in demo_source.profiles})
+    cfg = decode_config({"runtime": {"profile": "calrt-0.7.6", "host_multi_step": True},
+                         "scheduler": {"batch": {"profiles": [1], "multi_step": 16}}})
+    prompts = [(11, 22, 33)] + [(40 + i, 7, 9) for i in range(6)]
+    lengths = [120] + [3] * 6
+    async with Engine.open(cfg, sources={"qwen3": source}) as eng:
+        out = await greedy_concurrently(eng, prompts, lengths, [0.0] + [0.03 + 0.009 * i for i in range(1, 7)])
+        st = eng.statistics()
+    assert st.decode_runs_stopped_total >= 1 and st.decode_steps_cut_total >= 1, st
+    kv = demo_source.profiles[1].kv_dtype
+    for i in range(len(prompts)):
         assert out[i] == _solo(id(demo_source), prompts[i], lengths[i], kv), f"request {i}"
 
 

@@ -30,7 +30,7 @@ def test_the_shared_empty_output_is_read_only() -> None:
     with pytest.raises(AttributeError):
         NOTHING.jobs.append(None)  # type: ignore[arg-type]
     assert [getattr(NOTHING, f.name) for f in dataclasses.fields(CoreOutput)] == [
-        (), (), (), False, float("inf")]
+        (), (), (), (), False, float("inf")]
 
 
 async def test_an_idle_engine_after_a_recovery_waits(autojump_clock: object) -> None:

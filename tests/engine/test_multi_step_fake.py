@@ -12,6 +12,7 @@ changes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,12 +29,15 @@ from calserve.engine.completion import ends, ends_run
 from calserve.engine.engine import Engine
 from calserve.engine.fault_watch import FaultWatch
 from calserve.engine.types import ErrorEvent, FinishEvent, FinishReason, GenerateRequest, SamplingParams, TokenEvent
-from calserve.runtime.types import FaultKind, JobEngine, JobStatus
+from calserve.runtime.types import RUNTIME_PROFILES, FaultKind, JobEngine, JobStatus, RuntimeCapabilities
 from calserve.testing.fake_device import FakeBackend, FakeCalbin
 
 from .helpers import config, fake_greedy, fake_source
 
 EOS = (5,)
+# multi-step decodes driven by the host (runtime.host_multi_step): runs the engine may end early
+HOST = dataclasses.replace(RUNTIME_PROFILES["calrt-0.7.6"], batch_profiles=True, multi_step=True,
+                           host_multi_step=True)
 
 # (arrival offset s, prompt, max_tokens, kind) with kind: greedy | stop_ids | stop_str | sampled | logprobs |
 # ignore_eos
@@ -55,7 +59,7 @@ def _params(kind: str, max_tokens: int, i: int) -> SamplingParams:
 
 
 async def _serve(work: Sequence[Req], multi_step: int, profiles: Sequence[int] = (1, 4, 8, 16),
-                 capability: str = "sim-next", faults: Sequence[tuple[FaultKind, int]] = (),
+                 capability: str | RuntimeCapabilities = "sim-next", faults: Sequence[tuple[FaultKind, int]] = (),
                  max_seq: int = 512, executor: dict[str, Any] | None = None,
                  ) -> tuple[dict[int, tuple[list[int], Any]], Engine, Any]:
     """Run ``work`` on a fake sim-next device; request i -> (its tokens, its one terminal event)."""
@@ -71,17 +75,7 @@ async def _serve(work: Sequence[Req], multi_step: int, profiles: Sequence[int] =
 
         async def one(i: int, at: float, prompt: tuple[int, ...], n: int, kind: str) -> None:
             await trio.sleep_until(t0 + at)
-            h = await eng.submit(GenerateRequest(prompt, _params(kind, n, i)))
-            toks: list[int] = []
-            terms: list[Any] = []
-            async for ev in h.events():
-                if isinstance(ev, TokenEvent):
-                    assert not terms, "a token after the terminal event"
-                    toks.extend(ev.token_ids)
-                else:
-                    terms.append(ev)
-            assert len(terms) == 1, terms
-            out[i] = (toks, terms[0])
+            out[i] = await _read_once(eng, GenerateRequest(prompt, _params(kind, n, i)), None)
 
         async with trio.open_nursery() as nursery:
             for i, (at, prompt, n, kind) in enumerate(work):
@@ -109,11 +103,13 @@ _reqs = st.lists(
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(work=_reqs, n=st.sampled_from([2, 3, 8]))
-def test_outputs_equal_single_step(work: list[Req], n: int) -> None:
+@given(work=_reqs, n=st.sampled_from([2, 3, 8]), host=st.booleans())
+def test_outputs_equal_single_step(work: list[Req], n: int, host: bool) -> None:
+    """``host``: the runs are driven by the host, and the engine ends them early when a prompt
+    arrives, a sequence becomes ready or one of theirs ends early (Planner.stop_runs)."""
     async def main() -> None:
         one, _, s1 = await _serve(work, 1)
-        multi, _, sn = await _serve(work, n)
+        multi, _, sn = await _serve(work, n, capability=HOST if host else "sim-next")
         _same(one, multi)
         assert sum(s1.decode_steps_total.values()) == sum(s1.batches_total.values())
         greedy_long = any(kind != "sampled" and kind != "logprobs" and m >= 3 for _, _, m, kind in work)
@@ -201,6 +197,31 @@ async def test_fault_in_a_multi_step_job_is_transparent(autojump_clock: object, 
         assert any(k == "decode" and n > 1 for k, n in failed), failed  # the fault hit a multi-step job
 
 
+async def _lanes_back(eng: Engine) -> None:
+    """Every KV lane is free again (sequences are freed after their terminal events)."""
+    await trio.sleep(0.5)
+    k = eng.generation().kv.statistics()
+    assert k.unknown == 0 and k.free == k.num_lanes, k
+
+
+async def _read_once(eng: Engine, req: GenerateRequest, cancel_at: int | None) -> tuple[list[int], Any]:
+    """Stream ``req``: its tokens and its one terminal event; cancelled once ``cancel_at`` tokens
+    arrived (None: never)."""
+    h = await eng.submit(req)
+    toks: list[int] = []
+    terms: list[Any] = []
+    async for ev in h.events():
+        if isinstance(ev, TokenEvent):
+            assert not terms, "a token after the terminal event"
+            toks.extend(ev.token_ids)
+            if cancel_at is not None and len(toks) >= cancel_at:
+                eng.cancel(h.request_id)
+        else:
+            terms.append(ev)
+    assert len(terms) == 1, terms
+    return toks, terms[0]
+
+
 async def test_cancels_and_deadlines_end_once(autojump_clock: object) -> None:
     """Many streams, a third cancelled at staggered instants while multi-step jobs run, a third with
     a deadline that passes mid-stream: each ends exactly once (cancelled / DEADLINE), the rest
@@ -212,26 +233,13 @@ async def test_cancels_and_deadlines_end_once(autojump_clock: object) -> None:
         async def one(i: int) -> None:
             req = GenerateRequest((i + 1, 9), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
                                   deadline_s=0.15 + 0.002 * i if i % 3 == 1 else None)
-            h = await eng.submit(req)
-            terms: list[Any] = []
-            n = 0
-            async for ev in h.events():
-                if isinstance(ev, TokenEvent):
-                    assert not terms
-                    n += len(ev.token_ids)
-                    if i % 3 == 0 and n >= 5 + i:
-                        eng.cancel(h.request_id)
-                else:
-                    terms.append(ev)
-            assert len(terms) == 1
-            ends[i] = (n, terms[0])
+            toks, term = await _read_once(eng, req, 5 + i if i % 3 == 0 else None)
+            ends[i] = (len(toks), term)
 
         async with trio.open_nursery() as nursery:
             for i in range(30):
                 nursery.start_soon(one, i)
-        await trio.sleep(0.5)
-        k = eng.generation().kv.statistics()
-        assert k.unknown == 0 and k.free == k.num_lanes
+        await _lanes_back(eng)
     for i, (n, term) in ends.items():
         if i % 3 == 0:
             assert isinstance(term, FinishEvent) and term.reason is FinishReason.CANCELLED, term
@@ -353,3 +361,74 @@ async def test_one_step_while_a_prompt_waits_for_its_prefill(autojump_clock: obj
     assert any(n > 1 for n, _ in seen)
     # the waiting flag as of the submit (the job was decided just before it, in the same step)
     assert all(n == 1 for n, waiting in seen if waiting), seen
+
+
+async def _arrivals(capability: str | RuntimeCapabilities, prompts: int = 10) -> tuple[list[float], Any]:
+    """Four long greedy streams decode in 16-step jobs (max_inflight 1: one engine, 1 ms a step);
+    then a prompt arrives every 7 ms: each one's time to first token, and the statistics."""
+    be = FakeBackend(capability, seed=3)
+    cfg = config(batch={"profiles": [1, 4, 8, 16], "multi_step": 16}, executor={"max_inflight": 1})
+    ttft: list[float] = []
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(eos=EOS)}) as eng:
+        async def one(i: int, at: float, n: int) -> None:
+            await trio.sleep(at)
+            t0 = trio.current_time()
+            h = await eng.submit(GenerateRequest((i + 1, 7), SamplingParams(temperature=0.0, max_tokens=n,
+                                                                          ignore_eos=True)))
+            toks: list[int] = []
+            async for ev in h.events():
+                if isinstance(ev, TokenEvent):
+                    if not toks and i >= 4:
+                        ttft.append(trio.current_time() - t0)
+                    toks.extend(ev.token_ids)
+            assert toks == fake_greedy((i + 1, 7), n)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i, 0.0, 300)
+            for k in range(prompts):
+                nursery.start_soon(one, 4 + k, 0.05 + 0.007 * k, 20)
+        await _lanes_back(eng)
+        return ttft, eng.statistics()
+
+
+async def test_a_prompt_ends_a_host_run_early(autojump_clock: object) -> None:
+    """A prompt that arrives while a multi-step decode runs waits for all its steps when the device
+    runs them (up to 16 ms here); when the host drives the run, the engine ends it with the step
+    in flight, so the prompt's prefill waits one step at most: its time to first token is a prefill
+    and about a step, the outputs the same (greedy), the steps saved counted."""
+    dev_ttft, dev = await _arrivals("sim-next")
+    host_ttft, host = await _arrivals(HOST)
+    assert dev.decode_runs_stopped_total == 0 == dev.decode_steps_cut_total
+    assert host.decode_runs_stopped_total >= 10 and host.decode_steps_cut_total > 0
+    prefill = 200e-6 + 2e-6 * 2  # the fake timing: 200 µs + 2 µs a token, a 1 ms step
+    assert max(host_ttft) <= prefill + 1e-3 + 1e-4, host_ttft
+    assert max(dev_ttft) > prefill + 4e-3, dev_ttft  # behind the device's run
+    # a stopped run is the job of the steps it ran: every step is accounted for once
+    assert sum(host.decode_steps_total.values()) < sum(dev.decode_steps_total.values()) + 10 * 16
+
+
+async def test_a_cancel_ends_a_host_run_early(autojump_clock: object) -> None:
+    """A request cancelled while in a host-driven run: the run ends with its step in flight, the
+    request ends once (cancelled), the others go on to their full outputs, every lane comes back."""
+    be = FakeBackend(HOST, seed=5)
+    cfg = config(batch={"profiles": [1, 4, 8, 16], "multi_step": 16}, executor={"max_inflight": 1})
+    ends: dict[int, Any] = {}
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(eos=EOS)}) as eng:
+        async def one(i: int) -> None:
+            req = GenerateRequest((i + 1, 9), SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+            ends[i] = await _read_once(eng, req, 20 + 18 * i if i % 2 == 0 else None)  # in three runs
+
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(one, i)
+        await _lanes_back(eng)
+        stats = eng.statistics()
+    assert stats.decode_runs_stopped_total >= 3 and stats.decode_steps_cut_total > 0
+    for i, (toks, term) in ends.items():
+        want = fake_greedy((i + 1, 9), 120)
+        assert toks == want[:len(toks)]
+        if i % 2 == 0:
+            assert isinstance(term, FinishEvent) and term.reason is FinishReason.CANCELLED, term
+        else:
+            assert isinstance(term, FinishEvent) and term.reason is FinishReason.LENGTH and toks == want
