@@ -435,6 +435,13 @@ def peer(out: Path, quick: bool) -> dict[str, Any]:
     return peer_run(out, quick)
 
 
+def multi_step_ttft(out: Path, quick: bool) -> dict[str, Any]:
+    """One step a job, the device's multi-step runs and the host's (ended early when a prompt
+    arrives) under the same Poisson load: TTFT, TPOT, tok/s side by side (bench/multi_step_ttft.py)."""
+    from bench.multi_step_ttft import run as ms_run
+    return ms_run(out, quick)
+
+
 SCENARIOS = {
     "saturation": saturation,
     "knee": knee,
@@ -452,6 +459,7 @@ SCENARIOS = {
     "lifecycle": lifecycle,
     "peer": peer,
     "scoring": scoring,
+    "multi-step-ttft": multi_step_ttft,
 }
 
 
