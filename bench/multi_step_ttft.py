@@ -36,9 +36,10 @@ VARIANTS = ("one_step", "device_multi_step", "host_multi_step")
 STEP_PREFIX = "bench-step-"
 
 
-def variant_config(name: str, step_us: int, steps: int) -> dict[str, Any]:
-    """The server config of one variant (sim-next B16, PING/PONG, the timed step)."""
-    cfg = calserve_config(profiles=[16], timing=f"{STEP_PREFIX}{step_us}")
+def variant_config(name: str, step_us: int, steps: int, max_inflight: int = 2) -> dict[str, Any]:
+    """The server config of one variant (sim-next B16, PING/PONG unless ``max_inflight`` 1, the
+    timed step)."""
+    cfg = calserve_config(profiles=[16], timing=f"{STEP_PREFIX}{step_us}", max_inflight=max_inflight)
     if name != "one_step":
         cfg["scheduler"]["batch"]["multi_step"] = steps
     if name == "host_multi_step":
@@ -59,8 +60,9 @@ def _counters(srv: Server) -> dict[str, float]:
 
 
 def _point(out: Path, name: str, rnd: int, step_us: int, steps: int, rate: float, duration: float,
-           prompt: str, output: str) -> dict[str, Any]:
-    with Server.calserve(variant_config(name, step_us, steps), out / f"server-{name}-{rnd}") as srv:
+           prompt: str, output: str, max_inflight: int) -> dict[str, Any]:
+    cfg = variant_config(name, step_us, steps, max_inflight)
+    with Server.calserve(cfg, out / f"server-{name}-{rnd}") as srv:
         run_point(srv, out / f"{name}-{rnd}-warmup", concurrency=8, duration=1.0, prompt=prompt,
                   output=output, progress=False)
         before = _counters(srv)
@@ -82,9 +84,12 @@ def _point(out: Path, name: str, rnd: int, step_us: int, steps: int, rate: float
 
 
 def run(out: Path, quick: bool = False, step_us: int = 4000, steps: int = 8, load: float = 0.6,
-        rounds: int | None = None) -> dict[str, Any]:
+        rounds: int | None = None, max_inflight: int = 2) -> dict[str, Any]:
     """Each variant ``rounds`` times (A B C / C B A ...), Poisson arrivals at ``load`` of the bound
-    the timing model allows for the workload (prompt 16, output 128 at B16)."""
+    the timing model allows for the workload (prompt 16, output 128 at B16). With PING/PONG
+    (``max_inflight`` 2) a prompt finds an engine free more often (and the host's one-step jobs
+    let another engine's prefill in between two steps, the device's multi-step job does not);
+    with 1 every prompt that arrives during a run waits for it, unless it is ended early."""
     prompt, output = "16", "128"
     base, per_tok = 2000.0 * step_us / 4000.0, 20.0 * step_us / 4000.0  # sat-4k's prefill, scaled
     bound_tok_s = workload_limit(16, step_us, 16, 128, base, per_tok)
@@ -95,7 +100,7 @@ def run(out: Path, quick: bool = False, step_us: int = 4000, steps: int = 8, loa
     for rnd in range(rounds):
         order = VARIANTS if rnd % 2 == 0 else tuple(reversed(VARIANTS))
         for name in order:
-            rows.append(_point(out, name, rnd, step_us, steps, rate, duration, prompt, output))
+            rows.append(_point(out, name, rnd, step_us, steps, rate, duration, prompt, output, max_inflight))
     table = {}
     for name in VARIANTS:
         mine = [r for r in rows if r["variant"] == name]
@@ -115,7 +120,7 @@ def run(out: Path, quick: bool = False, step_us: int = 4000, steps: int = 8, loa
         for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "output_tok_s"):
             a, b = t[k], one[k]
             ratios[name][k] = a / b if a is not None and b else None
-    doc = {"step_us": step_us, "multi_step": steps, "rate_req_s": rate, "bound_tok_s": bound_tok_s,
+    doc = {"step_us": step_us, "multi_step": steps, "max_inflight": max_inflight, "rate_req_s": rate, "bound_tok_s": bound_tok_s,
            "load": load, "prompt": prompt, "output": output, "rounds": rounds,
            "by_variant": table, "vs_one_step": ratios, "rows": rows}
     write_json(out / "summary.json", doc)
@@ -128,7 +133,8 @@ def _fmt(v: Any, nd: int = 1) -> str:
 
 
 def _write_table(path: Path, doc: dict[str, Any]) -> None:
-    lines = [f"B16, {doc['step_us'] / 1000:g} ms step, multi_step {doc['multi_step']}, Poisson "
+    lines = [f"B16, {doc['step_us'] / 1000:g} ms step, max_inflight {doc.get('max_inflight', 2)}, "
+             f"multi_step {doc['multi_step']}, Poisson "
              f"{doc['rate_req_s']:.1f} req/s ({doc['load']:.0%} of {doc['bound_tok_s']:.0f} tok/s), "
              f"prompt {doc['prompt']}, output {doc['output']}, medians of {doc['rounds']} round(s)", "",
              "| variant | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | tok/s | "
@@ -148,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--multi-step", type=int, default=8)
     ap.add_argument("--load", type=float, default=0.6, help="Poisson load, share of the workload bound")
     ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--max-inflight", type=int, default=2, choices=(1, 2),
+                    help="executor.max_inflight: 2 = PING/PONG (configs/sim-next.yaml), 1 = one engine")
     ap.add_argument("--out", type=Path, default=BENCH_OUT / "multi-step-ttft")
     a = ap.parse_args(argv)
     pin_self(1)  # the load generator on core 1, the server on core 0 (as bench.scenarios)
-    doc = run(a.out, a.quick, a.step_us, a.multi_step, a.load, a.rounds)
+    doc = run(a.out, a.quick, a.step_us, a.multi_step, a.load, a.rounds, a.max_inflight)
     print((a.out / "table.md").read_text())
     return 0 if all(r["outcomes"].get("ok", 0) > 0 for r in doc["rows"]) else 1
 

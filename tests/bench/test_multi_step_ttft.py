@@ -33,4 +33,9 @@ def test_the_table(tmp_path: Path) -> None:
     _write_table(tmp_path / "t.md", doc)
     text = (tmp_path / "t.md").read_text()
     assert "| host_multi_step | 10.0 | 50.0 | 8.00 | 9.00 | – | 2600 | 6.50 | 0 | 0 |" in text
-    assert "4 ms step, multi_step 8" in text
+    assert "4 ms step, max_inflight 2, multi_step 8" in text
+
+
+def test_one_engine() -> None:
+    assert variant_config("host_multi_step", 4000, 8, max_inflight=1)["scheduler"]["executor"]["max_inflight"] == 1
+    assert variant_config("one_step", 4000, 8)["scheduler"]["executor"]["max_inflight"] == 2
