@@ -116,6 +116,7 @@ class EngineCore:
         self.st = CoreState({e: None for e in engines})
         self.stats = CoreStats()
         self.planner = Planner(cfg, models, self.requests, self.builder, self.st, self.stats)
+        self.requests.on_pending = self.planner.stop_for
         self.parking = Parking(self.requests)  # slots of streams whose client is behind
         # long streams take turns with waiting requests (engine/timeslice.py)
         sched = cfg.scheduler
@@ -151,7 +152,6 @@ class EngineCore:
         """End ``seq`` early (cancel, stop string, shutdown); idempotent, the first reason wins.
         With a job on the device the ending is applied when it drains."""
         self.requests.stop(seq, reason, error, now=now)
-        self.planner.stop_for(seq)
         return self._take()
 
     def shutdown(self, now: float, message: str | None = None) -> CoreOutput:

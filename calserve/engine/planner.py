@@ -205,12 +205,14 @@ class Planner:
                 first = (engine, job)
         if first is None or self._free_engine() is not None:
             return
-        if any(self.requests.queues(g).prefill_waiting() for g in self.models.generations.values()):
+        if any(self.requests.queues(g).prefill_waiting() for g in self.models.generations.values()
+               if serves_jobs(g.state)):
             self._stop(*first)
 
     def stop_for(self, seq: Seq) -> None:
-        """``seq`` ends early while in ``job``, a run the host drives: end the run with its step
-        in flight (its lane and admission slot come back a step later instead of its last)."""
+        """``seq`` ends early (cancel, stop string, deadline, shutdown) while in ``job``, a run
+        the host drives: end the run with its step in flight (its ending, its lane and its
+        admission slot come a step later instead of at the run's last)."""
         job = seq.inflight
         if job is None or job.steps == 1 or job.stop_asked or not job.gen.host_steps:
             return

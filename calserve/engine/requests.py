@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from calserve.core.kv_state import KvSequenceState
@@ -109,6 +110,10 @@ class RequestTable:
         # completion path. Invariant: ``rid in scoring`` <=> the request has not ended and its
         # ``score_upto`` is not None.
         self.scoring: set[int] = set()
+        # Called with a request whose ending waits for its job on the device to drain (a cancel, a
+        # stop string, a deadline, a shutdown): the core's planner ends a run the host drives
+        # with its step in flight (Planner.stop_for)
+        self.on_pending: Callable[[Seq], None] = lambda seq: None
 
     def queues(self, gen: Generation) -> GenQueues:
         q = self._queues.get(gen.id)
@@ -157,6 +162,7 @@ class RequestTable:
             seq.state = fire(seq.state, _E.CANCEL)  # a flag on a Running state: the job drains
             if seq.pending_reason is None and seq.pending_error is None:
                 seq.pending_reason, seq.pending_error = reason, error
+                self.on_pending(seq)
             return
         if seq.queued:
             seq.gen.admission.remove(seq.rid)

@@ -222,24 +222,33 @@ async def _read_once(eng: Engine, req: GenerateRequest, cancel_at: int | None) -
     return toks, terms[0]
 
 
-async def test_cancels_and_deadlines_end_once(autojump_clock: object) -> None:
+@pytest.mark.parametrize("host", [False, True], ids=["device-runs", "host-runs"])
+async def test_cancels_and_deadlines_end_once(autojump_clock: object, host: bool) -> None:
     """Many streams, a third cancelled at staggered instants while multi-step jobs run, a third with
     a deadline that passes mid-stream: each ends exactly once (cancelled / DEADLINE), the rest
-    finish as single-step would, and every lane comes back."""
-    be = FakeBackend("sim-next", seed=5, jitter_s=0.0003)
+    finish as single-step would, and every lane comes back. With runs the host drives, a deadline
+    that passes mid-run ends the run with its step in flight: the request's end comes a step (1
+    ms) after its deadline at most, not at the run's end."""
+    be = FakeBackend(HOST if host else "sim-next", seed=5, jitter_s=0.0003)
     cfg = config(batch={"profiles": [1, 4, 8, 16], "multi_step": 8}, executor={"max_inflight": 2})
     ends: dict[int, Any] = {}
+    late: list[float] = []
     async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(eos=EOS)}) as eng:
         async def one(i: int) -> None:
+            deadline = 0.15 + 0.002 * i if i % 3 == 1 else None
             req = GenerateRequest((i + 1, 9), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
-                                  deadline_s=0.15 + 0.002 * i if i % 3 == 1 else None)
+                                  deadline_s=deadline)
+            t0 = trio.current_time()
             toks, term = await _read_once(eng, req, 5 + i if i % 3 == 0 else None)
             ends[i] = (len(toks), term)
+            if deadline is not None:
+                late.append(trio.current_time() - t0 - deadline)
 
         async with trio.open_nursery() as nursery:
             for i in range(30):
                 nursery.start_soon(one, i)
         await _lanes_back(eng)
+        stats = eng.statistics()
     for i, (n, term) in ends.items():
         if i % 3 == 0:
             assert isinstance(term, FinishEvent) and term.reason is FinishReason.CANCELLED, term
@@ -248,6 +257,11 @@ async def test_cancels_and_deadlines_end_once(autojump_clock: object) -> None:
             assert n < 200
         else:
             assert isinstance(term, FinishEvent) and term.reason is FinishReason.LENGTH and n == 200
+    if host:
+        assert stats.decode_runs_stopped_total >= 10, stats.decode_runs_stopped_total
+        assert max(late) <= 0.0015, late  # a 1 ms step (+ the fake device's jitter)
+    else:
+        assert stats.decode_runs_stopped_total == 0
 
 
 async def test_without_the_capability_one_step_a_job(autojump_clock: object) -> None:
