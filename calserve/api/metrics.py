@@ -126,8 +126,8 @@ class EngineCollector(Collector):
                         "batch of the ready set)", "how",
                         with_known(s.decided_early_total, ("continuation", "rotation")))
         yield _c("calserve_decode_runs_stopped", "Multi-step decodes driven by the host asked to end "
-                 "with their step in flight: a prompt or a newly ready sequence waited for them, "
-                 "or one of theirs ended early", s.decode_runs_stopped_total)
+                 "with their step in flight: a prompt waited for them, or one of their requests "
+                 "ended early", s.decode_runs_stopped_total)
         yield _c("calserve_decode_steps_cut", "Device steps those stopped runs did not run",
                  s.decode_steps_cut_total)
         # KV

@@ -222,7 +222,7 @@ class DeviceJob:
     # ... and each sequence's own steps (in ``seqs`` order; None: every one ``steps``)
     seq_steps: list[int] | None = None
     # decode driven by the host: the core asked the run to end with its step in flight
-    # (Planner.stop_runs); its result may then have fewer steps (batches.cut_short)
+    # (Planner.stop_runs, stop_for); its result may then have fewer steps (JobBuilder.ran_short)
     stop_asked: bool = False
     # Derived once at construction (the hot path reads them several times per step):
     # Invariant: seqs == the non-None lanes in lane order; active == their lane indices (ascending).

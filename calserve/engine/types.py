@@ -284,8 +284,9 @@ class EngineStatistics:
     # decode jobs decided before their predecessor's bookkeeping (engine/core.py fast_decode):
     # "continuation" (the same sequences) or "rotation" (engine/rotation.py: another ready batch)
     decided_early_total: dict[str, int] = dataclasses.field(default_factory=dict)
-    # host-driven multi-step decodes asked to end early because other work waited for them
-    # (engine/planner.py stop_runs), and the device steps that saved
+    # host-driven multi-step decodes asked to end early because a prompt waited for them or one
+    # of their requests ended early (engine/planner.py stop_runs, stop_for), and the device
+    # steps that saved
     decode_runs_stopped_total: int = 0
     decode_steps_cut_total: int = 0
 

@@ -493,8 +493,7 @@ class FakeBackend:
         for e in JobEngine:
             self._engine_free_at[e] = now
         self._shared_free_at = now
-        ev, self._reset_event = self._reset_event, trio.Event()
-        ev.set()
+        self._wake_waits()
 
     @property
     def needs_reconfigure(self) -> bool:
@@ -591,11 +590,16 @@ class FakeBackend:
             if ran >= job.steps:
                 continue
             job.ran = ran
+            end = job.started_at + ran * step_s
             if self._engine_free_at[engine] == job.complete_at:  # nothing queued behind it
-                self._engine_free_at[engine] = job.started_at + ran * step_s
-            job.complete_at = job.started_at + ran * step_s
-            ev, self._reset_event = self._reset_event, trio.Event()
-            ev.set()  # its waiter looks at the new completion time
+                self._engine_free_at[engine] = end
+            job.complete_at = end
+            self._wake_waits()  # its waiter looks at the new completion time
+
+    def _wake_waits(self) -> None:
+        """Every wait looks at its job again (a reset ended it, a stop moved its end)."""
+        ev, self._reset_event = self._reset_event, trio.Event()
+        ev.set()
 
     async def _wait(self, job: _Job, timeout_s: float) -> JobResult | None:
         deadline = trio.current_time() + timeout_s
