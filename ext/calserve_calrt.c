@@ -714,13 +714,16 @@ static PyObject *Calbin_submit_decode(CalbinObject *self, PyObject *args) {
   return submit_job(self, job, engine);
 }
 
-/* submit_decode_host(seq_ids, tokens, positions, valid, engine, steps, lane_steps): a multi-step greedy
- * decode driven by the host (host_steps.h): `steps` one-step jobs back to back on `engine`, each lane's
- * argmax fed back in C by the thread that waits. Any runtime: calrt.h's core API only. */
+/* submit_decode_host(seq_ids, tokens, positions, valid, engine, steps[, lane_steps[, end_off, end_ids,
+ * end_from]]): a multi-step greedy decode driven by the host (host_steps.h): `steps` one-step jobs back
+ * to back on `engine`, each lane's argmax fed back in C by the thread that waits. Any runtime: calrt.h's
+ * core API only. end_off (int32, lanes + 1), end_ids (int32) and end_from (int32, lanes, or None): each
+ * lane's end tokens (hs_start_ends). */
 static PyObject *Calbin_submit_decode_host(CalbinObject *self, PyObject *args) {
-  PyObject *o[5] = {NULL, NULL, NULL, NULL, Py_None};
+  PyObject *o[5] = {NULL, NULL, NULL, NULL, Py_None}, *eo = Py_None, *ei = Py_None, *ef = Py_None;
   int engine, steps;
-  if (!PyArg_ParseTuple(args, "OOOOii|O", &o[0], &o[1], &o[2], &o[3], &engine, &steps, &o[4])) return NULL;
+  if (!PyArg_ParseTuple(args, "OOOOii|OOOO", &o[0], &o[1], &o[2], &o[3], &engine, &steps, &o[4], &eo, &ei, &ef))
+    return NULL;
   NEED_CB(self);
   if (steps < 1 || steps > CALRT_MAX_DECODE_STEPS)
     return raise_code(CALRT_E_INVALID_ARGUMENT, "steps: must be in [1, CALRT_MAX_DECODE_STEPS]");
@@ -734,14 +737,45 @@ static PyObject *Calbin_submit_decode_host(CalbinObject *self, PyObject *args) {
       decode_in_release(&in);
       return raise_code(CALRT_E_INVALID_ARGUMENT, "lane_steps: each valid lane's must be in [1, steps]");
     }
+  Py_buffer eb[3];
+  int held = 0;
+  if (eo != Py_None) { /* end_off [lanes + 1], end_ids [any], end_from [lanes] or None */
+    if (ei == Py_None || as_i32(eo, &eb[0], self->lanes + 1, "end_off") < 0) goto bad_ends;
+    held = 1;
+    if (as_i32(ei, &eb[1], -1, "end_ids") < 0) goto bad_ends;
+    held = 2;
+    if (ef != Py_None) {
+      if (as_i32(ef, &eb[2], self->lanes, "end_from") < 0) goto bad_ends;
+      held = 3;
+    }
+    int ok = eb[0].itemsize == 4 && eb[1].itemsize == 4 && (held < 3 || eb[2].itemsize == 4);
+    const int32_t *off = eb[0].buf;
+    ok = ok && off[0] == 0 && (Py_ssize_t)off[self->lanes] <= eb[1].len / 4;
+    for (Py_ssize_t l = 0; ok && l < self->lanes; l++) ok = off[l + 1] >= off[l];
+    for (Py_ssize_t l = 0; ok && held == 3 && l < self->lanes; l++) ok = ((const int32_t *)eb[2].buf)[l] >= 0;
+    if (!ok) {
+      PyErr_SetString(PyExc_ValueError, "end_off/end_ids/end_from: int32 offsets from 0, non-decreasing, within "
+                      "end_ids; end_from >= 0");
+      goto bad_ends;
+    }
+  }
   hs_run *run = NULL;
   calrt_status st;
   char msg[256];
-  Py_BEGIN_ALLOW_THREADS st = hs_start(self->cb, (calrt_engine)engine, DECODE_ARGS(in), self->lanes, steps, ls, &run);
+  const int32_t *e_off = held ? eb[0].buf : NULL, *e_ids = held ? eb[1].buf : NULL,
+                *e_from = held == 3 ? eb[2].buf : NULL;
+  Py_BEGIN_ALLOW_THREADS st = hs_start_ends(self->cb, (calrt_engine)engine, DECODE_ARGS(in), self->lanes, steps, ls,
+                                            e_off, e_ids, e_from, &run);
   snprintf(msg, sizeof msg, "%s", calrt_last_error());
   Py_END_ALLOW_THREADS decode_in_release(&in);
+  for (int i = 0; i < held; i++) PyBuffer_Release(&eb[i]);
   if (st) return raise_code(st, msg);
   return job_object(self, NULL, run);
+bad_ends:
+  for (int i = 0; i < held; i++) PyBuffer_Release(&eb[i]);
+  decode_in_release(&in);
+  if (eo != Py_None && ei == Py_None) PyErr_SetString(PyExc_ValueError, "end_off without end_ids");
+  return NULL;
 }
 
 static PyObject *Calbin_get_id(CalbinObject *self, void *c) { return PyLong_FromLong(self->id); }
@@ -767,7 +801,8 @@ static PyMethodDef Calbin_methods[] = {
      "submit_prefill_all(seq, tokens, engine): a prefill returning every position's logits (C3-style)."},
     {"submit_decode", (PyCFunction)Calbin_submit_decode, METH_VARARGS, ""},
     {"submit_decode_host", (PyCFunction)Calbin_submit_decode_host, METH_VARARGS,
-     "submit_decode_host(seq_ids, tokens, positions, valid, engine, steps[, lane_steps]): host-driven multi-step."},
+     "submit_decode_host(seq_ids, tokens, positions, valid, engine, steps[, lane_steps[, end_off, end_ids, "
+     "end_from]]): host-driven multi-step."},
     {NULL}};
 
 /* ------------------------------------------------------------------ Job */
@@ -854,6 +889,18 @@ static PyObject *Job_stop(JobObject *self, PyObject *noargs) {
   if (self->run) hs_stop(self->run);
   return PyBool_FromLong(self->run != NULL);
 }
+/* lane_steps() -> None, or int32 [lanes] (a copy): each lane's steps run, when a host-driven run ended
+ * a lane short of its steps (an end token, stop()); None for any other job or outcome. */
+static PyObject *Job_lane_steps(JobObject *self, PyObject *noargs) {
+  if (!self->run || !hs_short(self->run)) Py_RETURN_NONE;
+  npy_intp d[1] = {0};
+  calrt_job_result r;
+  if (hs_result(self->run, &r, NULL) != CALRT_OK) Py_RETURN_NONE;
+  d[0] = r.lanes;
+  PyObject *a = PyArray_SimpleNew(1, d, NPY_INT32);
+  if (a) memcpy(PyArray_DATA((PyArrayObject *)a), hs_lane_steps(self->run), sizeof(int32_t) * (size_t)r.lanes);
+  return a;
+}
 static PyObject *Job_get_id(JobObject *self, void *c) { return PyLong_FromLongLong(self->id); }
 
 static PyMethodDef Job_methods[] = {
@@ -862,6 +909,8 @@ static PyMethodDef Job_methods[] = {
     {"submitted", (PyCFunction)Job_submitted, METH_NOARGS, "Device jobs submitted (a host-driven run: its steps so far)."},
     {"step_tokens", (PyCFunction)Job_step_tokens, METH_NOARGS, "A multi-step decode's tokens [lanes, steps]."},
     {"stop", (PyCFunction)Job_stop, METH_NOARGS, "End a host-driven run with its step in flight."},
+    {"lane_steps", (PyCFunction)Job_lane_steps, METH_NOARGS,
+     "A host-driven run's steps per lane when a lane ran short (end token, stop); else None."},
     {NULL}};
 static PyGetSetDef Job_getset[] = {{"job_id", (getter)Job_get_id, NULL, "job id", NULL}, {NULL}};
 

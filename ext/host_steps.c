@@ -14,11 +14,15 @@ struct hs_run {
   int32_t lanes, steps, vocab;
   int32_t k;         /* the step `cur` runs */
   int32_t submitted; /* steps submitted so far */
-  int32_t ran;       /* the steps the run's lanes ran, at most: `steps`, or fewer once stopped */
+  int32_t ran;       /* the steps the run's lanes ran, at most: `steps`, or fewer once ended early */
+  int short_;        /* a valid lane ran fewer steps than asked (an end token, hs_stop) */
   int64_t id;        /* the first step's job id: the run's */
   /* the step in flight's inputs; valid[l] is cleared once lane l ran its steps */
   int32_t *seq_ids, *tokens, *positions, *lane_steps, *step_tokens;
   uint8_t *valid;
+  /* hs_start_ends: lane l's end tokens end_ids[end_off[l] .. end_off[l + 1]), from its step
+   * end_from[l] on (NULL: none) */
+  int32_t *end_off, *end_ids, *end_from;
   /* the run's outputs, per lane its last step's */
   float *logits;
   int64_t *echo;
@@ -55,6 +59,7 @@ void hs_free(hs_run *r) {
   pthread_mutex_destroy(&r->mu);
   free(r->seq_ids); free(r->tokens); free(r->positions); free(r->lane_steps); free(r->step_tokens);
   free(r->valid); free(r->logits); free(r->echo); free(r->checksum);
+  free(r->end_off); free(r->end_ids); free(r->end_from);
   free(r);
 }
 
@@ -101,19 +106,32 @@ static int lane_ok(const hs_run *r, const calrt_job_result *res, int32_t l) {
   return calrt_checksum(row, sizeof(float) * (size_t)res->vocab) == res->checksum[l];
 }
 
+/* The run ran `ran` < steps steps (mu held): the step tokens are compacted to [lanes, ran]. */
+static void compact(hs_run *r, int32_t ran) {
+  for (int32_t l = 1; l < r->lanes; l++) /* row l moves down to l * ran (never past its own start) */
+    memmove(r->step_tokens + (size_t)l * (size_t)ran, r->step_tokens + (size_t)l * (size_t)r->steps,
+            sizeof(int32_t) * (size_t)ran);
+  r->ran = ran;
+}
+
 /* End the run after its step `ran - 1`, whose result is `res` (mu held): each lane still running
- * takes that step's outputs as its last, and the step tokens are compacted to [lanes, ran]. */
+ * takes that step's outputs as its last. */
 static void cut(hs_run *r, int32_t ran, const calrt_job_result *res) {
   for (int32_t l = 0; l < r->lanes; l++)
     if (r->valid[l]) {
       take_lane(r, res, l, r->id);
       r->valid[l] = 0;
+      if (ran < r->lane_steps[l]) r->short_ = 1;
       r->lane_steps[l] = ran;
     }
-  for (int32_t l = 1; l < r->lanes; l++) /* row l moves down to l * ran (never past its own start) */
-    memmove(r->step_tokens + (size_t)l * (size_t)ran, r->step_tokens + (size_t)l * (size_t)r->steps,
-            sizeof(int32_t) * (size_t)ran);
-  r->ran = ran;
+}
+
+/* Whether `tok`, lane l's token of step k, ends it (one of its end tokens, from its end_from on). */
+static int ends_lane(const hs_run *r, int32_t l, int32_t k, int32_t tok) {
+  if (!r->end_off || k < r->end_from[l]) return 0;
+  for (int32_t i = r->end_off[l]; i < r->end_off[l + 1]; i++)
+    if (r->end_ids[i] == tok) return 1;
+  return 0;
 }
 
 /* The step in flight completed: take its outputs, then submit the next step or finish (mu held). */
@@ -142,9 +160,14 @@ static void step_done(hs_run *r) {
     }
     const int32_t tok = argmax_row(res.logits + (size_t)l * (size_t)r->vocab, r->vocab);
     r->step_tokens[(size_t)l * (size_t)S + (size_t)k] = tok;
-    if (k + 1 >= r->lane_steps[l]) { /* its last step */
+    const int end = k + 1 < r->lane_steps[l] && ends_lane(r, l, k, tok);
+    if (end || k + 1 >= r->lane_steps[l]) { /* its last step */
       take_lane(r, &res, l, r->id);
       r->valid[l] = 0;
+      if (end) {
+        r->lane_steps[l] = k + 1;
+        r->short_ = 1;
+      }
     } else {
       r->tokens[l] = tok;
       r->positions[l] += 1;
@@ -155,6 +178,7 @@ static void step_done(hs_run *r) {
     cut(r, k + 1, &res);
     more = 0;
   }
+  if (!more && k + 1 < S) compact(r, k + 1); /* ended early: every lane ran its last step */
   calrt_job_release(r->cur); /* (after the last use of res: its buffers are the job's) */
   r->cur = NULL;
   if (!more) {
@@ -168,11 +192,25 @@ static void step_done(hs_run *r) {
 calrt_status hs_start(calrt_calbin *cb, calrt_engine engine, const int32_t *seq_ids, const int32_t *tokens,
                       const int32_t *positions, const uint8_t *valid, int32_t lanes, int32_t steps,
                       const int32_t *lane_steps, hs_run **out) {
+  return hs_start_ends(cb, engine, seq_ids, tokens, positions, valid, lanes, steps, lane_steps, NULL, NULL, NULL,
+                       out);
+}
+
+calrt_status hs_start_ends(calrt_calbin *cb, calrt_engine engine, const int32_t *seq_ids, const int32_t *tokens,
+                           const int32_t *positions, const uint8_t *valid, int32_t lanes, int32_t steps,
+                           const int32_t *lane_steps, const int32_t *end_off, const int32_t *end_ids,
+                           const int32_t *end_from, hs_run **out) {
   if (!cb || !seq_ids || !tokens || !positions || !valid || !out || lanes <= 0 || steps < 1 ||
       steps > CALRT_MAX_DECODE_STEPS)
     return CALRT_E_INVALID_ARGUMENT;
   for (int32_t l = 0; l < lanes; l++)
     if (valid[l] && lane_steps && (lane_steps[l] < 1 || lane_steps[l] > steps)) return CALRT_E_INVALID_ARGUMENT;
+  if (end_off) {
+    if (end_off[0] != 0) return CALRT_E_INVALID_ARGUMENT;
+    for (int32_t l = 0; l < lanes; l++)
+      if (end_off[l + 1] < end_off[l] || (end_from && end_from[l] < 0)) return CALRT_E_INVALID_ARGUMENT;
+    if (end_off[lanes] > 0 && !end_ids) return CALRT_E_INVALID_ARGUMENT;
+  }
   calrt_calbin_info info;
   calrt_status st = calrt_calbin_info_get(cb, &info);
   if (st != CALRT_OK) return st;
@@ -204,7 +242,20 @@ calrt_status hs_start(calrt_calbin *cb, calrt_engine engine, const int32_t *seq_
   memcpy(r->tokens, tokens, sizeof(int32_t) * n);
   memcpy(r->positions, positions, sizeof(int32_t) * n);
   memcpy(r->valid, valid, n);
-  for (size_t l = 0; l < n; l++) r->lane_steps[l] = lane_steps ? lane_steps[l] : steps;
+  for (size_t l = 0; l < n; l++) r->lane_steps[l] = !valid[l] ? 0 : lane_steps ? lane_steps[l] : steps;
+  if (end_off) {
+    const size_t m = (size_t)end_off[lanes];
+    r->end_off = malloc(sizeof(int32_t) * (n + 1));
+    r->end_ids = malloc(sizeof(int32_t) * (m ? m : 1));
+    r->end_from = calloc(n, sizeof(int32_t));
+    if (!r->end_off || !r->end_ids || !r->end_from) {
+      hs_free(r);
+      return CALRT_E_HOST_OOM;
+    }
+    memcpy(r->end_off, end_off, sizeof(int32_t) * (n + 1));
+    if (m) memcpy(r->end_ids, end_ids, sizeof(int32_t) * m);
+    if (end_from) memcpy(r->end_from, end_from, sizeof(int32_t) * n);
+  }
   st = submit_step(r);
   if (st != CALRT_OK) {
     hs_free(r);
@@ -272,3 +323,7 @@ int32_t hs_submitted(const hs_run *r) { return r->submitted; }
 void hs_stop(hs_run *r) { atomic_store(&r->stop, 1); }
 
 int32_t hs_steps_run(const hs_run *r) { return atomic_load(&r->finished) ? r->ran : r->steps; }
+
+const int32_t *hs_lane_steps(const hs_run *r) { return atomic_load(&r->finished) ? r->lane_steps : NULL; }
+
+int hs_short(const hs_run *r) { return atomic_load(&r->finished) && r->short_; }

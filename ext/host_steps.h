@@ -47,6 +47,17 @@ typedef struct hs_run hs_run;
 calrt_status hs_start(calrt_calbin *cb, calrt_engine engine, const int32_t *seq_ids, const int32_t *tokens,
                       const int32_t *positions, const uint8_t *valid, int32_t lanes, int32_t steps,
                       const int32_t *lane_steps, hs_run **out);
+/* hs_start, and each valid lane l ends early on one of its end tokens: end_ids[end_off[l] ..
+ * end_off[l + 1]) (end_off: lanes + 1 offsets from 0, non-decreasing; NULL: no lane has any), once its
+ * step k >= end_from[l] (NULL: from its first step). A lane whose step's argmax is one of them ends
+ * with that step, as if its lane_steps had been k + 1: it is not submitted again, its outputs are
+ * that step's. The run ends when no lane runs any more (hs_steps_run then counts the steps it ran).
+ * The engine's use: a request ends on its EOS or a stop token, and its client is waiting for its
+ * last event; without this the run's other steps run for nothing (host_steps.c). */
+calrt_status hs_start_ends(calrt_calbin *cb, calrt_engine engine, const int32_t *seq_ids, const int32_t *tokens,
+                           const int32_t *positions, const uint8_t *valid, int32_t lanes, int32_t steps,
+                           const int32_t *lane_steps, const int32_t *end_off, const int32_t *end_ids,
+                           const int32_t *end_from, hs_run **out);
 /* Drive the run until it finished (CALRT_OK, *status its status) or timeout_us passed (< 0: no
  * limit; CALRT_E_TIMEOUT: a step is still in flight, call again). */
 calrt_status hs_wait(hs_run *r, int64_t timeout_us, calrt_job_status *status);
@@ -64,10 +75,15 @@ int32_t hs_submitted(const hs_run *r);
  * the run as always. The engine's use: a prompt waits for its prefill, or a sequence of the batch
  * was cancelled, while the run still had steps to go. */
 void hs_stop(hs_run *r);
-/* Once finished, the steps the run's lanes ran at most: hs_steps, or fewer after hs_stop. The step
- * tokens are then [lanes, hs_steps_run] (each lane's own steps: min(its lane_steps, that)). Before it
- * finished: hs_steps. */
+/* Once finished, the steps the run's lanes ran at most: hs_steps, or fewer after hs_stop or when every
+ * lane ended on an end token before. The step tokens are then [lanes, hs_steps_run], zeros after a
+ * lane's own steps (hs_lane_steps). Before it finished: hs_steps. */
 int32_t hs_steps_run(const hs_run *r);
+/* Once finished, each lane's steps run ([lanes]; 0 for a lane not valid at the start): its lane_steps,
+ * or fewer when it ended on an end token or the run was stopped. NULL before it finished. */
+const int32_t *hs_lane_steps(const hs_run *r);
+/* Once finished: 1 when a valid lane ran fewer steps than its lane_steps (an end token, hs_stop). */
+int hs_short(const hs_run *r);
 void hs_free(hs_run *r);
 
 #ifdef __cplusplus

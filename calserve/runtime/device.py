@@ -259,6 +259,7 @@ class Calbin:
         steps: int = 1,
         lane_steps: Sequence[int] | np.ndarray | None = None,
         host: bool = False,
+        ends: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None,
     ) -> Job:
         """Submit one decode step over the compiled batch (all arrays of length ``compiled_batch``).
 
@@ -282,6 +283,13 @@ class Calbin:
         lane's last step's logits, echo and checksum (the echo naming this job's id), the tokens
         ``[compiled_batch, steps]``. Each step's output is checked before its tokens are fed back;
         a step that fails the check or does not complete OK ends the job there (``host_steps.h``).
+        ``ends`` (host runs only): ``(end_off, end_ids, end_from)``, each lane's end tokens
+        ``end_ids[end_off[i]:end_off[i + 1]]`` (``end_off``: ``compiled_batch + 1`` offsets from 0)
+        counted from its step ``end_from[i]`` on (None: from its first): a lane whose argmax is
+        one of them ends with that step (its steps, KV and outputs those of that many steps), and
+        the job ends once no lane runs (``step_tokens`` then ``[compiled_batch, steps run]``). The
+        result's ``lane_steps`` then gives each lane's steps run (None when every lane ran all of
+        its own).
         """
         b = self.spec.compiled_batch
         s = _i32("seq_ids", seq_ids, b)
@@ -296,8 +304,20 @@ class Calbin:
             raise NotSupported("steps: multi-step decode needs the runtime capability multi_step "
                                "(C3-style, sim-next only)", 2)
         ls = None if lane_steps is None else _i32("lane_steps", lane_steps, b)
-        submit = self._h.submit_decode_host if host else self._h.submit_decode
-        return Job(call(submit, s, t, p, v, int(engine), int(steps), ls), engine, self.chip, int(steps), host=host)
+        if not host:
+            if ends is not None:
+                raise NotSupported("ends: only a host-driven multi-step decode (host=True) ends lanes on "
+                                   "their tokens", 2)
+            return Job(call(self._h.submit_decode, s, t, p, v, int(engine), int(steps), ls), engine, self.chip,
+                       int(steps))
+        if ends is None:
+            h = call(self._h.submit_decode_host, s, t, p, v, int(engine), int(steps), ls)
+        else:
+            off, ids, frm = ends
+            h = call(self._h.submit_decode_host, s, t, p, v, int(engine), int(steps), ls,
+                     _i32("end_off", off, b + 1), _i32("end_ids", ids, None),
+                     None if frm is None else _i32("end_from", frm, b))
+        return Job(h, engine, self.chip, int(steps), host=True)
 
     def __repr__(self) -> str:
         return f"Calbin(id={self.calbin_id}, chip={self.chip}, B={self.spec.compiled_batch})"

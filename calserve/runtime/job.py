@@ -61,6 +61,7 @@ class Job:
             checksum=checksum,
             device_us=float(device_us),
             step_tokens=self._h.step_tokens() if self.steps > 1 else None,
+            lane_steps=self._h.lane_steps() if self.host else None,
         )
         return self._result
 

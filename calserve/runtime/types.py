@@ -36,6 +36,7 @@ __all__ = [
     "Timing",
     "ProfileSpec",
     "JobResult",
+    "RunEnds",
     "EngineCounters",
     "CalrtError",
     "DeviceAlreadyOpen",
@@ -181,6 +182,16 @@ class JobResult:
     # a multi-step decode (submit_decode(steps=N > 1)): int32 [lanes, N], lane l's token k the argmax
     # of step k's logits; logits/echo/checksum are then the last step's. None for any other job.
     step_tokens: np.ndarray | None = None
+    # a host-driven multi-step decode where a lane ran short of its own steps (it ended on one of its
+    # end tokens, or the run was stopped): int32 [lanes], each lane's steps run (0: not valid).
+    # None for any other job, and when every lane ran all of its own steps.
+    lane_steps: np.ndarray | None = None
+
+
+#: A host-driven multi-step decode's end tokens (``Device.submit_decode(ends=...)``): ``(end_off,
+#: end_ids, end_from)``, int32 arrays: lane i's ``end_ids[end_off[i]:end_off[i + 1]]``, counted from
+#: its step ``end_from[i]`` on (None: from its first)
+RunEnds = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from calserve.runtime import Calbin, Device, InvalidArgument, JobEngine, JobStatus, ProfileSpec, Timing
+from calserve.runtime import Calbin, Device, InvalidArgument, JobEngine, JobStatus, NotSupported, ProfileSpec, Timing
 from calserve.runtime import WaitTimeout, verify_lanes
 from calserve.runtime.reference import ModelConfig, random_weights
 
@@ -155,3 +155,71 @@ def test_stop_ends_a_run_with_its_step_in_flight(next_device: Device, small_weig
     one = cb.submit_decode([s for s, _ in host] + [0], last + [0],
                            [p + n for p, n in zip(pos, cut)] + [0], valid)
     assert one.stop() is False and one.wait(30).status is JobStatus.OK
+
+
+def test_lanes_end_on_their_end_tokens(next_device: Device, small_weights: dict) -> None:
+    """``ends``: a lane whose argmax is one of its end tokens (from its ``end_from`` step on) ends
+    with that step: its steps, KV, last row and echo are a run of that many steps', and the run
+    ends once no lane runs (``step_tokens`` ``[lanes, steps run]``, one device job a step). The
+    result's ``lane_steps`` says each lane's steps run; None when no lane ran short."""
+    cb = next_device.load_calbin(SMALL, small_weights, ProfileSpec(4, 48, 24))
+    prompts = [[3, 9, 27], [5, 1, 50, 7, 7], [60, 2]]
+    pos = [len(p) for p in prompts] + [0]
+    valid = [True, True, True, False]
+    full = [_prefill(cb, p) for p in prompts]  # the reference: 8 greedy steps each
+    want = cb.submit_decode([s for s, _ in full] + [0], [t for _, t in full] + [0], pos, valid,
+                            steps=8, host=True).wait(30)
+    assert want.step_tokens is not None
+    w = want.step_tokens[:3].tolist()
+    # lane 0 ends on its step-1 token; lane 1's end token counts from step 4 on; lane 2: none.
+    # Case 2: lane 2 ends on its step-2 token and lane 1 at its own lane_steps (3): the run stops
+    # after the last of them.
+    for case in (1, 2):
+        ids = [[w[0][1], 10_000], [w[1][4]] if case == 1 else [], [w[2][2]] if case == 2 else [], [w[0][0]]]
+        frm = [0, 4 if case == 1 else 0, 0, 0]
+        lane_steps = [8, 8 if case == 1 else 3, 8, 1]
+        per = []
+        for i in range(3):
+            n = lane_steps[i]
+            for k in range(frm[i], n):
+                if w[i][k] in ids[i]:
+                    n = k + 1
+                    break
+            per.append(n)
+        most = max(per)
+        assert per[0] <= 2 and (most == 8 if case == 1 else most < 8)
+        off = np.cumsum([0] + [len(x) for x in ids]).astype(np.int32)
+        host = [_prefill(cb, p) for p in prompts]
+        ref = [_prefill(cb, p) for p in prompts]
+        before = _submitted(next_device)
+        job = cb.submit_decode([s for s, _ in host] + [0], [t for _, t in host] + [0], pos, valid, steps=8,
+                               lane_steps=lane_steps, host=True,
+                               ends=(off, np.array([t for x in ids for t in x], np.int32),
+                                     np.array(frm, np.int32)))
+        r = job.wait(30)
+        assert r.status is JobStatus.OK and job.submitted() == most == _submitted(next_device) - before
+        assert r.lane_steps is not None and r.lane_steps[:3].tolist() == per and r.lane_steps[3] == 0
+        assert r.step_tokens is not None and r.step_tokens.shape == (4, most)
+        assert [r.step_tokens[i, :n].tolist() for i, n in enumerate(per)] == [w[i][:n] for i, n in enumerate(per)]
+        assert all(not r.step_tokens[i, n:].any() for i, n in enumerate(per))
+        assert [cb.committed_len(s) for s, _ in host] == [p + n for p, n in zip(pos, per)]
+        assert verify_lanes(r, r.job_id, range(3), [(s, p + n - 1) for (s, _), p, n in zip(host, pos, per)]) == []
+        solo = cb.submit_decode([s for s, _ in ref] + [0], [t for _, t in ref] + [0], pos, valid, steps=most,
+                                lane_steps=per + [1], host=True).wait(30)
+        assert np.array_equal(r.logits[:3], solo.logits[:3]) and np.array_equal(r.checksum, solo.checksum)
+    # none drawn: nothing short
+    s, t = _prefill(cb, prompts[0])
+    r = cb.submit_decode([s, 0, 0, 0], [t, 0, 0, 0], [3, 0, 0, 0], [True, False, False, False], steps=4,
+                         host=True, ends=(np.array([0, 1, 1, 1, 1], np.int32), np.array([-5], np.int32), None)
+                         ).wait(30)
+    assert r.lane_steps is None and r.step_tokens is not None and r.step_tokens.shape == (4, 4)
+    # refusals: ends on a device job; offsets that are not offsets
+    with pytest.raises(NotSupported, match="ends"):
+        cb.submit_decode([s, 0, 0, 0], [t, 0, 0, 0], [7, 0, 0, 0], [True, False, False, False], steps=2,
+                         ends=(np.zeros(5, np.int32), np.zeros(0, np.int32), None))
+    with pytest.raises(ValueError, match="end_off"):
+        cb.submit_decode([s, 0, 0, 0], [t, 0, 0, 0], [7, 0, 0, 0], [True, False, False, False], steps=2,
+                         host=True, ends=(np.array([0, 2, 1, 1, 1], np.int32), np.zeros(2, np.int32), None))
+    with pytest.raises(ValueError, match="end_off"):
+        cb.submit_decode([s, 0, 0, 0], [t, 0, 0, 0], [7, 0, 0, 0], [True, False, False, False], steps=2,
+                         host=True, ends=(np.array([0, 1, 1, 1, 3], np.int32), np.zeros(2, np.int32), None))

@@ -8,7 +8,7 @@
  * fault, a crosstalk, a refused submit, a hang ended by a reset from another thread); hs_poll
  * driving a run alone and beside a thread blocked in hs_wait (TSan's case); hs_stop: a run stopped
  * after its m-th step gives what a run of m steps gives (each lane min(its steps, m)), also from
- * another thread while one waits. */
+ * another thread while one waits; hs_start_ends: lanes that end on their end tokens. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
@@ -342,6 +342,128 @@ static void stopping(calrt_device *dev, test_model *tm) {
   CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
 }
 
+/* hs_start_ends: a lane ends on its first end token from its end_from on (its steps, KV and outputs
+ * are a run of that many steps'); the run ends once no lane runs, with the step tokens compacted to
+ * the steps it ran. */
+static void ending(calrt_device *dev, test_model *tm) {
+  calrt_calbin *cb = test_calbin(dev, tm, 4, 64, 16, 0);
+  const int32_t prompts[3][4] = {{3, 9, 27, 20}, {5, 1, 50, 7}, {60, 2, 2, 11}};
+  const int lane_of[3] = {0, 1, 3}, S = 8;
+  /* the arguments are checked */
+  {
+    int32_t s = 0, t = 0, p = 0, off[2] = {1, 1}, ids[1] = {0}, from = -1;
+    uint8_t one = 1;
+    hs_run *h;
+    CHECK(hs_start_ends(cb, CALRT_ENGINE_PING, &s, &t, &p, &one, 1, 2, NULL, off, ids, NULL, &h) ==
+          CALRT_E_INVALID_ARGUMENT);
+    off[0] = 0;
+    off[1] = -1;
+    CHECK(hs_start_ends(cb, CALRT_ENGINE_PING, &s, &t, &p, &one, 1, 2, NULL, off, ids, NULL, &h) ==
+          CALRT_E_INVALID_ARGUMENT);
+    off[1] = 1;
+    CHECK(hs_start_ends(cb, CALRT_ENGINE_PING, &s, &t, &p, &one, 1, 2, NULL, off, ids, &from, &h) ==
+          CALRT_E_INVALID_ARGUMENT);
+    CHECK(hs_start_ends(cb, CALRT_ENGINE_PING, &s, &t, &p, &one, 1, 2, NULL, off, NULL, NULL, &h) ==
+          CALRT_E_INVALID_ARGUMENT);
+  }
+  /* case 0: lane 0 ends on its step-2 token, lane 1 on its step-5 token counted from step 5 only,
+   * lane 3 has none (runs all S): the run runs S steps. Case 1: every lane ends early (lane 3 on its
+   * step-3 token, lane 1 on its own lane_steps of 2): the run ends with its last lane. */
+  for (int c = 0; c < 2; c++) {
+    int32_t sh[4] = {-1, -1, -1, -1}, sr[4] = {-1, -1, -1, -1}, sq[4] = {-1, -1, -1, -1};
+    int32_t tok_h[4] = {0}, tok_r[4] = {0}, tok_q[4] = {0}, pos[4] = {0};
+    uint8_t valid[4] = {0};
+    for (int i = 0; i < 3; i++) {
+      const int L = lane_of[i];
+      sh[L] = test_prefilled(cb, prompts[i], 4, &tok_h[L]);
+      sr[L] = test_prefilled(cb, prompts[i], 4, &tok_r[L]);
+      sq[L] = test_prefilled(cb, prompts[i], 4, &tok_q[L]);
+      pos[L] = 4;
+      valid[L] = 1;
+    }
+    int32_t full[4] = {S, S, 0, S}, want[4][64], want2[4][64];
+    float last[4][V];
+    reference(cb, 4, sr, tok_r, pos, valid, full, S, want, last); /* every lane's S greedy tokens */
+    int32_t ls[4] = {S, c ? 2 : S, 0, S};
+    int32_t off[5], ids[8], from[4] = {0, c ? 0 : 5, 0, 0}, n = 0;
+    off[0] = 0;
+    ids[n++] = want[0][2];
+    ids[n++] = -7; /* never drawn */
+    off[1] = n;
+    if (!c) ids[n++] = want[1][5];
+    off[2] = n;
+    ids[n++] = want[1][1]; /* lane 2 is invalid: its ends are never looked at */
+    off[3] = n;
+    if (c) ids[n++] = want[3][3];
+    off[4] = n;
+    /* each lane's expected steps: its first end token at or after its end_from, else its lane_steps */
+    int32_t steps_of[4] = {0, 0, 0, 0}, most = 0;
+    for (int l = 0; l < 4; l++) {
+      if (!valid[l]) continue;
+      steps_of[l] = ls[l];
+      for (int k = from[l]; k < ls[l]; k++) {
+        int hit = 0;
+        for (int i = off[l]; i < off[l + 1]; i++) hit |= ids[i] == want[l][k];
+        if (hit) {
+          steps_of[l] = k + 1;
+          break;
+        }
+      }
+      if (steps_of[l] > most) most = steps_of[l];
+    }
+    CHECK(steps_of[0] <= 3 && (c || steps_of[1] == 6 || want[1][5] == want[1][4]) && (c || steps_of[3] == S));
+    CHECK(c ? most < S : most == S);
+    hs_run *h;
+    calrt_job_status st;
+    CHECK(hs_start_ends(cb, CALRT_ENGINE_PONG, sh, tok_h, pos, valid, 4, S, ls, off, ids, from, &h) == CALRT_OK);
+    CHECK(hs_lane_steps(h) == NULL || hs_poll(h));
+    CHECK(hs_wait(h, -1, &st) == CALRT_OK && st == CALRT_JOB_OK);
+    CHECK(hs_steps(h) == S && hs_steps_run(h) == most && hs_submitted(h) == most && hs_short(h));
+    const int32_t *per = hs_lane_steps(h);
+    CHECK(per != NULL);
+    reference(cb, 4, sq, tok_q, pos, valid, steps_of, most, want2, last);
+    calrt_job_result r;
+    const int32_t *st_tok;
+    CHECK(hs_result(h, &r, &st_tok) == CALRT_OK);
+    for (int l = 0; l < 4; l++) {
+      if (!valid[l]) {
+        CHECK(per[l] == 0);
+        for (int k = 0; k < most; k++) CHECK(st_tok[l * most + k] == 0);
+        continue;
+      }
+      CHECK(per[l] == steps_of[l]);
+      for (int k = 0; k < most; k++) CHECK(st_tok[l * most + k] == (k < steps_of[l] ? want[l][k] : 0));
+      CHECK(memcmp(r.logits + (size_t)l * V, last[l], sizeof last[l]) == 0);
+      CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == sh[l] && r.echo[3 * l + 2] == pos[l] + steps_of[l] - 1);
+      CHECK(r.checksum[l] == calrt_checksum(r.logits + (size_t)l * V, sizeof(float) * V));
+      int32_t len;
+      CHECK(calrt_kv_committed_len(cb, sh[l], &len) == CALRT_OK && len == pos[l] + steps_of[l]);
+    }
+    hs_free(h);
+    for (int l = 0; l < 4; l++)
+      if (valid[l]) {
+        CHECK(calrt_kv_free_sequence(cb, sh[l]) == CALRT_OK);
+        CHECK(calrt_kv_free_sequence(cb, sr[l]) == CALRT_OK);
+        CHECK(calrt_kv_free_sequence(cb, sq[l]) == CALRT_OK);
+      }
+  }
+  /* no end token drawn: nothing short, the lane steps as asked */
+  {
+    const int32_t prompt[4] = {3, 9, 27, 20};
+    int32_t s[4] = {-1, -1, -1, -1}, tok[4] = {0}, pos[4] = {4, 0, 0, 0}, off[5] = {0, 1, 1, 1, 1}, ids[1] = {-1};
+    uint8_t valid[4] = {1, 0, 0, 0};
+    s[0] = test_prefilled(cb, prompt, 4, &tok[0]);
+    hs_run *h;
+    calrt_job_status st;
+    CHECK(hs_start_ends(cb, CALRT_ENGINE_PING, s, tok, pos, valid, 4, 3, NULL, off, ids, NULL, &h) == CALRT_OK);
+    CHECK(hs_wait(h, -1, &st) == CALRT_OK && st == CALRT_JOB_OK && !hs_short(h) && hs_steps_run(h) == 3);
+    CHECK(hs_lane_steps(h)[0] == 3 && hs_lane_steps(h)[1] == 0);
+    hs_free(h);
+    CHECK(calrt_kv_free_sequence(cb, s[0]) == CALRT_OK);
+  }
+  CHECK(calrt_calbin_destroy(cb) == CALRT_OK);
+}
+
 int main(void) {
   test_model tm;
   make_model(&tm, 0);
@@ -355,6 +477,7 @@ int main(void) {
   faults(dev, &tm);
   polling(dev, &tm);
   stopping(dev, &tm);
+  ending(dev, &tm);
   CHECK(calrt_device_close(dev) == CALRT_OK);
   /* calrt-0.7.6: no multi-step of its own, the host's runs all the same */
   calrt_open_params old = {.profile = "calrt-0.7.6", .dram_bytes = 64u << 20};
