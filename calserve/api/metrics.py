@@ -128,7 +128,8 @@ class EngineCollector(Collector):
         yield _c("calserve_decode_runs_stopped", "Multi-step decodes driven by the host asked to end "
                  "with their step in flight: a prompt waited for them, or one of their requests "
                  "ended early", s.decode_runs_stopped_total)
-        yield _c("calserve_decode_steps_cut", "Device steps those stopped runs did not run",
+        yield _c("calserve_decode_steps_cut", "Device steps host-driven runs did not run (stopped early, or every lane "
+                 "ended on its end token first)",
                  s.decode_steps_cut_total)
         # KV
         yield _labelled(G, "calserve_kv_sequences", "KV sequences by state", "state",

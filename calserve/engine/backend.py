@@ -46,6 +46,7 @@ from calserve.runtime.types import (
     JobEngine,
     JobResult,
     ProfileSpec,
+    RunEnds,
     RuntimeCapabilities,
     Timing,
 )
@@ -116,10 +117,14 @@ class BackendCalbin(Protocol):
         engine: JobEngine,
         steps: int = 1,
         lane_steps: np.ndarray | None = None,
+        ends: RunEnds | None = None,
     ) -> JobTicket:
         """``steps`` > 1 (``capabilities.multi_step``): that many greedy steps in one job (lane
         ``i`` only ``lane_steps[i]`` of them when given), the result's ``step_tokens`` the tokens
-        ``[lanes, steps]`` (runtime ``Calbin.submit_decode``)."""
+        ``[lanes, steps]`` (runtime ``Calbin.submit_decode``). ``ends`` (a run the host drives,
+        ``capabilities.host_multi_step``; else ignored): each lane's end tokens
+        (``completion.run_ends``), a lane ending with the step that draws one; the result's
+        ``lane_steps`` then say each lane's steps run (``runtime.Device.submit_decode``)."""
         ...
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None: ...
@@ -135,6 +140,7 @@ class BackendCalbin(Protocol):
         after_submit: Callable[[], None] | None = None,
         steps: int = 1,
         lane_steps: np.ndarray | None = None,
+        ends: RunEnds | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         """Submit + first wait in one device round trip (the hot path: one thread hop per step).
 
@@ -142,7 +148,7 @@ class BackendCalbin(Protocol):
         overlaps the device step). The body is the default for implementations that subclass this
         protocol explicitly (the fake device: plain ``submit_decode`` then ``wait``);
         :class:`_RuntimeCalbin` overrides it with its inline-submit hot path."""
-        t = await self.submit_decode(seq_ids, tokens, positions, valid, engine, steps, lane_steps)
+        t = await self.submit_decode(seq_ids, tokens, positions, valid, engine, steps, lane_steps, ends)
         if after_submit is not None:
             after_submit()
         return t, await self.wait(t, timeout_s)
@@ -291,9 +297,11 @@ class _RuntimeCalbin:
         engine: JobEngine,
         steps: int = 1,
         lane_steps: np.ndarray | None = None,
+        ends: RunEnds | None = None,
     ) -> JobTicket:
+        host = self._host_steps and steps > 1
         job = await self._t.run(self._c.submit_decode, seq_ids, tokens, positions, valid, engine, steps,
-                                lane_steps, self._host_steps)
+                                lane_steps, self._host_steps, ends if host else None)
         return _ticket(job, engine)
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
@@ -316,6 +324,7 @@ class _RuntimeCalbin:
         after_submit: Callable[[], None] | None = None,
         steps: int = 1,
         lane_steps: np.ndarray | None = None,
+        ends: RunEnds | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         # Submit inline: it only queues the job (DeviceBusy when the queue is full, never blocks), so
         # the device starts now instead of after a GIL hand-over to a worker thread; the blocking
@@ -323,7 +332,7 @@ class _RuntimeCalbin:
         if self._faults is not None:
             self._faults.before_submit(engine, valid)
         job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine, steps, lane_steps,
-                                    self._host_steps)
+                                    self._host_steps, ends if self._host_steps and steps > 1 else None)
         if not job.host:
             return await self._wait_hot(job, engine, timeout_s, after_submit)
         self._runs[engine] = job

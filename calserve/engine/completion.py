@@ -16,8 +16,10 @@ from calserve.engine.logits import LaneLogits, lane_logits
 from calserve.engine.sampler import LaneSampling, greedy_argmax, sample_batch, score_tokens
 from calserve.engine.state import DeviceJob, Seq
 from calserve.engine.types import FinishReason, TokenLogprob
+from calserve.runtime.types import RunEnds
 
-__all__ = ["SAMPLE_FAILED", "PLAIN_GREEDY", "Sampled", "ends", "ends_run", "expect", "out_lanes", "sample", "step_rows"]
+__all__ = ["SAMPLE_FAILED", "PLAIN_GREEDY", "Sampled", "ends", "ends_run", "expect", "out_lanes", "run_ends",
+           "sample", "step_rows"]
 
 log = logging.getLogger("calserve.engine.completion")
 
@@ -69,6 +71,38 @@ def ends_run(s: Seq, toks: list[int], generated: int, position: int, now: float,
         if (check_eos and t in eos) or t in stop_ids:
             return i + 1, FinishReason.STOP
     return end + 1, why
+
+
+def run_ends(job: DeviceJob) -> RunEnds:
+    """Each lane's end tokens for a multi-step decode the host drives (``ext/host_steps.h``,
+    ``hs_start_ends``): its EOS ids (unless ``ignore_eos``) and ``stop_token_ids``, counted from
+    the first step whose token :func:`ends` would let end it (``min_tokens``). A lane that draws
+    one ends with that step instead of running its other steps for nothing: its client gets its
+    last event a step later instead of at the run's end, and the run ends once no lane runs.
+
+    ``Seq.generated`` may lag the tokens a completion in flight has drawn (the fast path builds a
+    job before that completion's bookkeeping): a lower bound, so the first counted step is never
+    too early. Either way the host's :func:`ends_run` decides the sequence's end from the tokens;
+    a lane ended on a token it would not end on is a shorter run of the same tokens."""
+    B = len(job.lanes)
+    eos = job.gen.source.eos_token_ids
+    off = [0] * (B + 1)
+    ids: list[int] = []
+    frm: list[int] | None = None
+    for lane, s in enumerate(job.lanes):
+        if s is not None:
+            sp = s.req.sampling
+            if not sp.ignore_eos:
+                ids.extend(eos)
+            if sp.stop_token_ids:
+                ids.extend(sp.stop_token_ids)
+            if sp.min_tokens > s.generated:
+                if frm is None:
+                    frm = [0] * B
+                frm[lane] = sp.min_tokens - s.generated
+        off[lane + 1] = len(ids)
+    return (np.array(off, np.int32), np.array(ids, np.int32),
+            None if frm is None else np.array(frm, np.int32))
 
 
 def expect(job: DeviceJob) -> list[tuple[int, int]]:

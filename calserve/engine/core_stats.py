@@ -51,7 +51,7 @@ class CoreStats:
     quarantined_jobs_total: int = 0  # jobs whose KV state a fault left unknown
     readmitted_total: int = 0  # requests re-prefilled after a fault lost their KV
     # host-driven multi-step decodes asked to end with their step in flight (Planner.stop_runs),
-    # and the steps they did not run
+    # and the steps runs did not run (asked to stop, or every lane ended on its end token)
     runs_stopped_total: int = 0
     steps_cut_total: int = 0
     # how each handed-back job ended (spec §16 executor "Wait rc/status"): ok, the JobStatus

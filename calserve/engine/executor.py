@@ -31,6 +31,7 @@ import numpy as np
 import trio
 
 from calserve.engine.backend import BackendCalbin, JobTicket
+from calserve.engine.completion import run_ends
 from calserve.engine.core import EngineCore, FastStep
 from calserve.engine.fault_watch import FaultWatch
 from calserve.engine.shell import Shell
@@ -205,10 +206,12 @@ class DeviceExecutor:
         if job.seq_steps is not None:  # each lane its own steps (inactive lanes: ignored)
             lane_steps = np.ones(len(job.lanes), np.int32)
             lane_steps[job.active] = job.seq_steps
+        # A run the host drives ends each lane on its EOS or stop token (completion.run_ends)
+        ends = run_ends(job) if job.steps > 1 and job.gen.host_steps else None
         # The previous completion's deferred per-token work runs once this job is on its way.
         return await cb.submit_decode_wait(
             job.seq_ids, job.tokens, job.positions, job.valid, self.engine, timeout,
-            after_submit=after, steps=job.steps, lane_steps=lane_steps,
+            after_submit=after, steps=job.steps, lane_steps=lane_steps, ends=ends,
         )
 
     def statistics(self) -> ExecutorStats:

@@ -286,7 +286,7 @@ class EngineStatistics:
     decided_early_total: dict[str, int] = dataclasses.field(default_factory=dict)
     # host-driven multi-step decodes asked to end early because a prompt waited for them or one
     # of their requests ended early (engine/planner.py stop_runs, stop_for), and the device
-    # steps that saved
+    # steps runs did not run (those, and runs whose lanes all ended on their end tokens first)
     decode_runs_stopped_total: int = 0
     decode_steps_cut_total: int = 0
 

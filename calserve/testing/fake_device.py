@@ -36,6 +36,7 @@ from calserve.runtime.types import (
     JobResult,
     JobStatus,
     NotSupported,
+    RunEnds,
     OutOfSequences,
     ProfileSpec,
     RuntimeCapabilities,
@@ -92,6 +93,9 @@ class _Job:
     lane_steps: list[int] | None = None  # each lane's own steps (None: all ``steps``)
     started_at: float = 0.0  # when the device began it (a multi-step decode's steps follow)
     ran: int | None = None  # a host-driven run stopped early (stop_steps): the steps it ran
+    # a host-driven run's lanes' end tokens (submit_decode(ends=...)): per lane (ids, from step)
+    ends: list[tuple[frozenset[int], int]] | None = None
+    stopped: bool = False  # stop_steps cut it (once)
 
 
 @dataclasses.dataclass(eq=False)
@@ -180,8 +184,8 @@ class FakeCalbin(BackendCalbin):
                 dur * 1e-6)
 
     def _decode_args(self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                     engine: JobEngine, steps: int = 1, lane_steps: np.ndarray | None = None
-                     ) -> tuple[Any, ...]:
+                     engine: JobEngine, steps: int = 1, lane_steps: np.ndarray | None = None,
+                     ends: RunEnds | None = None) -> tuple[Any, ...]:
         B = self.spec.compiled_batch
         if not (len(seq_ids) == len(tokens) == len(positions) == len(valid) == B):
             raise InvalidArgument(f"decode arrays must have length compiled_batch={B}")
@@ -199,8 +203,15 @@ class FakeCalbin(BackendCalbin):
                                           f"max_seq={self.spec.max_seq}")
         new = [[int(tokens[i])] if valid[i] else [] for i in range(B)]
         dur = self.timing.decode_step_us.get(B, 1000.0) * steps
+        lane_ends: list[tuple[frozenset[int], int]] | None = None
+        if ends is not None and steps > 1 and self._dev.capabilities.host_multi_step:
+            off, ids, frm = ends  # as the binding's hs_start_ends takes them
+            if len(off) != B + 1 or off[0] != 0 or any(off[i + 1] < off[i] for i in range(B)):
+                raise InvalidArgument("end_off: compiled_batch + 1 non-decreasing offsets from 0")
+            lane_ends = [(frozenset(int(t) for t in ids[off[i]:off[i + 1]]), 0 if frm is None else int(frm[i]))
+                         for i in range(B)]
         return (self, "decode", np.asarray(seq_ids), new, np.asarray(positions), np.asarray(valid), engine,
-                dur * 1e-6, steps, None if lane_steps is None else [int(n) for n in lane_steps])
+                dur * 1e-6, steps, None if lane_steps is None else [int(n) for n in lane_steps], lane_ends)
 
     async def submit_prefill(self, seq_id: int, tokens: np.ndarray, engine: JobEngine,
                              all_logits: bool = False) -> JobTicket:
@@ -216,10 +227,10 @@ class FakeCalbin(BackendCalbin):
     async def submit_decode_wait(
         self, seq_ids: np.ndarray, tokens: np.ndarray, positions: np.ndarray, valid: np.ndarray,
         engine: JobEngine, timeout_s: float, after_submit: Callable[[], None] | None = None,
-        steps: int = 1, lane_steps: np.ndarray | None = None,
+        steps: int = 1, lane_steps: np.ndarray | None = None, ends: RunEnds | None = None,
     ) -> tuple[JobTicket, JobResult | None]:
         return await self._submit_now_wait(
-            self._decode_args(seq_ids, tokens, positions, valid, engine, steps, lane_steps), timeout_s,
+            self._decode_args(seq_ids, tokens, positions, valid, engine, steps, lane_steps, ends), timeout_s,
             after_submit)
 
     async def _submit_now_wait(self, args: tuple[Any, ...], timeout_s: float,
@@ -240,9 +251,10 @@ class FakeCalbin(BackendCalbin):
         engine: JobEngine,
         steps: int = 1,
         lane_steps: np.ndarray | None = None,
+        ends: RunEnds | None = None,
     ) -> JobTicket:
         return await self._dev._submit(*self._decode_args(seq_ids, tokens, positions, valid, engine, steps,
-                                                          lane_steps))
+                                                          lane_steps, ends))
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
         return await self._dev._wait(ticket.native, timeout_s)
@@ -319,6 +331,29 @@ class FakeCalbin(BackendCalbin):
                     seq.valid = False
         return _result(job, status, logits, echo)
 
+    def _steps_with_ends(self, seq_ids: np.ndarray, new_tokens: list[list[int]], valid: np.ndarray, steps: int,
+                         lane_steps: list[int] | None, ends: list[tuple[frozenset[int], int]]) -> int:
+        """The steps a host-driven run with end tokens runs, from its sequences as they are now
+        (``_finish_steps`` gives its outputs; the engine never changes a sequence in flight)."""
+        most = 0
+        for lane in range(len(seq_ids)):
+            if not valid[lane]:
+                continue
+            n = steps if lane_steps is None else lane_steps[lane]
+            seq = self._seqs.get(int(seq_ids[lane]))
+            if seq is None:
+                return steps
+            h, tok = seq.hash, new_tokens[lane][0]
+            end_ids, end_from = ends[lane]
+            for k in range(n):
+                h = _mix(h, tok)
+                tok = int(np.argmax(fake_logits(h, self.config.vocab_size)))
+                if k >= end_from and tok in end_ids:
+                    n = k + 1
+                    break
+            most = max(most, n)
+        return most
+
     def _finish_steps(self, job: _Job, status: JobStatus, logits: np.ndarray,
                       echo: np.ndarray) -> JobResult:
         """A multi-step decode: per valid lane ``steps`` steps, each step's argmax the next input
@@ -326,6 +361,7 @@ class FakeCalbin(BackendCalbin):
         B, S, V = len(job.seq_ids), job.ran or job.steps, self.config.vocab_size
         step_tokens = np.zeros((B, S), np.int32)
         lanes = [lane for lane in range(B) if job.valid[lane]]
+        ran = [0] * B  # each lane's steps run (an end token or a stop may end it short of its own)
         if status is JobStatus.OK:
             for lane in lanes:
                 seq = self._seqs.get(int(job.seq_ids[lane]))
@@ -337,10 +373,15 @@ class FakeCalbin(BackendCalbin):
                 seq = self._seqs[int(job.seq_ids[lane])]
                 h, tok = seq.hash, job.new_tokens[lane][0]
                 n = S if job.lane_steps is None else min(S, job.lane_steps[lane])
+                end_ids, end_from = job.ends[lane] if job.ends is not None else (frozenset(), n)
                 for k in range(n):
                     h = _mix(h, tok)
                     logits[lane] = fake_logits(h, V)
                     tok = step_tokens[lane, k] = int(np.argmax(logits[lane]))
+                    if k >= end_from and tok in end_ids:  # the lane ends with this step
+                        n = k + 1
+                        break
+                ran[lane] = n
                 echo[lane, 1] = job.seq_ids[lane]
                 echo[lane, 2] = int(job.positions[lane]) + n - 1
                 seq.hash = h
@@ -350,7 +391,16 @@ class FakeCalbin(BackendCalbin):
                 seq = self._seqs.get(int(job.seq_ids[lane]))
                 if seq is not None:
                     seq.valid = False
-        return dataclasses.replace(_result(job, status, logits, echo), step_tokens=step_tokens)
+        short: np.ndarray | None = None
+        if status is JobStatus.OK and self._dev.capabilities.host_multi_step:
+            asked = [0 if not job.valid[lane] else job.steps if job.lane_steps is None else job.lane_steps[lane]
+                     for lane in range(B)]
+            if ran != asked:  # a lane ran short (the binding's hs_short): its steps run
+                short = np.array(ran, np.int32)
+                most = max(ran)
+                if most < S:  # no lane ran the last steps: the run ended there
+                    step_tokens = np.ascontiguousarray(step_tokens[:, :most])
+        return dataclasses.replace(_result(job, status, logits, echo), step_tokens=step_tokens, lane_steps=short)
 
     def _finish_all(self, job: _Job, status: JobStatus, logits: np.ndarray,
                     echo: np.ndarray) -> JobResult:
@@ -545,6 +595,7 @@ class FakeBackend:
         duration_s: float,
         steps: int = 1,
         lane_steps: list[int] | None = None,
+        ends: list[tuple[frozenset[int], int]] | None = None,
     ) -> JobTicket:
         """Queue a job without a checkpoint (the runtime's submit only queues, too)."""
         c = self._counts[engine]
@@ -561,6 +612,12 @@ class FakeBackend:
         if fault is FaultKind.DEVICE_BUSY or queued >= self._queue_depth:
             c["busy"] += 1
             raise DeviceBusy(f"{engine.name} queue full")
+        ran: int | None = None
+        if ends is not None:  # a host-driven run whose lanes all end on end tokens ends with its last
+            most = calbin._steps_with_ends(seq_ids, new_tokens, valid, steps, lane_steps, ends)
+            if most < steps:
+                ran = most
+                duration_s = duration_s * most / steps
         now = trio.current_time()
         start = max(now, self._engine_free_at[engine])
         if self._shared_time:
@@ -571,7 +628,7 @@ class FakeBackend:
         job = _Job(
             self._next_job, engine, calbin, kind, seq_ids, new_tokens, positions, valid, now,
             math.inf if fault is FaultKind.TIMEOUT else end, fault, fault_lane, self._epoch, steps=steps,
-            lane_steps=lane_steps, started_at=start,
+            lane_steps=lane_steps, started_at=start, ran=ran, ends=ends,
         )
         self._next_job += 1
         self._inflight[job.job_id] = job
@@ -583,12 +640,14 @@ class FakeBackend:
         for job in self._inflight.values():
             if job.engine != engine or job.kind != "decode" or job.steps == 1 or job.result is not None:
                 continue
-            if job.ran is not None or not math.isfinite(job.complete_at) or job.complete_at <= now:
+            if job.stopped or not math.isfinite(job.complete_at) or job.complete_at <= now:
                 continue
-            step_s = (job.complete_at - job.started_at) / job.steps
+            planned = job.ran or job.steps  # (fewer when its lanes all end on end tokens)
+            step_s = (job.complete_at - job.started_at) / planned
             ran = max(1, math.ceil((now - job.started_at) / step_s)) if step_s > 0 else 1
-            if ran >= job.steps:
+            if ran >= planned:
                 continue
+            job.stopped = True
             job.ran = ran
             end = job.started_at + ran * step_s
             if self._engine_free_at[engine] == job.complete_at:  # nothing queued behind it

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -110,6 +111,60 @@ async def test_prompts_end_host_runs_early(demo_source: ModelSource) -> None:
     kv = demo_source.profiles[1].kv_dtype
     for i in range(len(prompts)):
         assert out[i] == _solo(id(demo_source), prompts[i], lengths[i], kv), f"request {i}"
+
+
+async def test_end_tokens_end_host_run_lanes(demo_source: ModelSource) -> None:
+    """sim-next B4, 8-step runs driven by the host: requests ending on a stop token id (picked from
+    their solo greedy outputs, each one's first new token from its 4th on) or on their EOS end
+    their lanes inside a run (``hs_start_ends``): the same tokens and finish as one step a job;
+    one request alone runs exactly the steps up to its token, where the device's own 8-step runs
+    run to their ends."""
+    _SOURCES[id(demo_source)] = demo_source
+    kv = demo_source.profiles[4].kv_dtype
+    eos = set(demo_source.eos_token_ids)
+    prompts: list[tuple[int, ...]] = []
+    stops: list[int] = []
+    at: list[int] = []
+    for i in range(40):  # four that end on a stop token (the first new one from their 4th on)...
+        p = (11 + i, 22, 33)
+        g = _solo(id(demo_source), p, 40, kv)
+        k = next((j for j in range(3, 40) if g[j] not in g[:j] and g[j] not in eos), None)
+        if k is not None and not eos & set(g[:k]) and len(prompts) < 4:
+            prompts.append(p)
+            stops.append(g[k])
+            at.append(k)
+        elif eos & set(g[3:]) and len(prompts) == 4:  # ... and one on its EOS, after its 4th
+            prompts.append(p)
+            stops.append(next(t for t in range(1, 400) if t not in g and t not in eos))  # never drawn
+            at.append(-1)
+            break
+    assert len(prompts) == 5, prompts
+
+    async def run(multi_step: int, host: bool, which: list[int]) -> tuple[dict[int, Any], Any]:
+        cfg = decode_config({"runtime": {"profile": "sim-next", "host_multi_step": host},
+                             "scheduler": {"batch": {"profiles": [4], "multi_step": multi_step}}})
+        out: dict[int, Any] = {}
+        async with Engine.open(cfg, sources={"qwen3": demo_source}) as eng:
+            async def one(i: int) -> None:
+                out[i] = await stream(eng, prompts[i], 40, stop_token_ids=frozenset({stops[i]}))
+
+            async with trio.open_nursery() as nursery:
+                for i in which:
+                    nursery.start_soon(one, i)
+            return out, eng.statistics()
+
+    one, s1 = await run(1, False, [0])
+    dev, sd = await run(8, False, [0])
+    host, sh = await run(8, True, [0])
+    for toks, fin in (dev[0], host[0]):
+        assert toks == one[0][0] and fin.reason is one[0][1].reason is FinishReason.STOP
+    steps = [sum(s.decode_steps_total.values()) for s in (s1, sd, sh)]
+    assert steps[0] == steps[2] == at[0] and steps[1] == 8 * -(-at[0] // 8), (steps, at)
+    # five at once over four lanes: the fifth waits for the first lane to end inside a run
+    one5, _ = await run(1, False, [0, 1, 2, 3, 4])
+    host5, _ = await run(8, True, [0, 1, 2, 3, 4])
+    for i in range(5):
+        assert host5[i][0] == one5[i][0] and host5[i][1].reason is FinishReason.STOP, i
 
 
 async def test_short_request_finishes_first_and_its_lane_is_reused(demo_source: ModelSource) -> None:

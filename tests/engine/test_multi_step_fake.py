@@ -446,3 +446,68 @@ async def test_a_cancel_ends_a_host_run_early(autojump_clock: object) -> None:
             assert isinstance(term, FinishEvent) and term.reason is FinishReason.CANCELLED, term
         else:
             assert isinstance(term, FinishEvent) and term.reason is FinishReason.LENGTH and toks == want
+
+
+def _first_new(toks: list[int], at: int) -> int:
+    """The first index >= ``at`` whose token did not occur before it (a stop token id that ends
+    the sequence there and not earlier), avoiding the fake model's EOS."""
+    for i in range(at, len(toks)):
+        if toks[i] not in toks[:i] and toks[i] not in EOS:
+            return i
+    raise AssertionError(f"no new token after {at} in {toks}")
+
+
+async def _ending(capability: str | RuntimeCapabilities, multi_step: int, prompts: Sequence[tuple[int, ...]],
+                  stops: Sequence[int]) -> tuple[list[tuple[list[int], Any, float]], Any]:
+    """Greedy requests (one engine, 1 ms a step), request i ending on its stop token id stops[i]:
+    each one's tokens, terminal event and the time of that event; the statistics."""
+    be = FakeBackend(capability, seed=3)
+    cfg = config(batch={"profiles": [1, 4, 8, 16], "multi_step": multi_step}, executor={"max_inflight": 1})
+    out: list[tuple[list[int], Any, float]] = [([], None, 0.0)] * len(prompts)
+    async with Engine.open(cfg, backend=be, sources={"qwen3": fake_source(eos=EOS)}) as eng:
+        t0 = trio.current_time()
+
+        async def one(i: int) -> None:
+            sp = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=frozenset({stops[i]}))
+            toks, term = await _read_once(eng, GenerateRequest(prompts[i], sp), None)
+            out[i] = (toks, term, trio.current_time() - t0)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+        await _lanes_back(eng)
+        return out, eng.statistics()
+
+
+async def test_an_end_token_ends_its_lane_in_a_host_run(autojump_clock: object) -> None:
+    """A lane of a host-driven run that draws its end token (here a stop token id; EOS alike) ends
+    with that step (``completion.run_ends``, the binding's ``hs_start_ends``): its request's last
+    event comes a step after the token instead of at the run's end, and once no lane runs the run
+    ends. The device's own runs cannot: the steps after the token run for nothing. Outputs equal
+    single-step."""
+    prompt = (3, 11)
+    greedy = fake_greedy(prompt, 40)
+    k = _first_new(greedy, 10)  # token k comes from the 2nd 8-step run (token 0 from the prefill)
+    stop = greedy[k]
+    one, s1 = await _ending("sim-next", 1, [prompt], [stop])
+    dev, sd = await _ending("sim-next", 8, [prompt], [stop])
+    host, sh = await _ending(HOST, 8, [prompt], [stop])
+    for toks, term, _ in (one[0], dev[0], host[0]):
+        assert toks == one[0][0] and isinstance(term, FinishEvent) and term.reason is FinishReason.STOP
+    assert len(one[0][0]) in (k, k + 1)  # (whether the stop token's id is shown is the actor's rule)
+    steps = [sum(s.decode_steps_total.values()) for s in (s1, sd, sh)]
+    assert steps[0] == k and steps[2] == k and steps[1] == 16, steps  # the host's run ended at the token
+    assert sh.decode_steps_cut_total == 16 - k
+    prefill = 200e-6 + 2e-6 * len(prompt)
+    assert host[0][2] <= prefill + k * 1e-3 + 5e-4 < dev[0][2], (host[0][2], dev[0][2])
+    # Four lanes in one run, each ending on its own token: the run ends after the last of them
+    prompts = [(i + 1, 13) for i in range(4)]
+    stops = []
+    for p in prompts:
+        g = fake_greedy(p, 40)
+        stops.append(g[_first_new(g, 3)])
+    one4, _ = await _ending("sim-next", 1, prompts, stops)
+    host4, sh4 = await _ending(HOST, 8, prompts, stops)
+    for (a, ta, _), (b, tb, _) in zip(one4, host4):
+        assert a == b and ta.reason is tb.reason is FinishReason.STOP
+    assert sh4.decode_steps_cut_total > 0
