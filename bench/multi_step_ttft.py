@@ -13,6 +13,9 @@ timing of ``bench/serve_entry.py``, the software runtime computing the demo mode
 - ``host_multi_step``: ``multi_step`` N driven by the host, ended early when a prompt arrives.
 
 The servers take turns (A B C, then C B A; ``--rounds``), so the box's drift falls on all three.
+``--eos``: the requests end on their EOS (``max_tokens`` the output length as a cap) instead of at a
+pinned length: the end-to-end latency shows what a lane that ends inside a run costs (the device's
+runs step on to their ends; the host's end with the step of the last lane's end token).
 Per variant: TTFT p50/p99, TPOT p50/p99, output tokens/s (steady window), the runs stopped and the
 device steps that saved (``calserve_decode_runs_stopped_total``, ``calserve_decode_steps_cut_total``),
 the decode steps a job. ``python -m bench.multi_step_ttft [--quick]``, or the ``multi-step-ttft``
@@ -60,14 +63,14 @@ def _counters(srv: Server) -> dict[str, float]:
 
 
 def _point(out: Path, name: str, rnd: int, step_us: int, steps: int, rate: float, duration: float,
-           prompt: str, output: str, max_inflight: int) -> dict[str, Any]:
+           prompt: str, output: str, max_inflight: int, eos: bool = False) -> dict[str, Any]:
     cfg = variant_config(name, step_us, steps, max_inflight)
     with Server.calserve(cfg, out / f"server-{name}-{rnd}") as srv:
         run_point(srv, out / f"{name}-{rnd}-warmup", concurrency=8, duration=1.0, prompt=prompt,
                   output=output, progress=False)
         before = _counters(srv)
         res = run_point(srv, out / f"{name}-{rnd}", rate=rate, duration=duration, prompt=prompt,
-                        output=output, seed=100 + rnd)
+                        output=output, seed=100 + rnd, ignore_eos=not eos)
         after = _counters(srv)
     s = res.summary
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -76,6 +79,8 @@ def _point(out: Path, name: str, rnd: int, step_us: int, steps: int, rate: float
         "ttft_p50_ms": s["ttft_ms"].get("p50"), "ttft_p99_ms": s["ttft_ms"].get("p99"),
         "tpot_p50_ms": s["tpot_ms"].get("p50"), "tpot_p99_ms": s["tpot_ms"].get("p99"),
         "itl_p99_ms": s.get("itl_ms", {}).get("p99"),
+        "e2e_p50_ms": s["e2e_ms"].get("p50"), "e2e_p99_ms": s["e2e_ms"].get("p99"),
+        "tokens_per_request": s["output_tokens"] / ok if (ok := s["outcomes"].get("ok")) else None,
         "output_tok_s": (s.get("window") or {}).get("output_throughput") or s["output_throughput"],
         "outcomes": s["outcomes"],
         "runs_stopped": d.get("runs_stopped", 0.0), "steps_cut": d.get("steps_cut", 0.0),
@@ -84,7 +89,7 @@ def _point(out: Path, name: str, rnd: int, step_us: int, steps: int, rate: float
 
 
 def run(out: Path, quick: bool = False, step_us: int = 4000, steps: int = 8, load: float = 0.6,
-        rounds: int | None = None, max_inflight: int = 2) -> dict[str, Any]:
+        rounds: int | None = None, max_inflight: int = 2, eos: bool = False) -> dict[str, Any]:
     """Each variant ``rounds`` times (A B C / C B A ...), Poisson arrivals at ``load`` of the bound
     the timing model allows for the workload (prompt 16, output 128 at B16). With PING/PONG
     (``max_inflight`` 2) a prompt finds an engine free more often (and the host's one-step jobs
@@ -100,7 +105,7 @@ def run(out: Path, quick: bool = False, step_us: int = 4000, steps: int = 8, loa
     for rnd in range(rounds):
         order = VARIANTS if rnd % 2 == 0 else tuple(reversed(VARIANTS))
         for name in order:
-            rows.append(_point(out, name, rnd, step_us, steps, rate, duration, prompt, output, max_inflight))
+            rows.append(_point(out, name, rnd, step_us, steps, rate, duration, prompt, output, max_inflight, eos))
     table = {}
     for name in VARIANTS:
         mine = [r for r in rows if r["variant"] == name]
@@ -110,18 +115,18 @@ def run(out: Path, quick: bool = False, step_us: int = 4000, steps: int = 8, loa
             return statistics.median(vals) if vals else None
 
         table[name] = {k: med(k) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-                                           "itl_p99_ms", "output_tok_s", "runs_stopped", "steps_cut",
-                                           "steps_per_job")}
+                                           "itl_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "tokens_per_request",
+                                           "output_tok_s", "runs_stopped", "steps_cut", "steps_per_job")}
     one = table["one_step"]
     ratios: dict[str, dict[str, float | None]] = {}
     for name in VARIANTS[1:]:
         t = table[name]
         ratios[name] = {}
-        for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "output_tok_s"):
+        for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e_p50_ms", "output_tok_s"):
             a, b = t[k], one[k]
             ratios[name][k] = a / b if a is not None and b else None
     doc = {"step_us": step_us, "multi_step": steps, "max_inflight": max_inflight, "rate_req_s": rate, "bound_tok_s": bound_tok_s,
-           "load": load, "prompt": prompt, "output": output, "rounds": rounds,
+           "load": load, "prompt": prompt, "output": output, "rounds": rounds, "eos": eos,
            "by_variant": table, "vs_one_step": ratios, "rows": rows}
     write_json(out / "summary.json", doc)
     _write_table(out / "table.md", doc)
@@ -136,12 +141,16 @@ def _write_table(path: Path, doc: dict[str, Any]) -> None:
     lines = [f"B16, {doc['step_us'] / 1000:g} ms step, max_inflight {doc.get('max_inflight', 2)}, "
              f"multi_step {doc['multi_step']}, Poisson "
              f"{doc['rate_req_s']:.1f} req/s ({doc['load']:.0%} of {doc['bound_tok_s']:.0f} tok/s), "
-             f"prompt {doc['prompt']}, output {doc['output']}, medians of {doc['rounds']} round(s)", "",
-             "| variant | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | tok/s | "
-             "steps a job | runs stopped | steps cut |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"prompt {doc['prompt']}, output {doc['output']}"
+             f"{' (ends on EOS, a cap)' if doc.get('eos') else ''}, medians of {doc['rounds']} round(s)", "",
+             "| variant | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | E2E p50 ms | "
+             "E2E p99 ms | tokens a request | tok/s | steps a job | runs stopped | steps cut |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, t in doc["by_variant"].items():
         lines.append(f"| {name} | {_fmt(t['ttft_p50_ms'])} | {_fmt(t['ttft_p99_ms'])} | "
                      f"{_fmt(t['tpot_p50_ms'], 2)} | {_fmt(t['tpot_p99_ms'], 2)} | {_fmt(t['itl_p99_ms'])} | "
+                     f"{_fmt(t.get('e2e_p50_ms'))} | {_fmt(t.get('e2e_p99_ms'))} | "
+                     f"{_fmt(t.get('tokens_per_request'))} | "
                      f"{_fmt(t['output_tok_s'], 0)} | {_fmt(t['steps_per_job'], 2)} | "
                      f"{_fmt(t['runs_stopped'], 0)} | {_fmt(t['steps_cut'], 0)} |")
     path.write_text("\n".join(lines) + "\n")
@@ -156,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--max-inflight", type=int, default=2, choices=(1, 2),
                     help="executor.max_inflight: 2 = PING/PONG (configs/sim-next.yaml), 1 = one engine")
+    ap.add_argument("--eos", action="store_true",
+                    help="requests end on their EOS (the output length a cap), not at a pinned length")
     ap.add_argument("--out", type=Path, default=BENCH_OUT / "multi-step-ttft")
     a = ap.parse_args(argv)
     pin_self(1)  # the load generator on core 1, the server on core 0 (as bench.scenarios)
-    doc = run(a.out, a.quick, a.step_us, a.multi_step, a.load, a.rounds, a.max_inflight)
+    doc = run(a.out, a.quick, a.step_us, a.multi_step, a.load, a.rounds, a.max_inflight, a.eos)
     print((a.out / "table.md").read_text())
     return 0 if all(r["outcomes"].get("ok", 0) > 0 for r in doc["rows"]) else 1
 

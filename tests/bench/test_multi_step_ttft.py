@@ -32,8 +32,14 @@ def test_the_table(tmp_path: Path) -> None:
            "prompt": "16", "output": "128", "rounds": 2, "by_variant": {n: row for n in VARIANTS}}
     _write_table(tmp_path / "t.md", doc)
     text = (tmp_path / "t.md").read_text()
-    assert "| host_multi_step | 10.0 | 50.0 | 8.00 | 9.00 | – | 2600 | 6.50 | 0 | 0 |" in text
-    assert "4 ms step, max_inflight 2, multi_step 8" in text
+    assert "| host_multi_step | 10.0 | 50.0 | 8.00 | 9.00 | – | – | – | – | 2600 | 6.50 | 0 | 0 |" in text
+    assert "4 ms step, max_inflight 2, multi_step 8" in text and "EOS" not in text
+    # --eos: requests end on their EOS; the end-to-end latency and the tokens a request beside
+    row = {**row, "e2e_p50_ms": 300.0, "e2e_p99_ms": 900.0, "tokens_per_request": 41.5}
+    _write_table(tmp_path / "e.md", {**doc, "eos": True, "by_variant": {n: row for n in VARIANTS}})
+    text = (tmp_path / "e.md").read_text()
+    assert "| host_multi_step | 10.0 | 50.0 | 8.00 | 9.00 | – | 300.0 | 900.0 | 41.5 | 2600 | 6.50 | 0 | 0 |" in text
+    assert "output 128 (ends on EOS, a cap)" in text
 
 
 def test_one_engine() -> None:
