@@ -158,11 +158,13 @@ async def test_greedy_load_runs_several_steps_a_job(autojump_clock: object,
     assert jobs8 * 2 < jobs1
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["device-runs", "host-runs"])
 @pytest.mark.parametrize("kind", [FaultKind.CCU_FAULT, FaultKind.CROSSTALK, FaultKind.TIMEOUT, FaultKind.DMA_UNKNOWN])
-async def test_fault_in_a_multi_step_job_is_transparent(autojump_clock: object, kind: FaultKind,
+async def test_fault_in_a_multi_step_job_is_transparent(autojump_clock: object, kind: FaultKind, host: bool,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A fault in a multi-step job costs the clients nothing: every request is re-prefilled from
-    what it had and its output equals the fault-free one."""
+    what it had and its output equals the fault-free one. With runs the host drives, half the
+    requests end on stop token ids or EOS, so lanes end inside runs around the fault."""
     failed: list[tuple[str, int]] = []
     observe = FaultWatch.observe
 
@@ -173,8 +175,9 @@ async def test_fault_in_a_multi_step_job_is_transparent(autojump_clock: object, 
         observe(self, engine, job, outcome, t_submit, now)
 
     monkeypatch.setattr(FaultWatch, "observe", record)
-    work = [(0.0, (i + 1, 2 * i + 3, 9), 30, "ignore_eos") for i in range(8)]
-    clean, _, _ = await _serve(work, 6)
+    work = [(0.0, (i + 1, 2 * i + 3, 9), 30, "stop_ids" if host and i % 2 else "ignore_eos") for i in range(8)]
+    cap = HOST if host else "sim-next"
+    clean, _, _ = await _serve(work, 6, capability=cap)
     failed.clear()
     # the fault goes to the second multi-step job submitted (trio's scheduling order varies: a
     # count of jobs per engine would not say which job that is)
@@ -190,8 +193,10 @@ async def test_fault_in_a_multi_step_job_is_transparent(autojump_clock: object, 
         return await submit(self, *a, steps=steps, **kw)
 
     monkeypatch.setattr(FakeCalbin, "submit_decode_wait", faulting)
-    faulted, eng, st_ = await _serve(work, 6, executor={"wait_timeout_ms": 200})
+    faulted, eng, st_ = await _serve(work, 6, capability=cap, executor={"wait_timeout_ms": 200})
     _same(clean, faulted)
+    if host:  # lanes ended inside runs: some request ended short of its 30 tokens
+        assert any(len(toks) < 30 for toks, _ in clean.values()), clean
     assert st_.resets_total == 1 and sum(st_.faults_total.values()) == 1
     if kind is not FaultKind.CROSSTALK:
         assert any(k == "decode" and n > 1 for k, n in failed), failed  # the fault hit a multi-step job
