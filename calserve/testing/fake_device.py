@@ -36,9 +36,9 @@ from calserve.runtime.types import (
     JobResult,
     JobStatus,
     NotSupported,
-    RunEnds,
     OutOfSequences,
     ProfileSpec,
+    RunEnds,
     RuntimeCapabilities,
     Timing,
 )
