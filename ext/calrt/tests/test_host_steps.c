@@ -49,6 +49,27 @@ static void reference(calrt_calbin *cb, int B, const int32_t *sr, int32_t *tok, 
   }
 }
 
+/* A finished run's outputs (r, its step tokens [B lanes, cols]) are those of each valid lane l running
+ * n[l] steps from pos[l] on its sequence sh[l], against the single-step reference (want, last): its
+ * tokens then zeros, its last row bitwise, the echo (the run's id, its sequence, its last position),
+ * the checksum and the KV committed; an invalid lane's tokens all zero. */
+static void check_lanes(calrt_calbin *cb, const calrt_job_result *r, const int32_t *st_tok, int B, int cols,
+                        const int32_t *sh, const int32_t *pos, const uint8_t *valid, const int32_t *n,
+                        int32_t want[4][64], float last[4][V]) {
+  for (int l = 0; l < B; l++) {
+    if (!valid[l]) {
+      for (int k = 0; k < cols; k++) CHECK(st_tok[l * cols + k] == 0);
+      continue;
+    }
+    for (int k = 0; k < cols; k++) CHECK(st_tok[l * cols + k] == (k < n[l] ? want[l][k] : 0));
+    CHECK(memcmp(r->logits + (size_t)l * V, last[l], sizeof(float) * V) == 0);
+    CHECK(r->echo[3 * l] == r->job_id && r->echo[3 * l + 1] == sh[l] && r->echo[3 * l + 2] == pos[l] + n[l] - 1);
+    CHECK(r->checksum[l] == calrt_checksum(r->logits + (size_t)l * V, sizeof(float) * V));
+    int32_t len;
+    CHECK(calrt_kv_committed_len(cb, sh[l], &len) == CALRT_OK && len == pos[l] + n[l]);
+  }
+}
+
 /* B4 lanes {0, 1, 3} (lane 2 invalid; B1: lane 0), twice in a row: the run against single steps, and
  * on a device with multi_step against its own multi-step job too. per_lane: lane 1 runs 1 step, lane
  * 3 steps - 1 (B1: its one lane all of them). */
@@ -85,20 +106,13 @@ static void equivalence(calrt_device *dev, test_model *tm, int B, int steps, int
     int32_t want[4][64];
     float last[4][V];
     reference(cb, B, sr, tok_r, pos, valid, ls, steps, want, last);
+    check_lanes(cb, &r, st_tok, B, steps, sh, pos, valid, ls, want, last);
     for (int l = 0; l < B; l++) {
-      if (!valid[l]) {
-        for (int k = 0; k < steps; k++) CHECK(st_tok[l * steps + k] == 0);
+      if (!valid[l]) { /* an invalid lane: (run, -1, -1), checksum 0 */
         CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == -1 && r.echo[3 * l + 2] == -1 && r.checksum[l] == 0);
         continue;
       }
-      const int n = ls[l];
-      for (int k = 0; k < steps; k++) CHECK(st_tok[l * steps + k] == (k < n ? want[l][k] : 0));
-      CHECK(memcmp(r.logits + (size_t)l * V, last[l], sizeof last[l]) == 0);
-      CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == sh[l] && r.echo[3 * l + 2] == pos[l] + n - 1);
-      CHECK(r.checksum[l] == calrt_checksum(r.logits + (size_t)l * V, sizeof(float) * V));
-      int32_t len;
-      CHECK(calrt_kv_committed_len(cb, sh[l], &len) == CALRT_OK && len == pos[l] + n);
-      tok_h[l] = st_tok[l * steps + n - 1];
+      tok_h[l] = st_tok[l * steps + ls[l] - 1];
     }
     if (device_multi) { /* the device's own multi-step job: the same outputs */
       calrt_job *j;
@@ -292,18 +306,7 @@ static void stopping(calrt_device *dev, test_model *tm) {
     float last[4][V];
     for (int l = 0; l < 4; l++) cut[l] = ls[l] < ran ? ls[l] : ran;
     reference(cb, 4, sr, tok_r, pos, valid, cut, ran, want, last);
-    for (int l = 0; l < 4; l++) {
-      if (!valid[l]) {
-        for (int k = 0; k < ran; k++) CHECK(st_tok[l * ran + k] == 0);
-        continue;
-      }
-      for (int k = 0; k < ran; k++) CHECK(st_tok[l * ran + k] == (k < cut[l] ? want[l][k] : 0));
-      CHECK(memcmp(r.logits + (size_t)l * V, last[l], sizeof last[l]) == 0);
-      CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == sh[l] && r.echo[3 * l + 2] == pos[l] + cut[l] - 1);
-      CHECK(r.checksum[l] == calrt_checksum(r.logits + (size_t)l * V, sizeof(float) * V));
-      int32_t len;
-      CHECK(calrt_kv_committed_len(cb, sh[l], &len) == CALRT_OK && len == pos[l] + cut[l]);
-    }
+    check_lanes(cb, &r, st_tok, 4, ran, sh, pos, valid, cut, want, last);
     hs_free(h);
     for (int l = 0; l < 4; l++)
       if (valid[l]) {
@@ -425,20 +428,8 @@ static void ending(calrt_device *dev, test_model *tm) {
     calrt_job_result r;
     const int32_t *st_tok;
     CHECK(hs_result(h, &r, &st_tok) == CALRT_OK);
-    for (int l = 0; l < 4; l++) {
-      if (!valid[l]) {
-        CHECK(per[l] == 0);
-        for (int k = 0; k < most; k++) CHECK(st_tok[l * most + k] == 0);
-        continue;
-      }
-      CHECK(per[l] == steps_of[l]);
-      for (int k = 0; k < most; k++) CHECK(st_tok[l * most + k] == (k < steps_of[l] ? want[l][k] : 0));
-      CHECK(memcmp(r.logits + (size_t)l * V, last[l], sizeof last[l]) == 0);
-      CHECK(r.echo[3 * l] == r.job_id && r.echo[3 * l + 1] == sh[l] && r.echo[3 * l + 2] == pos[l] + steps_of[l] - 1);
-      CHECK(r.checksum[l] == calrt_checksum(r.logits + (size_t)l * V, sizeof(float) * V));
-      int32_t len;
-      CHECK(calrt_kv_committed_len(cb, sh[l], &len) == CALRT_OK && len == pos[l] + steps_of[l]);
-    }
+    for (int l = 0; l < 4; l++) CHECK(per[l] == steps_of[l]); /* 0 for the invalid lane */
+    check_lanes(cb, &r, st_tok, 4, most, sh, pos, valid, steps_of, want, last);
     hs_free(h);
     for (int l = 0; l < 4; l++)
       if (valid[l]) {
