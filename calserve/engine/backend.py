@@ -121,8 +121,8 @@ class BackendCalbin(Protocol):
     ) -> JobTicket:
         """``steps`` > 1 (``capabilities.multi_step``): that many greedy steps in one job (lane
         ``i`` only ``lane_steps[i]`` of them when given), the result's ``step_tokens`` the tokens
-        ``[lanes, steps]`` (runtime ``Calbin.submit_decode``). ``ends`` (a run the host drives,
-        ``capabilities.host_multi_step``; else ignored): each lane's end tokens
+        ``[lanes, steps]`` (runtime ``Calbin.submit_decode``). ``ends`` (only with a run the host
+        drives, ``capabilities.host_multi_step``, ``DeviceJob.host_driven``): each lane's end tokens
         (``completion.run_ends``), a lane ending with the step that draws one; the result's
         ``lane_steps`` then say each lane's steps run (``runtime.Device.submit_decode``)."""
         ...
@@ -299,9 +299,8 @@ class _RuntimeCalbin:
         lane_steps: np.ndarray | None = None,
         ends: RunEnds | None = None,
     ) -> JobTicket:
-        host = self._host_steps and steps > 1
         job = await self._t.run(self._c.submit_decode, seq_ids, tokens, positions, valid, engine, steps,
-                                lane_steps, self._host_steps, ends if host else None)
+                                lane_steps, self._host_steps, ends)
         return _ticket(job, engine)
 
     async def wait(self, ticket: JobTicket, timeout_s: float) -> JobResult | None:
@@ -332,7 +331,7 @@ class _RuntimeCalbin:
         if self._faults is not None:
             self._faults.before_submit(engine, valid)
         job = self._c.submit_decode(seq_ids, tokens, positions, valid, engine, steps, lane_steps,
-                                    self._host_steps, ends if self._host_steps and steps > 1 else None)
+                                    self._host_steps, ends)
         if not job.host:
             return await self._wait_hot(job, engine, timeout_s, after_submit)
         self._runs[engine] = job

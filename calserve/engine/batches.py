@@ -102,24 +102,20 @@ class JobBuilder:
         return n if n == 1 or not self.prefill_waiting(gen) else 1
 
     def ran_short(self, job: DeviceJob, r: JobResult) -> int:
-        """``job``, a run the host drives, came back ``r`` OK with a lane short of its steps
-        (``r.lane_steps``: it ended on an end token, ``completion.run_ends``; or the run was asked
-        to stop, ``Planner.stop_runs``, and its step tokens are fewer than it was built for): from
-        now on it is the job of the steps it turned out to be, each sequence its own steps run
-        (its echo, its KV transaction, the step counts). Returns the run's steps it did not run
-        (0 for anything else, left as it is; a short result it does not take, ``step_rows``
-        refuses as a crosstalk)."""
-        t = r.step_tokens
+        """``job``, a run the host drives, came back ``r`` OK with lanes short of their steps
+        (``r.lane_steps``, each lane's steps run: it ended on an end token, ``completion.run_ends``,
+        or the run was asked to stop, ``Planner.stop_runs``; its step tokens then as many as the
+        run ran): from now on it is the job of the steps it turned out to be, each sequence its
+        own steps run (its echo, its KV transaction, the step counts). Returns the run's steps it
+        did not run (0 for anything else, left as it is; a short result it does not take,
+        ``step_rows`` refuses as a crosstalk)."""
+        t, got = r.step_tokens, r.lane_steps
         if not (r.status is JobStatus.OK and job.steps > 1 and t is not None and t.ndim == 2
-                and 1 <= t.shape[1] <= job.steps):
+                and 1 <= t.shape[1] <= job.steps and got is not None and len(got) == len(job.lanes)):
             return 0
         ran = int(t.shape[1])
         per = job.seq_steps or [job.steps] * len(job.seqs)
-        if r.lane_steps is not None and len(r.lane_steps) == len(job.lanes):
-            got = r.lane_steps[job.active].tolist()
-            new = [max(1, min(n, k, ran)) for n, k in zip(per, got, strict=True)]
-        else:
-            new = [min(n, ran) for n in per]
+        new = [max(1, min(n, k, ran)) for n, k in zip(per, got[job.active].tolist(), strict=True)]
         if new == per:
             return 0
         job.expect = [(sid, p - n + k) for (sid, p), n, k in zip(job.expect, per, new, strict=True)]

@@ -254,8 +254,9 @@ class EngineCore:
         is used; anything unusual returns None, or a step without ``nxt`` (a sequence ends: take
         :meth:`on_completion` with it, the tokens are drawn already)."""
         r = outcome.result
-        if r is not None and (job.stop_asked or r.lane_steps is not None):
-            # a run asked to stop, or whose lanes ended on their end tokens: the job it ran
+        if r is not None and r.lane_steps is not None:
+            # a host-driven run with lanes short of their steps (stopped, or ended on their end
+            # tokens): the job it ran
             self.stats.steps_cut_total += self.builder.ran_short(job, r)
         if r is None or r.status is not JobStatus.OK or outcome.timed_out:
             return None

@@ -139,7 +139,7 @@ class DeviceExecutor:
         after: Callable[[], None] = (self.core.flush if pending is None
                                      else lambda: self._finish(pending))
         cb: BackendCalbin = job.calbin  # the batch's profile member
-        if job.steps > 1 and job.gen.host_steps:
+        if job.host_driven:
             # a run the core asked to stop before it reached the device (Planner.stop_runs):
             # stopped once submitted; later asks reach the calbin through the shell
             first = after
@@ -207,7 +207,7 @@ class DeviceExecutor:
             lane_steps = np.ones(len(job.lanes), np.int32)
             lane_steps[job.active] = job.seq_steps
         # A run the host drives ends each lane on its EOS or stop token (completion.run_ends)
-        ends = run_ends(job) if job.steps > 1 and job.gen.host_steps else None
+        ends = run_ends(job) if job.host_driven else None
         # The previous completion's deferred per-token work runs once this job is on its way.
         return await cb.submit_decode_wait(
             job.seq_ids, job.tokens, job.positions, job.valid, self.engine, timeout,

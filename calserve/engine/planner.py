@@ -44,11 +44,6 @@ _RID = attrgetter("rid")
 _TENANT = attrgetter("req.tenant")
 
 
-def _stoppable(job: DeviceJob) -> bool:
-    """Whether ``job`` can be ended with its step in flight: a multi-step decode the host drives."""
-    return job.steps > 1 and job.gen.host_steps
-
-
 def fair_prefill_pick(dq: collections.deque[Seq], vt_of: Callable[[str], float]) -> int:
     """The index in a prefill queue (its head live) of the prompt the fair policy runs next: the
     first live one of the tenant with the least delivered service (``vt_of``, the decode lanes'
@@ -206,7 +201,7 @@ class Planner:
                 continue
             if job.stop_asked:
                 return  # an engine is being freed already
-            if _stoppable(job) and (first is None or job.created_at < first[1].created_at):
+            if job.host_driven and (first is None or job.created_at < first[1].created_at):
                 first = (engine, job)
         if first is None or self._free_engine() is not None:
             return
@@ -219,7 +214,7 @@ class Planner:
         the host drives: end the run with its step in flight (its ending, its lane and its
         admission slot come a step later instead of at the run's last)."""
         job = seq.inflight
-        if job is None or job.stop_asked or not _stoppable(job):
+        if job is None or job.stop_asked or not job.host_driven:
             return
         for engine, j in self.st.slots.items():
             if j is job:

@@ -244,6 +244,13 @@ class DeviceJob:
         if self.calbin is None:
             self.calbin = self.gen.calbin
 
+    @property
+    def host_driven(self) -> bool:
+        """A multi-step decode the host drives (runtime capability ``host_multi_step``): it can be
+        ended with its step in flight (``Planner.stop_runs``) and its lanes end on their end
+        tokens (``completion.run_ends``)."""
+        return self.steps > 1 and self.gen.host_steps
+
     def successor(self, tokens: np.ndarray, positions: np.ndarray, created_at: float,
                   expect: list[tuple[int, int]]) -> DeviceJob:
         """A new, unsubmitted job over this one's lanes, profile member and sequences with other
