@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +57,21 @@ def _mix(h: int, token: int) -> int:
 def fake_logits(history_hash: int, vocab: int) -> np.ndarray:
     """The fake model: logits for the next token given the hash of the whole sequence so far."""
     return np.random.default_rng(history_hash).standard_normal(vocab).astype(np.float32) * 4.0
+
+
+def _greedy_run(h: int, tok: int, n: int, vocab: int, end_ids: frozenset[int] = frozenset(),
+                end_from: int = 0) -> Iterator[tuple[int, np.ndarray, int]]:
+    """A lane's greedy steps from history hash ``h`` with input ``tok``: (hash, logits, argmax)
+    a step, each argmax the next input; ``n`` steps, or fewer when one draws an end token from
+    step ``end_from`` on (a host-driven run's lane, ``submit_decode(ends=...)``), that step its
+    last."""
+    for k in range(n):
+        h = _mix(h, tok)
+        logits = fake_logits(h, vocab)
+        tok = int(np.argmax(logits))
+        yield h, logits, tok
+        if k >= end_from and tok in end_ids:
+            return
 
 
 def history_hash(tokens: Sequence[int]) -> int:
@@ -204,7 +219,9 @@ class FakeCalbin(BackendCalbin):
         new = [[int(tokens[i])] if valid[i] else [] for i in range(B)]
         dur = self.timing.decode_step_us.get(B, 1000.0) * steps
         lane_ends: list[tuple[frozenset[int], int]] | None = None
-        if ends is not None and steps > 1 and self._dev.capabilities.host_multi_step:
+        if ends is not None and steps > 1:
+            if not self._dev.capabilities.host_multi_step:  # as the runtime's Calbin.submit_decode
+                raise NotSupported("ends: only a host-driven multi-step decode ends lanes on their tokens")
             off, ids, frm = ends  # as the binding's hs_start_ends takes them
             if len(off) != B + 1 or off[0] != 0 or any(off[i + 1] < off[i] for i in range(B)):
                 raise InvalidArgument("end_off: compiled_batch + 1 non-decreasing offsets from 0")
@@ -343,15 +360,8 @@ class FakeCalbin(BackendCalbin):
             seq = self._seqs.get(int(seq_ids[lane]))
             if seq is None:
                 return steps
-            h, tok = seq.hash, new_tokens[lane][0]
-            end_ids, end_from = ends[lane]
-            for k in range(n):
-                h = _mix(h, tok)
-                tok = int(np.argmax(fake_logits(h, self.config.vocab_size)))
-                if k >= end_from and tok in end_ids:
-                    n = k + 1
-                    break
-            most = max(most, n)
+            ran = sum(1 for _ in _greedy_run(seq.hash, new_tokens[lane][0], n, self.config.vocab_size, *ends[lane]))
+            most = max(most, ran)
         return most
 
     def _finish_steps(self, job: _Job, status: JobStatus, logits: np.ndarray,
@@ -371,16 +381,13 @@ class FakeCalbin(BackendCalbin):
         if status is JobStatus.OK:
             for lane in lanes:
                 seq = self._seqs[int(job.seq_ids[lane])]
-                h, tok = seq.hash, job.new_tokens[lane][0]
-                n = S if job.lane_steps is None else min(S, job.lane_steps[lane])
-                end_ids, end_from = job.ends[lane] if job.ends is not None else (frozenset(), n)
-                for k in range(n):
-                    h = _mix(h, tok)
-                    logits[lane] = fake_logits(h, V)
-                    tok = step_tokens[lane, k] = int(np.argmax(logits[lane]))
-                    if k >= end_from and tok in end_ids:  # the lane ends with this step
-                        n = k + 1
-                        break
+                h, n = seq.hash, 0
+                most = S if job.lane_steps is None else min(S, job.lane_steps[lane])
+                ends = job.ends[lane] if job.ends is not None else ()
+                for h, row, tok in _greedy_run(seq.hash, job.new_tokens[lane][0], most, V, *ends):
+                    logits[lane] = row
+                    step_tokens[lane, n] = tok
+                    n += 1
                 ran[lane] = n
                 echo[lane, 1] = job.seq_ids[lane]
                 echo[lane, 2] = int(job.positions[lane]) + n - 1
